@@ -1,0 +1,131 @@
+"""KV storage formats: what one token of K/V costs, and the versioned identity that names it.
+
+Packed formats are token-local affine groups of 64 channels per token per KV head, with an FP32
+scale and an FP32 offset per group. A row is laid out as codes, then scales, then offsets. Keys are
+rotated by a fixed signed, normalized Hadamard transform (block = min(128, head_dim)) after RoPE;
+values are not rotated. Pure Python: no MLX, no Ray.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+GROUP_SIZE = 64
+META_BYTES = 4  # FP32 scale and FP32 offset, each
+ROTATION_SEED = 1
+IDENTITY_VERSION = "v1"
+MAX_IDENTITY_LEN = 64
+
+# name -> (K bits, V bits); None bits mean the model's compute dtype.
+FORMAT_BITS: dict[str, tuple[int, int] | None] = {
+    "native": None,
+    "int8": (8, 8),
+    "k8v4": (8, 4),
+    "int4": (4, 4),
+}
+DTYPE_BYTES = {"float32": 4, "f32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "f16": 2}
+_DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+class KVFormatError(ValueError):
+    """An unknown KV format name or a malformed format identity."""
+
+
+def normalize_format_name(value: str) -> str:
+    """Trim and lower-case a configured format name; refuse anything unknown (never fall back)."""
+    if not isinstance(value, str):
+        raise KVFormatError(f"KV format must be a string, got {type(value).__name__}")
+    name = value.strip().lower()
+    if name not in FORMAT_BITS:
+        raise KVFormatError(
+            f"unknown KV format {value!r}; expected one of {', '.join(FORMAT_BITS)}")
+    return name
+
+
+def hadamard_block(head_dim: int) -> int:
+    return min(128, head_dim)
+
+
+def packed_row_bytes(head_dim: int, bits: int, group_size: int = GROUP_SIZE) -> int:
+    """Bytes of one packed row (one token, one KV head): codes + FP32 scales + FP32 offsets."""
+    if head_dim % group_size:
+        raise KVFormatError(f"head_dim {head_dim} is not a multiple of the group size {group_size}")
+    groups = head_dim // group_size
+    return head_dim * bits // 8 + 2 * groups * META_BYTES
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One KV storage format bound to a head dim (the rotation block depends on it)."""
+
+    name: str
+    head_dim: int
+    native_dtype: str = "float32"
+
+    def __post_init__(self):
+        object.__setattr__(self, "name", normalize_format_name(self.name))
+        if self.native_dtype not in _DTYPE_SHORT:
+            raise KVFormatError(f"unsupported native dtype {self.native_dtype!r}")
+        if self.packed and self.head_dim % GROUP_SIZE:
+            raise KVFormatError(
+                f"format {self.name} needs head_dim divisible by {GROUP_SIZE}, got {self.head_dim}")
+
+    @property
+    def packed(self) -> bool:
+        return FORMAT_BITS[self.name] is not None
+
+    @property
+    def k_bits(self) -> int | None:
+        bits = FORMAT_BITS[self.name]
+        return bits[0] if bits else None
+
+    @property
+    def v_bits(self) -> int | None:
+        bits = FORMAT_BITS[self.name]
+        return bits[1] if bits else None
+
+    @property
+    def rotation_block(self) -> int | None:
+        return hadamard_block(self.head_dim) if self.packed else None
+
+    def k_row_bytes(self) -> int:
+        if not self.packed:
+            return self.head_dim * DTYPE_BYTES[self.native_dtype]
+        return packed_row_bytes(self.head_dim, self.k_bits)
+
+    def v_row_bytes(self) -> int:
+        if not self.packed:
+            return self.head_dim * DTYPE_BYTES[self.native_dtype]
+        return packed_row_bytes(self.head_dim, self.v_bits)
+
+    def bytes_per_token(self, kv_heads: int) -> int:
+        """Bytes one token costs in one layer: kv_heads x (K row + V row)."""
+        return kv_heads * (self.k_row_bytes() + self.v_row_bytes())
+
+    @property
+    def identity(self) -> str:
+        if not self.packed:
+            return f"native-{IDENTITY_VERSION}-{_DTYPE_SHORT[self.native_dtype]}"
+        return (f"affine-{IDENTITY_VERSION}-k{self.k_bits}v{self.v_bits}-g{GROUP_SIZE}-f32"
+                f"-h{self.rotation_block}-s{ROTATION_SEED}")
+
+
+_PACKED_RE = re.compile(r"affine-v1-k(8|4)v(8|4)-g64-f32-h(64|128)-s1")
+_NATIVE_RE = re.compile(r"native-v1-(f32|bf16|f16)")
+
+
+def parse_identity(identity: str) -> dict:
+    """Parse and validate a format identity against the finite grammar; raise on anything else."""
+    if not isinstance(identity, str) or len(identity) > MAX_IDENTITY_LEN:
+        raise KVFormatError(f"malformed KV format identity {identity!r}")
+    if m := _NATIVE_RE.fullmatch(identity):
+        return {"name": "native", "dtype": m.group(1)}
+    m = _PACKED_RE.fullmatch(identity)
+    if not m:
+        raise KVFormatError(f"malformed KV format identity {identity!r}")
+    bits = (int(m.group(1)), int(m.group(2)))
+    names = [n for n, b in FORMAT_BITS.items() if b == bits]
+    if not names:
+        raise KVFormatError(f"KV format identity {identity!r} names no supported bit pair")
+    return {"name": names[0], "k_bits": bits[0], "v_bits": bits[1], "group": GROUP_SIZE,
+            "rotation_block": int(m.group(3)), "seed": ROTATION_SEED}
