@@ -129,3 +129,69 @@ def parse_identity(identity: str) -> dict:
         raise KVFormatError(f"KV format identity {identity!r} names no supported bit pair")
     return {"name": names[0], "k_bits": bits[0], "v_bits": bits[1], "group": GROUP_SIZE,
             "rotation_block": int(m.group(3)), "seed": ROTATION_SEED}
+
+
+# ---- Policy: which format a model gets -------------------------------------------------------
+# Only two inputs choose a model's KV format: a global default and an exact-model-id override map.
+# The weight format is deliberately not an input: weight and KV errors compound per model, so a
+# 4-bit checkpoint still gets native KV unless an operator asks otherwise.
+
+
+def validate_policy(default: str, overrides: dict[str, str] | None = None) -> None:
+    """Check every configured value up front, so a typo fails at config load, not at first use."""
+    normalize_format_name(default)
+    for model_id, value in (overrides or {}).items():
+        if not isinstance(model_id, str) or not model_id:
+            raise KVFormatError(f"KV format override key must be a model id, got {model_id!r}")
+        try:
+            normalize_format_name(value)
+        except KVFormatError as e:
+            raise KVFormatError(f"KV format override for model {model_id!r}: {e}") from None
+
+
+def resolve_kv_format(model_id: str, default: str = "native",
+                      overrides: dict[str, str] | None = None) -> str:
+    """The format name for `model_id`: its exact-id override if present, else the default.
+
+    Values are trimmed and lower-cased; an unknown value raises KVFormatError (the model load must
+    be refused, never silently served as native). Keys match exactly: no prefix or case folding,
+    so an override for one checkpoint never leaks to a sibling.
+    """
+    value = (overrides or {}).get(model_id, default)
+    try:
+        return normalize_format_name(value)
+    except KVFormatError as e:
+        source = "override" if model_id in (overrides or {}) else "default"
+        raise KVFormatError(f"refusing to load {model_id!r}: KV format {source}: {e}") from None
+
+
+# Attention kinds that own full-history K/V rows; only those are packed. Windowed/rotating rings
+# and recurrent state keep the model's dtype (their memory is bounded already).
+PACKABLE_LAYER_KINDS = frozenset({"full"})
+LAYER_KINDS = frozenset({"full", "sliding", "rotating", "recurrent"})
+
+
+def layer_format(fmt: KVFormat, layer_kind: str) -> KVFormat:
+    """The format one layer actually stores: `fmt` for full attention, native otherwise."""
+    if layer_kind not in LAYER_KINDS:
+        raise KVFormatError(f"unknown layer kind {layer_kind!r}; expected one of {sorted(LAYER_KINDS)}")
+    if not fmt.packed or layer_kind in PACKABLE_LAYER_KINDS:
+        return fmt
+    return KVFormat("native", fmt.head_dim, fmt.native_dtype)
+
+
+def format_from_identity(identity: str, head_dim: int, native_dtype: str = "float32") -> KVFormat:
+    """Rebuild a KVFormat from its identity and check that it round-trips exactly.
+
+    Used where persisted state (checkpoints, prefix keys) names its format: an identity whose
+    rotation block does not fit `head_dim` is refused rather than reinterpreted.
+    """
+    parsed = parse_identity(identity)
+    dtype = native_dtype
+    if parsed["name"] == "native":
+        dtype = {v: k for k, v in _DTYPE_SHORT.items()}[parsed["dtype"]]
+    fmt = KVFormat(parsed["name"], head_dim, dtype)
+    if fmt.identity != identity:
+        raise KVFormatError(
+            f"KV format identity {identity!r} does not fit head_dim {head_dim} ({fmt.identity})")
+    return fmt

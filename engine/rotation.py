@@ -1,0 +1,44 @@
+"""Fixed signed, normalized Hadamard rotation of keys (and of queries at attention time).
+
+R = diag(signs) . blockdiag(H_b / sqrt(b)) with b = min(128, head_dim). R is orthogonal, so
+(q R)(k R)^T = q k^T: scores are unchanged while a key channel outlier is spread over its block,
+which keeps 4-bit groups from wasting their range on one channel. Values are never rotated, so
+the attention output needs no inverse transform. The signs come from Python's own PRNG with a
+fixed seed: they must be identical on every machine and MLX version, because stored pages and
+checkpoints are only meaningful in the basis they were written in.
+"""
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+
+import mlx.core as mx
+
+from capacity.formats import ROTATION_SEED, hadamard_block
+
+
+@lru_cache(maxsize=None)
+def rotation_signs(head_dim: int, seed: int = ROTATION_SEED) -> tuple[float, ...]:
+    """One fixed +-1 per channel of the head (each block gets its own part of the mask)."""
+    rng = random.Random(seed)
+    return tuple(1.0 if rng.getrandbits(1) else -1.0 for _ in range(head_dim))
+
+
+def _signs(head_dim: int) -> mx.array:
+    return mx.array(rotation_signs(head_dim), dtype=mx.float32)
+
+
+def rotate(x: mx.array) -> mx.array:
+    """x R along the last axis, computed in float32 (the caller casts back if it wants)."""
+    d = x.shape[-1]
+    b = hadamard_block(d)
+    y = x.astype(mx.float32) * _signs(d)
+    if b == d:
+        return mx.hadamard_transform(y, scale=b ** -0.5)
+    blocks = y.reshape(*y.shape[:-1], d // b, b)
+    return mx.hadamard_transform(blocks, scale=b ** -0.5).reshape(y.shape)
+
+
+def rotation_matrix(head_dim: int) -> mx.array:
+    """The dense R (for tests and reference computations): row i is e_i R."""
+    return rotate(mx.eye(head_dim, dtype=mx.float32))
