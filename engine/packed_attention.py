@@ -1,0 +1,194 @@
+"""Attention over packed KV history plus the current step's fresh K/V.
+
+Two paths, one contract (same inputs, outputs agree within the quantization error):
+- direct (production): scores against history come from `quantized_matmul` on the packed codes
+  with float32 activations, so accumulation is FP32 and no dequantized copy of the history exists.
+  The step's own tokens attend each other in full precision; one softmax spans history, fresh
+  tokens and an optional sink. A step with no history is plain native SDPA, so a single-chunk
+  prompt prefills at native speed.
+- fused (opt-in): dequantize the history into an FP32 scratch and run
+  `mx.fast.scaled_dot_product_attention` once. It needs a workspace permit for that scratch; a
+  refused permit or an ineligible shape runs the direct path for the whole call, and is counted.
+
+Keys in history are stored rotated (engine.rotation); queries are rotated here, never values.
+Shapes: q (B, Hq, L, D); fresh k/v (B, Hkv, L, D); history (B, Hkv, S, ...) packed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional
+
+import mlx.core as mx
+
+from capacity.formats import GROUP_SIZE, KVFormat
+from engine.quant import Packed, dequantize
+from engine.rotation import rotate
+
+# Below this many query tokens the dequantized scratch costs more than it saves (decode).
+MIN_FUSED_QUERIES = 9
+FUSED_HEAD_DIMS = (64, 128, 256)
+
+
+class PackedKV(NamedTuple):
+    """Gathered packed history of one layer: keys (rotated basis) and values."""
+
+    k: Packed
+    v: Packed
+
+    @property
+    def length(self) -> int:
+        return self.k.codes.shape[-2]
+
+
+def _qmm(x, p: Packed, bits: int, transpose: bool):
+    return mx.quantized_matmul(x, *p, transpose=transpose, group_size=GROUP_SIZE, bits=bits)
+
+
+def _expand(p: Packed) -> Packed:
+    # Insert the GQA repeat axis so one packed KV head serves its group of query heads.
+    return Packed(*(mx.expand_dims(a, -3) for a in p))
+
+
+def _bool_mask(mask, shape_lq, n_keys):
+    """A boolean mask over n_keys key positions for L queries (bottom-right aligned causal)."""
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask {mask!r}")
+        L = shape_lq
+        return mx.arange(n_keys - L, n_keys)[:, None] >= mx.arange(n_keys)[None]
+    return mask
+
+
+def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat, scale: float,
+                     new_mask="causal", hist_mask=None, sinks=None):
+    """Packed-history attention with FP32 accumulation; see the module docstring.
+
+    new_mask: "causal", None or a bool array broadcastable to (B, Hq, L, L) over the fresh keys.
+    hist_mask: None (all history visible) or a bool array broadcastable to (B, Hq, L, S); ragged
+    batches use it to hide padding rows.
+    """
+    B, Hq, L, D = q.shape
+    if hist is None or hist.length == 0:
+        if isinstance(new_mask, str) and L == 1:
+            new_mask = None
+        return mx.fast.scaled_dot_product_attention(q, k_new, v_new, scale=scale, mask=new_mask,
+                                                    sinks=sinks)
+    Hkv = k_new.shape[1]
+    rep = Hq // Hkv
+    S = hist.length
+    qs = q.astype(mx.float32) * scale
+    qh = rotate(qs).reshape(B, Hkv, rep, L, D)
+    qn = qs.reshape(B, Hkv, rep, L, D)
+    kp, vp = _expand(hist.k), _expand(hist.v)
+
+    s_hist = _qmm(qh, kp, fmt.k_bits, transpose=True)                        # (B,Hkv,rep,L,S)
+    s_new = qn @ mx.expand_dims(k_new.astype(mx.float32), 2).swapaxes(-1, -2)  # (B,Hkv,rep,L,L)
+    neg = mx.finfo(mx.float32).min
+    if hist_mask is not None:
+        s_hist = mx.where(_group(hist_mask, Hkv, rep), s_hist, neg)
+    if new_mask is not None:
+        s_new = mx.where(_group(_bool_mask(new_mask, L, L), Hkv, rep), s_new, neg)
+    parts = [s_hist, s_new]
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1)
+        parts.append(mx.broadcast_to(sink, (B, Hkv, rep, L, 1)))
+    p = mx.softmax(mx.concatenate(parts, axis=-1), axis=-1, precise=True)
+    out = _qmm(p[..., :S], vp, fmt.v_bits, transpose=False)
+    out = out + p[..., S:S + L] @ mx.expand_dims(v_new.astype(mx.float32), 2)
+    return out.reshape(B, Hq, L, D).astype(q.dtype)
+
+
+def _group(mask, Hkv, rep):
+    """Reshape a (B|1, Hq|1, L, K) mask to the (B, Hkv, rep, L, K) score layout."""
+    mask = mx.array(mask) if not isinstance(mask, mx.array) else mask
+    while mask.ndim < 4:
+        mask = mx.expand_dims(mask, 0)
+    b, h = mask.shape[:2]
+    if h == 1:
+        return mx.expand_dims(mask, 2)
+    return mask.reshape(b, Hkv, rep, *mask.shape[2:])
+
+
+def fused_attention(q, hist: PackedKV, k_new, v_new, *, fmt: KVFormat, scale: float,
+                    new_mask="causal", hist_mask=None, sinks=None):
+    """Dequantize history to FP32 scratch, rotate q and the fresh keys, one fused SDPA call."""
+    L = q.shape[2]
+    k_all = mx.concatenate([dequantize(hist.k, fmt.k_bits), rotate(k_new)], axis=2)
+    v_all = mx.concatenate([dequantize(hist.v, fmt.v_bits), v_new.astype(mx.float32)], axis=2)
+    mask = new_mask
+    if hist_mask is not None or not (new_mask is None or isinstance(new_mask, str)):
+        S = hist.length
+        new_part = _bool_mask(new_mask, L, L) if new_mask is not None else mx.ones((L, L), mx.bool_)
+        hist_part = hist_mask if hist_mask is not None else mx.ones((L, S), mx.bool_)
+        shape = mx.broadcast_shapes(tuple(hist_part.shape[:-1]), tuple(new_part.shape[:-1]))
+        mask = mx.concatenate([mx.broadcast_to(hist_part, (*shape, S)),
+                               mx.broadcast_to(new_part, (*shape, L))], axis=-1)
+    elif new_mask is None:
+        mask = None
+    out = mx.fast.scaled_dot_product_attention(
+        rotate(q), k_all, v_all, scale=scale, mask=mask,
+        sinks=None if sinks is None else sinks.astype(mx.float32))
+    return out.astype(q.dtype)
+
+
+def fused_workspace_bytes(q, hist: PackedKV, k_new) -> int:
+    """FP32 bytes the fused path allocates beyond direct: K/V scratch, rotated q and its output."""
+    B, Hq, L, D = q.shape
+    Hkv = k_new.shape[1]
+    return 4 * (2 * B * Hkv * (hist.length + L) * D + 2 * B * Hq * L * D)
+
+
+@dataclass
+class PathCounters:
+    """How attention calls were routed (graph-built layer calls, not kernel launches).
+
+    `direct` counts every call that ran direct, including fallbacks; the two fallback counters say
+    why an opt-in fused call did not run fused.
+    """
+
+    direct: int = 0
+    fused: int = 0
+    budget_fallback: int = 0
+    ineligible_fallback: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def fused_eligible(q, hist: Optional[PackedKV]) -> bool:
+    return (hist is not None and hist.length > 0 and q.shape[2] >= MIN_FUSED_QUERIES
+            and q.shape[-1] in FUSED_HEAD_DIMS)
+
+
+@dataclass
+class PackedAttention:
+    """Routes one layer call to the direct or fused path and keeps the counters.
+
+    permit(nbytes) -> bool is the engine's hook into its byte ledger: it reserves workspace for
+    the current step (released only when that step retires). Without a hook the fused path is
+    refused for budget, never run unpriced.
+    """
+
+    fmt: KVFormat
+    prefill_mode: str = "direct"
+    permit: Optional[Callable[[int], bool]] = None
+    counters: PathCounters = field(default_factory=PathCounters)
+
+    def __post_init__(self):
+        if self.prefill_mode not in ("direct", "fused"):
+            raise ValueError(f"prefill mode must be direct or fused, got {self.prefill_mode!r}")
+
+    def __call__(self, q, hist, k_new, v_new, *, scale, new_mask="causal", hist_mask=None,
+                 sinks=None):
+        kw = dict(fmt=self.fmt, scale=scale, new_mask=new_mask, hist_mask=hist_mask, sinks=sinks)
+        # Decode steps (one query token) are never fused candidates, so they are not fallbacks.
+        if self.prefill_mode == "fused" and q.shape[2] > 1:
+            if not fused_eligible(q, hist):
+                self.counters.ineligible_fallback += 1
+            elif self.permit is None or not self.permit(fused_workspace_bytes(q, hist, k_new)):
+                self.counters.budget_fallback += 1
+            else:
+                self.counters.fused += 1
+                return fused_attention(q, hist, k_new, v_new, **kw)
+        self.counters.direct += 1
+        return direct_attention(q, hist, k_new, v_new, **kw)
