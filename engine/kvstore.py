@@ -1,0 +1,136 @@
+"""Physical KV pages: one store per paged layer, written by slot and gathered by page table.
+
+A slot is `page * page_tokens + offset`. Page ids and their lifetimes live in `engine/pages.py`
+(ids only); this module only holds the arrays. Each layer store follows a small protocol so a
+packed (quantized) layer store can replace the native one without touching the runner:
+
+    page_bytes: int                          exact physical bytes of one page of this layer
+    nbytes: int                              bytes allocated by this layer
+    write(slots: Slots, k, v) -> None        k: [N, kv_heads, head_dim], v: [N, kv_heads, v_dim]
+    gather(pages: mx.array) -> (k, v)        pages [B, P] -> [B, kv_heads, P*page_tokens, dim]
+    arrays() -> list[mx.array]               what must be evaluated for a step to retire
+
+(optionally `attend(...)`, see engine/attention.py, for stores that attend without gathering).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from engine.model import LayerGeometry, ModelGeometry
+
+# Measured on the 2-core CPU (see tests/test_runner_speed.py and the report in engine/runner.py):
+# 16-token pages keep decode gathers within a few % of larger pages while wasting at most 15
+# tokens per sequence per layer; 8 adds index work and 64+ gathers mostly-empty tails.
+DEFAULT_PAGE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Slots:
+    """Where N new tokens go: physical page and in-page offset, computed once per step."""
+
+    page: mx.array     # [N] int32
+    offset: mx.array   # [N] int32
+    count: int
+
+    @classmethod
+    def from_flat(cls, slots: np.ndarray, page_tokens: int) -> "Slots":
+        slots = np.asarray(slots, dtype=np.int64)
+        return cls(page=mx.array((slots // page_tokens).astype(np.int32)),
+                   offset=mx.array((slots % page_tokens).astype(np.int32)),
+                   count=int(slots.size))
+
+
+class LayerStore(Protocol):
+    page_bytes: int
+    nbytes: int
+
+    def write(self, slots: Slots, k: mx.array, v: mx.array) -> None: ...
+    def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]: ...
+    def arrays(self) -> list[mx.array]: ...
+
+
+class NativeLayerStore:
+    """Pages of one layer in the compute dtype, laid out [num_pages, page_tokens, heads, dim].
+
+    Token-major pages make a gather of P pages reshape for free into [B, P*T, heads, dim]; the
+    attention then reads it through a transposed view, so a step copies each page once.
+    """
+
+    def __init__(self, geometry: LayerGeometry, num_pages: int, page_tokens: int,
+                 dtype: mx.Dtype):
+        self.page_tokens = page_tokens
+        self.k = mx.zeros((num_pages, page_tokens, geometry.kv_heads, geometry.head_dim), dtype)
+        self.v = mx.zeros((num_pages, page_tokens, geometry.kv_heads, geometry.v_head_dim), dtype)
+        mx.eval(self.k, self.v)
+        self.page_bytes = (self.k.nbytes + self.v.nbytes) // num_pages
+        self.nbytes = self.k.nbytes + self.v.nbytes
+
+    def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
+        # Scatter into the sole reference, so MLX updates the buffer in place (no page copy).
+        self.k[slots.page, slots.offset] = k.astype(self.k.dtype)
+        self.v[slots.page, slots.offset] = v.astype(self.v.dtype)
+
+    def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]:
+        b, p = pages.shape
+        k = self.k[pages].reshape(b, p * self.page_tokens, *self.k.shape[2:])
+        v = self.v[pages].reshape(b, p * self.page_tokens, *self.v.shape[2:])
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def arrays(self) -> list[mx.array]:
+        return [self.k, self.v]
+
+
+LayerStoreFactory = Callable[[LayerGeometry, int, int, mx.Dtype], LayerStore]
+
+
+class KVStore:
+    """All paged layers' physical pages. Page `p` means the same token slots in every layer."""
+
+    def __init__(self, geometry: ModelGeometry, num_pages: int,
+                 page_tokens: int = DEFAULT_PAGE_TOKENS, dtype: mx.Dtype = mx.float32,
+                 layer_factory: LayerStoreFactory = NativeLayerStore):
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        if page_tokens < 1 or page_tokens & (page_tokens - 1):
+            raise ValueError(f"page_tokens must be a power of two, got {page_tokens}")
+        self.geometry = geometry
+        self.num_pages = num_pages
+        self.page_tokens = page_tokens
+        self.dtype = dtype
+        self.layers: dict[int, LayerStore] = {
+            g.index: layer_factory(g, num_pages, page_tokens, dtype)
+            for g in geometry.layers if g.paged}
+
+    def layer(self, index: int) -> LayerStore:
+        return self.layers[index]
+
+    @property
+    def page_bytes(self) -> int:
+        """Exact physical bytes of one page summed over all paged layers."""
+        return sum(s.page_bytes for s in self.layers.values())
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.page_bytes // self.page_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.layers.values())
+
+    def arrays(self) -> list[mx.array]:
+        return [a for s in self.layers.values() for a in s.arrays()]
+
+    def write(self, layer: int, slots: np.ndarray | Slots, k: mx.array, v: mx.array) -> None:
+        """Write K/V rows [N, heads, dim] for N tokens into flat slots (tests and tools)."""
+        if not isinstance(slots, Slots):
+            slots = Slots.from_flat(slots, self.page_tokens)
+        self.layers[layer].write(slots, k, v)
+
+    def gather(self, layer: int, pages: np.ndarray | mx.array) -> tuple[mx.array, mx.array]:
+        """K/V [B, heads, P*page_tokens, dim] for page tables [B, P]."""
+        return self.layers[layer].gather(mx.array(np.asarray(pages, dtype=np.int32))
+                                         if not isinstance(pages, mx.array) else pages)

@@ -1,0 +1,119 @@
+"""Model runner: one forward over chunks of many sequences, K/V kept in the paged store.
+
+The runner never decides policy: the scheduler says which tokens of which sequences run, and
+which physical pages hold them; the runner builds indices, runs mlx-lm's unmodified model and
+returns logits. Results are lazy MLX arrays; evaluating the logits also retires the step's KV
+writes (every write feeds an attention read of the same call).
+
+Mixing prefill chunks and decode rows: rows of one model call are right-padded to its longest
+chunk (RoPE takes one offset per row, so tokens of different sequences cannot share a row).
+To keep padding waste small, `forward` groups chunks: a chunk joins the current group while
+the padding it adds stays under `merge_pad_tokens` token-equivalents (about the fixed cost of
+one extra model call); otherwise it opens a new call. Decode rows therefore batch together, and
+a long prefill chunk runs in its own call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from engine.attention import PagedLayerCache, Row, StepBatch
+from engine.kvstore import KVStore
+from engine.model import LoadedModel
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    seq_id: int
+    token_ids: list[int]
+    start: int              # tokens of this sequence already in KV
+    page_table: list[int]   # physical page ids covering start + len(token_ids)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, kvstore: KVStore, merge_pad_tokens: int = 32):
+        unpaged = loaded.geometry.unpaged_layers
+        if unpaged:
+            raise NotImplementedError(
+                f"layers {list(unpaged)} keep recurrent/other state; the paged runner "
+                "supports attention-only models (full and sliding window) for now")
+        self.loaded = loaded
+        self.kvstore = kvstore
+        self.page_tokens = kvstore.page_tokens
+        self.merge_pad_tokens = merge_pad_tokens
+        self._windows = [g.window for g in loaded.geometry.layers]
+
+    def forward(self, chunks: list[SeqChunk]) -> mx.array:
+        """Float32 logits [len(chunks), vocab] of each chunk's last token (lazy)."""
+        self._validate(chunks)
+        out: list[mx.array | None] = [None] * len(chunks)
+        for group in self._groups(chunks):
+            logits = self._run([chunks[i] for i in group], last_only=True)
+            for j, i in enumerate(group):
+                out[i] = logits[j]
+        return mx.stack(out).astype(mx.float32)
+
+    def forward_all(self, chunks: list[SeqChunk]) -> list[mx.array]:
+        """Float32 logits [len(token_ids), vocab] for every position of every chunk."""
+        self._validate(chunks)
+        out: list[mx.array | None] = [None] * len(chunks)
+        for group in self._groups(chunks):
+            logits = self._run([chunks[i] for i in group], last_only=False)
+            for j, i in enumerate(group):
+                out[i] = logits[j, :len(chunks[i].token_ids)].astype(mx.float32)
+        return out
+
+    def release(self, seq_id: int) -> None:
+        """Drop per-sequence state outside the pages; every layer is paged today, so none."""
+
+    def _validate(self, chunks: list[SeqChunk]) -> None:
+        if not chunks:
+            raise ValueError("forward needs at least one chunk")
+        seen = set()
+        for c in chunks:
+            if c.seq_id in seen:
+                raise ValueError(f"sequence {c.seq_id} appears twice in one forward")
+            seen.add(c.seq_id)
+            if not c.token_ids or c.start < 0:
+                raise ValueError(f"sequence {c.seq_id}: empty chunk or negative start")
+            need = -(-(c.start + len(c.token_ids)) // self.page_tokens)
+            if len(c.page_table) < need:
+                raise ValueError(f"sequence {c.seq_id}: page table has {len(c.page_table)} "
+                                 f"pages, needs {need} for {c.start + len(c.token_ids)} tokens")
+            if min(c.page_table[:need]) < 0 or max(c.page_table[:need]) >= self.kvstore.num_pages:
+                raise ValueError(f"sequence {c.seq_id}: page id out of range")
+
+    def _groups(self, chunks: list[SeqChunk]) -> list[list[int]]:
+        """Greedy grouping by length (longest first) under the padding allowance."""
+        order = sorted(range(len(chunks)), key=lambda i: -len(chunks[i].token_ids))
+        groups: list[list[int]] = []
+        width = 0
+        for i in order:
+            n = len(chunks[i].token_ids)
+            if groups and width - n <= self.merge_pad_tokens:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+                width = n
+        return groups
+
+    def _run(self, chunks: list[SeqChunk], last_only: bool) -> mx.array:
+        rows = [Row(c.start, len(c.token_ids), c.page_table) for c in chunks]
+        step = StepBatch(rows, self.page_tokens)
+        tokens = np.zeros((len(rows), step.width), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            tokens[i, :len(c.token_ids)] = c.token_ids
+        caches = [PagedLayerCache(self.kvstore.layer(i), step, w)
+                  for i, w in enumerate(self._windows)]
+        inputs = mx.array(tokens)
+        loaded = self.loaded
+        if not last_only:
+            return loaded.model(inputs, cache=caches)
+        last = mx.array((step.lengths - 1).astype(np.int32))
+        if loaded.body is not None:
+            # Apply the LM head to each row's last position only (prefill rows are long).
+            hidden = loaded.body(inputs, caches)
+            return loaded.head(hidden[mx.arange(len(rows)), last])
+        return loaded.model(inputs, cache=caches)[mx.arange(len(rows)), last]
