@@ -1,0 +1,218 @@
+"""The capacity actor's state machine, without Ray: heartbeats -> rates, caps and ledger; holds ranked
+by calibrated TTFT; releases -> per-request samples and calibration; the public feed.
+
+Every method is synchronous and short, so the async actor runs each to completion on its event loop:
+no lock is ever held across the fleet or across an await. Pure Python; callers pass `now`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from capacity.anomaly import AnomalyConfig, DecodeObservation, check
+from capacity.caps import CapConfig, CapDecision, resolve_cap
+from capacity.errors import CapacityRefused, IdentityError
+from capacity.forecast import ForecastConfig, forecast_ttft
+from capacity.identity import ExecutionKey, normalize_chip_class, parse_execution
+from capacity.ledger import Headroom, Ledger, LedgerConfig, Replica
+from capacity.protocol import (RESIDENT_STATES, ActorInfo, HeartbeatReport, RequestTelemetry,
+                               check_version)
+from capacity.rates import RateConfig, RateRegistry, RequestSample
+
+SNAPSHOT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    rates: RateConfig = field(default_factory=RateConfig)
+    caps: CapConfig = field(default_factory=CapConfig)
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
+    anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "FleetConfig":
+        data = data or {}
+        return cls(**{f.name: _SECTIONS[f.name].from_dict(data.get(f.name)) for f in fields(cls)})
+
+
+_SECTIONS = {"ledger": LedgerConfig, "rates": RateConfig, "caps": CapConfig,
+             "forecast": ForecastConfig, "anomaly": AnomalyConfig}
+
+
+@dataclass(frozen=True)
+class Hold:
+    request_id: str
+    model_id: str
+    replica_id: str            # the replica debited; route here first
+    ranking: list[str]         # candidates best first (replica_id first)
+    raw_tokens: int
+    predicted_ttft_s: float
+    fallback: bool = False     # True: granted by the client's local cap, the actor was unreachable
+
+
+class Fleet:
+    def __init__(self, cfg: FleetConfig | None = None, rates: RateRegistry | None = None):
+        self.cfg = cfg or FleetConfig()
+        self.rates = rates or RateRegistry(self.cfg.rates)
+        self.ledger = Ledger(self.cfg.ledger)
+        self._node_load: dict[str, dict[str, int]] = {}      # node -> replica -> running + waiting
+        self._decisions: dict[tuple[str, str], CapDecision] = {}
+        self._observations: dict[tuple[str, str], DecodeObservation] = {}
+        self.counters = {"heartbeats": 0, "stale_heartbeats": 0, "holds": 0, "refusals": 0,
+                         "releases": 0, "quarantined": 0}
+
+    def info(self) -> ActorInfo:
+        return ActorInfo()
+
+    # ---- heartbeats ----------------------------------------------------------------------------
+
+    def heartbeat(self, report: HeartbeatReport | dict, now: float) -> dict:
+        if not isinstance(report, HeartbeatReport):
+            report = HeartbeatReport.model_validate(report)
+        check_version(report)
+        if not self.ledger.accept_seq(report.replica_id, report.incarnation, report.seq):
+            self.counters["stale_heartbeats"] += 1
+            return {"accepted": False, "reason": "stale_or_out_of_order", "caps": {}}
+        self.counters["heartbeats"] += 1
+        try:
+            chip = normalize_chip_class(report.chip_class)
+        except IdentityError:
+            chip = "invalid"
+        node = report.node_id or report.replica_id
+        loads = self._node_load.setdefault(node, {})
+        loads[report.replica_id] = sum(s.num_running + s.num_waiting for s in report.slots)
+        box_busy = sum(loads.values())
+        caps = {}
+        for slot in report.slots:
+            key = ExecutionKey(slot.model_id, chip, slot.resolved_execution())
+            if key.is_invalid:
+                self.counters["quarantined"] += 1
+            resident = slot.state in RESIDENT_STATES
+            if resident and slot.observed_decode_tps is not None:
+                solo = box_busy <= 1 and slot.num_running > 0
+                self.rates.record_decode(key, slot.observed_decode_tps, solo)
+            ceiling = slot.max_concurrency or (slot.cost_model.concurrency_ceiling
+                                               if slot.cost_model else 1)
+            decision = resolve_cap(self.rates, key, ceiling, self.cfg.caps)
+            self._decisions[(slot.model_id, report.replica_id)] = decision
+            self.ledger.apply_slot(report.replica_id, node, slot, key, decision.cap, now)
+            caps[slot.model_id] = decision.cap
+            if (resident and slot.observed_decode_tps and report.memory_bandwidth_gbps
+                    and slot.active_params and slot.bytes_per_param):
+                self._observations[(slot.model_id, report.replica_id)] = DecodeObservation(
+                    key, slot.observed_decode_tps, slot.num_running, report.memory_bandwidth_gbps,
+                    slot.active_params, slot.bytes_per_param)
+        return {"accepted": True, "reason": "ok", "caps": caps}
+
+    # ---- reservations --------------------------------------------------------------------------
+
+    def hold(self, model_id: str, raw_tokens: int, request_id: str, now: float,
+             prompt_tokens: int | None = None, exclude=()) -> Hold:
+        """Raises CapacityRefused (nothing debited) when no replica fits."""
+        prompt = raw_tokens if prompt_tokens is None else prompt_tokens
+        forecasts = {}
+
+        def rank(rep: Replica, room: Headroom):
+            # Heartbeats carry no queued-prefill count; load enters through free slots below.
+            f = forecast_ttft(self.rates, rep.key, prompt, state=rep.state, cfg=self.cfg.forecast)
+            forecasts[rep.replica_id] = f
+            return (f.seconds, -room.requests, rep.replica_id)
+
+        try:
+            res, ranking = self.ledger.hold(model_id, raw_tokens, request_id, now, exclude, rank)
+        except CapacityRefused:
+            self.counters["refusals"] += 1
+            raise
+        self.counters["holds"] += 1
+        f = forecasts.get(res.replica_id)
+        if f is not None and f.trainable:
+            res.predicted_ttft_s = f.raw_s
+        return Hold(request_id, model_id, res.replica_id, ranking, res.raw_tokens,
+                    f.seconds if f else 0.0)
+
+    def commit(self, request_id: str, replica_id: str, now: float,
+               raw_tokens: int | None = None, model_id: str | None = None) -> bool:
+        return self.ledger.commit(request_id, replica_id, now, raw_tokens, model_id)
+
+    def cancel(self, request_id: str) -> bool:
+        return self.ledger.cancel(request_id) is not None
+
+    def release(self, request_id: str, telemetry: RequestTelemetry | dict | None = None) -> bool:
+        """Refund once; learn from the telemetry of the refund that actually happened."""
+        res = self.ledger.release(request_id)
+        if res is None:
+            return False
+        self.counters["releases"] += 1
+        if telemetry is None:
+            return True
+        if not isinstance(telemetry, RequestTelemetry):
+            telemetry = RequestTelemetry.model_validate(telemetry)
+        rep = self.ledger.replica(res.model, res.replica_id)
+        chip = rep.key.chip_class if rep else "unknown"
+        execution = (parse_execution(telemetry.execution_identity)
+                     if telemetry.execution_identity is not None else (rep.key.execution if rep else ""))
+        key = ExecutionKey(res.model, chip, execution)
+        if telemetry.ttft_s is not None:
+            solo = telemetry.batch_size <= 1 and (telemetry.max_batch_size or 1) <= 1
+            self.rates.record_request(key, RequestSample(telemetry.prompt_tokens, telemetry.batch_size,
+                                                         telemetry.ttft_s, telemetry.tpot_s), solo)
+            if res.predicted_ttft_s and (rep is None or key == rep.key):
+                self.rates.record_ttft_ratio(key, res.predicted_ttft_s, telemetry.ttft_s)
+        return True
+
+    def expire(self, now: float) -> int:
+        gone = self.ledger.expire(now)
+        known = {(r.model, r.replica_id) for r in self.ledger.replicas()}
+        for k in [k for k in self._decisions if k not in known]:
+            self._decisions.pop(k, None)
+            self._observations.pop(k, None)
+        for node, loads in list(self._node_load.items()):
+            for rid in [rid for rid in loads if not any(r.replica_id == rid for r in self.ledger.replicas())]:
+                loads.pop(rid)
+            if not loads:
+                del self._node_load[node]
+        return len(gone)
+
+    # ---- public feed ---------------------------------------------------------------------------
+
+    def snapshot(self, now: float) -> dict:
+        """Public capacity feed: the same headroom function routing uses, plus per-identity caps."""
+        models = []
+        for model in self.ledger.models():
+            feed = self.ledger.feed(model, now)
+            idents = {}
+            for rep in self.ledger.replicas(model):
+                d = self._decisions.get((model, rep.replica_id))
+                row = idents.setdefault(rep.key, {
+                    "identity": rep.key.execution or "native", "chip_class": rep.key.chip_class,
+                    "cap": d.cap if d else 1, "cap_source": d.source if d else "none",
+                    "solo_tps": d.solo_tps if d else None, "k": d.k if d else None,
+                    "decode_tps": self.rates.load_median(rep.key),
+                    "prefill_tps": self.rates.prefill_tps(rep.key),
+                    "ttft_ratio": self.rates.ttft_ratio(rep.key), "replicas": 0})
+                row["replicas"] += 1
+            models.append({"model_id": model, "ready": feed.ready, "replicas": feed.replicas,
+                           "routable_replicas": feed.routable, "headroom_raw_tokens": feed.raw_tokens,
+                           "headroom_requests": feed.requests, "max_request_raw_tokens": feed.max_request,
+                           "identities": list(idents.values())})
+        return {"protocol_version": ActorInfo().protocol_version, "models": models,
+                "outstanding_raw_tokens": self.ledger.outstanding_raw(),
+                "counters": dict(self.counters)}
+
+    def caps(self) -> dict:
+        return {f"{m}/{r}": d.cap for (m, r), d in self._decisions.items()}
+
+    def anomalies(self) -> list:
+        return check(self._observations.values(), self.cfg.anomaly)
+
+    # ---- persistence (rates only: reservations are rebuilt from replica reports) ---------------
+
+    def persist_state(self) -> dict:
+        return {"version": SNAPSHOT_VERSION, "rates": self.rates.to_dict()}
+
+    @classmethod
+    def restore(cls, state: dict | None, cfg: FleetConfig | None = None) -> "Fleet":
+        cfg = cfg or FleetConfig()
+        if not state or state.get("version") != SNAPSHOT_VERSION:
+            return cls(cfg)
+        return cls(cfg, RateRegistry.from_dict(state.get("rates", {}), cfg.rates))
