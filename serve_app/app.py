@@ -1,0 +1,107 @@
+"""Builders: the Serve application (usable as a `serve run`/`serve deploy` import path) and an
+in-process FastAPI app with the same HTTP layer (tests, the TTFT-overhead bench).
+
+    import_path: serve_app.app:app_builder
+    args: {config: config.yaml}          # or the config mapping itself under `args`
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from serve_app.config import OrchardConfig, load_config, parse_config
+from serve_app.ingress import IngressCore, build_fastapi_app
+from serve_app.server import ModelServer
+
+INGRESS_NAME = "ingress"
+ROUTER_CLASS = "serve_app.routing.CapacityRouter"
+
+
+def deployment_name(model_id: str) -> str:
+    return f"model-{model_id}"
+
+
+class ModelDeployment(ModelServer):
+    """ModelServer as a Serve replica: reporting starts on the replica's event loop."""
+
+    async def __init__(self, *args, **kwargs):  # type: ignore[misc]  # Serve awaits async inits
+        ModelServer.__init__(self, *args, **kwargs)
+        await self.start()
+
+
+@serve.ingress()
+class OrchardIngress:
+    def __init__(self, config: dict[str, Any], handles: dict[str, Any]):
+        from serve_app.backends import RayBackend
+        from serve_app.routing import replica_views
+
+        cfg = OrchardConfig.model_validate(config)
+        capacity = None
+        try:
+            from capacity.actor import CapacityClient
+
+            capacity = CapacityClient(namespace=cfg.capacity.namespace)
+        except ImportError:
+            pass
+        self.core = IngressCore(cfg, {mid: RayBackend(h) for mid, h in handles.items()},
+                                capacity=capacity, replica_views=replica_views)
+
+    def __serve_build_asgi_app__(self):
+        return build_fastapi_app(self.core)
+
+
+def model_deployment_options(cfg: OrchardConfig, model) -> dict[str, Any]:
+    return dict(
+        name=deployment_name(model.id),
+        num_replicas=model.replicas,
+        ray_actor_options=model.resources.ray_actor_options(),
+        # The capacity actor and the engine's byte ledger own the real cap; this is a ceiling.
+        max_ongoing_requests=model.max_ongoing_requests or 2 * model.max_num_seqs,
+        health_check_period_s=5.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_wait_loop_s=1.0,
+        graceful_shutdown_timeout_s=cfg.drain_timeout_s + 5.0,
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTER_CLASS,
+            request_router_kwargs={
+                "namespace": cfg.capacity.namespace,
+                "max_fault_retries": cfg.capacity.max_fault_retries,
+                "fallback_cooldown_s": cfg.capacity.fallback_cooldown_s,
+            },
+            request_routing_stats_period_s=cfg.capacity.routing_stats_period_s,
+        ),
+    )
+
+
+def build_app(config: OrchardConfig | dict[str, Any]):
+    """The Serve application: one deployment per model behind one ingress."""
+    cfg = config if isinstance(config, OrchardConfig) else parse_config(config)
+    handles = {}
+    for m in cfg.models:
+        dep = serve.deployment(ModelDeployment, **model_deployment_options(cfg, m))
+        handles[m.id] = dep.bind(model=m.model_dump(), kv_format=cfg.kv_format_for(m),
+                                 capacity=cfg.capacity.model_dump(),
+                                 drain_timeout_s=cfg.drain_timeout_s)
+    ingress = serve.deployment(OrchardIngress, name=INGRESS_NAME, num_replicas=1,
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+    return ingress.bind(cfg.model_dump(), handles)
+
+
+def app_builder(args: dict[str, Any]):
+    """`serve run`/`serve deploy` builder: args = {config: path} or a config mapping."""
+    if set(args) == {"config"}:
+        return build_app(load_config(args["config"]))
+    return build_app(parse_config(args, source="serve args"))
+
+
+def build_local_app(config: OrchardConfig, capacity: Any = None):
+    """Everything in this process, no Ray: returns (FastAPI app, {model id: ModelServer})."""
+    from serve_app.backends import LocalBackend
+
+    servers = {m.id: ModelServer(m.model_dump(), config.kv_format_for(m), None,
+                                 config.drain_timeout_s) for m in config.models}
+    core = IngressCore(config, {mid: LocalBackend(s) for mid, s in servers.items()},
+                       capacity=capacity)
+    return build_fastapi_app(core), servers

@@ -1,0 +1,92 @@
+"""A replica's link to the capacity actor: commit, release with telemetry, heartbeats.
+
+Never fails a request because the actor is unreachable: the engine still admits by its own
+byte ledger, and the actor rebuilds its view from the next heartbeat.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+log = logging.getLogger("orchard.capacity_link")
+
+
+class CapacityLink:
+    def __init__(self, settings: dict[str, Any], server: Any):
+        from capacity.actor import CapacityClient
+
+        self.settings = settings
+        self.server = server
+        self.client = CapacityClient(namespace=settings.get("namespace", "orchard"))
+        self.interval_s = float(settings.get("heartbeat_interval_s", 2.0))
+        self.incarnation = int(time.time() * 1000)
+        self.seq = 0
+        self._task: asyncio.Task | None = None
+        self._pending: set[asyncio.Task] = set()
+        self.heartbeats_sent = 0
+        self.faults = 0
+
+    async def start(self) -> None:
+        await self.beat()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.beat()
+
+    async def beat(self) -> None:
+        from serve_app.heartbeat import build_report
+
+        self.seq += 1
+        try:
+            await self.client.heartbeat(build_report(self.server, self.incarnation, self.seq))
+            self.heartbeats_sent += 1
+        except Exception:  # noqa: BLE001 - the next beat retries
+            self.faults += 1
+            log.warning("heartbeat %d failed", self.seq, exc_info=True)
+
+    async def commit(self, request_id: str) -> bool:
+        try:
+            await self.client.commit(request_id, self.server.replica_id)
+            return True
+        except Exception as e:  # noqa: BLE001 - unknown when routed without a hold (fallback)
+            log.debug("commit %s: %s", request_id, e)
+            return False
+
+    def release_soon(self, call: Any, telemetry: dict[str, Any]) -> None:
+        """Release from a `finally` that may run during cancellation: schedule, don't await."""
+        task = asyncio.get_running_loop().create_task(self._release(call.request_id, telemetry))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _release(self, request_id: str, telemetry: dict[str, Any]) -> None:
+        from capacity.protocol import RequestTelemetry
+
+        try:
+            t = RequestTelemetry(
+                prompt_tokens=telemetry["prompt_tokens"],
+                completion_tokens=telemetry["completion_tokens"],
+                batch_size=max(1, telemetry["batch_size_at_admission"]),
+                ttft_s=telemetry["ttft_s"] or None, tpot_s=telemetry["tpot_s"] or None,
+                execution_identity=self.server.engine.format_identity,
+                finish_reason=telemetry["finish_reason"])
+            await self.client.release(request_id, t)
+        except Exception:  # noqa: BLE001
+            log.warning("release of %s failed", request_id, exc_info=True)
+
+
+def identity_rows(snapshot: dict) -> list[dict]:
+    """(model, identity, cap, learned rates) rows from the public capacity feed, for /metrics."""
+    rows = []
+    for model in snapshot.get("models", []) if isinstance(snapshot, dict) else []:
+        for ident in model.get("identities", []):
+            rows.append({"model_id": model.get("model_id"), **ident})
+    return rows

@@ -1,0 +1,207 @@
+"""`orchard`: serve, deploy and inspect Orchard on Ray.
+
+  orchard serve [CONFIG]    start (or join) Ray, deploy, wait until healthy, print the URL, block
+  orchard deploy CONFIG     deploy onto a running cluster (e.g. inside `ray job submit`), exit
+  orchard status            replicas, formats, budgets and caps of the running service
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+
+def _say(msg: str) -> None:
+    print(f"[orchard] {msg}", flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orchard", description="Serve LLMs on Ray Serve with MLX "
+                                "engines and capacity-aware routing.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = sub.add_parser("serve", help="start or join Ray, deploy, block until Ctrl-C",
+                       description="Serve CONFIG (default: the embedded models/orchard-tiny).")
+    s.add_argument("config", nargs="?", help="YAML config (see config.example.yaml)")
+    s.add_argument("--address", default=None,
+                   help="Ray address to join (default: start a local Ray)")
+    s.add_argument("--host", default=None, help="HTTP host (overrides the config)")
+    s.add_argument("--port", type=int, default=None, help="HTTP port (overrides the config)")
+    s.add_argument("--timeout", type=float, default=600, help="seconds to wait for healthy")
+    d = sub.add_parser("deploy", help="deploy CONFIG onto a running Ray cluster and exit",
+                       description="Deploy onto the cluster at --address (default: auto, i.e. "
+                       "RAY_ADDRESS or the local head; inside `ray job submit` the job's).")
+    d.add_argument("config", help="YAML config")
+    d.add_argument("--address", default="auto")
+    d.add_argument("--timeout", type=float, default=600, help="seconds to wait for healthy")
+    st = sub.add_parser("status", help="show replicas, formats, budgets and caps")
+    st.add_argument("--address", default="auto")
+    st.add_argument("--app", default="orchard", help="Serve application name")
+    st.add_argument("--namespace", default="orchard", help="capacity actor namespace")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from engine.platform import ensure_openblas_preloaded
+
+    # MLX in this process (and its Ray workers) needs OpenBLAS preloaded on Linux CPUs.
+    ensure_openblas_preloaded()
+    from serve_app.config import ConfigError
+
+    try:
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "deploy":
+            return cmd_deploy(args)
+        return cmd_status(args)
+    except ConfigError as e:
+        print(f"orchard: config error:\n{e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _load(path: str | None):
+    from serve_app.config import default_config, load_config
+
+    if path is None:
+        _say("no config given: serving the embedded default model (models/orchard-tiny)")
+        return default_config()
+    return load_config(path)
+
+
+def _runtime_env() -> dict[str, Any]:
+    from engine.platform import openblas_env
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**openblas_env(), "PYTHONPATH": os.pathsep.join(
+        p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)}
+    return {"env_vars": env}
+
+
+def _connect(address: str | None, namespace: str, start_local: bool) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    _say("starting a local Ray instance" if start_local else f"connecting to Ray at {address}")
+    ray.init(address=None if start_local else address, namespace=namespace,
+             runtime_env=_runtime_env(), include_dashboard=False if start_local else None,
+             log_to_driver=False)
+
+
+def deploy(cfg, timeout_s: float, host: str | None = None, port: int | None = None) -> str:
+    """Deploy the app on the connected cluster, report progress, return the healthy URL."""
+    from ray import serve
+
+    http_host = host or cfg.http.host
+    http_port = port or cfg.http.port
+    serve.start(http_options={"host": http_host, "port": http_port})
+    _ensure_capacity_actor(cfg)
+    _say(f"deploying {len(cfg.models)} model(s): "
+         + ", ".join(f"{m.id} x{m.replicas} [{cfg.kv_format_for(m)}]" for m in cfg.models))
+    _run_nonblocking(cfg)
+    wait_running(cfg.app_name, timeout_s)
+    url = f"http://{'127.0.0.1' if http_host in ('0.0.0.0', '::') else http_host}:{http_port}"
+    wait_healthy(url + cfg.route_prefix.rstrip("/"), timeout_s)
+    return url
+
+
+def _run_nonblocking(cfg) -> None:
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    from serve_app.app import build_app
+
+    serve.run_many([RunTarget(target=build_app(cfg), name=cfg.app_name,
+                              route_prefix=cfg.route_prefix)],
+                   wait_for_applications_running=False)
+
+
+def _ensure_capacity_actor(cfg) -> None:
+    try:
+        from capacity.actor import get_or_create_actor
+    except ImportError:
+        _say("capacity actor not available in this build; routing by power-of-two")
+        return
+    get_or_create_actor(namespace=cfg.capacity.namespace)
+
+
+def wait_running(app_name: str, timeout_s: float) -> None:
+    """Poll Serve status, printing each deployment's state as it changes (model loads)."""
+    from ray import serve
+
+    deadline, last = time.monotonic() + timeout_s, {}
+    while True:
+        app = serve.status().applications.get(app_name)
+        if app is not None:
+            for name, dep in app.deployments.items():
+                line = f"{dep.status.value.lower()} " + ", ".join(
+                    f"{n} {s.value.lower()}" for s, n in dep.replica_states.items())
+                if last.get(name) != line:
+                    _say(f"  {name}: {line}")
+                    last[name] = line
+            status = app.status.value
+            if status == "RUNNING":
+                return
+            if status in ("DEPLOY_FAILED", "UNHEALTHY"):
+                raise RuntimeError(f"application {app_name} {status.lower()}: {app.message}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"application {app_name} not running after {timeout_s:.0f} s")
+        time.sleep(1.0)
+
+
+def wait_healthy(base_url: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r = httpx.get(base_url + "/health", timeout=30)
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{base_url}/health not healthy after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def cmd_serve(args) -> int:
+    cfg = _load(args.config)
+    _connect(args.address, cfg.capacity.namespace, start_local=args.address is None)
+    url = deploy(cfg, args.timeout, args.host, args.port)
+    _say(f"ready: {url}/v1  (OpenAI-compatible; Ctrl-C stops)")
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        _say("shutting down (draining running requests)")
+        from ray import serve
+
+        serve.shutdown()
+        if args.address is None:
+            import ray
+
+            ray.shutdown()
+
+
+def cmd_deploy(args) -> int:
+    cfg = _load(args.config)
+    _connect(args.address, cfg.capacity.namespace, start_local=False)
+    url = deploy(cfg, args.timeout)
+    _say(f"deployed {cfg.app_name}: {url}/v1")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from serve_app.status import print_status
+
+    _connect(args.address, args.namespace, start_local=False)
+    return print_status(args.app, args.namespace)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,207 @@
+"""Orchard service configuration: pydantic models loaded from YAML, every knob with a default.
+
+Invalid config fails fast with a `ConfigError` whose message names the offending field
+(`models.0.kv_format: unknown KV format 'int3' ...`), before Ray or any model is touched.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from capacity.formats import KVFormatError, normalize_format_name
+
+DEFAULT_MODEL_ID = "orchard-tiny"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "orchard-tiny"
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ReplicaResources(_Strict):
+    """Ray resources per replica. `resources={"mac": 0.01}` pins replicas to Mac nodes."""
+
+    num_cpus: float = Field(0.5, ge=0)
+    num_gpus: float = Field(0, ge=0)
+    memory: int | None = Field(None, ge=0, description="bytes of RAM Ray reserves")
+    resources: dict[str, float] = Field(default_factory=dict)
+    accelerator_type: str | None = None
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            opts["num_gpus"] = self.num_gpus
+        if self.memory:
+            opts["memory"] = self.memory
+        if self.resources:
+            opts["resources"] = dict(self.resources)
+        if self.accelerator_type:
+            opts["accelerator_type"] = self.accelerator_type
+        return opts
+
+
+class ModelConfig(_Strict):
+    """One served model: `id` is what clients put in `model`; `path` a directory or hub id."""
+
+    id: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+    kv_format: str | None = Field(None, description="None = the exact-model override or default")
+    replicas: int = Field(1, ge=1)
+    kv_budget_bytes: int | None = Field(None, gt=0)
+    max_num_seqs: int = Field(16, ge=1, description="concurrency ceiling per replica")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Serve's per-replica hard cap; default = 2x max_num_seqs")
+    resources: ReplicaResources = Field(default_factory=ReplicaResources)
+    engine: dict[str, Any] = Field(default_factory=dict,
+                                   description="extra EngineConfig knobs, passed through")
+
+    @field_validator("kv_format")
+    @classmethod
+    def _format(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            return normalize_format_name(v)
+        except KVFormatError as e:
+            raise ValueError(str(e)) from None
+
+    @field_validator("id")
+    @classmethod
+    def _id_chars(cls, v: str) -> str:
+        # Deployment names may not contain '#'; keep ids URL- and label-safe.
+        if any(c in v for c in "#/ \t\n"):
+            raise ValueError(f"model id {v!r} may not contain '#', '/' or whitespace")
+        return v
+
+
+class KVDefaults(_Strict):
+    """Global KV format default, and exact-model-id overrides (a model's own kv_format wins)."""
+
+    default: str = "native"
+    overrides: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("default")
+    @classmethod
+    def _default(cls, v: str) -> str:
+        try:
+            return normalize_format_name(v)
+        except KVFormatError as e:
+            raise ValueError(str(e)) from None
+
+    @field_validator("overrides")
+    @classmethod
+    def _overrides(cls, v: dict[str, str]) -> dict[str, str]:
+        out = {}
+        for model_id, name in v.items():
+            try:
+                out[model_id] = normalize_format_name(name)
+            except KVFormatError as e:
+                raise ValueError(f"{model_id}: {e}") from None
+        return out
+
+
+class CapacitySettings(_Strict):
+    namespace: str = "orchard"
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    max_fault_retries: int = Field(3, ge=1, description="actor faults before power-of-two")
+    fallback_cooldown_s: float = Field(10.0, ge=0, description="power-of-two period after faults")
+    routing_stats_period_s: float = Field(1.0, gt=0)
+
+
+class HTTPSettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    first_token_deadline_header: str = "x-orchard-first-token-deadline-ms"
+
+
+class OrchardConfig(_Strict):
+    app_name: str = "orchard"
+    route_prefix: str = "/"
+    models: list[ModelConfig] = Field(min_length=1)
+    kv: KVDefaults = Field(default_factory=KVDefaults)
+    api_keys: list[str] = Field(default_factory=list,
+                                description="bearer keys; empty = no auth (env ORCHARD_API_KEYS)")
+    capacity: CapacitySettings = Field(default_factory=CapacitySettings)
+    http: HTTPSettings = Field(default_factory=HTTPSettings)
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _unique_ids(self):
+        seen = set()
+        for i, m in enumerate(self.models):
+            if m.id in seen:
+                raise ValueError(f"models.{i}.id: duplicate model id {m.id!r}")
+            seen.add(m.id)
+        unknown = set(self.kv.overrides) - seen
+        if unknown:
+            raise ValueError(f"kv.overrides: no model with id {sorted(unknown)[0]!r}")
+        return self
+
+    def kv_format_for(self, model: ModelConfig) -> str:
+        return model.kv_format or self.kv.overrides.get(model.id) or self.kv.default
+
+    def all_api_keys(self) -> list[str]:
+        env = [k for k in os.environ.get("ORCHARD_API_KEYS", "").split(",") if k.strip()]
+        return [*self.api_keys, *(k.strip() for k in env)]
+
+    def model(self, model_id: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.id == model_id), None)
+
+
+def _format_validation_error(e: ValidationError, source: str) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{source}: {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "config", base_dir: Path | None = None) -> OrchardConfig:
+    """Validate a config mapping; relative model paths that exist under base_dir become absolute."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        cfg = OrchardConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+    if base_dir is not None:
+        for m in cfg.models:
+            p = Path(m.path).expanduser()
+            if not p.is_absolute() and (base_dir / p).exists():
+                m.path = str((base_dir / p).resolve())
+            elif p.exists():
+                m.path = str(p.resolve())
+    return cfg
+
+
+def load_config(path: str | os.PathLike) -> OrchardConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    return parse_config(data, source=str(path), base_dir=path.resolve().parent)
+
+
+def default_config() -> OrchardConfig:
+    """The embedded default: serve models/orchard-tiny, or say clearly that it is missing."""
+    if not DEFAULT_MODEL_DIR.is_dir():
+        raise ConfigError(
+            f"default model missing: {DEFAULT_MODEL_DIR} does not exist; pass a config file "
+            f"(see config.example.yaml) or restore models/orchard-tiny")
+    return parse_config({"models": [{"id": DEFAULT_MODEL_ID, "path": str(DEFAULT_MODEL_DIR)}]},
+                        source="default config")

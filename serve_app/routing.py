@@ -1,0 +1,164 @@
+"""CapacityRouter: hold a reservation in the capacity actor, then route by its ranking.
+
+Runs inside every caller of a model deployment (the ingress replicas). Per request it makes one
+actor round trip (`hold`), which debits routing headroom and the public feed together and ranks
+replicas by headroom and learned rates; a refusal propagates to the ingress as 429/503. The
+replica commits the hold on arrival and releases it with telemetry at the end. After repeated
+actor faults the router routes by power-of-two choices (ranked by reported headroom) for a
+cool-down period, so an actor outage degrades routing quality, not availability.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import weakref
+from typing import Any
+
+from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRouter, RunningReplica
+
+from serve_app.calls import GenerateCall
+
+log = logging.getLogger("ray.serve")
+
+_ROUTERS: "weakref.WeakSet[CapacityRouter]" = weakref.WeakSet()
+# Delay before a completed request's hold is cancelled as a leak guard: the replica's own
+# release (with telemetry) normally lands first, and cancelling a settled hold is a no-op.
+LEAK_GUARD_DELAY_S = 5.0
+
+
+def replica_views() -> list[dict[str, Any]]:
+    """Replicas known to this process's routers, with their latest routing stats."""
+    views = {}
+    for router in list(_ROUTERS):
+        for replica in router.curr_replicas.values():
+            views[replica.replica_id.unique_id] = {
+                "replica_id": replica.replica_id.unique_id,
+                "deployment": replica.replica_id.deployment_id.name,
+                "node_id": replica.node_id,
+                "routing_stats": dict(replica.routing_stats or {}),
+                "metadata": dict(replica.replica_metadata or {}),
+            }
+    return list(views.values())
+
+
+def _call_of(pending: PendingRequest) -> GenerateCall | None:
+    for arg in pending.args:
+        if isinstance(arg, GenerateCall):
+            return arg
+    return None
+
+
+def headroom(replica: RunningReplica) -> int:
+    stats = replica.routing_stats or {}
+    return int(stats.get("headroom_raw_tokens", 0))
+
+
+class CapacityRouter(LocalityMixin, RequestRouter):
+    def initialize_state(self, namespace: str = "orchard", max_fault_retries: int = 3,
+                         fallback_cooldown_s: float = 10.0, **_: Any) -> None:
+        from capacity.actor import CapacityClient
+
+        self.client = CapacityClient(namespace=namespace)
+        self.max_fault_retries = max_fault_retries
+        self.fallback_cooldown_s = fallback_cooldown_s
+        self.fallback_until = 0.0
+        self.holds: dict[str, tuple[str, Any]] = {}   # internal request id -> (request id, hold)
+        self.stats = {"holds": 0, "refusals": 0, "faults": 0, "fallback_routes": 0}
+        _ROUTERS.add(self)
+
+    # --- the per-request path ------------------------------------------------------------
+
+    async def _choose_replica_for_request(self, pending_request: PendingRequest, *,
+                                          is_retry: bool = False) -> RunningReplica:
+        call = _call_of(pending_request)
+        if call is None or time.monotonic() < self.fallback_until:
+            if call is not None:
+                self.stats["fallback_routes"] += 1
+            return await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+        key = pending_request.metadata.internal_request_id
+        if key not in self.holds:
+            hold = await self._hold(call)
+            if hold is None:
+                self.stats["fallback_routes"] += 1
+                return await super()._choose_replica_for_request(pending_request,
+                                                                 is_retry=is_retry)
+            self.holds[key] = (call.request_id, hold)
+        replica = self._ranked_replica(self.holds[key][1], is_retry)
+        if replica is not None:
+            return replica
+        # The actor ranks replicas this router has not seen yet (or none): pick locally.
+        return await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+
+    async def _hold(self, call: GenerateCall) -> Any | None:
+        """The actor's hold, or None after repeated faults (then power-of-two for a while)."""
+        from capacity.errors import CapacityRefused
+
+        for attempt in range(self.max_fault_retries):
+            try:
+                hold = await self.client.hold(call.model, call.raw_tokens, call.request_id)
+                self.stats["holds"] += 1
+                return hold
+            except CapacityRefused:
+                self.stats["refusals"] += 1
+                raise
+            except asyncio.CancelledError:
+                self._cancel_soon(call.request_id, 0.0)
+                raise
+            except Exception:  # noqa: BLE001 - actor dead, unreachable, or misbehaving
+                self.stats["faults"] += 1
+                log.warning("capacity hold failed (attempt %d)", attempt + 1, exc_info=True)
+                await self._backoff(attempt)
+        self.fallback_until = time.monotonic() + self.fallback_cooldown_s
+        log.warning("capacity actor faulted %d times; power-of-two routing for %.0f s",
+                    self.max_fault_retries, self.fallback_cooldown_s)
+        return None
+
+    def _ranked_replica(self, hold: Any, is_retry: bool) -> RunningReplica | None:
+        by_uid = {rid.unique_id: r for rid, r in self.curr_replicas.items()}
+        ranked = [by_uid[u] for u in _ranking(hold) if u in by_uid]
+        if is_retry:
+            # The first choice rejected us (at max_ongoing_requests); try the next ones.
+            available = self.select_available_replicas(ranked)
+            ranked = available or ranked[1:]
+        return ranked[0] if ranked else None
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        """Power-of-two choices, the pair ordered by reported headroom."""
+        candidates = self.select_available_replicas(candidate_replicas) or candidate_replicas
+        pair = random.sample(candidates, k=min(2, len(candidates)))
+        return [sorted(pair, key=headroom, reverse=True)]
+
+    # --- lifecycle hooks ---------------------------------------------------------------
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        entry = self.holds.pop(internal_request_id, None)
+        if entry is not None:
+            self._cancel_soon(entry[0], LEAK_GUARD_DELAY_S)
+
+    def _cancel_soon(self, request_id: str, delay_s: float) -> None:
+        async def cancel():
+            await asyncio.sleep(delay_s)
+            try:
+                await self.client.cancel(request_id)
+            except Exception:  # noqa: BLE001 - already settled, or the actor is gone
+                pass
+
+        try:
+            asyncio.get_running_loop().create_task(cancel())
+        except RuntimeError:
+            pass
+
+
+def _ranking(hold: Any) -> list[str]:
+    """Replica ids from a hold, best first."""
+    for attr in ("ranking", "replicas", "ranked_replicas"):
+        value = getattr(hold, attr, None)
+        if value is None and isinstance(hold, dict):
+            value = hold.get(attr)
+        if value:
+            return [v if isinstance(v, str) else getattr(v, "replica_id", str(v)) for v in value]
+    return []

@@ -1,0 +1,225 @@
+"""The per-model deployment: one engine per replica, streaming deltas to the ingress.
+
+The engine owns its thread; this shim translates calls, reports to the capacity actor
+(commit on arrival, release with telemetry at the end, sequence-numbered heartbeats), exposes
+routing stats and replica metadata to Serve, and drains on shutdown.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import platform
+import time
+import uuid
+from dataclasses import asdict
+from typing import Any, AsyncIterator
+
+from serve_app.calls import GenerateCall
+from serve_app.errors import APIError, from_exception
+
+log = logging.getLogger("orchard.server")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
+                   "chat_template.json", "config.json", "generation_config.json")
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a Serve replica (in-process use, tests, bench)
+        return f"local-{uuid.uuid4().hex[:8]}"
+
+
+def _chip_class() -> str:
+    """Apple chip name on a Mac (e.g. 'Apple M3 Max'), else the CPU architecture."""
+    try:
+        import mlx.core as mx
+
+        info = mx.device_info() if hasattr(mx, "device_info") else {}
+        name = info.get("device_name") or info.get("architecture")
+        if name:
+            return str(name)
+    except Exception:  # noqa: BLE001 - metadata only
+        pass
+    return f"{platform.system().lower()}-{platform.machine()}"
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+class ModelServer:
+    """Engine + capacity reporting for one model replica (usable in-process as well)."""
+
+    def __init__(self, model: dict[str, Any], kv_format: str, capacity: dict[str, Any] | None,
+                 drain_timeout_s: float = 30.0):
+        from engine.config import EngineConfig
+        from engine.loop import Engine
+
+        self.model_id = model["id"]
+        self.model_path = model["path"]
+        self.drain_timeout_s = drain_timeout_s
+        engine_cfg = EngineConfig(model=model["path"], kv_format=kv_format,
+                                  kv_budget_bytes=model.get("kv_budget_bytes"),
+                                  max_num_seqs=model.get("max_num_seqs", 16),
+                                  **model.get("engine", {}))
+        self.engine = Engine(engine_cfg)
+        self.replica_id = _replica_id()
+        self.node_id = _node_id()
+        from serve_app.capacity_link import CapacityLink
+
+        self.capacity = CapacityLink(capacity, self) if capacity else None
+        self._started = False
+        self._inflight: dict[str, float] = {}
+
+    async def start(self) -> None:
+        """Start background reporting on the caller's event loop (idempotent)."""
+        if self._started:
+            return
+        self._started = True
+        if self.capacity is not None:
+            await self.capacity.start()
+
+    # --- requests -----------------------------------------------------------------------
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[dict]:
+        """Stream delta dicts; an error before the first delta comes as one `{"error": ...}`."""
+        from engine.request import GenerationRequest
+        from engine.sampling import SamplingParams
+
+        await self.start()
+        started = time.monotonic()
+        self._inflight[call.request_id] = started
+        if self.capacity is not None:
+            await self.capacity.commit(call.request_id)
+        stats_at_admission = self.engine.stats()
+        usage, ttft, finish, last_t, n_deltas = None, None, None, started, 0
+        try:
+            try:
+                req = GenerationRequest(
+                    call.request_id, call.prompt_ids,
+                    SamplingParams(temperature=call.temperature, top_p=call.top_p,
+                                   top_k=call.top_k, seed=call.seed, max_tokens=call.max_tokens,
+                                   stop=tuple(call.stop)),
+                    first_token_deadline=call.deadline_monotonic())
+                stream = self.engine.generate(req)
+                async for d in stream:
+                    n_deltas += 1
+                    last_t = time.monotonic()
+                    if d.ttft_s is not None:
+                        ttft = d.ttft_s
+                    usage, finish = d.usage, d.finish_reason
+                    yield {"text": d.text, "token_ids": list(d.token_ids),
+                           "finish_reason": d.finish_reason, "usage": asdict(d.usage),
+                           "ttft_s": d.ttft_s}
+            except Exception as e:  # noqa: BLE001 - mapped once to an HTTP error
+                if n_deltas:
+                    raise
+                err = from_exception(e)
+                if err.status >= 500 and err.code == "internal_error":
+                    log.exception("request %s failed", call.request_id)
+                finish = f"refused:{err.reason}"
+                yield {"error": err.to_wire()}
+        finally:
+            self._inflight.pop(call.request_id, None)
+            # Safe at any point and idempotent: covers client disconnects mid-stream.
+            self.engine.cancel(call.request_id)
+            if self.capacity is not None:
+                self.capacity.release_soon(call, {
+                    "prompt_tokens": usage.prompt_tokens if usage else len(call.prompt_ids),
+                    "completion_tokens": usage.completion_tokens if usage else 0,
+                    "cached_tokens": usage.cached_tokens if usage else 0,
+                    "batch_size_at_admission": int(stats_at_admission.get(
+                        "num_requests_running", 0)) + 1,
+                    "ttft_s": ttft,
+                    "tpot_s": ((last_t - started - (ttft or 0)) / (usage.completion_tokens - 1)
+                               if usage and usage.completion_tokens > 1 else None),
+                    "finish_reason": finish or "cancelled",
+                })
+
+    async def info(self) -> dict:
+        """Model facts the ingress needs: context limit, identity, tokenizer files."""
+        await self.start()
+        files = {}
+        for name in TOKENIZER_FILES:
+            path = os.path.join(self.model_path, name)
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    files[name] = f.read()
+        return {"model_id": self.model_id, "replica_id": self.replica_id,
+                "format_identity": self.engine.format_identity,
+                "max_model_len": self.max_model_len(), "tokenizer_files": files}
+
+    def max_model_len(self) -> int:
+        stats = self.engine.stats()
+        if stats.get("max_model_len"):
+            return int(stats["max_model_len"])
+        cost = self.engine.cost_model()
+        return int(cost.max_raw_tokens(0, 0))
+
+    # --- Serve hooks --------------------------------------------------------------------
+
+    def routing_stats(self) -> dict:
+        stats = self.engine.stats()
+        cost = self.engine.cost_model()
+        used = int(stats.get("kv_bytes_used", 0))
+        running = int(stats.get("num_requests_running", 0))
+        return {
+            "model_id": self.model_id,
+            "format_identity": self.engine.format_identity,
+            "num_requests_running": running,
+            "num_requests_waiting": int(stats.get("num_requests_waiting", 0)),
+            "kv_bytes_used": used,
+            "kv_bytes_total": int(stats.get("kv_bytes_total", cost.budget_bytes)),
+            "kv_pages_used": int(stats.get("kv_pages_used", 0)),
+            "kv_pages_total": int(stats.get("kv_pages_total", 0)),
+            "headroom_raw_tokens": int(cost.max_raw_tokens(used, running)),
+            "inflight": len(self._inflight),
+        }
+
+    async def record_routing_stats(self) -> dict:
+        await self.start()
+        return self.routing_stats()
+
+    def record_replica_metadata(self) -> dict:
+        return {"model_id": self.model_id, "replica_id": self.replica_id,
+                "chip_class": _chip_class(), "memory_bytes": _memory_bytes(),
+                "format_identity": self.engine.format_identity, "node_id": self.node_id}
+
+    async def check_health(self) -> None:
+        if not self.engine.healthy():
+            raise RuntimeError(f"engine of {self.model_id} on {self.replica_id} is not healthy")
+
+    def shutdown(self) -> None:
+        """Graceful drain: stop reporting, let running requests finish, stop the engine."""
+        if self.capacity is not None:
+            self.capacity.stop()
+        self.engine.shutdown(drain_timeout_s=self.drain_timeout_s)
+
+    def __del__(self):
+        # Serve calls __del__ during graceful shutdown; never raise from it.
+        try:
+            if getattr(self, "engine", None) is not None:
+                self.shutdown()
+        except Exception:  # noqa: BLE001
+            log.exception("drain failed")
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+    except Exception:  # noqa: BLE001
+        return "local"
+
+
+def api_error_of(item: dict) -> APIError | None:
+    return APIError.from_wire(item["error"]) if "error" in item else None

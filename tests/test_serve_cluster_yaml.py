@@ -1,0 +1,48 @@
+"""cluster.yaml: valid for Ray's on-prem launcher, macOS-ready start commands, Mac resource."""
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+
+CLUSTER = Path(__file__).resolve().parent.parent / "cluster.yaml"
+
+
+def _config():
+    return yaml.safe_load(CLUSTER.read_text())
+
+
+def test_launcher_accepts_cluster_yaml():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    cfg = prepare_config(_config())
+    validate_config(cfg)
+    assert cfg["provider"]["type"] == "local"
+    node_type = cfg["available_node_types"]["local.cluster.node"]
+    assert node_type["max_workers"] == len(cfg["provider"]["worker_ips"])
+
+
+def test_start_commands_enable_macos_cluster_and_consistent_auth():
+    cfg = _config()
+    starts = [c for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
+              if "ray start" in c]
+    assert len(starts) == 2
+    modes = {re.search(r"RAY_AUTH_MODE=(\w+)", c).group(1) for c in starts}
+    assert modes == {"token"}
+    assert all("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1" in c for c in starts)
+
+
+def test_worker_start_advertises_mac_resources(tmp_path):
+    """Run the worker start command with `ray` stubbed: --resources must be JSON with mac=1."""
+    cmd = _config()["worker_start_ray_commands"][-1]
+    stub = tmp_path / "ray"
+    stub.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    stub.chmod(0o755)
+    cmd = cmd.replace("~/orchard/.venv/bin/ray", str(stub))
+    out = subprocess.run(["bash", "-c", cmd], env={"RAY_HEAD_IP": "10.0.0.1", "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert "--address=10.0.0.1:6379" in out
+    [arg] = [a for a in out if a.startswith("--resources=")]
+    resources = json.loads(arg.split("=", 1)[1])
+    assert resources["mac"] == 1 and resources["mac_mem_gb"] > 0

@@ -1,0 +1,66 @@
+"""Config: defaults, per-model KV resolution, and fail-fast messages that name the field."""
+from pathlib import Path
+
+import pytest
+
+from serve_app.config import ConfigError, OrchardConfig, load_config, parse_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_minimal_config_gets_defaults():
+    cfg = parse_config({"models": [{"id": "m", "path": "/x"}]})
+    m = cfg.models[0]
+    assert (m.replicas, m.max_num_seqs, m.resources.num_cpus) == (1, 16, 0.5)
+    assert cfg.http.port == 8000 and cfg.capacity.namespace == "orchard"
+    assert cfg.kv_format_for(m) == "native"
+
+
+def test_kv_format_precedence_model_then_override_then_default():
+    cfg = parse_config({
+        "kv": {"default": "int8", "overrides": {"b": "k8v4"}},
+        "models": [{"id": "a", "path": "/a", "kv_format": "INT4"},
+                   {"id": "b", "path": "/b"}, {"id": "c", "path": "/c"}]})
+    assert [cfg.kv_format_for(m) for m in cfg.models] == ["int4", "k8v4", "int8"]
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"models": [{"id": "m", "path": "/x", "kv_format": "int3"}]}, "models.0.kv_format"),
+    ({"models": [{"id": "m", "path": "/x", "replicas": 0}]}, "models.0.replicas"),
+    ({"models": [{"id": "m", "path": "/x", "replcas": 2}]}, "models.0.replcas"),
+    ({"models": []}, "models"),
+    ({"models": [{"id": "m", "path": "/x"}], "http": {"port": 70000}}, "http.port"),
+    ({"models": [{"id": "m", "path": "/x"}, {"id": "m", "path": "/y"}]}, "models.1.id"),
+    ({"models": [{"id": "m", "path": "/x"}], "kv": {"overrides": {"zz": "int8"}}}, "kv.overrides"),
+    ({"models": [{"id": "a#b", "path": "/x"}]}, "models.0.id"),
+])
+def test_invalid_config_names_the_field(data, field):
+    with pytest.raises(ConfigError) as e:
+        parse_config(data, source="c.yaml")
+    assert f"c.yaml: {field}" in str(e.value) or f"{field}:" in str(e.value), str(e.value)
+
+
+def test_load_config_resolves_relative_model_path(tmp_path):
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "c.yaml").write_text("models:\n  - id: m\n    path: weights\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg.models[0].path == str((tmp_path / "weights").resolve())
+
+
+def test_bad_yaml_and_missing_file_fail_with_path(tmp_path):
+    (tmp_path / "bad.yaml").write_text("models: [\n")
+    with pytest.raises(ConfigError, match="bad.yaml: invalid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_example_config_is_valid():
+    cfg = load_config(REPO / "config.example.yaml")
+    assert isinstance(cfg, OrchardConfig) and cfg.models
+
+
+def test_api_keys_from_env(monkeypatch):
+    monkeypatch.setenv("ORCHARD_API_KEYS", "k1, k2")
+    cfg = parse_config({"models": [{"id": "m", "path": "/x"}], "api_keys": ["k0"]})
+    assert cfg.all_api_keys() == ["k0", "k1", "k2"]
