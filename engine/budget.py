@@ -1,0 +1,100 @@
+"""The replica's byte ledger, and how big its KV budget is.
+
+Every charge comes from `capacity.pricing.CostModel`, the same arithmetic the capacity actor routes
+with, so the engine and the router never disagree about bytes. The budget is page-rounded: the page
+pool holds `budget_bytes // page_bytes` pages, and because each admitted request is charged whole
+pages for its full raw-token footprint, the pool can never run dry for an admitted request.
+"""
+from __future__ import annotations
+
+import os
+
+from capacity.pricing import CostModel, Workspace
+from engine.errors import LedgerError
+
+
+def device_memory_bytes() -> int:
+    """Memory the KV cache competes for: Metal/CUDA device memory where MLX reports it, else RAM."""
+    import mlx.core as mx
+
+    info = mx.device_info()
+    for key in ("memory_size", "total_memory"):
+        if isinstance(info.get(key), int) and info[key] > 0:
+            return info[key]
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:  # psutil comes with Ray; plain installs fall back to sysconf
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resolve_budget_bytes(kv_budget_bytes: int | None, kv_memory_fraction: float, page_bytes: int,
+                         max_useful_bytes: int, memory_bytes: int | None = None) -> int:
+    """KV budget in bytes, rounded down to whole pages, at least one page.
+
+    An explicit budget wins; otherwise a fraction of device memory. Either way it is capped at
+    `max_useful_bytes` (max_num_seqs requests of the longest allowed length), so a tiny model on a
+    big machine does not reserve gigabytes it can never use.
+    """
+    if kv_budget_bytes is not None:
+        budget = kv_budget_bytes
+    else:
+        budget = int((memory_bytes or device_memory_bytes()) * kv_memory_fraction)
+    budget = min(budget, max_useful_bytes)
+    return max(page_bytes, budget // page_bytes * page_bytes)
+
+
+def build_cost_model(budget_bytes: int, bytes_per_token: int, page_tokens: int,
+                     fixed_bytes_per_request: int, max_num_seqs: int,
+                     token_limit: int) -> CostModel:
+    return CostModel(budget_bytes=budget_bytes, bytes_per_token=bytes_per_token,
+                     page_tokens=page_tokens, fixed_bytes_per_request=fixed_bytes_per_request,
+                     workspace=Workspace(), concurrency_ceiling=max_num_seqs,
+                     token_limit=token_limit)
+
+
+class ByteLedger:
+    """Reservations of admitted requests, in bytes charged by the cost model."""
+
+    def __init__(self, cost_model: CostModel):
+        self.cost_model = cost_model
+        self._held: dict[str, int] = {}
+        self.used_bytes = 0
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.cost_model.budget_bytes
+
+    @property
+    def running(self) -> int:
+        return len(self._held)
+
+    def ever_fits(self, raw_tokens: int) -> bool:
+        """Would the request fit an idle engine? If not, queueing cannot help: refuse it."""
+        return self.cost_model.fits(0, raw_tokens, 0)
+
+    def fits(self, raw_tokens: int) -> bool:
+        return self.cost_model.fits(self.used_bytes, raw_tokens, len(self._held))
+
+    def reserve(self, request_id: str, raw_tokens: int) -> int:
+        """Charge a request's whole footprint; the caller checked `fits` first."""
+        if request_id in self._held:
+            raise LedgerError(f"request {request_id!r} already holds a reservation")
+        if not self.fits(raw_tokens):
+            raise LedgerError(f"reservation of {raw_tokens} raw tokens does not fit")
+        charge = self.cost_model.charge_bytes(raw_tokens)
+        self._held[request_id] = charge
+        self.used_bytes += charge
+        return charge
+
+    def refund(self, request_id: str) -> int:
+        """Return a request's bytes; refunding twice is an engine bug and raises."""
+        if request_id not in self._held:
+            raise LedgerError(f"request {request_id!r} holds no reservation (double refund?)")
+        charge = self._held.pop(request_id)
+        self.used_bytes -= charge
+        return charge
+
+    def held(self, request_id: str) -> int | None:
+        return self._held.get(request_id)

@@ -1,0 +1,99 @@
+"""EngineConfig: every engine knob, defaulted and validated with messages that name the knob."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from capacity.formats import KVFormatError, normalize_format_name
+from engine.pages import is_power_of_two
+
+# Chosen by measurement (docs/benchmarks.md, "page size"): decode speed is flat from 16 to 128
+# tokens per page on the CPU, and smaller pages waste fewer bytes in request tails.
+DEFAULT_PAGE_TOKENS = 32
+
+
+class EngineConfig(BaseModel):
+    """Configuration of one engine replica. Unknown keys are refused (typos fail loudly)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="local model directory, or a hub id when allow_hub is set")
+    kv_format: str = Field("native", description="KV storage format: native, int8, k8v4, int4")
+    dtype: str | None = Field(None, description="compute dtype; None = float32 on CPU, bf16 else")
+    page_tokens: int = Field(DEFAULT_PAGE_TOKENS, description="token slots per KV page (2^n)")
+    kv_budget_bytes: int | None = Field(None, description="KV bytes this replica may use")
+    kv_memory_fraction: float = Field(0.5, description="budget as a fraction of device memory "
+                                      "when kv_budget_bytes is unset")
+    max_num_seqs: int = Field(16, description="most requests running (prefill or decode) at once")
+    max_step_tokens: int = Field(512, description="most tokens one forward step processes")
+    max_model_len: int | None = Field(None, description="most raw tokens (prompt + max_tokens) "
+                                      "per request; None = the model's position limit")
+    max_waiting: int = Field(1024, description="waiting-queue bound; beyond it -> overloaded")
+    allow_hub: bool = Field(False, description="allow downloading `model` from the hub")
+    tenant: str = Field("default", description="label carried in stats and telemetry")
+    rate_ewma_alpha: float = Field(0.2, description="smoothing of measured prefill/decode rates "
+                                   "used for first-token deadline forecasts")
+
+    @field_validator("kv_format")
+    @classmethod
+    def _format_known(cls, v: str) -> str:
+        try:
+            return normalize_format_name(v)
+        except KVFormatError as e:
+            raise ValueError(str(e)) from None
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype_known(cls, v: str | None) -> str | None:
+        if v is not None and v not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {v!r}")
+        return v
+
+    @field_validator("page_tokens")
+    @classmethod
+    def _page_pow2(cls, v: int) -> int:
+        if not (is_power_of_two(v) and v <= 4096):
+            raise ValueError(f"page_tokens must be a power of two <= 4096, got {v}")
+        return v
+
+    @field_validator("kv_budget_bytes")
+    @classmethod
+    def _budget_positive(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"kv_budget_bytes must be positive, got {v}")
+        return v
+
+    @field_validator("kv_memory_fraction")
+    @classmethod
+    def _fraction(cls, v: float) -> float:
+        if not 0.0 < v <= 0.95:
+            raise ValueError(f"kv_memory_fraction must be in (0, 0.95], got {v}")
+        return v
+
+    @field_validator("max_num_seqs", "max_step_tokens", "max_waiting")
+    @classmethod
+    def _positive(cls, v: int, info) -> int:
+        if v < 1:
+            raise ValueError(f"{info.field_name} must be >= 1, got {v}")
+        return v
+
+    @field_validator("max_model_len")
+    @classmethod
+    def _len_positive(cls, v: int | None) -> int | None:
+        if v is not None and v < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {v}")
+        return v
+
+    @field_validator("rate_ewma_alpha")
+    @classmethod
+    def _alpha(cls, v: float) -> float:
+        if not 0.0 < v <= 1.0:
+            raise ValueError(f"rate_ewma_alpha must be in (0, 1], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _decode_fits_a_step(self):
+        # Every running request decodes one token per step, so a step must hold them all.
+        if self.max_step_tokens < self.max_num_seqs:
+            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}) so every running request can decode each step")
+        return self

@@ -1,0 +1,49 @@
+"""What callers hand the engine and what it streams back (plain data, validated on the caller's
+thread so a bad input never reaches the engine thread)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequest
+from engine.sampling import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "error")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    first_token_deadline: float | None = None  # absolute time.monotonic() seconds
+
+    def __post_init__(self):
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise InvalidRequest("request_id must be a non-empty string")
+        if not self.prompt_ids:
+            raise InvalidRequest("prompt_ids must not be empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   for t in self.prompt_ids):
+            raise InvalidRequest("prompt_ids must be non-negative integers")
+        if not isinstance(self.params, SamplingParams):
+            raise InvalidRequest("params must be a SamplingParams")
+        object.__setattr__(self, "prompt_ids", list(self.prompt_ids))
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed step of a request: new text and tokens; the last one has a finish_reason."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage
+    ttft_s: float | None = None  # on the first delta only: seconds from submit to first token

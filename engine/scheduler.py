@@ -1,0 +1,283 @@
+"""Admission, chunked prefill, decode batching, deadlines and cancellation. Never touches arrays.
+
+Memory policy (issue 2): a request is admitted only when the byte ledger can charge its whole
+raw-token footprint (prompt + max_tokens, whole pages) at once. Pages are then taken lazily as the
+request grows, but always within that reservation, so a running request can never run out of
+pages and nothing is ever preempted. A request larger than the whole budget is refused at once
+(RequestTooLarge); others wait in FCFS order (head-of-line, so big requests are not starved).
+
+Each step is one forward pass: every decoding request contributes one token, then prefilling
+requests fill the rest of `max_step_tokens` in admission order (chunked prefill). Pages used by a
+step are returned only by `reclaim(retired_step)` once the loop has retired that step.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from engine.budget import ByteLedger
+from engine.errors import DeadlineUnmeetable, EngineOverloaded, PageError, RequestTooLarge
+from engine.pages import PagePool, PageTable
+from engine.sampling import SamplingParams
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Seq:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int = 0
+    deadline: float | None = None        # absolute monotonic first-token deadline
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0                # tokens whose K/V are in the store
+    table: PageTable | None = None
+    reserved_pages: int = 0
+    status: str = WAITING
+    finish_reason: str | None = None
+    last_step: int = -1                  # last step whose device work used this seq's pages
+    first_token_time: float | None = None
+
+    @property
+    def raw_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.output_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+
+@dataclass
+class Chunk:
+    seq: Seq
+    start: int                 # position of token_ids[0] in the sequence
+    token_ids: list[int]
+    samples: bool              # its last logits give the sequence's next token
+
+
+@dataclass
+class Step:
+    step_id: int
+    chunks: list[Chunk]
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks if c.seq.prefilling)
+
+    @property
+    def decode_rows(self) -> int:
+        return sum(1 for c in self.chunks if not c.seq.prefilling)
+
+
+class RateForecast:
+    """EWMA of measured prefill throughput, for first-token deadline forecasts.
+
+    Before the first measured prefill there is no forecast and deadlines are only checked against
+    the clock (optimistic: an idle engine's first request is never refused on a guess).
+    """
+
+    def __init__(self, alpha: float = 0.2):
+        self.alpha = alpha
+        self.prefill_tps: float | None = None
+        self.decode_step_s: float | None = None
+
+    def observe(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if prefill_tokens:
+            self.prefill_tps = self._mix(self.prefill_tps, prefill_tokens / seconds)
+        elif decode_rows:
+            self.decode_step_s = self._mix(self.decode_step_s, seconds)
+
+    def ttft_s(self, prefill_tokens_ahead: int) -> float | None:
+        if self.prefill_tps is None:
+            return None
+        return prefill_tokens_ahead / self.prefill_tps + (self.decode_step_s or 0.0)
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, ledger: ByteLedger, *, max_num_seqs: int,
+                 max_step_tokens: int, max_waiting: int, eos_ids: set[int] = frozenset(),
+                 forecast: RateForecast | None = None):
+        self.pool = pool
+        self.ledger = ledger
+        self.max_num_seqs = max_num_seqs
+        self.max_step_tokens = max_step_tokens
+        self.max_waiting = max_waiting
+        self.eos_ids = set(eos_ids)
+        self.forecast = forecast or RateForecast()
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self._unreclaimed: list[Seq] = []   # finished, pages/bytes not yet returned
+        self._finished: list[Seq] = []      # finished since the last pop_finished()
+        self._next_step = 0
+        self.counters: Counter[str] = Counter()
+
+    # ---- intake ----------------------------------------------------------------------------
+
+    def submit(self, seq: Seq, now: float) -> None:
+        """Queue a request or refuse it now (too large, queue full, deadline unmeetable)."""
+        try:
+            self._check_admissible(seq, now)
+        except (RequestTooLarge, EngineOverloaded, DeadlineUnmeetable) as e:
+            self.counters[f"refused_{e.reason}"] += 1
+            raise
+        seq.status = WAITING
+        self.waiting.append(seq)
+        self.counters["submitted"] += 1
+
+    def _check_admissible(self, seq: Seq, now: float) -> None:
+        if not self.ledger.ever_fits(seq.raw_tokens):
+            cm = self.ledger.cost_model
+            raise RequestTooLarge(
+                f"request needs {seq.raw_tokens} raw tokens (prompt {len(seq.prompt_ids)} + "
+                f"max_tokens {seq.params.max_tokens}); this engine fits at most "
+                f"{cm.max_raw_tokens()} in its KV budget of {cm.budget_bytes} bytes",
+                raw_tokens=seq.raw_tokens, max_raw_tokens=cm.max_raw_tokens())
+        if len(self.waiting) >= self.max_waiting:
+            raise EngineOverloaded(f"{len(self.waiting)} requests already waiting")
+        if seq.deadline is not None:
+            ahead = self.pending_prefill_tokens() + len(seq.prompt_ids)
+            forecast = self.forecast.ttft_s(ahead)
+            if now >= seq.deadline or (forecast is not None and now + forecast > seq.deadline):
+                raise DeadlineUnmeetable(
+                    f"first token forecast in {forecast or 0.0:.3f}s misses the deadline "
+                    f"({seq.deadline - now:.3f}s away)", forecast_s=forecast)
+
+    def pending_prefill_tokens(self) -> int:
+        return sum(len(s.prompt_ids) - s.num_computed
+                   for s in (*self.waiting, *self.running) if s.prefilling)
+
+    def cancel(self, request_id: str) -> Seq | None:
+        """Finish a waiting or running request as cancelled; None if unknown or already done."""
+        for s in self.waiting:
+            if s.request_id == request_id:
+                self.waiting.remove(s)
+                self._finish(s, "cancelled")
+                return s
+        for s in self.running:
+            if s.request_id == request_id:
+                self._finish(s, "cancelled")
+                return s
+        return None
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> Step | None:
+        """Expire deadlines, admit what fits, and build the next step (None when idle)."""
+        self._expire(now)
+        self._admit()
+        budget = self.max_step_tokens
+        chunks: list[Chunk] = []
+        for s in self.running:
+            if not s.prefilling:
+                chunks.append(Chunk(s, s.num_computed, [s.output_ids[-1]], True))
+        budget -= len(chunks)
+        for s in self.running:
+            if s.prefilling and budget > 0:
+                n = min(len(s.prompt_ids) - s.num_computed, budget)
+                ids = s.prompt_ids[s.num_computed:s.num_computed + n]
+                chunks.append(Chunk(s, s.num_computed, ids, s.num_computed + n == s.num_tokens))
+                budget -= n
+        if not chunks:
+            return None
+        step = Step(self._next_step, chunks)
+        self._next_step += 1
+        for c in chunks:
+            c.seq.table.ensure(c.start + len(c.token_ids))
+            if len(c.seq.table.pages) > c.seq.reserved_pages:
+                raise PageError(f"{c.seq.request_id} grew past its reservation")
+            c.seq.last_step = step.step_id
+        return step
+
+    def complete(self, step: Step, tokens: list[int | None], now: float) -> list[tuple[Seq, int]]:
+        """Record a retired step: computed positions and sampled tokens (one per chunk, None for
+        chunks that do not sample). Finishes requests at max_tokens or EOS; returns new tokens."""
+        new: list[tuple[Seq, int]] = []
+        for c, tok in zip(step.chunks, tokens):
+            s = c.seq
+            if s.status != RUNNING:
+                continue
+            s.num_computed = c.start + len(c.token_ids)
+            if not c.samples:
+                continue
+            s.output_ids.append(tok)
+            if s.first_token_time is None:
+                s.first_token_time = now
+            new.append((s, tok))
+            if tok in self.eos_ids and not s.params.ignore_eos:
+                self._finish(s, "stop")
+            elif len(s.output_ids) >= s.params.max_tokens:
+                self._finish(s, "length")
+        return new
+
+    def finish(self, seq: Seq, reason: str) -> None:
+        """Finish a running request for a reason found outside the scheduler (stop string)."""
+        if seq.status == RUNNING:
+            self._finish(seq, reason)
+
+    def reclaim(self, retired_step: int) -> list[Seq]:
+        """Return pages and bytes of finished requests whose last step has retired."""
+        freed, keep = [], []
+        for s in self._unreclaimed:
+            (freed if s.last_step <= retired_step else keep).append(s)
+        self._unreclaimed = keep
+        for s in freed:
+            s.table.release()
+            self.ledger.refund(s.request_id)
+        return freed
+
+    def pop_finished(self) -> list[Seq]:
+        out, self._finished = self._finished, []
+        return out
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running or self._unreclaimed)
+
+    @property
+    def unreclaimed(self) -> list[Seq]:
+        return list(self._unreclaimed)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _expire(self, now: float) -> None:
+        # A first-token deadline binds until the first token: queued or mid-prefill.
+        for s in [s for s in (*self.waiting, *self.running)
+                  if s.deadline is not None and s.prefilling and now >= s.deadline]:
+            if s.status == WAITING:
+                self.waiting.remove(s)
+            self._finish(s, "deadline")
+
+    def _admit(self) -> None:
+        while self.waiting and self.ledger.fits(self.waiting[0].raw_tokens):
+            s = self.waiting.popleft()
+            self.ledger.reserve(s.request_id, s.raw_tokens)
+            s.reserved_pages = self.ledger.cost_model.pages(s.raw_tokens)
+            s.table = PageTable(self.pool)
+            s.status = RUNNING
+            self.running.append(s)
+            self.counters["admitted"] += 1
+
+    def _finish(self, s: Seq, reason: str) -> None:
+        if s.status == RUNNING:
+            self.running.remove(s)
+            self._unreclaimed.append(s)
+        s.status = FINISHED
+        s.finish_reason = reason
+        self._finished.append(s)
+        self.counters[f"finished_{reason}"] += 1
