@@ -1,0 +1,106 @@
+"""Sampler (greedy, temperature, top-k, top-p, per-request seeds) and stop-string detokenization."""
+import math
+
+import mlx.core as mx
+import pytest
+
+from engine.detok import TextStream
+from engine.errors import InvalidRequest
+from engine.sampling import RowSpec, SamplingParams, sample
+from tests.fixtures.tiny_models import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from mlx_lm.tokenizer_utils import load
+
+    d = tmp_path_factory.mktemp("tok")
+    build_tokenizer(d)
+    return load(d)
+
+
+def _logits(rows=4, vocab=64, seed=0):
+    return mx.random.normal((rows, vocab), key=mx.random.key(seed))
+
+
+def test_greedy_is_argmax():
+    logits = _logits()
+    rows = [RowSpec(SamplingParams(temperature=0), 1, 0)] * 4
+    assert sample(logits, rows).tolist() == mx.argmax(logits, axis=-1).tolist()
+
+
+def test_seeded_row_is_independent_of_batch_composition():
+    logits = _logits(rows=3)
+    p = SamplingParams(temperature=1.0)
+    alone = [sample(logits[1:2], [RowSpec(p, 42, i)]).item() for i in range(20)]
+    batched = [sample(logits, [RowSpec(SamplingParams(temperature=0), 0, 0), RowSpec(p, 42, i),
+                               RowSpec(SamplingParams(temperature=0.5), 7, i)]).tolist()[1]
+               for i in range(20)]
+    assert alone == batched
+    other_seed = [sample(logits[1:2], [RowSpec(p, 43, i)]).item() for i in range(20)]
+    assert other_seed != alone
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = _logits(rows=1, vocab=32)
+    order = mx.argsort(-logits[0]).tolist()
+    k3 = {sample(logits, [RowSpec(SamplingParams(top_k=3), 5, i)]).item() for i in range(200)}
+    assert k3 <= set(order[:3]) and len(k3) > 1
+    probs = mx.softmax(logits[0]).tolist()
+    sorted_p = sorted(probs, reverse=True)
+    nucleus = next(i for i in range(32) if sum(sorted_p[:i + 1]) >= 0.5) + 1
+    p5 = {sample(logits, [RowSpec(SamplingParams(top_p=0.5), 5, i)]).item() for i in range(200)}
+    assert p5 <= set(order[:nucleus])
+    tiny = {sample(logits, [RowSpec(SamplingParams(top_p=1e-6), 5, i)]).item() for i in range(20)}
+    assert tiny == {order[0]}
+
+
+def test_temperature_one_matches_softmax_frequencies():
+    logits = mx.array([[2.0, 1.0, 0.0, -1.0]])
+    n = 3000
+    draws = [sample(logits, [RowSpec(SamplingParams(), 11, i)]).item() for i in range(n)]
+    probs = mx.softmax(logits[0]).tolist()
+    for tok, p in enumerate(probs):
+        freq = draws.count(tok) / n
+        assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-3
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-1),
+                                 dict(max_tokens=0), dict(stop=("",)), dict(seed="x")])
+def test_bad_params_are_invalid_requests(bad):
+    with pytest.raises(InvalidRequest):
+        SamplingParams(**bad)
+
+
+def _stream(tokenizer, text, stop=()):
+    ids = tokenizer.encode(text)
+    ts = TextStream(tokenizer, [1, 2], stop)
+    pieces = [ts.push(t) for t in ids]
+    return pieces, ts
+
+
+def test_incremental_text_equals_full_decode_and_never_splits_characters(tokenizer):
+    text = "Hello, world! é ü 日本 The end."
+    pieces, ts = _stream(tokenizer, text)
+    pieces.append(ts.flush())
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stop_string_is_never_emitted_and_partials_are_held(tokenizer):
+    pieces, ts = _stream(tokenizer, "Hello, world! Stop here. The end.", stop=("Stop here",))
+    assert ts.stopped and "".join(pieces) == "Hello, world! "
+    assert ts.flush() == ""
+    # "Stop" starts a match of "Stop now" but diverges: it is held, then released intact.
+    pieces, ts = _stream(tokenizer, "Hello, world! Stop here. The end.", stop=("Stop now",))
+    assert not ts.stopped
+    seen = ""
+    for p in pieces:
+        seen += p
+        assert not seen.endswith("Stop") and not seen.endswith("Sto")
+    assert seen + ts.flush() == "Hello, world! Stop here. The end."
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer):
+    pieces, ts = _stream(tokenizer, "The quick brown fox jumps", stop=("fox", "quick"))
+    assert "".join(pieces) == "The "
