@@ -69,6 +69,7 @@ def model_deployment_options(cfg: OrchardConfig, model) -> dict[str, Any]:
                 "namespace": cfg.capacity.namespace,
                 "max_fault_retries": cfg.capacity.max_fault_retries,
                 "fallback_cooldown_s": cfg.capacity.fallback_cooldown_s,
+                "hold_wait_s": cfg.capacity.hold_wait_s,
             },
             request_routing_stats_period_s=cfg.capacity.routing_stats_period_s,
         ),

@@ -88,5 +88,7 @@ def identity_rows(snapshot: dict) -> list[dict]:
     rows = []
     for model in snapshot.get("models", []) if isinstance(snapshot, dict) else []:
         for ident in model.get("identities", []):
-            rows.append({"model_id": model.get("model_id"), **ident})
+            rows.append({"model_id": model.get("model_id"), "identity": ident.get("identity"),
+                         "cap": ident.get("cap"), "decode_tokens_per_s": ident.get("decode_tps"),
+                         "prefill_tokens_per_s": ident.get("prefill_tps")})
     return rows

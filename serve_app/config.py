@@ -115,6 +115,8 @@ class CapacitySettings(_Strict):
     max_fault_retries: int = Field(3, ge=1, description="actor faults before power-of-two")
     fallback_cooldown_s: float = Field(10.0, ge=0, description="power-of-two period after faults")
     routing_stats_period_s: float = Field(1.0, gt=0)
+    hold_wait_s: float = Field(2.0, ge=0, description="how long a burst may wait for capacity "
+                               "before 429 (bounded by the first-token deadline)")
 
 
 class HTTPSettings(_Strict):

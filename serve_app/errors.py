@@ -77,6 +77,10 @@ def from_exception(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, CapacityRefused):
         # A deliberate refusal: 429 when the fleet is busy, 503 when nothing can serve now.
+        if exc.reason == "request_too_large":
+            return APIError(413, str(exc), code="request_too_large", reason=exc.reason)
+        if exc.reason == "invalid_request":
+            return bad_request(str(exc))
         status = 503 if exc.reason in _UNAVAILABLE_REASONS else 429
         return APIError(status, str(exc), type="rate_limit_error" if status == 429
                         else "service_unavailable", code=exc.reason,
@@ -100,4 +104,4 @@ def from_exception(exc: BaseException) -> APIError:
 
 
 # Refusal reasons meaning "no replica exists / none is healthy" rather than "all busy".
-_UNAVAILABLE_REASONS = {"no_replicas", "unavailable", "draining", "unknown_model"}
+_UNAVAILABLE_REASONS = {"unknown_model", "no_replicas", "unavailable", "draining"}

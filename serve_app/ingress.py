@@ -289,13 +289,11 @@ class _Tracker:
 
 
 async def _chain(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    # Drain to the end (not just the finishing delta) so the replica's generator completes
+    # normally instead of being cancelled.
     yield first
-    if first.get("finish_reason") is not None:
-        return
     async for item in rest:
         yield item
-        if item.get("finish_reason") is not None:
-            return
 
 
 def _usage(u: dict | None) -> dict:

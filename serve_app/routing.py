@@ -57,12 +57,17 @@ def headroom(replica: RunningReplica) -> int:
 
 class CapacityRouter(LocalityMixin, RequestRouter):
     def initialize_state(self, namespace: str = "orchard", max_fault_retries: int = 3,
-                         fallback_cooldown_s: float = 10.0, **_: Any) -> None:
-        from capacity.actor import CapacityClient
+                         fallback_cooldown_s: float = 10.0, hold_wait_s: float = 2.0,
+                         **_: Any) -> None:
+        try:
+            from capacity.actor import CapacityClient
 
-        self.client = CapacityClient(namespace=namespace)
+            self.client = CapacityClient(namespace=namespace)
+        except ImportError:  # a build without the capacity actor: power-of-two only
+            self.client = None
         self.max_fault_retries = max_fault_retries
         self.fallback_cooldown_s = fallback_cooldown_s
+        self.hold_wait_s = hold_wait_s
         self.fallback_until = 0.0
         self.holds: dict[str, tuple[str, Any]] = {}   # internal request id -> (request id, hold)
         self.stats = {"holds": 0, "refusals": 0, "faults": 0, "fallback_routes": 0}
@@ -73,7 +78,7 @@ class CapacityRouter(LocalityMixin, RequestRouter):
     async def _choose_replica_for_request(self, pending_request: PendingRequest, *,
                                           is_retry: bool = False) -> RunningReplica:
         call = _call_of(pending_request)
-        if call is None or time.monotonic() < self.fallback_until:
+        if call is None or self.client is None or time.monotonic() < self.fallback_until:
             if call is not None:
                 self.stats["fallback_routes"] += 1
             return await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
@@ -92,24 +97,39 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         return await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
 
     async def _hold(self, call: GenerateCall) -> Any | None:
-        """The actor's hold, or None after repeated faults (then power-of-two for a while)."""
+        """The actor's hold, or None after repeated faults (then power-of-two for a while).
+
+        A "no_capacity" refusal is retried with backoff for up to hold_wait_s (never past the
+        request's first-token deadline), so a burst queues briefly instead of bouncing with 429.
+        """
         from capacity.errors import CapacityRefused
 
-        for attempt in range(self.max_fault_retries):
+        wait_until = time.monotonic() + self.hold_wait_s
+        if call.first_token_deadline_unix is not None:
+            wait_until = min(wait_until, call.deadline_monotonic())
+        faults = refusals = 0
+        while True:
             try:
                 hold = await self.client.hold(call.model, call.raw_tokens, call.request_id)
                 self.stats["holds"] += 1
                 return hold
-            except CapacityRefused:
-                self.stats["refusals"] += 1
-                raise
+            except CapacityRefused as e:
+                delay = self._compute_backoff_s(refusals)
+                refusals += 1
+                if e.reason != "no_capacity" or time.monotonic() + delay > wait_until:
+                    self.stats["refusals"] += 1
+                    raise
+                await asyncio.sleep(delay)
             except asyncio.CancelledError:
                 self._cancel_soon(call.request_id, 0.0)
                 raise
             except Exception:  # noqa: BLE001 - actor dead, unreachable, or misbehaving
                 self.stats["faults"] += 1
-                log.warning("capacity hold failed (attempt %d)", attempt + 1, exc_info=True)
-                await self._backoff(attempt)
+                faults += 1
+                log.warning("capacity hold failed (fault %d)", faults, exc_info=True)
+                if faults >= self.max_fault_retries:
+                    break
+                await self._backoff(faults - 1)
         self.fallback_until = time.monotonic() + self.fallback_cooldown_s
         log.warning("capacity actor faulted %d times; power-of-two routing for %.0f s",
                     self.max_fault_retries, self.fallback_cooldown_s)
@@ -136,7 +156,7 @@ class CapacityRouter(LocalityMixin, RequestRouter):
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         entry = self.holds.pop(internal_request_id, None)
-        if entry is not None:
+        if entry is not None and self.client is not None:
             self._cancel_soon(entry[0], LEAK_GUARD_DELAY_S)
 
     def _cancel_soon(self, request_id: str, delay_s: float) -> None:

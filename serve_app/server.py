@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import platform
 import time
 import uuid
 from dataclasses import asdict
@@ -17,6 +16,7 @@ from typing import Any, AsyncIterator
 
 from serve_app.calls import GenerateCall
 from serve_app.errors import APIError, from_exception
+from serve_app.heartbeat import chip_class
 
 log = logging.getLogger("orchard.server")
 
@@ -34,20 +34,6 @@ def _replica_id() -> str:
         return f"local-{uuid.uuid4().hex[:8]}"
 
 
-def _chip_class() -> str:
-    """Apple chip name on a Mac (e.g. 'Apple M3 Max'), else the CPU architecture."""
-    try:
-        import mlx.core as mx
-
-        info = mx.device_info() if hasattr(mx, "device_info") else {}
-        name = info.get("device_name") or info.get("architecture")
-        if name:
-            return str(name)
-    except Exception:  # noqa: BLE001 - metadata only
-        pass
-    return f"{platform.system().lower()}-{platform.machine()}"
-
-
 def _memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -61,7 +47,6 @@ class ModelServer:
     def __init__(self, model: dict[str, Any], kv_format: str, capacity: dict[str, Any] | None,
                  drain_timeout_s: float = 30.0):
         from engine.config import EngineConfig
-        from engine.loop import Engine
 
         self.model_id = model["id"]
         self.model_path = model["path"]
@@ -70,7 +55,7 @@ class ModelServer:
                                   kv_budget_bytes=model.get("kv_budget_bytes"),
                                   max_num_seqs=model.get("max_num_seqs", 16),
                                   **model.get("engine", {}))
-        self.engine = Engine(engine_cfg)
+        self.engine = self._make_engine(engine_cfg)
         self.replica_id = _replica_id()
         self.node_id = _node_id()
         from serve_app.capacity_link import CapacityLink
@@ -78,6 +63,11 @@ class ModelServer:
         self.capacity = CapacityLink(capacity, self) if capacity else None
         self._started = False
         self._inflight: dict[str, float] = {}
+
+    def _make_engine(self, engine_cfg: Any) -> Any:
+        from engine.loop import Engine
+
+        return Engine(engine_cfg)
 
     async def start(self) -> None:
         """Start background reporting on the caller's event loop (idempotent)."""
@@ -190,7 +180,7 @@ class ModelServer:
 
     def record_replica_metadata(self) -> dict:
         return {"model_id": self.model_id, "replica_id": self.replica_id,
-                "chip_class": _chip_class(), "memory_bytes": _memory_bytes(),
+                "chip_class": chip_class(), "memory_bytes": _memory_bytes(),
                 "format_identity": self.engine.format_identity, "node_id": self.node_id}
 
     async def check_health(self) -> None:

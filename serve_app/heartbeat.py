@@ -1,0 +1,66 @@
+"""Build a replica's sequence-numbered heartbeat from its engine's live state.
+
+The slot carries the *actual* execution identity of the loaded engine, its raw-token budget
+use, its cost model and its observed rates, and the list of active request ids, so the actor
+can reconcile reservations whose release was lost.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from capacity.identity import execution_identity
+from capacity.protocol import (ACTOR_CAPABILITIES, MAX_ACTIVE_LISTED, ActiveRequest,
+                               CostModelWire, HeartbeatReport, SlotReport)
+
+
+def chip_class() -> str:
+    """'M3|Max' on Apple Silicon (wire grammar has no spaces), else e.g. 'linux-x86_64'."""
+    import platform
+
+    try:
+        import mlx.core as mx
+
+        info = mx.device_info() if hasattr(mx, "device_info") else {}
+        name = str(info.get("device_name") or "")
+        if name.startswith("Apple "):
+            return name.removeprefix("Apple ").replace(" ", "|")
+    except Exception:  # noqa: BLE001 - metadata only
+        pass
+    return f"{platform.system().lower()}-{platform.machine()}"
+
+
+def slot_report(server: Any, state: str | None = None) -> SlotReport:
+    eng = server.engine
+    stats = eng.stats()
+    cost = eng.cost_model()
+    running = int(stats.get("num_requests_running", 0))
+    waiting = int(stats.get("num_requests_waiting", 0))
+    execution = execution_identity(eng.format_identity, stats.get("prefill_mode", "direct"))
+    active = [ActiveRequest(request_id=rid, raw_tokens=raw)
+              for rid, raw in list(stats.get("active_raw_tokens", {}).items())[:MAX_ACTIVE_LISTED]]
+    return SlotReport(
+        model_id=server.model_id,
+        state=state or ("running" if running + waiting else "idle"),
+        declared_execution=execution,
+        execution_identity=execution,
+        num_running=running,
+        num_waiting=waiting,
+        raw_budget_used=int(stats.get("raw_tokens_used", 0)),
+        max_concurrency=cost.concurrency_ceiling,
+        kv_bytes_per_token=cost.bytes_per_token,
+        used_bytes=int(stats.get("kv_bytes_used", 0)),
+        cost_model=CostModelWire.from_cost_model(cost),
+        observed_decode_tps=stats.get("decode_tps"),
+        observed_prefill_tps=stats.get("prefill_tps"),
+        active=active,
+        active_complete="active_raw_tokens" in stats
+        and len(stats["active_raw_tokens"]) <= MAX_ACTIVE_LISTED,
+    )
+
+
+def build_report(server: Any, incarnation: int, seq: int, state: str | None = None
+                 ) -> HeartbeatReport:
+    return HeartbeatReport(replica_id=server.replica_id, node_id=server.node_id,
+                           chip_class=chip_class(), incarnation=incarnation, seq=seq,
+                           capabilities=sorted(ACTOR_CAPABILITIES),
+                           slots=[slot_report(server, state)])
