@@ -2,4 +2,5 @@
 pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.ray_session",
+    "tests.fixtures.peer_server",
 ]
