@@ -341,8 +341,8 @@ class Ledger:
         models.pop(rep.replica_id, None)
         if not models:
             del self._by_model[rep.model]
-        if not any(r.replica_id == rep.replica_id for r in self._replicas.values()):
-            self._seq.pop(rep.replica_id, None)
+        # _seq keeps the replica's last (incarnation, seq): a delayed old report must not
+        # resurrect an evicted replica with stale numbers.
         return out
 
 
