@@ -1,0 +1,112 @@
+"""The actor's state machine without Ray: heartbeats feed rates, caps and the ledger; releases feed
+per-request samples and TTFT calibration; the public feed and persistence."""
+import json
+
+import pytest
+
+from capacity.errors import CapacityRefused
+from capacity.fleet import Fleet, FleetConfig
+from capacity.identity import ExecutionKey
+
+INT4 = "kvq-v1:affine-v1-k4v4-g64-f32-h128-s1:prefill=direct"
+
+
+def report(replica, seq, *, node="box", running=0, waiting=0, tps=None, execution=None, used=0,
+           max_=10_000, conc=24, active=(), incarnation=1, chip="M4|Max"):
+    return {"replica_id": replica, "node_id": node, "chip_class": chip, "incarnation": incarnation,
+            "seq": seq, "slots": [{
+                "model_id": "m", "state": "running", "execution_identity": execution,
+                "num_running": running, "num_waiting": waiting, "raw_budget_used": used,
+                "raw_budget_max": max_, "max_concurrency": conc, "observed_decode_tps": tps,
+                "active": [{"request_id": r, "raw_tokens": t} for r, t in active]}]}
+
+
+def test_stale_heartbeat_is_discarded_and_teaches_nothing():
+    f = Fleet()
+    assert f.heartbeat(report("r0", 2, running=1, tps=50.0), 0.0)["accepted"]
+    out = f.heartbeat(report("r0", 1, running=1, tps=400.0, max_=0), 0.0)
+    assert out == {"accepted": False, "reason": "stale_or_out_of_order", "caps": {}}
+    key = ExecutionKey.make("m", "M4|Max", None)
+    assert f.rates.load_median(key) == 50.0
+    assert f.snapshot(0.0)["models"][0]["headroom_raw_tokens"] == 10_000
+
+
+def test_quantized_cap_expands_after_the_fifth_solo_heartbeat():
+    f = Fleet()
+    caps = [f.heartbeat(report("r0", s, running=1, tps=76.0, execution=INT4), 0.0)["caps"]["m"]
+            for s in range(1, 6)]
+    assert caps == [1, 1, 1, 1, 12]
+
+
+def test_solo_samples_need_the_whole_box_quiet():
+    f = Fleet()
+    f.heartbeat(report("other", 1, running=1), 0.0)         # same box, another replica busy
+    for s in range(1, 8):
+        f.heartbeat(report("r0", s, running=1, tps=76.0, execution=INT4), 0.0)
+    key = ExecutionKey.make("m", "M4|Max", INT4)
+    assert f.rates.solo_median(key) == (None, 0)
+    assert f.rates.load_median(key) == 76.0
+    rows = {r["identity"]: r for r in f.snapshot(0.0)["models"][0]["identities"]}
+    assert rows[INT4]["cap"] == 1 and rows["native"]["cap_source"] == "fallback"
+
+
+def test_malformed_identity_is_quarantined_in_the_feed():
+    f = Fleet()
+    for s in range(1, 7):
+        f.heartbeat(report("r0", s, running=1, tps=90.0, execution="kvq-v1:affine-v1-k4v4"), 0.0)
+    ident = f.snapshot(0.0)["models"][0]["identities"][0]
+    assert (ident["identity"], ident["cap"], ident["cap_source"], ident["decode_tps"]) == \
+        ("kvq-v1:invalid", 1, "invalid", None)
+    assert f.counters["quarantined"] == 6
+
+
+def test_hold_commit_release_learns_once():
+    f = Fleet()
+    f.heartbeat(report("r0", 1, running=1, tps=50.0), 0.0)   # native: prefill bootstraps from decode
+    hold = f.hold("m", 1000, "a", 0.0, prompt_tokens=600)
+    assert hold.replica_id == "r0" and hold.ranking == ["r0"]
+    assert hold.predicted_ttft_s == pytest.approx(600 / 600 + 1 / 50)
+    assert f.commit("a", "r0", 0.1)
+    tel = {"prompt_tokens": 600, "completion_tokens": 10, "batch_size": 1, "ttft_s": 0.51,
+           "tpot_s": 0.02}
+    assert f.release("a", tel) and not f.release("a", tel)
+    key = ExecutionKey.make("m", "M4|Max", None)
+    assert f.rates.prefill_tps(key) == pytest.approx(600 / 0.51)
+    assert f.rates.solo_median(key) == (50.0, 2)            # the heartbeat's, and 1/tpot
+    assert f.rates._ttft[key].values() == [pytest.approx(0.51 / 1.02)]
+
+
+def test_refusal_debits_nothing_and_public_feed_matches_routing():
+    f = Fleet()
+    f.heartbeat(report("r0", 1, max_=500, conc=2), 0.0)
+    f.hold("m", 400, "a", 0.0)
+    snap = f.snapshot(0.0)["models"][0]
+    assert (snap["headroom_raw_tokens"], snap["max_request_raw_tokens"]) == (100, 100)
+    with pytest.raises(CapacityRefused) as e:
+        f.hold("m", 101, "b", 0.0)
+    assert e.value.reason == "no_capacity"
+    assert f.snapshot(0.0)["outstanding_raw_tokens"] == 400
+    f.hold("m", 100, "c", 0.0)
+    assert f.snapshot(0.0)["models"][0]["ready"] is False
+
+
+def test_persisted_rates_survive_a_restart_but_reservations_come_from_reports():
+    f = Fleet()
+    for s in range(1, 6):
+        f.heartbeat(report("r0", s, running=1, tps=76.0, execution=INT4), 0.0)
+    f.hold("m", 300, "a", 0.0)
+    state = json.loads(json.dumps(f.persist_state()))
+    g = Fleet.restore(state, FleetConfig())
+    key = ExecutionKey.make("m", "M4|Max", INT4)
+    assert g.rates.solo_median(key) == (76.0, 5)
+    assert g.ledger.outstanding_raw() == 0
+    out = g.heartbeat(report("r0", 6, running=1, execution=INT4, used=300, active=[("a", 300)]), 1.0)
+    assert out["caps"]["m"] == 12 and g.ledger.outstanding_raw() == 300
+    assert g.release("a") and g.ledger.outstanding_raw() == 0
+
+
+def test_config_sections_are_configurable_from_dicts():
+    cfg = FleetConfig.from_dict({"caps": {"overcommit": 2.0, "unknown": 1},
+                                 "ledger": {"hold_ttl_s": 3.0}, "rates": {"ttft_clamp": [0.5, 1.0]}})
+    assert cfg.caps.overcommit == 2.0 and cfg.ledger.hold_ttl_s == 3.0
+    assert cfg.rates.ttft_clamp == (0.5, 1.0) and cfg.forecast.cold_load_penalty_s == 30.0
