@@ -9,6 +9,7 @@ HTML report show them with percentiles; the raw records go to `--records-out` fo
 import locust  # noqa: I001 - must come first: gevent monkey-patching before any urllib3/requests
 
 import json
+import os
 import sys
 import time
 
@@ -68,6 +69,8 @@ class Run:
         self.client = HTTPClient.from_url(
             env.host, concurrency=max(16, len(self.records)),
             network_timeout=o.stream_timeout, connection_timeout=min(30.0, o.stream_timeout))
+        key = os.environ.get("ORCHARD_LOADTEST_API_KEY")  # set by loadtest.runner
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.t0 = 0.0
         self.t0_epoch = 0.0
         self.written = False
@@ -76,7 +79,7 @@ class Run:
         rec = self.records[arrival.index]
         o = self.env.parsed_options
         stream_one(self.client, self.path, self.bodies[arrival.index], rec, self.t0,
-                   o.stream_timeout)
+                   o.stream_timeout, self.headers)
         _report(self.env.events.request, rec, self.api, self.slice)
 
     def write(self):
@@ -167,7 +170,7 @@ def _warm_up(run: Run) -> None:
     """One GET before the clock starts: the first connection pays for address resolution (a
     gevent threadpool start-up, ~20 ms) which would otherwise land on the first arrivals."""
     try:
-        run.client.get("/v1/models").release()
+        run.client.get("/v1/models", headers=run.headers).release()
     except Exception as exc:  # noqa: BLE001 - the scheduled requests will report real failures
         print(f"[loadtest] warm-up GET failed: {exc}", file=sys.stderr, flush=True)
 

@@ -21,6 +21,7 @@ from loadtest.arrivals import DEFAULT_MIX, Schedule
 
 LOCUSTFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "locustfile.py")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+API_KEY_ENV = "ORCHARD_LOADTEST_API_KEY"  # how the key reaches the Locust child
 
 
 @dataclass
@@ -56,6 +57,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overload-factor", type=float, default=3.0)
     p.add_argument("--schedule-file", help="replay this schedule JSON instead of building one")
     p.add_argument("--api", default="chat", choices=["chat", "completions"])
+    p.add_argument("--api-key", default=os.environ.get("ORCHARD_API_KEY"),
+                   help="bearer key (default: $ORCHARD_API_KEY); servers without auth ignore it")
     p.add_argument("--extra-body", default="", help="JSON merged into every request body")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
@@ -91,13 +94,13 @@ def params_from(args, context: int, capacity: int | None) -> scenarios.Params:
 
 def discover(target: Target, args) -> dict:
     """Model, context, advertised capacity of a target (plain HTTP, before any load)."""
-    probe.wait_ready(target.url, timeout=60.0)
-    models = probe.list_models(target.url)
+    probe.wait_ready(target.url, timeout=60.0, key=args.api_key)
+    models = probe.list_models(target.url, key=args.api_key)
     if target.model is None and len(models) == 1:
         target.model = models[0].get("id")
     context = args.context or probe.context_length(models, target.model) or 4096
     mix = [int(x) for x in args.mix.split(",")]
-    feed = probe.capacity_feed(target.url)
+    feed = probe.capacity_feed(target.url, key=args.api_key)
     raw = int(sum(mix) / len(mix)) + args.max_tokens
     return {"model": target.model, "context": context, "capacity_feed": feed is not None,
             "advertised_concurrency": probe.advertised_concurrency(feed, target.model, raw)}
@@ -116,7 +119,8 @@ def run_locust(target: Target, schedule: Schedule, args, out: str) -> dict:
     from loadtest import plots, report  # matplotlib is slow to import; only needed here
 
     os.makedirs(out, exist_ok=True)
-    cal, probe_s = probe.calibrate(target.url, args.api, target.model)
+    cal, probe_s = probe.calibrate(target.url, args.api, target.model, key=args.api_key)
+    feed_before = probe.capacity_feed(target.url, key=args.api_key)
     sched_path, rec_path = os.path.join(out, "schedule.json"), os.path.join(out, "records.json")
     with open(sched_path, "w") as f:
         f.write(schedule.to_json())
@@ -136,6 +140,8 @@ def run_locust(target: Target, schedule: Schedule, args, out: str) -> dict:
         cmd.append("--only-summary")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         x for x in (REPO_ROOT, os.environ.get("PYTHONPATH")) if x)}
+    if args.api_key:
+        env[API_KEY_ENV] = args.api_key  # not on the command line, where `ps` would show it
     print(f"[loadtest] {target.name}: {len(schedule.arrivals)} requests, scenario "
           f"{schedule.meta.get('scenario')}, calibration {cal.tokens_per_word:.2f} tok/word "
           f"+{cal.overhead}", flush=True)
@@ -147,7 +153,7 @@ def run_locust(target: Target, schedule: Schedule, args, out: str) -> dict:
     summary["target"].update(model=target.model, kv=target.kv, label=target.name)
     summary["calibration"] = {"tokens_per_word": cal.tokens_per_word, "overhead": cal.overhead,
                               "probe_s": probe_s}
-    summary["capacity_after"] = probe.wait_idle(target.url)
+    summary["capacity_after"] = probe.wait_idle(target.url, feed_before, key=args.api_key)
     summary["locust_exit_code"] = rc
     summary["files"] = {"records": rec_path, "schedule": sched_path,
                         "html": os.path.join(out, "locust.html"),
