@@ -136,3 +136,8 @@ def layer_report(kvstore) -> list[dict]:
         out.append({"layer": index, "storage": ident,
                     "bytes_per_token": store.page_bytes // kvstore.page_tokens})
     return out
+
+
+def storage_identity(kvstore) -> str:
+    """One string naming every paged layer's storage: what prefix keys and checkpoints bind."""
+    return ";".join(f"{r['layer']}={r['storage']}" for r in layer_report(kvstore))
