@@ -3,4 +3,5 @@ pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.ray_session",
     "tests.fixtures.peer_server",
+    "tests.fixtures.serve",
 ]
