@@ -53,9 +53,12 @@ class OrchardIngress:
 
 
 def model_deployment_options(cfg: OrchardConfig, model) -> dict[str, Any]:
+    extra = {"max_replicas_per_node": model.max_replicas_per_node} \
+        if model.max_replicas_per_node else {}
     return dict(
         name=deployment_name(model.id),
         num_replicas=model.replicas,
+        **extra,
         ray_actor_options=model.resources.ray_actor_options(),
         # The capacity actor and the engine's byte ledger own the real cap; this is a ceiling.
         max_ongoing_requests=model.max_ongoing_requests or 2 * model.max_num_seqs,
@@ -86,7 +89,8 @@ def build_app(config: OrchardConfig | dict[str, Any]):
                                  capacity=cfg.capacity.model_dump(),
                                  drain_timeout_s=cfg.drain_timeout_s)
     ingress = serve.deployment(OrchardIngress, name=INGRESS_NAME, num_replicas=1,
-                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+                               ray_actor_options=cfg.ingress_resources.ray_actor_options(),
+                               max_ongoing_requests=10_000)
     return ingress.bind(cfg.model_dump(), handles)
 
 

@@ -61,6 +61,7 @@ class ModelConfig(_Strict):
     max_ongoing_requests: int | None = Field(
         None, ge=1, description="Serve's per-replica hard cap; default = 2x max_num_seqs")
     resources: ReplicaResources = Field(default_factory=ReplicaResources)
+    max_replicas_per_node: int | None = Field(None, ge=1, description="spread replicas")
     engine: dict[str, Any] = Field(default_factory=dict,
                                    description="extra EngineConfig knobs, passed through")
 
@@ -134,6 +135,9 @@ class OrchardConfig(_Strict):
                                 description="bearer keys; empty = no auth (env ORCHARD_API_KEYS)")
     capacity: CapacitySettings = Field(default_factory=CapacitySettings)
     http: HTTPSettings = Field(default_factory=HTTPSettings)
+    ingress_resources: ReplicaResources = Field(
+        default_factory=lambda: ReplicaResources(num_cpus=0),
+        description="the ingress replica; e.g. {resources: {head: 0.01}} keeps it off the Macs")
     drain_timeout_s: float = Field(30.0, ge=0)
 
     @model_validator(mode="after")

@@ -36,25 +36,26 @@ def slot_report(server: Any, state: str | None = None) -> SlotReport:
     running = int(stats.get("num_requests_running", 0))
     waiting = int(stats.get("num_requests_waiting", 0))
     execution = execution_identity(eng.format_identity, stats.get("prefill_mode", "direct"))
-    active = [ActiveRequest(request_id=rid, raw_tokens=raw)
-              for rid, raw in list(stats.get("active_raw_tokens", {}).items())[:MAX_ACTIVE_LISTED]]
+    active = server.active_raw_tokens()
+    step_s = stats.get("decode_step_s")
     return SlotReport(
         model_id=server.model_id,
-        state=state or ("running" if running + waiting else "idle"),
+        state=state or ("running" if running + waiting or active else "idle"),
         declared_execution=execution,
         execution_identity=execution,
         num_running=running,
         num_waiting=waiting,
-        raw_budget_used=int(stats.get("raw_tokens_used", 0)),
+        raw_budget_used=sum(active.values()),
         max_concurrency=cost.concurrency_ceiling,
         kv_bytes_per_token=cost.bytes_per_token,
-        used_bytes=int(stats.get("kv_bytes_used", 0)),
+        used_bytes=int(stats.get("kv_bytes_reserved", 0)),
         cost_model=CostModelWire.from_cost_model(cost),
-        observed_decode_tps=stats.get("decode_tps"),
-        observed_prefill_tps=stats.get("prefill_tps"),
-        active=active,
-        active_complete="active_raw_tokens" in stats
-        and len(stats["active_raw_tokens"]) <= MAX_ACTIVE_LISTED,
+        # Each running request gets one token per decode step: per-request tok/s under load.
+        observed_decode_tps=(1.0 / step_s) if step_s and running else None,
+        observed_prefill_tps=stats.get("prefill_tokens_per_s") or None,
+        active=[ActiveRequest(request_id=rid, raw_tokens=raw)
+                for rid, raw in list(active.items())[:MAX_ACTIVE_LISTED]],
+        active_complete=len(active) <= MAX_ACTIVE_LISTED,
     )
 
 

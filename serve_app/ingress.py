@@ -50,8 +50,10 @@ class ModelEntry:
                     info = await self.backend.info()
                     self.max_model_len = int(info["max_model_len"])
                     self.format_identity = info["format_identity"]
-                    self.tokenizer = await asyncio.to_thread(load_tokenizer,
-                                                             info["tokenizer_files"])
+                    tok = await asyncio.to_thread(load_tokenizer, info["tokenizer_files"])
+                    # We enforce the context ourselves (413/400); silence HF's length warning.
+                    tok.model_max_length = 1 << 62
+                    self.tokenizer = tok
         return self
 
 
@@ -184,12 +186,14 @@ class IngressCore:
                                          str(e.status)).inc()
             return e.response()
         self.metrics.admissions.labels(model).inc()
+        headers = {"x-orchard-replica": first.get("replica_id", "?"),
+                   "x-request-id": call.request_id}
         builder = P.ResponseBuilder(kind, call.request_id, model)
         tracker = _Tracker(self.metrics, model, entry.format_identity, t0)
         if req.stream:
             return StreamingResponse(self._sse(builder, first, rest, req.include_usage(), tracker),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache", **headers})
         text, finish, usage = [], None, None
         try:
             async for item in _chain(first, rest):
@@ -200,7 +204,7 @@ class IngressCore:
             await rest.aclose()
             tracker.done(finish, usage)
         return JSONResponse(builder.full("".join(text), P.openai_finish_reason(finish),
-                                         _usage(usage)))
+                                         _usage(usage)), headers=headers)
 
     async def _sse(self, builder: P.ResponseBuilder, first: dict, rest: AsyncIterator[dict],
                    include_usage: bool, tracker: "_Tracker") -> AsyncIterator[str]:

@@ -58,11 +58,9 @@ class ModelServer:
         self.engine = self._make_engine(engine_cfg)
         self.replica_id = _replica_id()
         self.node_id = _node_id()
-        from serve_app.capacity_link import CapacityLink
-
-        self.capacity = CapacityLink(capacity, self) if capacity else None
+        self.capacity = _capacity_link(capacity, self) if capacity else None
         self._started = False
-        self._inflight: dict[str, float] = {}
+        self._inflight: dict[str, int] = {}   # request id -> raw tokens
 
     def _make_engine(self, engine_cfg: Any) -> Any:
         from engine.loop import Engine
@@ -86,7 +84,7 @@ class ModelServer:
 
         await self.start()
         started = time.monotonic()
-        self._inflight[call.request_id] = started
+        self._inflight[call.request_id] = call.raw_tokens
         if self.capacity is not None:
             await self.capacity.commit(call.request_id)
         stats_at_admission = self.engine.stats()
@@ -106,9 +104,12 @@ class ModelServer:
                     if d.ttft_s is not None:
                         ttft = d.ttft_s
                     usage, finish = d.usage, d.finish_reason
-                    yield {"text": d.text, "token_ids": list(d.token_ids),
-                           "finish_reason": d.finish_reason, "usage": asdict(d.usage),
-                           "ttft_s": d.ttft_s}
+                    item = {"text": d.text, "token_ids": list(d.token_ids),
+                            "finish_reason": d.finish_reason, "usage": asdict(d.usage),
+                            "ttft_s": d.ttft_s}
+                    if n_deltas == 1:
+                        item["replica_id"] = self.replica_id
+                    yield item
             except Exception as e:  # noqa: BLE001 - mapped once to an HTTP error
                 if n_deltas:
                     raise
@@ -148,25 +149,26 @@ class ModelServer:
                 "max_model_len": self.max_model_len(), "tokenizer_files": files}
 
     def max_model_len(self) -> int:
-        stats = self.engine.stats()
-        if stats.get("max_model_len"):
-            return int(stats["max_model_len"])
-        cost = self.engine.cost_model()
-        return int(cost.max_raw_tokens(0, 0))
+        """Most raw tokens (prompt + completion) one request may have on this replica."""
+        return int(self.engine.cost_model().token_limit)
+
+    def active_raw_tokens(self) -> dict[str, int]:
+        """Requests this replica is serving now -> raw tokens (the heartbeat's active list)."""
+        return dict(self._inflight)
 
     # --- Serve hooks --------------------------------------------------------------------
 
     def routing_stats(self) -> dict:
         stats = self.engine.stats()
         cost = self.engine.cost_model()
-        used = int(stats.get("kv_bytes_used", 0))
+        used = int(stats.get("kv_bytes_reserved", 0))
         running = int(stats.get("num_requests_running", 0))
         return {
             "model_id": self.model_id,
             "format_identity": self.engine.format_identity,
             "num_requests_running": running,
             "num_requests_waiting": int(stats.get("num_requests_waiting", 0)),
-            "kv_bytes_used": used,
+            "kv_bytes_used": int(stats.get("kv_bytes_used", 0)),
             "kv_bytes_total": int(stats.get("kv_bytes_total", cost.budget_bytes)),
             "kv_pages_used": int(stats.get("kv_pages_used", 0)),
             "kv_pages_total": int(stats.get("kv_pages_total", 0)),
@@ -200,6 +202,16 @@ class ModelServer:
                 self.shutdown()
         except Exception:  # noqa: BLE001
             log.exception("drain failed")
+
+
+def _capacity_link(settings: dict[str, Any], server: "ModelServer") -> Any:
+    try:
+        from serve_app.capacity_link import CapacityLink
+
+        return CapacityLink(settings, server)
+    except ImportError:  # a build without capacity/actor.py: the engine's ledger still admits
+        log.warning("capacity actor client unavailable; not reporting to the capacity actor")
+        return None
 
 
 def _node_id() -> str:
