@@ -67,6 +67,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=120.0)
     p.add_argument("--spin-ms", type=float, default=2.0,
                    help="busy-wait this long before each due time for precise delivery")
+    p.add_argument("--sched", default="normal", choices=["normal", "nice", "fifo"],
+                   help="raise the load generator's OS priority for precise delivery on a busy "
+                   "host (needs privileges; what took effect is in summary.json)")
     p.add_argument("--locust-stats", action="store_true",
                    help="also print Locust's periodic stats table")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "orchard-loadtest"),
@@ -133,7 +136,8 @@ def run_locust(target: Target, schedule: Schedule, args, out: str) -> dict:
            "--label", target.name, "--api", args.api,
            "--calibration", f"{cal.tokens_per_word},{cal.overhead}",
            "--stream-timeout", str(args.stream_timeout),
-           "--drain-timeout", str(args.drain_timeout), "--spin-ms", str(args.spin_ms)]
+           "--drain-timeout", str(args.drain_timeout), "--spin-ms", str(args.spin_ms),
+           "--sched", args.sched]
     if args.extra_body:
         cmd += ["--extra-body", args.extra_body]
     if not args.locust_stats:

@@ -53,6 +53,7 @@ def test_summary_counts_slos_and_delivery():
     assert s["metrics"]["output_tokens"]["p50"] == 4
     assert s["delivery_error_ms"]["p99"] == pytest.approx(1.0)
     assert s["delivery_error_ms"]["goal_met"] and s["delivery_error_ms"]["goal_applies"]
+    assert s["schedule"]["mean_rate"] == pytest.approx(11 / 10)
     assert s["ttft_recorded_for_every_ok"]
     assert s["throughput"]["output_tokens_per_s"] == pytest.approx(40 / s["throughput"]["wall_s"])
     assert s["overload_rules"]["passed"]
