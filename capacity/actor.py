@@ -1,0 +1,345 @@
+"""The capacity actor (the only Ray code in capacity/) and the client replicas and routers use.
+
+The actor is named, detached, async, `num_cpus=0` (it never blocks scheduling) and restartable
+(`max_restarts=-1`; `max_task_retries=-1` makes calls at-least-once, which is why every method is
+idempotent by request id or heartbeat sequence). It persists rate histories to a JSON snapshot file
+periodically and restores them in __init__ after a restart; reservations are not persisted, they
+come back from the replicas' next heartbeats (each lists its active requests). Each method runs
+Fleet code to completion without awaiting, so no lock is ever held across the fleet.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import tempfile
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from capacity.errors import CapacityError, CapacityRefused
+from capacity.fleet import Fleet, FleetConfig, Hold
+from capacity.protocol import ActorInfo, HeartbeatReport, RequestTelemetry
+
+log = logging.getLogger("orchard.capacity")
+
+DEFAULT_NAME = "capacity"
+DEFAULT_NAMESPACE = "orchard"
+SNAPSHOT_ENV = "ORCHARD_CAPACITY_SNAPSHOT"   # overrides the snapshot path; "" disables persistence
+DEFAULT_SNAPSHOT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "orchard", "capacity-rates.json")
+PERSIST_INTERVAL_S = 10.0    # how much learning a crash may lose
+REAP_INTERVAL_S = 1.0        # TTL reaper period (hold TTL is 30 s by default, so 1 s is plenty)
+
+
+class CapacityUnavailable(CapacityError):
+    """The actor could not be reached (dead, restarting past the timeout, or never created)."""
+
+
+def default_snapshot_path() -> str:
+    return os.environ.get(SNAPSHOT_ENV, DEFAULT_SNAPSHOT_PATH)
+
+
+def _read_snapshot(path: str | None) -> dict | None:
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        log.warning("capacity snapshot %s unreadable; starting with empty histories", path)
+        return None
+
+
+def _write_snapshot(path: str, state: dict) -> None:
+    """Atomic: write a temp file in the same directory, then rename over the old snapshot."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".capacity-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(state, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class CapacityActor:
+    def __init__(self, config: dict | None = None, snapshot_path: str | None = None,
+                 persist_interval_s: float = PERSIST_INTERVAL_S,
+                 reap_interval_s: float = REAP_INTERVAL_S):
+        self.cfg = FleetConfig.from_dict(config)
+        self.path = default_snapshot_path() if snapshot_path is None else snapshot_path
+        state = _read_snapshot(self.path)
+        self.fleet = Fleet.restore(state, self.cfg)
+        self.restored = state is not None
+        self.reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
+        self.persist_interval_s = persist_interval_s
+        self.reap_interval_s = reap_interval_s
+        self.persisted_at: float | None = None
+        self._bg: asyncio.Task | None = None
+
+    def _ensure_background(self) -> None:
+        # Started lazily: the event loop is not running yet inside __init__.
+        if self._bg is None or self._bg.done():
+            self._bg = asyncio.get_running_loop().create_task(self._background())
+
+    async def _background(self) -> None:
+        last_persist = time.monotonic()
+        while True:
+            await asyncio.sleep(self.reap_interval_s)
+            self.fleet.expire(time.monotonic())
+            if self.path and time.monotonic() - last_persist >= self.persist_interval_s:
+                last_persist = time.monotonic()
+                try:
+                    await self._persist()
+                except OSError:
+                    log.warning("capacity snapshot to %s failed", self.path, exc_info=True)
+
+    async def _persist(self) -> str:
+        state = self.fleet.persist_state()       # built on the loop: consistent, no lock needed
+        await asyncio.to_thread(_write_snapshot, self.path, state)
+        self.persisted_at = time.time()
+        return self.path
+
+    # ---- API (every method idempotent) -------------------------------------------------------
+
+    async def info(self) -> dict:
+        self._ensure_background()
+        return {**ActorInfo().model_dump(), "restored": self.restored,
+                "reconstructed": self.reconstructed, "snapshot_path": self.path,
+                "persisted_at": self.persisted_at, "identities": len(self.fleet.rates),
+                "pid": os.getpid()}
+
+    async def hold(self, model_id: str, raw_tokens: int, request_id: str,
+                   prompt_tokens: int | None = None, exclude=()) -> dict:
+        """Refusals come back as data, not exceptions: cheaper, and no RayTaskError unwrapping."""
+        self._ensure_background()
+        try:
+            hold = self.fleet.hold(model_id, raw_tokens, request_id, time.monotonic(),
+                                   prompt_tokens, tuple(exclude))
+        except CapacityRefused as e:
+            return {"ok": False, "reason": e.reason, "retry_after_s": e.retry_after_s,
+                    "detail": e.detail}
+        return {"ok": True, "hold": hold}
+
+    async def apply(self, ops: list[tuple]) -> list:
+        """A batch of reports, applied in order: (op, args...) with op in commit/release/cancel/heartbeat."""
+        self._ensure_background()
+        out = []
+        for op, *args in ops:
+            try:
+                out.append(self._apply_one(op, args))
+            except CapacityError as e:       # one bad report must not fail its batch-mates
+                out.append({"error": type(e).__name__, "detail": str(e)})
+            except ValueError as e:          # pydantic validation of a malformed report
+                out.append({"error": "ValidationError", "detail": str(e)[:500]})
+        return out
+
+    def _apply_one(self, op: str, args: list) -> Any:
+        now = time.monotonic()
+        if op == "commit":
+            return self.fleet.commit(args[0], args[1], now, *args[2:])
+        if op == "release":
+            return self.fleet.release(args[0], args[1])
+        if op == "cancel":
+            return self.fleet.cancel(args[0])
+        if op == "heartbeat":
+            return self.fleet.heartbeat(args[0], now)
+        raise CapacityError(f"unknown op {op!r}")
+
+    async def heartbeat(self, report: dict) -> dict:
+        return (await self.apply([("heartbeat", report)]))[0]
+
+    async def commit(self, request_id: str, replica_id: str, raw_tokens: int | None = None,
+                     model_id: str | None = None) -> bool:
+        return (await self.apply([("commit", request_id, replica_id, raw_tokens, model_id)]))[0]
+
+    async def release(self, request_id: str, telemetry: dict | None = None) -> bool:
+        return (await self.apply([("release", request_id, telemetry)]))[0]
+
+    async def cancel(self, request_id: str) -> bool:
+        return (await self.apply([("cancel", request_id)]))[0]
+
+    async def snapshot(self) -> dict:
+        self._ensure_background()
+        return self.fleet.snapshot(time.monotonic())
+
+    async def caps(self) -> dict:
+        return self.fleet.caps()
+
+    async def anomalies(self) -> list:
+        return [a.__dict__ for a in self.fleet.anomalies()]
+
+    async def persist_now(self) -> str | None:
+        return await self._persist() if self.path else None
+
+
+def get_or_create_actor(namespace: str = DEFAULT_NAMESPACE, name: str = DEFAULT_NAME,
+                        config: dict | None = None, snapshot_path: str | None = None,
+                        persist_interval_s: float = PERSIST_INTERVAL_S,
+                        reap_interval_s: float = REAP_INTERVAL_S):
+    """Create-or-get the named detached actor (idempotent across callers). Blocking GCS call."""
+    return CapacityActor.options(name=name, namespace=namespace, lifetime="detached",
+                                 get_if_exists=True).remote(
+        config, snapshot_path, persist_interval_s, reap_interval_s)
+
+
+def _dump(value: Any) -> Any:
+    return value.model_dump() if hasattr(value, "model_dump") else value
+
+
+class CapacityClient:
+    """Caches the actor handle and the last caps, batches reports, and falls back to a conservative
+    local cap when the actor is unreachable (so an actor outage degrades admission, not serving).
+
+    Reports (commit/release/cancel/heartbeat) are batched without a timer: the first is sent at
+    once, and whatever queues while a batch is in flight goes in the next one, in order. So an idle
+    client adds no latency and a busy one makes one actor call per batch.
+    """
+
+    def __init__(self, namespace: str = DEFAULT_NAMESPACE, name: str = DEFAULT_NAME, *,
+                 create: bool = True, config: dict | None = None, snapshot_path: str | None = None,
+                 call_timeout_s: float = 2.0, fallback_cap: int = 1, backoff_s: float = 0.5,
+                 max_backoff_s: float = 10.0, max_batch: int = 512):
+        self.namespace, self.name, self.create = namespace, name, create
+        self.config, self.snapshot_path = config, snapshot_path
+        self.call_timeout_s = call_timeout_s      # a hold slower than this counts as unreachable
+        self.fallback_cap = fallback_cap          # in-flight requests per model while unreachable
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.max_batch = max_batch
+        self.caps: dict[str, int] = {}            # model -> last cap the actor returned
+        self.faults = 0
+        self._handle = None
+        self._down_until = 0.0
+        self._local: dict[str, set[str]] = {}     # model -> request ids admitted locally
+        self._queue: list[tuple[tuple, asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
+
+    # ---- transport ------------------------------------------------------------------------
+
+    async def _get_handle(self):
+        if self._handle is None:
+            if self.create:
+                self._handle = await asyncio.to_thread(
+                    get_or_create_actor, self.namespace, self.name, self.config, self.snapshot_path)
+            else:
+                self._handle = await asyncio.to_thread(ray.get_actor, self.name, self.namespace)
+        return self._handle
+
+    def _fault(self) -> None:
+        self.faults += 1
+        self._handle = None   # the next call looks the actor up again (it may have been recreated)
+        self._down_until = time.monotonic() + min(self.max_backoff_s,
+                                                  self.backoff_s * 2 ** min(self.faults - 1, 16))
+
+    async def _call(self, method: str, *args) -> Any:
+        if time.monotonic() < self._down_until:
+            raise CapacityUnavailable("capacity actor marked unreachable (backing off)")
+        try:
+            handle = await self._get_handle()
+            result = await asyncio.wait_for(getattr(handle, method).remote(*args), self.call_timeout_s)
+        except (RayActorError, GetTimeoutError, asyncio.TimeoutError, ValueError) as e:
+            # ValueError: ray.get_actor found no such actor.
+            self._fault()
+            raise CapacityUnavailable(f"capacity actor unreachable: {type(e).__name__}: {e}") from e
+        self.faults = 0
+        return result
+
+    # ---- routing path ---------------------------------------------------------------------
+
+    async def hold(self, model_id: str, raw_tokens: int, request_id: str,
+                   prompt_tokens: int | None = None, exclude=()) -> Hold:
+        """Debit the best replica; raises CapacityRefused (nothing debited) when none fits."""
+        try:
+            out = await self._call("hold", model_id, raw_tokens, request_id, prompt_tokens, tuple(exclude))
+        except CapacityUnavailable:
+            return self._local_hold(model_id, raw_tokens, request_id)
+        if not out["ok"]:
+            raise CapacityRefused(out["reason"], out["retry_after_s"], out.get("detail", ""))
+        return out["hold"]
+
+    def _local_hold(self, model_id: str, raw_tokens: int, request_id: str) -> Hold:
+        held = self._local.setdefault(model_id, set())
+        if request_id not in held and len(held) >= self.fallback_cap:
+            raise CapacityRefused("capacity_unavailable", self.backoff_s,
+                                  f"actor unreachable; local cap {self.fallback_cap} reached")
+        held.add(request_id)
+        return Hold(request_id, model_id, "", [], raw_tokens, 0.0, fallback=True)
+
+    def _settle_local(self, request_id: str) -> bool:
+        for held in self._local.values():
+            if request_id in held:
+                held.discard(request_id)
+                return True
+        return False
+
+    # ---- reports (batched) ----------------------------------------------------------------
+
+    async def commit(self, request_id: str, replica_id: str, raw_tokens: int | None = None,
+                     model_id: str | None = None) -> bool:
+        if any(request_id in held for held in self._local.values()):
+            return True
+        return await self._report(("commit", request_id, replica_id, raw_tokens, model_id))
+
+    async def release(self, request_id: str, telemetry: RequestTelemetry | dict | None = None) -> bool:
+        if self._settle_local(request_id):
+            return True
+        return await self._report(("release", request_id, _dump(telemetry)))
+
+    async def cancel(self, request_id: str) -> bool:
+        if self._settle_local(request_id):
+            return True
+        return await self._report(("cancel", request_id))
+
+    async def heartbeat(self, report: HeartbeatReport | dict) -> dict:
+        out = await self._report(("heartbeat", _dump(report)))
+        if isinstance(out, dict) and out.get("caps"):
+            self.caps.update(out["caps"])
+        return out
+
+    async def _report(self, op: tuple) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((op, fut))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+        result = await fut
+        if isinstance(result, dict) and "error" in result:
+            raise CapacityError(f"{op[0]} rejected: {result['error']}: {result.get('detail', '')}")
+        return result
+
+    async def _flush_loop(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+            try:
+                results = await self._call("apply", [op for op, _ in batch])
+            except CapacityUnavailable as e:
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            for (_, fut), res in zip(batch, results):
+                if not fut.done():
+                    fut.set_result(res)
+
+    async def flush(self) -> None:
+        """Wait until every queued report has been sent."""
+        while self._flusher is not None and not self._flusher.done():
+            await asyncio.shield(self._flusher)
+
+    # ---- feed -----------------------------------------------------------------------------
+
+    async def snapshot(self) -> dict:
+        """Public capacity feed (same headroom function as routing). Raises CapacityUnavailable."""
+        return await self._call("snapshot")
+
+    async def info(self) -> ActorInfo | None:
+        """What the actor advertises (for capability negotiation); None when unreachable."""
+        try:
+            return ActorInfo.model_validate(await self._call("info"))
+        except CapacityUnavailable:
+            return None
