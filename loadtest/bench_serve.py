@@ -57,6 +57,7 @@ def comparison_markdown(summaries: dict[str, dict], baseline: str, command: str,
              "", report.markdown_row_table(summaries), ""]
     if baseline in summaries and len(summaries) > 1:
         parts += [report.ratio_table(summaries, baseline), ""]
+    parts += [report.pattern_table(summaries), ""]
     parts += ["Command:", "", "```", command, "```"]
     return "\n".join(parts)
 

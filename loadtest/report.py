@@ -171,3 +171,18 @@ def _get(d, keys):
     for k in keys:
         d = d.get(k) if isinstance(d, dict) else None
     return d
+
+
+def pattern_table(summaries: dict[str, dict]) -> str:
+    """TTFT p50/p99 (ms) per arrival pattern and target: how each server takes bursts."""
+    labels = list(summaries)
+    patterns = sorted({p for s in summaries.values() for p in s["by_pattern"]})
+    lines = ["| pattern | " + " | ".join(f"{k} TTFT p50/p99 ms" for k in labels) + " |",
+             "|---|" + "---|" * len(labels)]
+    for p in patterns:
+        cells = []
+        for k in labels:
+            row = summaries[k]["by_pattern"].get(p, {})
+            cells.append(f"{_fmt(row.get('ttft_ms_p50'), 0)}/{_fmt(row.get('ttft_ms_p99'), 0)}")
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -84,3 +84,5 @@ def test_tables_render():
     assert t.count("\n") == 3 and "| a |" in t
     r = report.ratio_table({"a": s, "b": s}, "b")
     assert "| output tok/s | 1.00x |" in r
+    pt = report.pattern_table({"a": s})
+    assert "| poisson | 100/100 |" in pt

@@ -1,0 +1,50 @@
+"""bench-serve: one schedule replayed against several targets, ratios into a docs section."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from loadtest import bench_serve
+
+
+def test_parse_target():
+    t = bench_serve.parse_target("label=orchard-int4,url=http://h:8000/,model=tiny-int4,kv=int4")
+    assert (t.url, t.model, t.kv, t.name) == ("http://h:8000", "tiny-int4", "int4", "orchard-int4")
+    assert bench_serve.parse_target("http://h:1").name == "http://h:1"
+    with pytest.raises(Exception):
+        bench_serve.parse_target("label=x,model=y")
+
+
+def test_docs_section_is_replaced_in_place(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nintro\n\n## Other\nkeep me\n")
+    bench_serve.write_docs_section(str(doc), "first")
+    bench_serve.write_docs_section(str(doc), "second $1 \\1")
+    text = doc.read_text()
+    assert text.count(bench_serve.DOC_BEGIN) == 1 and "first" not in text
+    assert "second $1 \\1" in text and "keep me" in text and text.startswith("# Benchmarks")
+
+
+def test_same_schedule_against_two_targets(peer_server, tmp_path):
+    out, doc = tmp_path / "bench", tmp_path / "benchmarks.md"
+    cmd = [sys.executable, "-m", "loadtest", "bench-serve", "--peer-url", peer_server.url,
+           "--target", f"label=again,url={peer_server.url},model={peer_server.model},kv=native",
+           "--scenario", "mixed", "--rounds", "1", "--round-gap", "0.5", "--context", "256",
+           "--max-tokens", "8", "--out", str(out), "--docs", str(doc)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench = json.loads((out / "bench.json").read_text())
+    sums = bench["summaries"]
+    assert set(sums) == {"again", "mlx_lm.server"}
+    scheds = [json.loads(open(s["files"]["schedule"]).read())["arrivals"] for s in sums.values()]
+    assert scheds[0] == scheds[1] and len(scheds[0]) == 20
+    for s in sums.values():
+        assert s["counts"]["ok"] == 20, s["error_examples"]
+    md = doc.read_text()
+    assert "ratio vs mlx_lm.server" in md and "| output tok/s |" in md
+    assert "| burst |" in md and "bench-serve" in md
+    for f in ("ttft_cdf.png", "output_tokens_per_s.png", "refusals.png", "comparison.md"):
+        assert (out / f).stat().st_size > 0
