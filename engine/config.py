@@ -6,9 +6,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from capacity.formats import KVFormatError, normalize_format_name
 from engine.pages import is_power_of_two
 
-# Chosen by measurement (docs/benchmarks.md, "page size"): decode speed is flat from 16 to 128
-# tokens per page on the CPU, and smaller pages waste fewer bytes in request tails.
-DEFAULT_PAGE_TOKENS = 32
+# Measured with the runner on the CPU (engine/kvstore.py; re-checked by `engine.bench --pages`):
+# 16-token pages keep decode within a few % of larger pages and waste at most 15 tokens per request.
+DEFAULT_PAGE_TOKENS = 16
 
 
 class EngineConfig(BaseModel):

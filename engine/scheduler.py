@@ -40,6 +40,7 @@ class Seq:
     finish_reason: str | None = None
     last_step: int = -1                  # last step whose device work used this seq's pages
     first_token_time: float | None = None
+    seq_id: int = 0                      # the runner's integer id, set by the engine
 
     @property
     def raw_tokens(self) -> int:

@@ -1,0 +1,389 @@
+"""The engine: one dedicated thread owns the model and every MLX call (MLX streams are
+thread-local); callers talk to it through a command queue and stream results back through
+per-request asyncio sinks.
+
+One iteration of the thread: take commands (submit/cancel/stop) -> schedule a step -> run it ->
+RETIRE it (evaluate the sampled tokens and the KV store arrays, then synchronize) -> record tokens
+and emit deltas -> RECLAIM pages and bytes of finished requests whose last step has retired.
+Refunds therefore never precede the retirement of the work that used the memory; `trace`
+(optional) observes the order ("retire", step) / ("refund", request, last_step) for tests.
+
+A failure inside a step fails only the requests that caused it (the step is retried row by row
+to find them); the thread itself never dies on a request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import threading
+import time
+from collections import Counter
+from typing import AsyncIterator, Callable
+
+import mlx.core as mx
+
+from capacity.formats import KVFormat
+from capacity.pricing import CostModel
+from engine.bridge import Sink
+from engine.budget import ByteLedger, build_cost_model, resolve_budget_bytes
+from engine.config import EngineConfig
+from engine.detok import TextStream
+from engine.errors import EngineError, EngineShutdown, InvalidRequest
+from engine.pages import PagePool, pages_for
+from engine.request import Delta, GenerationRequest, Usage
+from engine.runner import SeqChunk
+from engine.sampling import RowSpec, SamplingParams, sample
+from engine.scheduler import FINISHED, RateForecast, Scheduler, Seq, Step
+
+__all__ = ["Engine", "GenerationRequest", "SamplingParams", "Delta", "Usage"]
+
+log = logging.getLogger("orchard.engine")
+_IDLE_POLL_S = 0.005   # wait for commands while requests exist but no step can run
+
+
+class _Live:
+    """Engine-thread state of one streaming request."""
+
+    def __init__(self, seq: Seq, sink: Sink, text: TextStream):
+        self.seq, self.sink, self.text = seq, sink, text
+        self.sent_first = False
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, trace: Callable[..., None] | None = None):
+        self.cfg = cfg
+        self._trace = trace
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._drain_deadline = float("inf")
+        self._stats: dict = {}
+        self._thread = threading.Thread(target=self._main, name="orchard-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    # ---- public API (any thread) -----------------------------------------------------------
+
+    def cost_model(self) -> CostModel:
+        return self._cost_model
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+        """Stream deltas of one request. Refusals raise before the first delta."""
+        if not self.healthy():
+            raise EngineShutdown("engine is not running")
+        bad = [t for t in req.prompt_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token ids out of range (vocab {self.vocab_size}): "
+                                 f"{bad[:5]}")
+        p = req.params
+        seq = Seq(req.request_id, req.prompt_ids, p,
+                  seed=p.seed if p.seed is not None else random.getrandbits(63),
+                  deadline=req.first_token_deadline, arrival=time.monotonic())
+        sink = Sink(asyncio.get_running_loop())
+        self._inbox.put(("submit", seq, sink))
+        done = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item.finish_reason is not None:
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:   # consumer went away (closed the iterator, task cancelled)
+                self.cancel(req.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request wherever it is; unknown or finished ids are ignored (idempotent)."""
+        self._inbox.put(("cancel", request_id))
+
+    def stats(self) -> dict:
+        return dict(self._stats, engine_alive=self.healthy())
+
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and not (self._stopping.is_set() or self._stopped.is_set())
+
+    def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Stop admitting, let running requests finish for up to drain_timeout_s, cancel the
+        rest, release everything, and stop the thread."""
+        if not self._stopped.is_set():
+            self._drain_deadline = time.monotonic() + drain_timeout_s
+            self._stopping.set()
+            self._inbox.put(("wake",))
+            self._stopped.wait()
+
+    # ---- engine thread ---------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._stopped.set()
+            # Park instead of exiting: a thread that ran compiled MLX code and then exits races
+            # MLX's thread-local teardown against interpreter exit ("terminate called without an
+            # active exception", measured ~50% of runs). A parked daemon thread never tears down.
+            threading.Event().wait()
+
+    def _serve(self) -> None:
+        try:
+            self._start()
+        except BaseException as e:  # noqa: BLE001 - reported to the constructor's caller
+            self._startup_error = e if isinstance(e, Exception) else EngineError(repr(e))
+            self._ready.set()
+            return
+        self._ready.set()
+        while True:
+            self._take_commands(block=self.scheduler.idle and not self._stopping.is_set())
+            if self._stopping.is_set():
+                if self.scheduler.idle:
+                    break
+                if time.monotonic() >= self._drain_deadline:
+                    for s in [*self.scheduler.waiting, *self.scheduler.running]:
+                        self.scheduler.cancel(s.request_id)
+            step = self.scheduler.schedule(time.monotonic())
+            if step is not None:
+                self._run_step(step)
+            elif not self.scheduler.idle:
+                self._take_commands(block=True, timeout=_IDLE_POLL_S)
+            self._close_finished()
+            self._reclaim()
+            self._publish_stats()
+            self._flush_outbox()
+        self._fail_inbox(EngineShutdown("engine shut down"))
+        self._publish_stats()
+
+    def _start(self) -> None:
+        from engine.kvstore import KVStore
+        from engine.model import load_model
+
+        cfg = self.cfg
+        loaded = load_model(cfg.model, dtype=cfg.dtype, allow_hub=cfg.allow_hub)
+        factory, runner_cls = _store_for(cfg.kv_format)
+        probe = KVStore(loaded.geometry, 1, cfg.page_tokens, loaded.dtype, layer_factory=factory)
+        page_bytes = probe.page_bytes
+        del probe
+        token_limit = cfg.max_model_len or int(loaded.config.get("max_position_embeddings")
+                                               or 8192)
+        budget = resolve_budget_bytes(
+            cfg.kv_budget_bytes, cfg.kv_memory_fraction, page_bytes,
+            max_useful_bytes=cfg.max_num_seqs * pages_for(token_limit, cfg.page_tokens)
+            * page_bytes)
+        num_pages = budget // page_bytes
+        self.kvstore = KVStore(loaded.geometry, num_pages, cfg.page_tokens, loaded.dtype,
+                               layer_factory=factory)
+        self.runner = runner_cls(loaded, self.kvstore)
+        self._cost_model = build_cost_model(
+            budget_bytes=num_pages * page_bytes, bytes_per_token=self.kvstore.bytes_per_token,
+            page_tokens=cfg.page_tokens, fixed_bytes_per_request=0,
+            max_num_seqs=cfg.max_num_seqs, token_limit=token_limit)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.vocab_size = loaded.geometry.vocab_size
+        self.model_id = cfg.model
+        head_dim = next(g.head_dim for g in loaded.geometry.layers if g.paged)
+        self.format_identity = KVFormat(cfg.kv_format, head_dim, loaded.dtype_name).identity
+        eos = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
+        self.scheduler = Scheduler(
+            PagePool(num_pages, cfg.page_tokens), ByteLedger(self._cost_model),
+            max_num_seqs=cfg.max_num_seqs, max_step_tokens=cfg.max_step_tokens,
+            max_waiting=cfg.max_waiting, eos_ids=eos,
+            forecast=RateForecast(cfg.rate_ewma_alpha))
+        self._live: dict[str, _Live] = {}
+        self._outbox: list[tuple[Sink, Delta]] = []
+        self._seq_ids = 0
+        self._retired_step = -1
+        self._counters: Counter[str] = Counter()
+        self._publish_stats()
+
+    def _take_commands(self, block: bool, timeout: float | None = None) -> None:
+        try:
+            cmd = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "submit":
+            _, seq, sink = cmd
+            try:
+                if self._stopping.is_set():
+                    raise EngineShutdown("engine is shutting down")
+                if seq.request_id in self._live:
+                    raise InvalidRequest(f"request id {seq.request_id!r} is already running")
+                self.scheduler.submit(seq, time.monotonic())
+            except EngineError as e:
+                sink.put(e, final=True)
+                return
+            self._seq_ids += 1
+            seq.seq_id = self._seq_ids
+            self._live[seq.request_id] = _Live(
+                seq, sink, TextStream(self.tokenizer, seq.prompt_ids, seq.params.stop))
+        elif cmd[0] == "cancel":
+            self.scheduler.cancel(cmd[1])
+
+    def _run_step(self, step: Step) -> None:
+        t0 = time.perf_counter()
+        try:
+            tokens = self._forward_and_sample(step.chunks)
+        except Exception:  # noqa: BLE001 - isolate the rows that fail; never kill the thread
+            tokens = self._isolate_failures(step)
+        self._retired_step = step.step_id
+        self._emit("retire", step=step.step_id)
+        now = time.monotonic()
+        self.scheduler.forecast.observe(step.prefill_tokens, step.decode_rows,
+                                        time.perf_counter() - t0)
+        self._counters["steps"] += 1
+        self._counters["prompt_tokens"] += step.prefill_tokens
+        for seq, tok in self.scheduler.complete(step, tokens, now):
+            self._counters["generation_tokens"] += 1
+            self._deliver(seq, tok)
+
+    def _forward_and_sample(self, chunks) -> list[int | None]:
+        """Run one forward, sample the rows that need a token, and RETIRE the step."""
+        logits = self.runner.forward([SeqChunk(c.seq.seq_id, c.token_ids, c.start,
+                                               c.seq.table.pages) for c in chunks])
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        drawn = None
+        if rows:
+            specs = [RowSpec(chunks[i].seq.params, chunks[i].seq.seed,
+                             len(chunks[i].seq.output_ids)) for i in rows]
+            picked = logits if len(rows) == len(chunks) else logits[mx.array(rows)]
+            drawn = sample(picked, specs)
+        # Retirement: the tokens and every KV page array are computed and the device is idle.
+        mx.eval(drawn if drawn is not None else logits, self.kvstore.arrays())
+        mx.synchronize()
+        out: list[int | None] = [None] * len(chunks)
+        for i, t in zip(rows, drawn.tolist() if drawn is not None else []):
+            out[i] = t
+        return out
+
+    def _isolate_failures(self, step: Step) -> list[int | None]:
+        out: list[int | None] = [None] * len(step.chunks)
+        for i, c in enumerate(step.chunks):
+            try:
+                out[i] = self._forward_and_sample([c])[0]
+            except Exception as e:  # noqa: BLE001
+                log.exception("request %s failed in step %d", c.seq.request_id, step.step_id)
+                self._fail(c.seq, e)
+        mx.synchronize()
+        return out
+
+    def _fail(self, seq: Seq, exc: Exception) -> None:
+        self.scheduler.finish(seq, "error")
+        live = self._live.pop(seq.request_id, None)
+        if live is not None:
+            live.sink.put(EngineError(f"request failed inside the engine: {exc!r}"), final=True)
+
+    def _deliver(self, seq: Seq, tok: int) -> None:
+        live = self._live.get(seq.request_id)
+        if live is None:
+            return
+        try:
+            if seq.status == FINISHED and seq.finish_reason == "stop":
+                text = live.text.flush()   # EOS: never decoded, but held-back text is released
+            else:
+                text = live.text.push(tok)
+                if live.text.stopped:
+                    self.scheduler.finish(seq, "stop")
+                elif seq.status == FINISHED:
+                    text += live.text.flush()
+        except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode an id
+            self._fail(seq, e)
+            return
+        self._send(live, text, [tok], seq.finish_reason if seq.status == FINISHED else None)
+
+    def _send(self, live: _Live, text: str, token_ids: list[int], reason: str | None) -> None:
+        seq = live.seq
+        ttft = None
+        if not live.sent_first and seq.first_token_time is not None:
+            ttft = seq.first_token_time - seq.arrival
+            live.sent_first = True
+        delta = Delta(seq.request_id, text, token_ids, reason,
+                      Usage(len(seq.prompt_ids), len(seq.output_ids)), ttft)
+        self._outbox.append((live.sink, delta))
+        if reason is not None:
+            self._live.pop(seq.request_id, None)
+
+    def _flush_outbox(self) -> None:
+        """Hand this iteration's deltas over after reclaim and stats, so a caller that sees a
+        final delta also sees its request's pages and bytes back in stats()."""
+        out, self._outbox = self._outbox, []
+        for sink, delta in out:
+            final = delta.finish_reason is not None
+            if not sink.put(delta, final=final) and not final:
+                self.scheduler.cancel(delta.request_id)   # nobody is listening any more
+
+    def _close_finished(self) -> None:
+        """Final deltas for requests finished without a token (cancel, deadline, drain)."""
+        for seq in self.scheduler.pop_finished():
+            live = self._live.get(seq.request_id)
+            if live is not None:
+                self._send(live, "", [], seq.finish_reason)
+
+    def _reclaim(self) -> None:
+        for seq in self.scheduler.reclaim(self._retired_step):
+            self.runner.release(seq.seq_id)
+            self._emit("refund", request=seq.request_id, last_step=seq.last_step)
+
+    def _emit(self, event: str, **fields) -> None:
+        if self._trace is not None:
+            self._trace(event, **fields)
+
+    def _fail_inbox(self, exc: EngineError) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "submit":
+                cmd[2].put(exc, final=True)
+
+    def _publish_stats(self) -> None:
+        sch, pool, ledger = self.scheduler, self.scheduler.pool, self.scheduler.ledger
+        page_bytes = self.kvstore.page_bytes
+        stats = {
+            "model_id": self.model_id, "format_identity": self.format_identity,
+            "tenant": self.cfg.tenant,
+            "num_requests_running": len(sch.running),
+            "num_requests_waiting": len(sch.waiting),
+            "kv_cache_usage_perc": pool.num_used / pool.num_pages,
+            "kv_pages_used": pool.num_used, "kv_pages_total": pool.num_pages,
+            "kv_bytes_used": pool.num_used * page_bytes,
+            "kv_bytes_reserved": ledger.used_bytes, "kv_bytes_total": ledger.budget_bytes,
+            "page_tokens": pool.page_tokens, "retired_step": self._retired_step,
+            "prefill_tokens_per_s": sch.forecast.prefill_tps,
+            "decode_step_s": sch.forecast.decode_step_s,
+            "prompt_tokens_total": self._counters["prompt_tokens"],
+            "generation_tokens_total": self._counters["generation_tokens"],
+            "steps_total": self._counters["steps"],
+        }
+        stats.update({f"requests_{k}_total": v for k, v in sch.counters.items()})
+        self._stats = stats
+
+
+def _store_for(kv_format: str):
+    """KV layer-store factory and runner class for a format (packed formats hook attention)."""
+    from engine.kvstore import NativeLayerStore
+    from engine.runner import ModelRunner
+
+    if kv_format == "native":
+        return NativeLayerStore, ModelRunner
+    from engine.packed_cache import PackedModelRunner
+    from engine.packed_store import packed_layer_factory
+
+    return packed_layer_factory(kv_format), PackedModelRunner
