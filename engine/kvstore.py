@@ -54,34 +54,40 @@ class LayerStore(Protocol):
 
 
 class NativeLayerStore:
-    """Pages of one layer in the compute dtype, laid out [num_pages, page_tokens, heads, dim].
+    """Pages of one layer in the compute dtype, laid out head-major: [heads, num_pages, T, dim].
 
-    Token-major pages make a gather of P pages reshape for free into [B, P*T, heads, dim]; the
-    attention then reads it through a transposed view, so a step copies each page once.
+    Head-major pages gather into [heads, B, P*T, dim], whose transpose to [B, heads, P*T, dim]
+    keeps every (row, head) matrix contiguous, so attention reads the gathered copy directly.
+    Token-major pages ([num_pages, T, heads, dim]) measured 3x slower per layer at batch 8
+    (the attention then works on a strided copy).
     """
 
     def __init__(self, geometry: LayerGeometry, num_pages: int, page_tokens: int,
                  dtype: mx.Dtype):
         self.page_tokens = page_tokens
-        self.k = mx.zeros((num_pages, page_tokens, geometry.kv_heads, geometry.head_dim), dtype)
-        self.v = mx.zeros((num_pages, page_tokens, geometry.kv_heads, geometry.v_head_dim), dtype)
+        self.k = mx.zeros((geometry.kv_heads, num_pages, page_tokens, geometry.head_dim), dtype)
+        self.v = mx.zeros((geometry.kv_heads, num_pages, page_tokens, geometry.v_head_dim), dtype)
         mx.eval(self.k, self.v)
         self.page_bytes = (self.k.nbytes + self.v.nbytes) // num_pages
         self.nbytes = self.k.nbytes + self.v.nbytes
 
     def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
         # Scatter into the sole reference, so MLX updates the buffer in place (no page copy).
-        self.k[slots.page, slots.offset] = k.astype(self.k.dtype)
-        self.v[slots.page, slots.offset] = v.astype(self.v.dtype)
+        self.k[:, slots.page, slots.offset] = k.swapaxes(0, 1).astype(self.k.dtype)
+        self.v[:, slots.page, slots.offset] = v.swapaxes(0, 1).astype(self.v.dtype)
 
     def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]:
         b, p = pages.shape
-        k = self.k[pages].reshape(b, p * self.page_tokens, *self.k.shape[2:])
-        v = self.v[pages].reshape(b, p * self.page_tokens, *self.v.shape[2:])
-        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        k = self.k[:, pages].reshape(self.k.shape[0], b, p * self.page_tokens, self.k.shape[-1])
+        v = self.v[:, pages].reshape(self.v.shape[0], b, p * self.page_tokens, self.v.shape[-1])
+        return k.swapaxes(0, 1), v.swapaxes(0, 1)
 
     def arrays(self) -> list[mx.array]:
         return [self.k, self.v]
+
+    def head_major_pages(self) -> tuple[mx.array, mx.array]:
+        """The page arrays themselves, for attention that reads pages in place."""
+        return self.k, self.v
 
 
 LayerStoreFactory = Callable[[LayerGeometry, int, int, mx.Dtype], LayerStore]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.attention import PagedLayerCache, Row, StepBatch
+from engine.attention import PagedLayerCache, Row, StepBatch, install_sdpa_hook
 from engine.kvstore import KVStore
 from engine.model import LoadedModel
 
@@ -44,6 +44,20 @@ class ModelRunner:
         self.page_tokens = kvstore.page_tokens
         self.merge_pad_tokens = merge_pad_tokens
         self._windows = [g.window for g in loaded.geometry.layers]
+        # On the CPU, decode reads pages in place (gather_mm) instead of gathering a copy.
+        self.in_place_decode = mx.default_device() == mx.cpu
+        install_sdpa_hook(loaded.model)
+        self.direct = self._hook_reaches_every_layer()
+
+    def _hook_reaches_every_layer(self) -> bool:
+        """Direct mode needs every paged layer to call mlx-lm's scaled_dot_product_attention
+        (a model calling mx.fast directly would otherwise attend over fresh keys only)."""
+        probe = KVStore(self.loaded.geometry, 1, self.page_tokens, self.kvstore.dtype)
+        step = StepBatch([Row(0, 1, [0])], self.page_tokens)
+        caches = [PagedLayerCache(probe.layer(i), step, w, direct=True)
+                  for i, w in enumerate(self._windows)]
+        self.loaded.model(mx.array([[0]]), cache=caches)  # graph only; never evaluated
+        return step.attended == len(self.loaded.geometry.paged_layers)
 
     def forward(self, chunks: list[SeqChunk]) -> mx.array:
         """Float32 logits [len(chunks), vocab] of each chunk's last token (lazy)."""
@@ -105,7 +119,8 @@ class ModelRunner:
         tokens = np.zeros((len(rows), step.width), dtype=np.int32)
         for i, c in enumerate(chunks):
             tokens[i, :len(c.token_ids)] = c.token_ids
-        caches = [PagedLayerCache(self.kvstore.layer(i), step, w)
+        caches = [PagedLayerCache(self.kvstore.layer(i), step, w, self.direct,
+                                  self.in_place_decode)
                   for i, w in enumerate(self._windows)]
         inputs = mx.array(tokens)
         loaded = self.loaded
