@@ -36,3 +36,12 @@ def test_smoke_against_mlx_lm_server(peer_server, tmp_path):
     check_clean(s)
     assert s["target"]["label"] == "mlx_lm.server"
     assert (tmp_path / "peer" / "ttft_cdf.png").stat().st_size > 0
+
+
+def test_smoke_against_orchard(orchard_url, tmp_path, monkeypatch):
+    from tests.fixtures.serve import TEST_API_KEY, TEST_MODEL
+
+    monkeypatch.setenv("ORCHARD_API_KEY", TEST_API_KEY)
+    s = run_smoke(orchard_url, TEST_MODEL, tmp_path / "orchard", "orchard")
+    check_clean(s)
+    assert s["capacity_after"]["checked"] and s["capacity_after"]["idle"], s["capacity_after"]
