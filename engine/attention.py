@@ -44,7 +44,7 @@ class View:
     pages: mx.array
     base: np.ndarray                # [B] position of the first key of each row's first page
     key_slice: tuple[int, int] | None = None   # one-row calls: exact key range (mlx-lm's view)
-    cache: dict = field(default_factory=dict)  # masks and gather_mm indices, built on demand
+    masks: dict = field(default_factory=dict)  # masks and gather_mm indices, built on demand
 
 
 class StepBatch:
@@ -102,19 +102,19 @@ class StepBatch:
 
     def sdpa_mask(self, view: View):
         """Mask for gathered keys (sliced to `key_slice` in one-row calls)."""
-        if "sdpa" not in view.cache:
+        if "sdpa" not in view.masks:
             if view.key_slice is not None and (view.window is None or self.lengths[0] == 1):
                 # One row, exact key range: the same mask mlx-lm's own caches produce.
-                view.cache["sdpa"] = None if self.lengths[0] == 1 else "causal"
+                view.masks["sdpa"] = None if self.lengths[0] == 1 else "causal"
             else:
-                view.cache["sdpa"] = self._mask(view, view.key_slice)
-        return view.cache["sdpa"]
+                view.masks["sdpa"] = self._mask(view, view.key_slice)
+        return view.masks["sdpa"]
 
     def page_mask(self, view: View) -> mx.array:
         """Mask over every key of the view's whole pages (paths that read pages in place)."""
-        if "page" not in view.cache:
-            view.cache["page"] = self._mask(view, None)
-        return view.cache["page"]
+        if "page" not in view.masks:
+            view.masks["page"] = self._mask(view, None)
+        return view.masks["page"]
 
     def _mask(self, view: View, key_slice: tuple[int, int] | None) -> mx.array:
         lo, hi = key_slice or (0, view.pages_np.shape[1] * self.page_tokens)
@@ -132,13 +132,13 @@ class StepBatch:
     def gather_mm_indices(self, view: View, kv_heads: int, num_pages: int):
         """Flat batch indices for `mx.gather_mm`: (row, head) query blocks x (head, page)."""
         key = ("gmm", kv_heads, num_pages)
-        if key not in view.cache:
+        if key not in view.masks:
             b, p = view.pages_np.shape
             heads = np.arange(kv_heads)[None, :, None]
             lhs = np.broadcast_to(np.arange(b)[:, None, None] * kv_heads + heads, (b, kv_heads, p))
             rhs = heads * num_pages + view.pages_np[:, None, :]
-            view.cache[key] = (mx.array(lhs.astype(np.int32)), mx.array(rhs.astype(np.int32)))
-        return view.cache[key]
+            view.masks[key] = (mx.array(lhs.astype(np.int32)), mx.array(rhs.astype(np.int32)))
+        return view.masks[key]
 
 
 def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, step: StepBatch,
@@ -173,8 +173,8 @@ def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, st
 class PagedLayerCache:
     """mlx-lm cache protocol for one layer during one forward call."""
 
-    def __init__(self, store: LayerStore, step: StepBatch, window: int | None, direct: bool,
-                 in_place_decode: bool = False):
+    def __init__(self, store: LayerStore, step: StepBatch, window: int | None,
+                 direct: bool = False, in_place_decode: bool = False):
         self.store = store
         self.step = step
         self.view = step.view(window)
@@ -207,7 +207,8 @@ class PagedLayerCache:
         return self.step.sdpa_mask(self.view)
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None) -> mx.array:
-        """Called by the hook in direct mode; `keys`/`values` are this call's fresh rows."""
+        """Attention over this layer's pages (the hook calls it). Reads the pages, so it is
+        right in either mode; in direct mode `keys`/`values` are the call's fresh rows."""
         self.step.attended += 1
         store_attend = getattr(self.store, "attend", None)
         if store_attend is not None:
@@ -225,9 +226,10 @@ class PagedLayerCache:
             queries, k, v, scale=scale, mask=self.step.sdpa_mask(self.view), sinks=sinks)
 
 
-def _paged_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-    if isinstance(cache, PagedLayerCache) and cache.direct:
-        return cache.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+def _paged_sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
+    attend = getattr(cache, "attend", None)
+    if attend is not None:
+        return attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -242,8 +244,9 @@ _ORIGINAL_SDPA = _original_sdpa()
 def install_sdpa_hook(model) -> None:
     """Point every model module's `scaled_dot_product_attention` at the paged dispatcher.
 
-    Idempotent; caches that are not direct `PagedLayerCache`s fall through to mlx-lm's own
-    function unchanged, so other users of the same modules are unaffected.
+    Idempotent. A cache with an `attend` method is asked to attend (paged and packed caches);
+    every other cache falls through to mlx-lm's own function unchanged, so other users of the
+    same modules are unaffected.
     """
     for name in {type(m).__module__ for m in model.modules()}:
         module = sys.modules.get(name)

@@ -49,6 +49,10 @@ class ModelRunner:
         install_sdpa_hook(loaded.model)
         self.direct = self._hook_reaches_every_layer()
 
+    def _cache_class(self, layer: int) -> type[PagedLayerCache]:
+        """A layer store may name its own cache class (packed stores attend over codes)."""
+        return getattr(self.kvstore.layer(layer), "cache_class", None) or PagedLayerCache
+
     def _hook_reaches_every_layer(self) -> bool:
         """Direct mode needs every paged layer to call mlx-lm's scaled_dot_product_attention
         (a model calling mx.fast directly would otherwise attend over fresh keys only)."""
@@ -119,8 +123,8 @@ class ModelRunner:
         tokens = np.zeros((len(rows), step.width), dtype=np.int32)
         for i, c in enumerate(chunks):
             tokens[i, :len(c.token_ids)] = c.token_ids
-        caches = [PagedLayerCache(self.kvstore.layer(i), step, w, self.direct,
-                                  self.in_place_decode)
+        caches = [self._cache_class(i)(self.kvstore.layer(i), step, w, self.direct,
+                                       self.in_place_decode)
                   for i, w in enumerate(self._windows)]
         inputs = mx.array(tokens)
         loaded = self.loaded
