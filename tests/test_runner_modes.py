@@ -1,0 +1,68 @@
+"""The runner's attention paths agree with each other and with mlx-lm, and it only reads pages
+in place when every layer is known to route attention through the hook."""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx_lm.models.llama as llama_module
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.kvstore import KVStore
+from engine.model import load_model
+from engine.runner import ModelRunner, SeqChunk
+
+ARCHS = ["llama", "qwen3", "gemma3_text", "gpt_oss"]
+
+
+def _prompts(lm, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, lm.geometry.vocab_size, n).tolist() for n in lengths]
+
+
+def _decode_logits(runner, prompts, steps, page=16):
+    """Prefill each prompt, then feed `steps` fixed tokens one at a time to all rows together."""
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(prompts))]
+    runner.forward([SeqChunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
+    out = []
+    lens = [len(p) for p in prompts]
+    for s in range(steps):
+        out.append(runner.forward([SeqChunk(i, [s + 3], lens[i], tables[i])
+                                   for i in range(len(prompts))]))
+        lens = [n + 1 for n in lens]
+    return mx.stack(out)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_in_place_decode_matches_gathered_attention(tiny_model_dirs, arch):
+    lm = load_model(tiny_model_dirs[arch])
+    prompts = _prompts(lm, [5, 30, 17])  # rows shorter and longer than the 16-token window
+    fast = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype))
+    assert fast.direct and fast.in_place_decode  # every layer routes through the hook (CPU)
+    slow = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype))
+    slow.direct = slow.in_place_decode = False
+    a, b = _decode_logits(fast, prompts, 6), _decode_logits(slow, prompts, 6)
+    assert mx.abs(a - b).max().item() <= 1e-4
+
+
+def test_model_bypassing_the_hook_falls_back_to_gathered_keys(tiny_llama, monkeypatch):
+    # A model whose attention calls mx.fast directly never reaches `attend`.
+    monkeypatch.setattr(llama_module, "scaled_dot_product_attention",
+                        lambda q, k, v, cache, scale, mask, sinks=None:
+                        mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask))
+    lm = load_model(tiny_llama)
+    runner = ModelRunner(lm, KVStore(lm.geometry, 8, 16, lm.dtype))
+    assert not runner.direct
+    tokens = _prompts(lm, [40], seed=3)[0]
+    got = mx.concatenate(
+        runner.forward_all([SeqChunk(0, tokens[:25], 0, [3, 1, 2])])
+        + runner.forward_all([SeqChunk(0, tokens[25:], 25, [3, 1, 2])]))
+    ref = lm.model(mx.array([tokens]), cache=make_prompt_cache(lm.model))[0]
+    assert mx.abs(got - ref).max().item() <= 1e-3
+
+
+def test_chunks_group_by_length_under_the_padding_allowance(tiny_llama):
+    lm = load_model(tiny_llama)
+    runner = ModelRunner(lm, KVStore(lm.geometry, 4, 16, lm.dtype), merge_pad_tokens=32)
+    chunks = [SeqChunk(i, [1] * n, 0, [0]) for i, n in enumerate([512, 1, 1, 20, 500])]
+    assert runner._groups(chunks) == [[0, 4], [3, 1, 2]]
