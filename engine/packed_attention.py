@@ -1,11 +1,12 @@
 """Attention over packed KV history plus the current step's fresh K/V.
 
 Two paths, one contract (same inputs, outputs agree within the quantization error):
-- direct (production): scores against history come from `quantized_matmul` on the packed codes
-  with float32 activations, so accumulation is FP32 and no dequantized copy of the history exists.
-  The step's own tokens attend each other in full precision; one softmax spans history, fresh
-  tokens and an optional sink. A step with no history is plain native SDPA, so a single-chunk
-  prompt prefills at native speed.
+- direct (production): FP32 accumulation and never a dequantized copy of the whole history.
+  Decode and short chunks score packed rows with `quantized_matmul`; long prefill chunks unpack
+  history one bounded tile at a time (the paged-attention-tile idea, in MLX ops) under one online
+  softmax. The step's own tokens attend each other in full precision; one softmax spans history,
+  fresh tokens and an optional sink. A step with no history is plain native SDPA, so a
+  single-chunk prompt prefills at native speed.
 - fused (opt-in): dequantize the history into an FP32 scratch and run
   `mx.fast.scaled_dot_product_attention` once. It needs a workspace permit for that scratch; a
   refused permit or an ineligible shape runs the direct path for the whole call, and is counted.
@@ -26,6 +27,11 @@ from engine.rotation import rotate
 
 # Below this many query tokens the dequantized scratch costs more than it saves (decode).
 MIN_FUSED_QUERIES = 9
+# Decode rows (one query) score packed rows with quantized_matmul: it reads 2-4x fewer bytes
+# than native. Longer chunks unpack history tile by tile into BLAS matmuls instead: on the CPU
+# MLX's quantized_matmul was 2-3x slower than the tiled path already at 4-16 queries and ~10x at
+# 512 (measured on the 2-core dev box; see docs/benchmarks-kv.md).
+QMM_MAX_QUERIES = 1
 FUSED_HEAD_DIMS = (64, 128, 256)
 
 
@@ -60,7 +66,8 @@ def _bool_mask(mask, shape_lq, n_keys):
 
 
 def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat, scale: float,
-                     new_mask="causal", hist_mask=None, sinks=None):
+                     new_mask="causal", hist_mask=None, sinks=None, tile: int = 1024,
+                     qmm_max_queries: int | None = None):
     """Packed-history attention with FP32 accumulation; see the module docstring.
 
     new_mask: "causal", None or a bool array broadcastable to (B, Hq, L, L) over the fresh keys.
@@ -79,23 +86,61 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     qs = q.astype(mx.float32) * scale
     qh = rotate(qs).reshape(B, Hkv, rep, L, D)
     qn = qs.reshape(B, Hkv, rep, L, D)
-    kp, vp = _expand(hist.k), _expand(hist.v)
 
-    s_hist = _qmm(qh, kp, fmt.k_bits, transpose=True)                        # (B,Hkv,rep,L,S)
-    s_new = qn @ mx.expand_dims(k_new.astype(mx.float32), 2).swapaxes(-1, -2)  # (B,Hkv,rep,L,L)
     neg = mx.finfo(mx.float32).min
-    if hist_mask is not None:
-        s_hist = mx.where(_group(hist_mask, Hkv, rep), s_hist, neg)
-    if new_mask is not None:
-        s_new = mx.where(_group(_bool_mask(new_mask, L, L), Hkv, rep), s_new, neg)
+    hmask = None if hist_mask is None else _group(hist_mask, Hkv, rep)
+    nmask = None if new_mask is None else _group(_bool_mask(new_mask, L, L), Hkv, rep)
+    s_new = qn @ mx.expand_dims(k_new.astype(mx.float32), 2).swapaxes(-1, -2)  # (B,Hkv,rep,L,L)
+    v_new = mx.expand_dims(v_new.astype(mx.float32), 2)
+    if L > (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries):
+        return _tiled(qh, s_new, v_new, nmask, hist, hmask, fmt, sinks, tile).reshape(
+            B, Hq, L, D).astype(q.dtype)
+    s_hist = _qmm(qh, _expand(hist.k), fmt.k_bits, transpose=True)         # (B,Hkv,rep,L,S)
+    if hmask is not None:
+        s_hist = mx.where(hmask, s_hist, neg)
+    if nmask is not None:
+        s_new = mx.where(nmask, s_new, neg)
     parts = [s_hist, s_new]
     if sinks is not None:
-        sink = sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1)
-        parts.append(mx.broadcast_to(sink, (B, Hkv, rep, L, 1)))
+        parts.append(mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1),
+                                     (B, Hkv, rep, L, 1)))
     p = mx.softmax(mx.concatenate(parts, axis=-1), axis=-1, precise=True)
-    out = _qmm(p[..., :S], vp, fmt.v_bits, transpose=False)
-    out = out + p[..., S:S + L] @ mx.expand_dims(v_new.astype(mx.float32), 2)
+    out = _qmm(p[..., :S], _expand(hist.v), fmt.v_bits, transpose=False)
+    out = out + p[..., S:S + L] @ v_new
     return out.reshape(B, Hq, L, D).astype(q.dtype)
+
+
+def _tiled(qh, s_new, v_new, nmask, hist: PackedKV, hmask, fmt: KVFormat, sinks, tile: int):
+    """Prefill over packed history: unpack `tile` rows at a time, one online softmax.
+
+    The fresh chunk goes first (every query sees at least its own key, so the running max is
+    finite from the start); each history tile is dequantized into a bounded FP32 scratch, used
+    by a BLAS matmul and dropped. Nothing the size of the whole history is ever materialized.
+    """
+    s_new = s_new if nmask is None else mx.where(nmask, s_new, -mx.inf)
+    m = s_new.max(axis=-1, keepdims=True)
+    p = mx.exp(s_new - m)
+    denom = p.sum(axis=-1, keepdims=True)
+    acc = p @ v_new
+    for start in range(0, hist.length, tile):
+        cut = lambda pk: Packed(*(a[..., start:start + tile, :] for a in pk))  # noqa: E731
+        kt = mx.expand_dims(dequantize(cut(hist.k), fmt.k_bits), 2)
+        vt = mx.expand_dims(dequantize(cut(hist.v), fmt.v_bits), 2)
+        s = qh @ kt.swapaxes(-1, -2)
+        if hmask is not None:
+            s = mx.where(hmask[..., start:start + tile], s, -mx.inf)
+        m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
+        c, p = mx.exp(m - m_new), mx.exp(s - m_new)
+        denom = denom * c + p.sum(axis=-1, keepdims=True)
+        acc = acc * c + p @ vt
+        m = m_new
+    if sinks is not None:   # a sink adds probability mass but no value
+        sink = sinks.astype(mx.float32).reshape(1, qh.shape[1], qh.shape[2], 1, 1)
+        m_new = mx.maximum(m, sink)
+        c = mx.exp(m - m_new)
+        denom = denom * c + mx.exp(sink - m_new)
+        acc = acc * c
+    return acc / denom
 
 
 def _group(mask, Hkv, rep):

@@ -58,6 +58,12 @@ def test_direct_fused_native_agree(name, D, Hq, Hkv, S, L):
     scale = D ** -0.5
     mask = "causal" if L > 1 else None
     direct = direct_attention(q, hist, kn, vn, fmt=fmt, scale=scale, new_mask=mask)
+    # Both direct methods: quantized_matmul over all history, and unpacking in tiles of 32 rows
+    # (so 63..129-row histories cross tile boundaries, including a 1-row last tile).
+    qmm = direct_attention(q, hist, kn, vn, fmt=fmt, scale=scale, new_mask=mask,
+                           qmm_max_queries=10**6)
+    tiled = direct_attention(q, hist, kn, vn, fmt=fmt, scale=scale, new_mask=mask,
+                             qmm_max_queries=0, tile=32)
     fused = fused_attention(q, hist, kn, vn, fmt=fmt, scale=scale, new_mask=mask)
     # Exact reference: rotated q against the dequantized rotated keys = what was stored.
     k_deq = mx.concatenate([dequantize(hist.k, fmt.k_bits), rotate(kn)], axis=2)
@@ -65,7 +71,8 @@ def test_direct_fused_native_agree(name, D, Hq, Hkv, S, L):
     exact = _reference(rotate(q), k_deq, v_deq, scale, _causal(L, S))
     native = mx.fast.scaled_dot_product_attention(
         q, mx.concatenate([kh, kn], 2), mx.concatenate([vh, vn], 2), scale=scale, mask=mask)
-    assert mx.abs(direct - exact).max().item() < EXACT_TOL
+    for out in (direct, qmm, tiled):
+        assert mx.abs(out - exact).max().item() < EXACT_TOL
     assert mx.abs(fused - direct).max().item() < EXACT_TOL
     err = mx.abs(direct - native)
     assert err.max().item() < NATIVE_TOL[name][0] and err.mean().item() < NATIVE_TOL[name][1]
@@ -102,18 +109,23 @@ def test_sinks_and_ragged_history_masks(name):
     hist = _pack(fmt, kh, vh)
     kw = dict(fmt=fmt, scale=D ** -0.5, hist_mask=hist_mask, sinks=sinks)
     direct = direct_attention(q, hist, kn, vn, **kw)
+    qmm = direct_attention(q, hist, kn, vn, **kw, qmm_max_queries=10**6)
+    tiled = direct_attention(q, hist, kn, vn, **kw, qmm_max_queries=0, tile=16)
     fused = fused_attention(q, hist, kn, vn, **kw)
     mask = mx.concatenate([mx.broadcast_to(hist_mask, (2, 1, L, S)),
                            mx.broadcast_to(_causal(L, 0)[None, None], (2, 1, L, L))], -1)
     k_deq = mx.concatenate([dequantize(hist.k, fmt.k_bits), rotate(kn)], axis=2)
     v_deq = mx.concatenate([dequantize(hist.v, fmt.v_bits), vn], axis=2)
     exact = _reference(rotate(q), k_deq, v_deq, D ** -0.5, mask, sinks)
-    assert mx.abs(direct - exact).max().item() < EXACT_TOL
+    for out in (direct, qmm, tiled):
+        assert mx.abs(out - exact).max().item() < EXACT_TOL
     assert mx.abs(fused - direct).max().item() < EXACT_TOL
     # Masked-out history really is ignored: changing it does not move row 1.
     hist2 = _pack(fmt, kh.at[1, :, :15].add(100.0), vh.at[1, :, :15].add(100.0))
-    moved = direct_attention(q, hist2, kn, vn, **kw)
-    assert mx.array_equal(moved[1], direct[1]).item()
+    for extra in (dict(qmm_max_queries=10**6), dict(qmm_max_queries=0, tile=16)):
+        moved = direct_attention(q, hist2, kn, vn, **kw, **extra)
+        same = direct_attention(q, hist, kn, vn, **kw, **extra)
+        assert mx.array_equal(moved[1], same[1]).item()
 
 
 def test_bf16_activations_return_bf16_with_fp32_accumulation():
