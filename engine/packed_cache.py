@@ -1,30 +1,32 @@
-"""Adapter that lets unmodified mlx-lm model code attend over packed pages.
+"""The mlx-lm cache object of a packed layer for one forward call.
 
-mlx-lm layers call `cache.update_and_fetch(k, v)` and then the `scaled_dot_product_attention`
-their module imported from mlx_lm.models.base. For a packed layer we must (1) write the new rows
-quantized, (2) hand attention the fresh rows in full precision, and (3) read earlier history
-packed. `PackedLayerCache` does (1) and (2) and exposes `attend`; `install_attention_hook`
-wraps each model module's SDPA symbol so a cache with `attend` is asked to attend, and every
-other cache takes mlx-lm's original path unchanged.
-
-`PackedModelRunner` is ModelRunner with one change: packed layer stores get a PackedLayerCache.
-It exists only until the runner asks its stores for their cache class (see the issue-3 report).
+mlx-lm layers call `cache.update_and_fetch(k, v)` and then `scaled_dot_product_attention`,
+which the runner's hook (engine.attention.install_sdpa_hook) routes to `cache.attend`. A packed
+layer must (1) write the new rows quantized, (2) hand attention the fresh rows in full precision,
+and (3) read earlier history packed: `update_and_fetch` does (1) and returns the fresh rows,
+`attend` does (2) and (3). PackedLayerStore names this class as its `cache_class`, so the plain
+ModelRunner builds it for packed layers and PagedLayerCache for native ones.
 """
 from __future__ import annotations
-
-import sys
 
 import mlx.core as mx
 import numpy as np
 
-from engine.attention import PagedLayerCache, Row, StepBatch
+from capacity.formats import KVFormatError
+from engine.attention import PagedLayerCache, StepBatch
 from engine.runner import ModelRunner
-
-_HOOK_MARK = "_orchard_packed_hook"
 
 
 class PackedLayerCache(PagedLayerCache):
     """One packed full-attention layer over one forward call."""
+
+    def __init__(self, store, step: StepBatch, window, direct: bool = False,
+                 in_place_decode: bool = False):
+        if not direct:
+            # Without the hook the model would attend over the fresh rows only: refuse, loudly.
+            raise KVFormatError("packed KV needs every paged layer to attend through the SDPA "
+                                "hook; this model's attention does not (runner is in gather mode)")
+        super().__init__(store, step, window, direct, in_place_decode)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         b, h, n, d = keys.shape
@@ -37,6 +39,7 @@ class PackedLayerCache(PagedLayerCache):
         return keys, values
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
+        self.step.attended += 1
         hist, hist_mask, new_mask = self._context()
         return self.store.attention(queries, hist, keys, values, scale=scale, new_mask=new_mask,
                                     hist_mask=hist_mask, sinks=sinks)
@@ -77,50 +80,15 @@ class _StepContext:
         return type(hist)(*(type(p)(*(a[..., :self.span, :] for a in p)) for p in hist))
 
 
-def install_attention_hook(model) -> None:
-    """Route SDPA calls with an `attend`-capable cache to it, in every module the model uses."""
-    for _, module in model.named_modules():
-        mod = sys.modules.get(type(module).__module__)
-        original = getattr(mod, "scaled_dot_product_attention", None)
-        if original is None or getattr(original, _HOOK_MARK, False):
-            continue
-
-        def hooked(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None,
-                   _original=original):
-            attend = getattr(cache, "attend", None)
-            if attend is not None:
-                return attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-            return _original(queries, keys, values, cache=cache, scale=scale, mask=mask,
-                             sinks=sinks)
-
-        setattr(hooked, _HOOK_MARK, True)
-        mod.scaled_dot_product_attention = hooked
-
-
 class PackedModelRunner(ModelRunner):
-    """ModelRunner whose packed layer stores attend through PackedLayerCache."""
+    """ModelRunner that refuses up front a model whose attention bypasses the hook.
+
+    Packed stores already pick their cache class; this only turns a mid-forward error into a
+    load-time one.
+    """
 
     def __init__(self, loaded, kvstore, merge_pad_tokens: int = 32):
         super().__init__(loaded, kvstore, merge_pad_tokens)
-        install_attention_hook(loaded.model)
-
-    def _run(self, chunks, last_only: bool) -> mx.array:
-        rows = [Row(c.start, len(c.token_ids), c.page_table) for c in chunks]
-        step = StepBatch(rows, self.page_tokens)
-        tokens = np.zeros((len(rows), step.width), dtype=np.int32)
-        for i, c in enumerate(chunks):
-            tokens[i, :len(c.token_ids)] = c.token_ids
-        caches = []
-        for i, w in enumerate(self._windows):
-            store = self.kvstore.layer(i)
-            cls = PackedLayerCache if getattr(store, "packed", False) else PagedLayerCache
-            caches.append(cls(store, step, w))
-        inputs = mx.array(tokens)
-        loaded = self.loaded
-        if not last_only:
-            return loaded.model(inputs, cache=caches)
-        last = mx.array((step.lengths - 1).astype(np.int32))
-        if loaded.body is not None:
-            hidden = loaded.body(inputs, caches)
-            return loaded.head(hidden[mx.arange(len(rows)), last])
-        return loaded.model(inputs, cache=caches)[mx.arange(len(rows)), last]
+        if not self.direct and any(getattr(s, "packed", False) for s in kvstore.layers.values()):
+            raise KVFormatError("packed KV needs every paged layer to attend through the SDPA "
+                                "hook; this model's attention does not")

@@ -20,6 +20,7 @@ from capacity.formats import KVFormat, KVFormatError
 from engine.kvstore import NativeLayerStore, Slots
 from engine.model import LayerGeometry
 from engine.packed_attention import PackedAttention, PackedKV
+from engine.packed_cache import PackedLayerCache
 from engine.quant import Packed, dequantize, quantize
 from engine.rotation import rotate, rotation_matrix
 
@@ -35,6 +36,7 @@ class PackedLayerStore:
     """One full-attention layer's pages in a packed format."""
 
     packed = True
+    cache_class = PackedLayerCache   # the runner builds this cache for packed layers
 
     def __init__(self, geometry: LayerGeometry, fmt: KVFormat, num_pages: int, page_tokens: int,
                  attention: Optional[PackedAttention] = None):
