@@ -51,15 +51,23 @@ def comparison_markdown(summaries: dict[str, dict], baseline: str, command: str,
                         scenario_meta: dict) -> str:
     from loadtest import report
 
+    loads = ", ".join(f"{k} {_load(s)}" for k, s in summaries.items())
     parts = [f"Scenario `{scenario_meta.get('scenario')}`: {scenario_meta.get('requests')} "
              f"requests, prompt mix {scenario_meta.get('scaled_mix')} tokens, peak "
-             f"{scenario_meta.get('peak_rate_1s', 0):.0f} req/s in 1 s.",
+             f"{scenario_meta.get('peak_rate_1s', 0):.0f} req/s in 1 s. Targets ran one after "
+             f"another in the order below; host 1-min load average before/after each: {loads}.",
              "", report.markdown_row_table(summaries), ""]
     if baseline in summaries and len(summaries) > 1:
         parts += [report.ratio_table(summaries, baseline), ""]
     parts += [report.pattern_table(summaries), ""]
     parts += ["Command:", "", "```", command, "```"]
     return "\n".join(parts)
+
+
+def _load(summary: dict) -> str:
+    h = summary.get("host", {})
+    fmt = (lambda v: "?" if v is None else f"{v:.1f}")
+    return f"{fmt(h.get('loadavg_1m_before'))}/{fmt(h.get('loadavg_1m_after'))}"
 
 
 def write_docs_section(path: str, body: str) -> None:

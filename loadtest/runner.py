@@ -149,6 +149,7 @@ def run_locust(target: Target, schedule: Schedule, args, out: str) -> dict:
     print(f"[loadtest] {target.name}: {len(schedule.arrivals)} requests, scenario "
           f"{schedule.meta.get('scenario')}, calibration {cal.tokens_per_word:.2f} tok/word "
           f"+{cal.overhead}", flush=True)
+    load_before = _loadavg()
     rc = subprocess.call(cmd, env=env)
     if not os.path.exists(rec_path):
         raise RuntimeError(f"locust exited {rc} without writing {rec_path}")
@@ -159,6 +160,9 @@ def run_locust(target: Target, schedule: Schedule, args, out: str) -> dict:
                               "probe_s": probe_s}
     summary["capacity_after"] = probe.wait_idle(target.url, feed_before, key=args.api_key)
     summary["locust_exit_code"] = rc
+    # Numbers from a shared host mean little without how busy it was.
+    summary["host"] = {"cpus": os.cpu_count(), "loadavg_1m_before": load_before,
+                       "loadavg_1m_after": _loadavg()}
     summary["files"] = {"records": rec_path, "schedule": sched_path,
                         "html": os.path.join(out, "locust.html"),
                         "csv_stats": os.path.join(out, "locust_stats.csv"),
@@ -166,6 +170,13 @@ def run_locust(target: Target, schedule: Schedule, args, out: str) -> dict:
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def clean(summary: dict, scenario: str) -> bool:
