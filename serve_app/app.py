@@ -26,8 +26,13 @@ def deployment_name(model_id: str) -> str:
 class ModelDeployment(ModelServer):
     """ModelServer as a Serve replica: reporting starts on the replica's event loop."""
 
-    async def __init__(self, *args, **kwargs):  # type: ignore[misc]  # Serve awaits async inits
-        ModelServer.__init__(self, *args, **kwargs)
+    async def __init__(self, model: dict[str, Any], kv_format: str,  # type: ignore[misc]
+                       capacity: dict[str, Any] | None, drain_timeout_s: float = 30.0):
+        from serve_app.capacity_link import negotiate_format
+
+        self.kv_format_requested = kv_format
+        kv_format, self.kv_format_reason = await negotiate_format(kv_format, capacity)
+        ModelServer.__init__(self, model, kv_format, capacity, drain_timeout_s)
         await self.start()
 
 
@@ -35,7 +40,7 @@ class ModelDeployment(ModelServer):
 class OrchardIngress:
     def __init__(self, config: dict[str, Any], handles: dict[str, Any]):
         from serve_app.backends import RayBackend
-        from serve_app.routing import replica_views
+        from serve_app.router_registry import replica_views
 
         cfg = OrchardConfig.model_validate(config)
         capacity = None

@@ -16,6 +16,7 @@ class GenerateCall:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
     # Wall-clock (time.time()) deadline: monotonic clocks differ between processes and nodes.
     first_token_deadline_unix: float | None = None
 

@@ -55,7 +55,10 @@ class CapacityLink:
 
     async def commit(self, request_id: str) -> bool:
         try:
-            await self.client.commit(request_id, self.server.replica_id)
+            # raw tokens and model let a restarted actor re-establish the reservation.
+            await self.client.commit(request_id, self.server.replica_id,
+                                     self.server.active_raw_tokens().get(request_id),
+                                     self.server.model_id)
             return True
         except Exception as e:  # noqa: BLE001 - unknown when routed without a hold (fallback)
             log.debug("commit %s: %s", request_id, e)
@@ -81,6 +84,22 @@ class CapacityLink:
             await self.client.release(request_id, t)
         except Exception:  # noqa: BLE001
             log.warning("release of %s failed", request_id, exc_info=True)
+
+
+async def negotiate_format(requested: str, settings: dict[str, Any] | None) -> tuple[str, str]:
+    """Enable a packed KV format only if the actor keeps per-identity histories."""
+    from capacity.protocol import negotiate_kv_format
+
+    if requested == "native" or not settings:
+        return requested, "no negotiation needed"
+    try:
+        from capacity.actor import CapacityClient
+
+        info = await CapacityClient(namespace=settings.get("namespace", "orchard")).info()
+    except ImportError:
+        info = None
+    n = negotiate_kv_format(requested, info)
+    return n.kv_format, n.reason
 
 
 def identity_rows(snapshot: dict) -> list[dict]:

@@ -104,4 +104,4 @@ def from_exception(exc: BaseException) -> APIError:
 
 
 # Refusal reasons meaning "no replica exists / none is healthy" rather than "all busy".
-_UNAVAILABLE_REASONS = {"unknown_model", "no_replicas", "unavailable", "draining"}
+_UNAVAILABLE_REASONS = {"unknown_model", "capacity_unavailable", "draining"}

@@ -41,8 +41,8 @@ def slot_report(server: Any, state: str | None = None) -> SlotReport:
     return SlotReport(
         model_id=server.model_id,
         state=state or ("running" if running + waiting or active else "idle"),
-        declared_execution=execution,
-        execution_identity=execution,
+        declared_execution=execution or None,   # native omits it (wire rule)
+        execution_identity=execution or None,
         num_running=running,
         num_waiting=waiting,
         raw_budget_used=sum(active.values()),

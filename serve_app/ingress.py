@@ -144,7 +144,8 @@ class IngressCore:
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else float(req.temperature),
             top_p=1.0 if req.top_p is None else float(req.top_p), top_k=req.top_k or 0,
-            seed=req.seed, stop=req.stop_list(), first_token_deadline_unix=self.deadline_unix(request))
+            seed=req.seed, stop=req.stop_list(), ignore_eos=req.ignore_eos,
+            first_token_deadline_unix=self.deadline_unix(request))
         return call, entry
 
     async def open_stream(self, call: GenerateCall, entry: ModelEntry):
@@ -187,7 +188,7 @@ class IngressCore:
             return e.response()
         self.metrics.admissions.labels(model).inc()
         headers = {"x-orchard-replica": first.get("replica_id", "?"),
-                   "x-request-id": call.request_id}
+                   "x-orchard-request-id": call.request_id}
         builder = P.ResponseBuilder(kind, call.request_id, model)
         tracker = _Tracker(self.metrics, model, entry.format_identity, t0)
         if req.stream:

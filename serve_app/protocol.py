@@ -51,6 +51,7 @@ class _Sampling(_Req):
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
     user: str | None = None
+    ignore_eos: StrictBool = False   # vLLM's extension: generate max_tokens (benchmarks, tests)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -13,34 +13,18 @@ import asyncio
 import logging
 import random
 import time
-import weakref
 from typing import Any
 
 from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRouter, RunningReplica
 
+from serve_app import router_registry
 from serve_app.calls import GenerateCall
 
 log = logging.getLogger("ray.serve")
 
-_ROUTERS: "weakref.WeakSet[CapacityRouter]" = weakref.WeakSet()
 # Delay before a completed request's hold is cancelled as a leak guard: the replica's own
 # release (with telemetry) normally lands first, and cancelling a settled hold is a no-op.
 LEAK_GUARD_DELAY_S = 5.0
-
-
-def replica_views() -> list[dict[str, Any]]:
-    """Replicas known to this process's routers, with their latest routing stats."""
-    views = {}
-    for router in list(_ROUTERS):
-        for replica in router.curr_replicas.values():
-            views[replica.replica_id.unique_id] = {
-                "replica_id": replica.replica_id.unique_id,
-                "deployment": replica.replica_id.deployment_id.name,
-                "node_id": replica.node_id,
-                "routing_stats": dict(replica.routing_stats or {}),
-                "metadata": dict(replica.replica_metadata or {}),
-            }
-    return list(views.values())
 
 
 def _call_of(pending: PendingRequest) -> GenerateCall | None:
@@ -69,11 +53,19 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         self.fallback_cooldown_s = fallback_cooldown_s
         self.hold_wait_s = hold_wait_s
         self.fallback_until = 0.0
+        self.consecutive_faults = 0
         self.holds: dict[str, tuple[str, Any]] = {}   # internal request id -> (request id, hold)
         self.stats = {"holds": 0, "refusals": 0, "faults": 0, "fallback_routes": 0}
-        _ROUTERS.add(self)
+        router_registry.register(self)
 
     # --- the per-request path ------------------------------------------------------------
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        if self.client is not None:
+            # While the actor is unreachable the client admits locally up to this many requests
+            # per model; Serve's per-replica ceiling is the honest bound then.
+            self.client.fallback_cap = max(1, sum(r.max_ongoing_requests for r in replicas))
 
     async def _choose_replica_for_request(self, pending_request: PendingRequest, *,
                                           is_retry: bool = False) -> RunningReplica:
@@ -93,7 +85,9 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         replica = self._ranked_replica(self.holds[key][1], is_retry)
         if replica is not None:
             return replica
-        # The actor ranks replicas this router has not seen yet (or none): pick locally.
+        # A fallback hold (actor unreachable) ranks nothing, or the actor ranks replicas this
+        # router has not seen yet: choose locally.
+        self.stats["fallback_routes"] += 1
         return await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
 
     async def _hold(self, call: GenerateCall) -> Any | None:
@@ -107,11 +101,20 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         wait_until = time.monotonic() + self.hold_wait_s
         if call.first_token_deadline_unix is not None:
             wait_until = min(wait_until, call.deadline_monotonic())
-        faults = refusals = 0
+        refusals = 0
         while True:
             try:
-                hold = await self.client.hold(call.model, call.raw_tokens, call.request_id)
-                self.stats["holds"] += 1
+                hold = await self.client.hold(call.model, call.raw_tokens, call.request_id,
+                                              prompt_tokens=len(call.prompt_ids))
+                if not hold.fallback:
+                    self.consecutive_faults = 0
+                    self.stats["holds"] += 1
+                    return hold
+                # The client could not reach the actor and admitted locally.
+                self.stats["faults"] += 1
+                self.consecutive_faults += 1
+                if self.consecutive_faults >= self.max_fault_retries:
+                    self._enter_fallback()
                 return hold
             except CapacityRefused as e:
                 delay = self._compute_backoff_s(refusals)
@@ -123,21 +126,25 @@ class CapacityRouter(LocalityMixin, RequestRouter):
             except asyncio.CancelledError:
                 self._cancel_soon(call.request_id, 0.0)
                 raise
-            except Exception:  # noqa: BLE001 - actor dead, unreachable, or misbehaving
+            except Exception:  # noqa: BLE001 - a misbehaving actor or client
                 self.stats["faults"] += 1
-                faults += 1
-                log.warning("capacity hold failed (fault %d)", faults, exc_info=True)
-                if faults >= self.max_fault_retries:
-                    break
-                await self._backoff(faults - 1)
+                self.consecutive_faults += 1
+                log.warning("capacity hold failed (fault %d)", self.consecutive_faults,
+                            exc_info=True)
+                if self.consecutive_faults >= self.max_fault_retries:
+                    self._enter_fallback()
+                    return None
+                await self._backoff(self.consecutive_faults - 1)
+
+    def _enter_fallback(self) -> None:
         self.fallback_until = time.monotonic() + self.fallback_cooldown_s
-        log.warning("capacity actor faulted %d times; power-of-two routing for %.0f s",
+        self.consecutive_faults = 0
+        log.warning("capacity actor faulted %d times in a row; power-of-two routing for %.0f s",
                     self.max_fault_retries, self.fallback_cooldown_s)
-        return None
 
     def _ranked_replica(self, hold: Any, is_retry: bool) -> RunningReplica | None:
         by_uid = {rid.unique_id: r for rid, r in self.curr_replicas.items()}
-        ranked = [by_uid[u] for u in _ranking(hold) if u in by_uid]
+        ranked = [by_uid[u] for u in hold.ranking if u in by_uid]
         if is_retry:
             # The first choice rejected us (at max_ongoing_requests); try the next ones.
             available = self.select_available_replicas(ranked)
@@ -157,7 +164,9 @@ class CapacityRouter(LocalityMixin, RequestRouter):
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         entry = self.holds.pop(internal_request_id, None)
         if entry is not None and self.client is not None:
-            self._cancel_soon(entry[0], LEAK_GUARD_DELAY_S)
+            request_id, hold = entry
+            # A local (fallback) hold lives in this process only: settle it now.
+            self._cancel_soon(request_id, 0.0 if hold.fallback else LEAK_GUARD_DELAY_S)
 
     def _cancel_soon(self, request_id: str, delay_s: float) -> None:
         async def cancel():
@@ -172,13 +181,3 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         except RuntimeError:
             pass
 
-
-def _ranking(hold: Any) -> list[str]:
-    """Replica ids from a hold, best first."""
-    for attr in ("ranking", "replicas", "ranked_replicas"):
-        value = getattr(hold, attr, None)
-        if value is None and isinstance(hold, dict):
-            value = hold.get(attr)
-        if value:
-            return [v if isinstance(v, str) else getattr(v, "replica_id", str(v)) for v in value]
-    return []

@@ -95,7 +95,7 @@ class ModelServer:
                     call.request_id, call.prompt_ids,
                     SamplingParams(temperature=call.temperature, top_p=call.top_p,
                                    top_k=call.top_k, seed=call.seed, max_tokens=call.max_tokens,
-                                   stop=tuple(call.stop)),
+                                   stop=tuple(call.stop), ignore_eos=call.ignore_eos),
                     first_token_deadline=call.deadline_monotonic())
                 stream = self.engine.generate(req)
                 async for d in stream:
@@ -183,7 +183,8 @@ class ModelServer:
     def record_replica_metadata(self) -> dict:
         return {"model_id": self.model_id, "replica_id": self.replica_id,
                 "chip_class": chip_class(), "memory_bytes": _memory_bytes(),
-                "format_identity": self.engine.format_identity, "node_id": self.node_id}
+                "format_identity": self.engine.format_identity, "node_id": self.node_id,
+                "kv_format_negotiation": getattr(self, "kv_format_reason", "")}
 
     async def check_health(self) -> None:
         if not self.engine.healthy():

@@ -1,0 +1,148 @@
+"""Capacity feed, disconnect-frees-reservation, refusals with Retry-After, and /metrics."""
+import re
+import time
+
+import httpx
+import pytest
+
+from tests.fixtures.serve import TEST_API_KEY, TEST_MODEL
+
+AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def http(orchard_url):
+    with httpx.Client(base_url=orchard_url, timeout=120) as c:
+        yield c
+
+
+def feed(http) -> dict:
+    r = http.get("/v1/models/capacity", headers=AUTH)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def model_feed(http) -> dict:
+    [m] = [m for m in feed(http)["models"] if m["model_id"] == TEST_MODEL]
+    return m
+
+
+def wait_for(predicate, timeout_s=20.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def running(http) -> float:
+    text = http.get("/metrics").text
+    vals = re.findall(r'^vllm:num_requests_running\{[^}]*model_name="tiny"[^}]*\} (\S+)$', text,
+                      re.M)
+    return sum(float(v) for v in vals) if vals else -1.0
+
+
+def idle(http) -> bool:
+    return feed(http)["outstanding_raw_tokens"] == 0 and running(http) == 0
+
+
+class Stream:
+    """One streaming request held open; reads SSE events without closing the connection."""
+
+    def __init__(self, orchard_url: str, max_tokens: int):
+        self.client = httpx.Client(base_url=orchard_url, timeout=120)
+        req = self.client.build_request(
+            "POST", "/v1/chat/completions", headers=AUTH,
+            json={"model": TEST_MODEL, "stream": True, "max_tokens": max_tokens,
+                  "ignore_eos": True, "messages": [{"role": "user", "content": "go on"}]})
+        self.resp = self.client.send(req, stream=True)
+        self.status = self.resp.status_code
+        self._lines = self.resp.iter_lines() if self.status == 200 else iter(())
+
+    def read_content_events(self, n: int) -> int:
+        seen = 0
+        for line in self._lines:
+            if line.startswith("data: {") and '"content"' in line:
+                seen += 1
+                if seen >= n:
+                    break
+        return seen
+
+    def close(self) -> None:
+        self.resp.close()
+        self.client.close()
+
+
+def test_capacity_feed_is_public_and_ready(http):
+    m = model_feed(http)
+    assert m["ready"] and m["routable_replicas"] >= 1 and m["headroom_requests"] >= 1
+    assert m["identities"] and m["identities"][0]["identity"] == "native"
+    assert http.get("/v1/models/capacity").status_code == 401
+
+
+def test_disconnect_mid_stream_frees_the_reservation(http, orchard_url):
+    wait_for(lambda: idle(http), what="idle before the test")
+    stream = Stream(orchard_url, max_tokens=3000)
+    try:
+        assert stream.status == 200
+        assert stream.read_content_events(2) == 2
+        time.sleep(1.0)   # a heartbeat or two: the request is still running, still held
+        assert feed(http)["outstanding_raw_tokens"] >= 3000
+        assert running(http) == 1
+    finally:
+        stream.close()
+    # 3000 tokens take far longer than this: only a cancelled request frees this fast.
+    wait_for(lambda: idle(http), timeout_s=5, what="reservation freed after disconnect")
+
+
+def test_saturated_fleet_refuses_with_429_and_retry_after(http, orchard_url):
+    """Open long streams until the actor's cap is reached: the next one is refused cleanly."""
+    wait_for(lambda: idle(http), what="idle before the test")
+    streams, refused = [], None
+    try:
+        for _ in range(12):
+            stream = Stream(orchard_url, max_tokens=3000)
+            streams.append(stream)
+            if stream.status != 200:
+                refused = stream.resp
+                break
+            assert stream.read_content_events(1) == 1
+        assert refused is not None, "12 long streams admitted on one replica of max_num_seqs 8"
+        assert len(streams) - 1 <= 8
+        assert refused.status_code == 429
+        assert int(refused.headers["retry-after"]) >= 1
+        refused.read()
+        assert refused.json()["error"]["code"] == "no_capacity"
+        # A first-token deadline bounds the wait for capacity: refused at once, not after 2 s.
+        t0 = time.monotonic()
+        fast = http.post("/v1/chat/completions",
+                         headers={**AUTH, "x-orchard-first-token-deadline-ms": "100"},
+                         json={"model": TEST_MODEL, "max_tokens": 4,
+                               "messages": [{"role": "user", "content": "hi"}]})
+        assert fast.status_code in (429, 503) and "retry-after" in fast.headers
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        for stream in streams:
+            stream.close()
+    wait_for(lambda: idle(http), timeout_s=30, what="all reservations freed")
+    text = http.get("/metrics").text
+    assert re.search(r'^orchard:refusals_total\{[^}]*reason="no_capacity"', text, re.M)
+
+
+def test_metrics_use_vllm_names_with_identity_labels(http):
+    r = http.post("/v1/chat/completions", headers=AUTH, json={
+        "model": TEST_MODEL, "max_tokens": 4, "stream": True,
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
+    text = http.get("/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:request_success_total", "orchard:admissions_total",
+                 "orchard:kv_cache_bytes", "orchard:kv_cache_pages", "orchard:concurrency_cap"):
+        assert re.search(rf"^{re.escape(name)}\{{", text, re.M), name
+    assert re.search(r'vllm:time_to_first_token_seconds_count\{format_identity="native[^"]*",'
+                     r'model_name="tiny"\} [1-9]', text)
+    assert re.search(r'orchard:kv_cache_bytes\{[^}]*kind="total"[^}]*\} [1-9]', text)
