@@ -27,7 +27,9 @@ from engine.model import LoadedModel
 @dataclass(frozen=True)
 class SeqChunk:
     seq_id: int
-    token_ids: list[int]
+    # A list of ints, or a 1-D int mx.array: a still-lazy array (e.g. last step's sampled
+    # token) lets a caller queue step n+1 before step n is read back, as mlx-lm's generators do.
+    token_ids: list[int] | mx.array
     start: int              # tokens of this sequence already in KV
     page_table: list[int]   # physical page ids covering start + len(token_ids)
 
@@ -94,7 +96,7 @@ class ModelRunner:
             if c.seq_id in seen:
                 raise ValueError(f"sequence {c.seq_id} appears twice in one forward")
             seen.add(c.seq_id)
-            if not c.token_ids or c.start < 0:
+            if len(c.token_ids) == 0 or c.start < 0:
                 raise ValueError(f"sequence {c.seq_id}: empty chunk or negative start")
             need = -(-(c.start + len(c.token_ids)) // self.page_tokens)
             if len(c.page_table) < need:
@@ -120,13 +122,10 @@ class ModelRunner:
     def _run(self, chunks: list[SeqChunk], last_only: bool) -> mx.array:
         rows = [Row(c.start, len(c.token_ids), c.page_table) for c in chunks]
         step = StepBatch(rows, self.page_tokens)
-        tokens = np.zeros((len(rows), step.width), dtype=np.int32)
-        for i, c in enumerate(chunks):
-            tokens[i, :len(c.token_ids)] = c.token_ids
+        inputs = _input_tokens(chunks, step.width)
         caches = [self._cache_class(i)(self.kvstore.layer(i), step, w, self.direct,
                                        self.in_place_decode)
                   for i, w in enumerate(self._windows)]
-        inputs = mx.array(tokens)
         loaded = self.loaded
         if not last_only:
             return loaded.model(inputs, cache=caches)
@@ -136,3 +135,20 @@ class ModelRunner:
             hidden = loaded.body(inputs, caches)
             return loaded.head(hidden[mx.arange(len(rows)), last])
         return loaded.model(inputs, cache=caches)[mx.arange(len(rows)), last]
+
+
+def _input_tokens(chunks: list[SeqChunk], width: int) -> mx.array:
+    """Token ids [rows, width], right-padded with 0 (padded positions are never attended)."""
+    if not any(isinstance(c.token_ids, mx.array) for c in chunks):
+        tokens = np.zeros((len(chunks), width), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            tokens[i, :len(c.token_ids)] = c.token_ids
+        return mx.array(tokens)
+    rows = []
+    for c in chunks:
+        ids = (c.token_ids if isinstance(c.token_ids, mx.array)
+               else mx.array(c.token_ids, dtype=mx.int32)).reshape(-1).astype(mx.int32)
+        if ids.shape[0] < width:
+            ids = mx.concatenate([ids, mx.zeros((width - ids.shape[0],), mx.int32)])
+        rows.append(ids)
+    return mx.stack(rows)

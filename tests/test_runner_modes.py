@@ -66,3 +66,26 @@ def test_chunks_group_by_length_under_the_padding_allowance(tiny_llama):
     runner = ModelRunner(lm, KVStore(lm.geometry, 4, 16, lm.dtype), merge_pad_tokens=32)
     chunks = [SeqChunk(i, [1] * n, 0, [0]) for i, n in enumerate([512, 1, 1, 20, 500])]
     assert runner._groups(chunks) == [[0, 4], [3, 1, 2]]
+
+
+def test_lazy_token_ids_pipeline_like_mlx_lm(tiny_llama):
+    """Queue step n+1 on step n's still-lazy argmax, read tokens one step late: same tokens."""
+    lm = load_model(tiny_llama)
+    prompts = _prompts(lm, [9, 21], seed=4)
+    tables = [[0, 1, 2], [3, 4, 5]]
+
+    def run(lazy: bool) -> list[list[int]]:
+        runner = ModelRunner(lm, KVStore(lm.geometry, 6, 16, lm.dtype))
+        y = mx.argmax(runner.forward([SeqChunk(i, p, 0, tables[i])
+                                      for i, p in enumerate(prompts)]), axis=-1)
+        lens, out = [len(p) for p in prompts], []
+        for _ in range(12):
+            ids = [y[i:i + 1] if lazy else [int(y[i].item())] for i in range(2)]
+            nxt = mx.argmax(runner.forward([SeqChunk(i, ids[i], lens[i], tables[i])
+                                            for i in range(2)]), axis=-1)
+            mx.async_eval(nxt)
+            out.append(y.tolist())
+            y, lens = nxt, [n + 1 for n in lens]
+        return out
+
+    assert run(lazy=True) == run(lazy=False)
