@@ -40,18 +40,19 @@ class ModelDeployment(ModelServer):
 class OrchardIngress:
     def __init__(self, config: dict[str, Any], handles: dict[str, Any]):
         from serve_app.backends import RayBackend
-        from serve_app.router_registry import replica_views
+        from serve_app.router_registry import replica_views, router_events
 
         cfg = OrchardConfig.model_validate(config)
         capacity = None
         try:
-            from capacity.actor import CapacityClient
+            from serve_app.capacity_link import make_client
 
-            capacity = CapacityClient(namespace=cfg.capacity.namespace)
+            capacity = make_client(cfg.capacity.model_dump())
         except ImportError:
             pass
         self.core = IngressCore(cfg, {mid: RayBackend(h) for mid, h in handles.items()},
-                                capacity=capacity, replica_views=replica_views)
+                                capacity=capacity, replica_views=replica_views,
+                                router_events=router_events)
 
     def __serve_build_asgi_app__(self):
         return build_fastapi_app(self.core)
@@ -74,10 +75,7 @@ def model_deployment_options(cfg: OrchardConfig, model) -> dict[str, Any]:
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER_CLASS,
             request_router_kwargs={
-                "namespace": cfg.capacity.namespace,
-                "max_fault_retries": cfg.capacity.max_fault_retries,
-                "fallback_cooldown_s": cfg.capacity.fallback_cooldown_s,
-                "hold_wait_s": cfg.capacity.hold_wait_s,
+                "capacity": cfg.capacity.model_dump(),
             },
             request_routing_stats_period_s=cfg.capacity.routing_stats_period_s,
         ),

@@ -13,13 +13,19 @@ from typing import Any
 log = logging.getLogger("orchard.capacity_link")
 
 
+def make_client(settings: dict[str, Any]) -> Any:
+    """A CapacityClient for these settings; it creates the actor the same way if it is gone."""
+    from capacity.actor import CapacityClient
+
+    return CapacityClient(namespace=settings.get("namespace", "orchard"),
+                          snapshot_path=settings.get("snapshot_path"))
+
+
 class CapacityLink:
     def __init__(self, settings: dict[str, Any], server: Any):
-        from capacity.actor import CapacityClient
-
         self.settings = settings
         self.server = server
-        self.client = CapacityClient(namespace=settings.get("namespace", "orchard"))
+        self.client = make_client(settings)
         self.interval_s = float(settings.get("heartbeat_interval_s", 2.0))
         self.incarnation = int(time.time() * 1000)
         self.seq = 0
@@ -93,9 +99,7 @@ async def negotiate_format(requested: str, settings: dict[str, Any] | None) -> t
     if requested == "native" or not settings:
         return requested, "no negotiation needed"
     try:
-        from capacity.actor import CapacityClient
-
-        info = await CapacityClient(namespace=settings.get("namespace", "orchard")).info()
+        info = await make_client(settings).info()
     except ImportError:
         info = None
     n = negotiate_kv_format(requested, info)

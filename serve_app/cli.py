@@ -126,7 +126,8 @@ def _ensure_capacity_actor(cfg) -> None:
     except ImportError:
         _say("capacity actor not available in this build; routing by power-of-two")
         return
-    get_or_create_actor(namespace=cfg.capacity.namespace)
+    get_or_create_actor(namespace=cfg.capacity.namespace,
+                        snapshot_path=cfg.capacity.snapshot_path)
 
 
 def wait_running(app_name: str, timeout_s: float) -> None:

@@ -112,6 +112,8 @@ class KVDefaults(_Strict):
 
 class CapacitySettings(_Strict):
     namespace: str = "orchard"
+    snapshot_path: str | None = Field(None, description="where the actor persists learned rates; "
+                                      "None = ~/.cache/orchard/capacity-rates.json, '' = nowhere")
     heartbeat_interval_s: float = Field(2.0, gt=0)
     max_fault_retries: int = Field(3, ge=1, description="actor faults before power-of-two")
     fallback_cooldown_s: float = Field(10.0, ge=0, description="power-of-two period after faults")

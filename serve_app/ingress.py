@@ -59,11 +59,13 @@ class ModelEntry:
 
 class IngressCore:
     def __init__(self, config: OrchardConfig, backends: dict[str, Any],
-                 capacity: Any = None, replica_views: Callable[[], list[dict]] | None = None):
+                 capacity: Any = None, replica_views: Callable[[], list[dict]] | None = None,
+                 router_events: Callable[[], dict[str, int]] | None = None):
         self.config = config
         self.models = {mid: ModelEntry(mid, b) for mid, b in backends.items()}
         self.capacity = capacity
         self.replica_views = replica_views or (lambda: [])
+        self.router_events = router_events or (lambda: {})
         self.api_keys = config.all_api_keys()
         self.metrics = Metrics()
         self.deadline_header = config.http.first_token_deadline_header
@@ -257,6 +259,7 @@ class IngressCore:
 
     async def render_metrics(self) -> bytes:
         self.metrics.observe_replicas(self.replica_views())
+        self.metrics.observe_router(self.router_events())
         if self.capacity is not None:
             try:
                 from serve_app.capacity_link import identity_rows

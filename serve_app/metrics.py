@@ -61,6 +61,9 @@ class Metrics:
                          registry=r)
         self.rate = Gauge("orchard:learned_rate_tokens_per_second", "Learned rate per identity",
                           ident + ["phase"], registry=r)
+        self.router = Gauge("orchard:router_events", "Capacity router events in this ingress "
+                            "(holds, refusals, actor faults, fallback routes), since start",
+                            ["event"], registry=r)
         self._replica_gauges = (self.running, self.waiting, self.kv_usage, self.kv_bytes,
                                 self.kv_pages, self.headroom)
 
@@ -82,6 +85,10 @@ class Metrics:
             self.kv_pages.labels(*labels, "used").set(s.get("kv_pages_used", 0))
             self.kv_pages.labels(*labels, "total").set(s.get("kv_pages_total", 0))
             self.headroom.labels(*labels).set(s.get("headroom_raw_tokens", 0))
+
+    def observe_router(self, events: dict[str, int]) -> None:
+        for event, count in events.items():
+            self.router.labels(event).set(count)
 
     def observe_identities(self, rows: Iterable[dict[str, Any]]) -> None:
         """Caps and learned rates per (model, execution identity) from the capacity feed."""

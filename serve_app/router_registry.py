@@ -15,6 +15,15 @@ def register(router: Any) -> None:
     _ROUTERS.add(router)
 
 
+def router_events() -> dict[str, int]:
+    """Hold, refusal, fault and fallback counts summed over this process's routers."""
+    total: dict[str, int] = {}
+    for router in list(_ROUTERS):
+        for k, v in getattr(router, "stats", {}).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
 def replica_views() -> list[dict[str, Any]]:
     """Replicas known to this process's routers, with their latest routing stats."""
     views = {}

@@ -40,18 +40,18 @@ def headroom(replica: RunningReplica) -> int:
 
 
 class CapacityRouter(LocalityMixin, RequestRouter):
-    def initialize_state(self, namespace: str = "orchard", max_fault_retries: int = 3,
-                         fallback_cooldown_s: float = 10.0, hold_wait_s: float = 2.0,
-                         **_: Any) -> None:
+    def initialize_state(self, capacity: dict[str, Any] | None = None, **_: Any) -> None:
+        """`capacity`: serve_app.config.CapacitySettings as a dict (router kwargs are JSON)."""
+        settings = capacity or {}
         try:
-            from capacity.actor import CapacityClient
+            from serve_app.capacity_link import make_client
 
-            self.client = CapacityClient(namespace=namespace)
+            self.client = make_client(settings)
         except ImportError:  # a build without the capacity actor: power-of-two only
             self.client = None
-        self.max_fault_retries = max_fault_retries
-        self.fallback_cooldown_s = fallback_cooldown_s
-        self.hold_wait_s = hold_wait_s
+        self.max_fault_retries = int(settings.get("max_fault_retries", 3))
+        self.fallback_cooldown_s = float(settings.get("fallback_cooldown_s", 10.0))
+        self.hold_wait_s = float(settings.get("hold_wait_s", 2.0))
         self.fallback_until = 0.0
         self.consecutive_faults = 0
         self.holds: dict[str, tuple[str, Any]] = {}   # internal request id -> (request id, hold)
@@ -117,6 +117,11 @@ class CapacityRouter(LocalityMixin, RequestRouter):
                     self._enter_fallback()
                 return hold
             except CapacityRefused as e:
+                if e.reason == "unknown_model" and self.curr_replicas:
+                    # We see replicas the actor does not: it restarted and has not heard their
+                    # heartbeats yet. Route without it rather than refuse.
+                    self.stats["faults"] += 1
+                    return None
                 delay = self._compute_backoff_s(refusals)
                 refusals += 1
                 if e.reason != "no_capacity" or time.monotonic() + delay > wait_until:

@@ -32,7 +32,7 @@ def _snapshot(namespace: str) -> dict | None:
     try:
         from capacity.actor import CapacityClient
 
-        return asyncio.run(CapacityClient(namespace=namespace).snapshot())
+        return asyncio.run(CapacityClient(namespace=namespace, create=False).snapshot())
     except Exception:  # noqa: BLE001 - status must still print Serve's view
         return None
 
