@@ -28,23 +28,27 @@ def test_docs_section_is_replaced_in_place(tmp_path):
     assert "second $1 \\1" in text and "keep me" in text and text.startswith("# Benchmarks")
 
 
-def test_same_schedule_against_two_targets(peer_server, tmp_path):
+def test_same_schedule_against_two_targets(openai_stub, tmp_path):
+    # Stubs, not real servers: this checks the orchestration (one schedule, every target, one
+    # comparison); serving numbers come from the live tests and the recorded benchmark.
+    a, b = openai_stub(), openai_stub()
     out, doc = tmp_path / "bench", tmp_path / "benchmarks.md"
-    cmd = [sys.executable, "-m", "loadtest", "bench-serve", "--peer-url", peer_server.url,
-           "--target", f"label=again,url={peer_server.url},model={peer_server.model},kv=native",
-           "--scenario", "mixed", "--rounds", "1", "--round-gap", "0.5", "--context", "256",
+    cmd = [sys.executable, "-m", "loadtest", "bench-serve", "--peer-url", a,
+           "--target", f"label=other,url={b},model=stub,kv=int4",
+           "--scenario", "mixed", "--rounds", "1", "--round-gap", "0.3", "--context", "256",
            "--max-tokens", "8", "--out", str(out), "--docs", str(doc)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     bench = json.loads((out / "bench.json").read_text())
     sums = bench["summaries"]
-    assert set(sums) == {"again", "mlx_lm.server"}
+    assert list(sums) == ["other", "mlx_lm.server"]
     scheds = [json.loads(open(s["files"]["schedule"]).read())["arrivals"] for s in sums.values()]
     assert scheds[0] == scheds[1] and len(scheds[0]) == 20
     for s in sums.values():
         assert s["counts"]["ok"] == 20, s["error_examples"]
+    assert sums["other"]["target"]["kv"] == "int4"
     md = doc.read_text()
-    assert "ratio vs mlx_lm.server" in md and "| output tok/s |" in md
+    assert "ratio vs mlx_lm.server" in md and "| output tok/s | 1." in md
     assert "| burst |" in md and "bench-serve" in md
     for f in ("ttft_cdf.png", "output_tokens_per_s.png", "refusals.png", "comparison.md"):
         assert (out / f).stat().st_size > 0

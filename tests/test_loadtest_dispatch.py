@@ -25,8 +25,10 @@ def test_delivery_is_punctual_and_never_early():
     assert len(errors) == 60
     assert min(errors.values()) >= 0.0
     ms = sorted(e * 1000 for e in errors.values())
-    assert ms[len(ms) // 2] < 1.0, ms  # median under a millisecond even on a shared box
-    assert ms[-1] < 50.0, ms
+    # Loose on purpose: on a shared 2-core host the OS decides the tail (docs/loadtest.md has
+    # the measured numbers); a dispatcher that waited for streams would be ~0.5 s late here.
+    assert ms[len(ms) // 2] < 5.0, ms
+    assert ms[-1] < 200.0, ms
 
 
 def test_wait_until_does_not_return_early():
