@@ -21,7 +21,7 @@ from locust.exception import StopUser
 from loadtest import dispatch, prompts, scenarios
 from loadtest.arrivals import Schedule
 from loadtest.records import RequestRecord
-from loadtest.stream import stream_one
+from loadtest.stream import retry_delay, stream_one
 
 perf = time.perf_counter
 
@@ -43,6 +43,8 @@ def _add_arguments(parser):
     g.add_argument("--spin-ms", type=float, default=2.0)
     g.add_argument("--lead-ms", type=float, default=50.0)
     g.add_argument("--progress-s", type=float, default=2.0)
+    g.add_argument("--retry-refused", type=int, default=0,
+                   help="retry a 429/503 up to N times after its Retry-After, like SDK clients")
     g.add_argument("--sched", default="normal", choices=["normal", "nice", "fifo"],
                    help="OS priority of this load generator (nice/fifo need privileges)")
 
@@ -81,8 +83,14 @@ class Run:
     def fire(self, arrival, due):
         rec = self.records[arrival.index]
         o = self.env.parsed_options
-        stream_one(self.client, self.path, self.bodies[arrival.index], rec, self.t0,
-                   o.stream_timeout, self.headers)
+        for attempt in range(o.retry_refused + 1):
+            stream_one(self.client, self.path, self.bodies[arrival.index], rec, self.t0,
+                       o.stream_timeout, self.headers)
+            if rec.outcome != "refused" or attempt == o.retry_refused:
+                break
+            _report(self.env.events.request, rec, self.api, self.slice, retrying=True)
+            gevent.sleep(retry_delay(rec.retry_after))
+            rec.reset_for_retry()
         _report(self.env.events.request, rec, self.api, self.slice)
 
     def write(self):
@@ -104,8 +112,10 @@ def _floats(text):
     return [float(x) for x in text.split(",")]
 
 
-def _report(request_event, rec: RequestRecord, api: str, slice_: str) -> None:
-    """Locust rows for one finished request: the HTTP call plus the custom metrics."""
+def _report(request_event, rec: RequestRecord, api: str, slice_: str,
+            retrying: bool = False) -> None:
+    """Locust rows for one finished request (or one refused attempt about to be retried): the
+    HTTP call plus the custom metrics."""
     def metric(name, value, length=0):
         request_event.fire(request_type="METRIC", name=f"{name} {slice_}", response_time=value,
                            response_length=length, exception=None, context={})
@@ -119,6 +129,8 @@ def _report(request_event, rec: RequestRecord, api: str, slice_: str) -> None:
     request_event.fire(request_type="POST", name=f"{api} {slice_}",
                        response_time=rec.e2e_ms or 0.0, response_length=rec.output_tokens or 0,
                        exception=exc, context={})
+    if retrying:
+        return
     metric("delivery_error_ms", rec.delivery_error_ms or 0.0)
     if outcome != "ok":
         return

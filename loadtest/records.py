@@ -30,6 +30,12 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None
     hung: bool = False                    # still streaming when the run's patience ran out
+    refused_attempts: int = 0             # refusals retried after Retry-After (--retry-refused)
+
+    def reset_for_retry(self) -> None:
+        """Forget a refused attempt's response but keep the first send time."""
+        self.refused_attempts += 1
+        self.status = self.retry_after = self.error = self.done = None
 
     @property
     def outcome(self) -> str:

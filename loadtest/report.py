@@ -75,6 +75,9 @@ def summarize(records: list[RequestRecord], meta: dict, slo_ttft_ms: float,
         "errors_by_status": dict(Counter(_error_key(r) for r in errors)),
         "refusals_by_status": dict(Counter(str(r.status) for r in refused)),
         "refusals_without_retry_after": sum(1 for r in refused if not r.retry_after),
+        "retried_after_refusal": {"requests": sum(1 for r in records if r.refused_attempts),
+                                  "attempts": sum(r.refused_attempts for r in records),
+                                  "then_served": sum(1 for r in ok if r.refused_attempts)},
         "error_examples": sorted({(r.error or "")[:160] for r in errors})[:5],
         "throughput": {"wall_s": wall, "requests_per_s": per_s(len(ok)),
                        "output_tokens_per_s": per_s(tokens), "output_tokens": tokens},
@@ -151,7 +154,8 @@ def markdown_row_table(summaries: dict[str, dict]) -> str:
 def ratio_table(summaries: dict[str, dict], baseline: str) -> str:
     """Each target against the baseline: >1 is better for tok/s and goodput, <1 for latency."""
     base = summaries[baseline]
-    rows = [("output tok/s", ("throughput", "output_tokens_per_s")),
+    rows = [("served requests", ("counts", "ok")),
+            ("output tok/s", ("throughput", "output_tokens_per_s")),
             ("goodput req/s", ("goodput", "requests_per_s")),
             ("TTFT p50", ("metrics", "ttft_ms", "p50")), ("TTFT p99", ("metrics", "ttft_ms", "p99")),
             ("TPOT p50", ("metrics", "tpot_ms", "p50")), ("E2E p99", ("metrics", "e2e_ms", "p99"))]

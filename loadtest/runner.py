@@ -70,6 +70,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sched", default="normal", choices=["normal", "nice", "fifo"],
                    help="raise the load generator's OS priority for precise delivery on a busy "
                    "host (needs privileges; what took effect is in summary.json)")
+    p.add_argument("--retry-refused", type=int, default=0,
+                   help="retry a refused request up to N times after its Retry-After (latencies "
+                   "then count from the first attempt); 0 reports refusals as they come")
     p.add_argument("--locust-stats", action="store_true",
                    help="also print Locust's periodic stats table")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "orchard-loadtest"),
@@ -137,7 +140,7 @@ def run_locust(target: Target, schedule: Schedule, args, out: str) -> dict:
            "--calibration", f"{cal.tokens_per_word},{cal.overhead}",
            "--stream-timeout", str(args.stream_timeout),
            "--drain-timeout", str(args.drain_timeout), "--spin-ms", str(args.spin_ms),
-           "--sched", args.sched]
+           "--sched", args.sched, "--retry-refused", str(args.retry_refused)]
     if args.extra_body:
         cmd += ["--extra-body", args.extra_body]
     if not args.locust_stats:

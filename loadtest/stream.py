@@ -25,9 +25,11 @@ class _Hung(Exception):
 
 def stream_one(client, path: str, body: bytes, rec: RequestRecord, t0: float,
                timeout_s: float, headers: dict | None = None) -> None:
-    """Send now, fill `rec` (status, text event times, usage, errors) as the stream arrives."""
-    start = perf()
-    rec.sent = start - t0
+    """Send now, fill `rec` (status, text event times, usage, errors) as the stream arrives.
+    On a retry `rec.sent` is kept, so event times count from the user's first attempt."""
+    if rec.sent is None:
+        rec.sent = perf() - t0
+    start = t0 + rec.sent
     resp = None
     try:
         with gevent.Timeout(timeout_s, _Hung):
@@ -83,3 +85,12 @@ def _consume(resp, rec: RequestRecord, start: float) -> None:
     else:
         rec.usage_missing = True
         rec.output_tokens = len(rec.chunk_times)
+
+
+def retry_delay(retry_after: str | None, default: float = 1.0, cap: float = 30.0) -> float:
+    """Seconds to wait before retrying a refused request (Retry-After in seconds; HTTP dates are
+    not used by OpenAI-style servers and fall back to the default)."""
+    try:
+        return min(cap, max(0.0, float(retry_after))) if retry_after else default
+    except ValueError:
+        return default

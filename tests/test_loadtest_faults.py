@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from tests.fixtures.peer_server import TOKENS
+from tests.fixtures.peer_server import FIRST_TOKEN_S, TOKENS
 
 
 def test_overload_classification_against_stub(openai_stub, tmp_path):
@@ -44,3 +44,19 @@ def test_overload_classification_against_stub(openai_stub, tmp_path):
         assert (out / f).stat().st_size > 0, f
     stats = (out / "locust_stats.csv").read_text()
     assert "ttft_ms [stub|-]" in stats and "delivery_error_ms [stub|-]" in stats
+
+
+def test_refused_requests_are_retried_after_retry_after(openai_stub, tmp_path):
+    url = openai_stub(refuse_every=2)  # streams 0, 2, 4, ... are refused once (429, 0.2 s)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "loadtest", "run", "--host", url, "--scenario", "bursts",
+           "--burst-size", "4", "--burst-period", "1", "--duration", "2", "--max-tokens", "8",
+           "--retry-refused", "3", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["counts"]["ok"] == 8 and s["counts"]["refused"] == 0
+    retried = s["retried_after_refusal"]
+    assert retried["requests"] >= 3 and retried["then_served"] == retried["requests"]
+    # a retried request's TTFT counts from its first attempt: >= Retry-After + first token
+    assert s["metrics"]["ttft_ms"]["max"] >= (0.2 + FIRST_TOKEN_S) * 1000

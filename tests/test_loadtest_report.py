@@ -86,3 +86,14 @@ def test_tables_render():
     assert "| output tok/s | 1.00x |" in r
     pt = report.pattern_table({"a": s})
     assert "| poisson | 100/100 |" in pt
+
+
+def test_retry_keeps_first_send_time():
+    from loadtest.stream import retry_delay
+
+    r = rec(0, sent=0.5, status=429, retry_after="2", done=0.01, error="HTTP 429")
+    assert r.outcome == "refused"
+    r.reset_for_retry()
+    assert r.sent == 0.5 and r.status is None and r.refused_attempts == 1
+    assert retry_delay("2") == 2.0 and retry_delay(None) == 1.0
+    assert retry_delay("Wed, 21 Oct 2015 07:28:00 GMT") == 1.0 and retry_delay("999") == 30.0
