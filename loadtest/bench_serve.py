@@ -41,6 +41,10 @@ def parser() -> argparse.ArgumentParser:
                    help="label=NAME,url=URL,model=ID,kv=FORMAT (repeat per target)")
     p.add_argument("--peer-model", help="start mlx_lm.server on this model as a target")
     p.add_argument("--peer-url", help="an already running mlx_lm.server to include")
+    p.add_argument("--peer-dtype", default="auto",
+                   choices=["auto", "as-is", "float32", "bfloat16", "float16"],
+                   help="weights dtype given to the peer (auto: float32 on Linux, where MLX "
+                   "runs on the CPU and Orchard computes in float32; as shipped elsewhere)")
     p.add_argument("--baseline", default=PEER_LABEL, help="label the ratios are taken against")
     p.add_argument("--docs", help="markdown file whose bench-serve section to (re)write")
     runner.add_load_args(p)
@@ -89,9 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     targets = list(args.target)
+    os.makedirs(args.out, exist_ok=True)
     started = None
     if args.peer_model:
-        started = peer.start(args.peer_model, log_path=os.path.join("/tmp", "bench_peer.log"))
+        dtype = peer.default_dtype() if args.peer_dtype == "auto" else args.peer_dtype
+        model = peer.prepare_model(args.peer_model, dtype)
+        print(f"[loadtest] starting {PEER_LABEL} on {model} ({dtype})", flush=True)
+        started = peer.start(model, log_path=os.path.join(args.out, "mlx_lm_server.log"))
         targets.append(runner.Target(started.url, started.model, "native", PEER_LABEL))
     elif args.peer_url:
         targets.append(runner.Target(args.peer_url.rstrip("/"), None, "native", PEER_LABEL))

@@ -6,9 +6,11 @@ The preload path list mirrors engine.platform on purpose: loadtest imports nothi
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import socket
+import tempfile
 import subprocess
 import sys
 import time
@@ -29,6 +31,30 @@ def peer_env() -> dict[str, str]:
         if lib and lib not in env.get("LD_PRELOAD", "").split(":"):
             env["LD_PRELOAD"] = ":".join(x for x in (lib, env.get("LD_PRELOAD")) if x)
     return env
+
+
+def default_dtype() -> str:
+    """What the peer should compute in for a fair comparison: on Linux MLX runs on the CPU here,
+    where bf16 matmul is slow and Orchard's engine computes in float32, so the peer gets a
+    float32 copy; elsewhere (Metal) the model as shipped."""
+    return "float32" if platform.system() == "Linux" else "as-is"
+
+
+def prepare_model(model: str, dtype: str) -> str:
+    """`model` itself, or a cached copy converted to `dtype` with `mlx_lm convert` (local paths;
+    a hub id is passed through unchanged)."""
+    if dtype == "as-is" or not os.path.isdir(model):
+        return model
+    src = os.path.abspath(model)
+    stamp = f"{src}:{max(os.path.getmtime(os.path.join(src, f)) for f in os.listdir(src))}"
+    digest = hashlib.sha1(stamp.encode()).hexdigest()[:10]
+    out = os.path.join(tempfile.gettempdir(), "orchard-peer-models",
+                       f"{os.path.basename(src)}-{dtype}-{digest}")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", src,
+                        "--mlx-path", out, "--dtype", dtype], check=True, env=peer_env(),
+                       stdout=subprocess.DEVNULL)
+    return out
 
 
 def free_port() -> int:

@@ -34,3 +34,4 @@ def test_request_bodies():
     assert prompts.endpoint("chat") == "/v1/chat/completions"
     with pytest.raises(ValueError):
         prompts.request_body("embeddings", "m", "x", 1)
+
