@@ -136,14 +136,15 @@ def _fmt(v, nd=1) -> str:
 
 def markdown_row_table(summaries: dict[str, dict]) -> str:
     """One row per target: the headline numbers."""
-    head = ("| target | ok/sent | refused | errors | out tok/s | goodput req/s | TTFT p50 ms | "
+    head = ("| target | ok/sent | refused | errors | tokens/req | out tok/s | goodput req/s | "
+            "TTFT p50 ms | "
             "TTFT p99 ms | TPOT p50 ms | ITL p99 ms | E2E p99 ms | delivery p50/p99 ms |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for label, s in summaries.items():
         c, m, d = s["counts"], s["metrics"], s["delivery_error_ms"]
         lines.append(
             f"| {label} | {c['ok']}/{c['sent']} | {c['refused']} | {c['error'] + c['hung']} | "
-            f"{_fmt(s['throughput']['output_tokens_per_s'])} | "
+            f"{_fmt(m['output_tokens']['p50'], 0)} | {_fmt(s['throughput']['output_tokens_per_s'])} | "
             f"{_fmt(s['goodput']['requests_per_s'], 2)} | {_fmt(m['ttft_ms']['p50'])} | "
             f"{_fmt(m['ttft_ms']['p99'])} | {_fmt(m['tpot_ms']['p50'])} | "
             f"{_fmt(m['itl_ms']['p99'])} | {_fmt(m['e2e_ms']['p99'])} | "
