@@ -100,6 +100,7 @@ class Run:
         for rec in self.records:
             if rec.sent is not None and rec.done is None and rec.error is None:
                 rec.hung = True  # still open when the process stopped
+                rec.done = perf() - self.t0 - rec.sent
         out = {"meta": {**self.schedule.meta, "t0_epoch": self.t0_epoch,
                         "host": self.env.host, "slice": self.slice,
                         "spin_ms": self.env.parsed_options.spin_ms, "sched": self.sched},

@@ -43,8 +43,10 @@ def stream_one(client, path: str, body: bytes, rec: RequestRecord, t0: float,
             _consume(resp, rec, start)
     except _Hung:
         rec.hung = True
+        rec.done = perf() - start  # when it was cut: the run's wall time must include it
     except GreenletExit:
         rec.hung = True  # killed at the end of the run while still open
+        rec.done = perf() - start
         raise
     except Exception as exc:  # noqa: BLE001 - every failure is data for the report
         rec.error = f"{type(exc).__name__}: {exc}"[:300]

@@ -97,3 +97,10 @@ def test_retry_keeps_first_send_time():
     assert r.sent == 0.5 and r.status is None and r.refused_attempts == 1
     assert retry_delay("2") == 2.0 and retry_delay(None) == 1.0
     assert retry_delay("Wed, 21 Oct 2015 07:28:00 GMT") == 1.0 and retry_delay("999") == 30.0
+
+
+def test_wall_time_includes_streams_cut_as_hung():
+    recs = [served(0), rec(1, sent=1.0, status=200, chunk_times=[0.2], done=30.0, hung=True)]
+    s = report.summarize(recs, {"peak_rate_1s": 1.0}, 500.0, 100.0)
+    assert s["throughput"]["wall_s"] == pytest.approx(31.0 - 0.001)
+    assert s["counts"]["hung"] == 1 and s["metrics"]["e2e_ms"]["n"] == 1
