@@ -117,8 +117,11 @@ class CapacityActor:
 
     async def hold(self, model_id: str, raw_tokens: int, request_id: str,
                    prompt_tokens: int | None = None, exclude=()) -> dict:
+        return (await self.apply([("hold", model_id, raw_tokens, request_id, prompt_tokens,
+                                   exclude)]))[0]
+
+    def _hold(self, model_id, raw_tokens, request_id, prompt_tokens=None, exclude=()) -> dict:
         """Refusals come back as data, not exceptions: cheaper, and no RayTaskError unwrapping."""
-        self._ensure_background()
         try:
             hold = self.fleet.hold(model_id, raw_tokens, request_id, time.monotonic(),
                                    prompt_tokens, tuple(exclude))
@@ -128,7 +131,7 @@ class CapacityActor:
         return {"ok": True, "hold": hold}
 
     async def apply(self, ops: list[tuple]) -> list:
-        """A batch of reports, applied in order: (op, args...) with op in commit/release/cancel/heartbeat."""
+        """A batch applied in order: (op, args...), op in hold/commit/release/cancel/heartbeat."""
         self._ensure_background()
         out = []
         for op, *args in ops:
@@ -142,6 +145,8 @@ class CapacityActor:
 
     def _apply_one(self, op: str, args: list) -> Any:
         now = time.monotonic()
+        if op == "hold":
+            return self._hold(*args)
         if op == "commit":
             return self.fleet.commit(args[0], args[1], now, *args[2:])
         if op == "release":
@@ -197,28 +202,33 @@ class CapacityClient:
     """Caches the actor handle and the last caps, batches reports, and falls back to a conservative
     local cap when the actor is unreachable (so an actor outage degrades admission, not serving).
 
-    Reports (commit/release/cancel/heartbeat) are batched without a timer: the first is sent at
-    once, and whatever queues while a batch is in flight goes in the next one, in order. So an idle
-    client adds no latency and a busy one makes one actor call per batch.
+    Calls (hold/commit/release/cancel/heartbeat) are batched without a timer: the first is sent at
+    once, and whatever queues while `max_inflight` batches are in flight goes in the next one. So
+    an idle client adds no latency and a busy one makes one actor call per batch (200 concurrent
+    callers cost a handful of actor calls, not 200). Each batch is applied in order.
     """
 
     def __init__(self, namespace: str = DEFAULT_NAMESPACE, name: str = DEFAULT_NAME, *,
                  create: bool = True, config: dict | None = None, snapshot_path: str | None = None,
                  call_timeout_s: float = 2.0, fallback_cap: int = 1, backoff_s: float = 0.5,
-                 max_backoff_s: float = 10.0, max_batch: int = 512):
+                 max_backoff_s: float = 10.0, max_batch: int = 512, max_inflight: int = 2):
         self.namespace, self.name, self.create = namespace, name, create
         self.config, self.snapshot_path = config, snapshot_path
         self.call_timeout_s = call_timeout_s      # a hold slower than this counts as unreachable
         self.fallback_cap = fallback_cap          # in-flight requests per model while unreachable
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.max_batch = max_batch
+        # Batches in flight at once. >1 overlaps one batch's actor time with the next one's
+        # transport; safe because callers issue dependent calls (hold -> commit -> release of one
+        # request) only after the previous one returned, and heartbeats carry sequence numbers.
+        self.max_inflight = max(1, max_inflight)
         self.caps: dict[str, int] = {}            # model -> last cap the actor returned
         self.faults = 0
         self._handle = None
         self._down_until = 0.0
         self._local: dict[str, set[str]] = {}     # model -> request ids admitted locally
         self._queue: list[tuple[tuple, asyncio.Future]] = []
-        self._flusher: asyncio.Task | None = None
+        self._flushers: set[asyncio.Task] = set()
 
     # ---- transport ------------------------------------------------------------------------
 
@@ -256,7 +266,8 @@ class CapacityClient:
                    prompt_tokens: int | None = None, exclude=()) -> Hold:
         """Debit the best replica; raises CapacityRefused (nothing debited) when none fits."""
         try:
-            out = await self._call("hold", model_id, raw_tokens, request_id, prompt_tokens, tuple(exclude))
+            out = await self._report(("hold", model_id, raw_tokens, request_id, prompt_tokens,
+                                      tuple(exclude)))
         except CapacityUnavailable:
             return self._local_hold(model_id, raw_tokens, request_id)
         if not out["ok"]:
@@ -305,8 +316,10 @@ class CapacityClient:
     async def _report(self, op: tuple) -> Any:
         fut = asyncio.get_running_loop().create_future()
         self._queue.append((op, fut))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+        if len(self._flushers) < self.max_inflight:
+            task = asyncio.get_running_loop().create_task(self._flush_loop())
+            self._flushers.add(task)
+            task.add_done_callback(self._flushers.discard)
         result = await fut
         if isinstance(result, dict) and "error" in result:
             raise CapacityError(f"{op[0]} rejected: {result['error']}: {result.get('detail', '')}")
@@ -327,9 +340,9 @@ class CapacityClient:
                     fut.set_result(res)
 
     async def flush(self) -> None:
-        """Wait until every queued report has been sent."""
-        while self._flusher is not None and not self._flusher.done():
-            await asyncio.shield(self._flusher)
+        """Wait until every queued call has been sent and answered."""
+        while self._flushers:
+            await asyncio.gather(*list(self._flushers), return_exceptions=True)
 
     # ---- feed -----------------------------------------------------------------------------
 

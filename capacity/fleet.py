@@ -110,11 +110,15 @@ class Fleet:
              prompt_tokens: int | None = None, exclude=()) -> Hold:
         """Raises CapacityRefused (nothing debited) when no replica fits."""
         prompt = raw_tokens if prompt_tokens is None else prompt_tokens
-        forecasts = {}
+        forecasts, by_key = {}, {}
 
         def rank(rep: Replica, room: Headroom):
+            # One forecast per (identity, state): replicas of one identity share it.
             # Heartbeats carry no queued-prefill count; load enters through free slots below.
-            f = forecast_ttft(self.rates, rep.key, prompt, state=rep.state, cfg=self.cfg.forecast)
+            f = by_key.get((rep.key, rep.state))
+            if f is None:
+                f = by_key[(rep.key, rep.state)] = forecast_ttft(
+                    self.rates, rep.key, prompt, state=rep.state, cfg=self.cfg.forecast)
             forecasts[rep.replica_id] = f
             return (f.seconds, -room.requests, rep.replica_id)
 

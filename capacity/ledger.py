@@ -43,7 +43,7 @@ class LedgerConfig:
         return cls(**{k: v for k, v in (data or {}).items() if k in names})
 
 
-@dataclass
+@dataclass(slots=True)
 class Reservation:
     request_id: str
     model: str
@@ -55,7 +55,7 @@ class Reservation:
     predicted_ttft_s: float | None = None   # raw forecast to calibrate against (None: untrainable)
 
 
-@dataclass
+@dataclass(slots=True)
 class Replica:
     replica_id: str
     model: str

@@ -55,9 +55,11 @@ class BatchFit:
 class History:
     """All samples of one execution identity."""
 
-    __slots__ = ("load", "solo", "prompt", "batch", "ttft", "tpot")
+    RINGS = ("load", "solo", "prompt", "batch", "ttft", "tpot")
+    __slots__ = RINGS + ("prefill_cache",)
 
     def __init__(self, cfg: RateConfig):
+        self.prefill_cache: float | None = None   # median prefill tok/s; None = recompute
         self.load = Ring(cfg.load_window)
         self.solo = Ring(cfg.solo_window)
         self.prompt = Ring(cfg.sample_window)
@@ -66,12 +68,12 @@ class History:
         self.tpot = Ring(cfg.sample_window)   # 0.0 marks "no decode phase"
 
     def to_dict(self) -> dict:
-        return {name: getattr(self, name).values() for name in self.__slots__}
+        return {name: getattr(self, name).values() for name in self.RINGS}
 
     @classmethod
     def from_dict(cls, cfg: RateConfig, data: dict) -> "History":
         h = cls(cfg)
-        for name in cls.__slots__:
+        for name in cls.RINGS:
             for v in data.get(name, ()):
                 getattr(h, name).append(float(v))
         return h
@@ -115,6 +117,7 @@ class RateRegistry:
         h.batch.append(float(s.batch_size))
         h.ttft.append(float(s.ttft_s))
         h.tpot.append(float(s.tpot_s or 0.0))
+        h.prefill_cache = None
         if solo and s.tpot_s and 1.0 / s.tpot_s <= self.cfg.max_decode_tps:
             h.solo.append(1.0 / s.tpot_s)
         return True
@@ -146,10 +149,10 @@ class RateRegistry:
         h = self._hist.get(key)
         if not h:
             return None
-        rates = sorted(p / t for p, t in zip(h.prompt.values(), h.ttft.values()) if p > 0)
-        if not rates:
-            return None
-        return min(rates[len(rates) // 2], self.cfg.max_prefill_tps)
+        if h.prefill_cache is None:   # forecasts read this on every hold; samples change rarely
+            rates = sorted(p / t for p, t in zip(h.prompt.values(), h.ttft.values()) if p > 0)
+            h.prefill_cache = min(rates[len(rates) // 2], self.cfg.max_prefill_tps) if rates else 0.0
+        return h.prefill_cache or None
 
     def fit(self, key: ExecutionKey) -> BatchFit | None:
         """Least-squares fit of tpot = a + b*B; None until enough spread-out samples exist."""

@@ -1,0 +1,167 @@
+"""Capacity benchmarks; prints one JSON document.
+
+1. Actor round trip: N concurrent callers (asyncio tasks sharing one CapacityClient, as a router
+   does) each repeat hold -> release against a live actor; latency per hold+release pair. Loads:
+   one sequential caller (the floor), closed loop (no think time, the worst case), and paced
+   (exponential think times for a target aggregate rate).
+2. Memory per 10,000 execution identities (tracemalloc of the rate registry: 10,000 sparse ones
+   measured; full windows measured on 1,000 and scaled) and the size of their JSON snapshot.
+
+    python -m capacity.bench [--callers 200] [--rounds 25] [--paced-rate 200 1000] [--identities 10000]
+                             [--full-identities 1000] [--max-inflight 2] [--skip-actor]
+
+Starts its own Ray session (2 CPUs, no dashboard) in a private namespace and shuts it down.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import time
+import tracemalloc
+import uuid
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def _summary(lat_s: list[float], wall_s: float) -> dict:
+    ms = [v * 1000 for v in lat_s]
+    return {"pairs": len(ms), "p50_ms": round(_pct(ms, 50), 3), "p90_ms": round(_pct(ms, 90), 3),
+            "p99_ms": round(_pct(ms, 99), 3), "max_ms": round(max(ms), 3),
+            "mean_ms": round(statistics.fmean(ms), 3),
+            "pairs_per_s": round(len(ms) / wall_s, 1)}
+
+
+def _register(replicas: int) -> list[dict]:
+    return [{"replica_id": f"r{i}", "node_id": f"box{i}", "chip_class": "bench", "incarnation": 1,
+             "seq": 1, "slots": [{"model_id": "bench-model", "state": "running",
+                                  "raw_budget_used": 0, "raw_budget_max": 10**9,
+                                  "max_concurrency": 1024, "kv_bytes_per_token": 1}]}
+            for i in range(replicas)]
+
+
+async def _round_trips(client, callers: int, rounds: int, think_s: float) -> dict:
+    lat: list[float] = []
+    refused = 0
+
+    async def caller(c: int):
+        nonlocal refused
+        await asyncio.sleep(random.random() * think_s)   # desynchronize paced callers
+        for r in range(rounds):
+            rid = f"{c}-{r}-{uuid.uuid4().hex[:6]}"
+            t0 = time.perf_counter()
+            try:
+                await client.hold("bench-model", 256, rid)
+            except Exception:  # noqa: BLE001 - counted; a refusal is still a round trip
+                refused += 1
+            await client.release(rid)
+            lat.append(time.perf_counter() - t0)
+            if think_s:
+                await asyncio.sleep(random.expovariate(1 / think_s))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller(c) for c in range(callers)))
+    out = _summary(lat, time.perf_counter() - t0)
+    out["refused"] = refused
+    return out
+
+
+async def _actor_bench(args) -> dict:
+    from capacity.actor import CapacityClient, get_or_create_actor
+
+    ns, name = f"bench-{uuid.uuid4().hex[:8]}", "capacity"
+    actor = get_or_create_actor(ns, name, config={"caps": {"native_seeds": {"bench-model": 400.0}}},
+                                snapshot_path="")
+    try:
+        client = CapacityClient(namespace=ns, name=name, snapshot_path="", call_timeout_s=30,
+                                max_inflight=args.max_inflight)
+        for rep in _register(args.replicas):
+            await client.heartbeat(rep)
+        await _round_trips(client, args.callers, 3, 0.0)                 # warm-up
+        out = {"sequential_1_caller": await _round_trips(client, 1, args.rounds * 4, 0.0),
+               f"closed_loop_{args.callers}_callers": await _round_trips(
+                   client, args.callers, args.rounds, 0.0)}
+        for rate in args.paced_rate:
+            res = await _round_trips(client, args.callers, args.rounds, args.callers / rate)
+            res["target_pairs_per_s"] = rate
+            out[f"paced_{args.callers}_callers_{rate:g}_per_s"] = res
+        snap = await client.snapshot()
+        assert snap["outstanding_raw_tokens"] == 0, "every hold was released"
+        return out
+    finally:
+        import ray
+
+        ray.kill(actor, no_restart=True)
+
+
+def _memory_bench(n: int, n_full: int) -> dict:
+    """Sparse: n identities with one sample of each kind. Full windows: n_full identities with every
+    window full (slow to fill under tracemalloc), scaled linearly to per-10,000 figures."""
+    from capacity.identity import ExecutionKey
+    from capacity.rates import RateConfig, RateRegistry, RequestSample
+
+    cfg = RateConfig()
+    out = {}
+    for label, fill, n in (("sparse", 1, n), ("full_windows", None, n_full)):
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        reg = RateRegistry(cfg)
+        for i in range(n):
+            key = ExecutionKey(f"model-{i % 50}", f"chip-{i % 7}", f"kvq-v1:id-{i}:prefill=direct")
+            loads = fill or cfg.load_window
+            for j in range(loads):
+                reg.record_decode(key, 50.0 + j, solo=True)
+            for j in range(fill or cfg.sample_window):
+                reg.record_request(key, RequestSample(100 + j, 1 + j % 4, 0.2, 0.02))
+            for j in range(fill or cfg.ttft_window):
+                reg.record_ttft_ratio(key, 1.0, 0.9)
+        used = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        snapshot_bytes = len(json.dumps(reg.to_dict(), separators=(",", ":")))
+        out[label] = {"identities_measured": n, "bytes": used,
+                      "bytes_per_identity": round(used / n),
+                      "mib_per_10k_identities": round(used / n * 10_000 / 2**20, 2),
+                      "snapshot_json_mib_per_10k": round(snapshot_bytes / n * 10_000 / 2**20, 2)}
+        del reg
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--callers", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=25, help="hold+release pairs per caller and load")
+    p.add_argument("--paced-rate", type=float, nargs="*", default=[200.0, 1000.0],
+                   help="aggregate pairs/s targets for the paced runs")
+    p.add_argument("--max-inflight", type=int, default=2, help="client batches in flight")
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--identities", type=int, default=10_000, help="sparse identities measured")
+    p.add_argument("--full-identities", type=int, default=1_000,
+                   help="identities measured with full windows (scaled to per-10k)")
+    p.add_argument("--skip-actor", action="store_true")
+    args = p.parse_args(argv)
+
+    result = {"host": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                       "machine": platform.machine()},
+              "args": vars(args)}
+    if not args.skip_actor:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        try:
+            result["actor_round_trip"] = asyncio.run(_actor_bench(args))
+        finally:
+            ray.shutdown()
+    result["memory"] = _memory_bench(args.identities, args.full_identities)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
