@@ -9,9 +9,10 @@ builds masks once per forward with `cache.make_mask(...)` on one full and one sl
   into a padded batch; the mask hides padding, future keys and (sliding layers) keys older than
   the window. Works with any model code; costs one copy of the context per layer and step.
 - direct: `install_sdpa_hook` routes mlx-lm's `scaled_dot_product_attention` to `cache.attend`
-  when the cache has one, so a store can attend over pages without that copy (see
-  `paged_decode_attention`) or over packed pages. The runner verifies at start that every paged
-  layer calls the hook; otherwise it stays in gather mode.
+  when the cache has one, so attention can read pages without that copy (see
+  `paged_decode_attention`); packed stores name their own cache class whose `attend` reads
+  packed pages. The runner verifies at start that every paged layer calls the hook; otherwise
+  it stays in gather mode.
 
 Rows are right-padded to the longest chunk of the forward call. Indices (slots, page lists,
 masks) are built once per call in `StepBatch` and shared by every layer. Attention sinks
@@ -146,9 +147,9 @@ def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, st
     """Attention straight from head-major pages [kv_heads, num_pages, T, dim] via gather_mm.
 
     Scores are computed page by page against the live pages, so the context is read once
-    instead of gathered into a copy first; on the CPU this is 1.3-3x faster than gather + SDPA
-    for decode. The PV product leaves one partial output per page, so it only pays for short
-    query blocks (group * tokens well below the page size); prefill uses gather + SDPA.
+    instead of gathered into a copy first; on the CPU this measured 1.3-3x faster than gather +
+    SDPA for decode. The PV product leaves one partial output per page, so it only pays for
+    short query blocks (group * tokens <= page size); prefill uses gather + SDPA.
     """
     b, hq, n, d = q.shape
     kv_heads, num_pages, t, _ = k_pages.shape
@@ -210,14 +211,11 @@ class PagedLayerCache:
         """Attention over this layer's pages (the hook calls it). Reads the pages, so it is
         right in either mode; in direct mode `keys`/`values` are the call's fresh rows."""
         self.step.attended += 1
-        store_attend = getattr(self.store, "attend", None)
-        if store_attend is not None:
-            return store_attend(queries, keys, values, step=self.step, view=self.view,
-                                scale=scale, sinks=sinks)
         pages = getattr(self.store, "head_major_pages", None)
         group = queries.shape[1] // keys.shape[1]
+        # Page-wise PV partials (group*n rows per page) stay no larger than a gathered V copy.
         if (self.in_place_decode and pages is not None
-                and group * queries.shape[2] * 2 <= self.step.page_tokens):
+                and group * queries.shape[2] <= self.step.page_tokens):
             k_pages, v_pages = pages()
             return paged_decode_attention(queries, k_pages, v_pages, self.step, self.view,
                                           scale, sinks)

@@ -10,7 +10,8 @@ packed (quantized) layer store can replace the native one without touching the r
     gather(pages: mx.array) -> (k, v)        pages [B, P] -> [B, kv_heads, P*page_tokens, dim]
     arrays() -> list[mx.array]               what must be evaluated for a step to retire
 
-(optionally `attend(...)`, see engine/attention.py, for stores that attend without gathering).
+Optional: `cache_class`, a `PagedLayerCache` subclass the runner uses for this layer (packed
+stores attend over codes), and `head_major_pages()` for in-place decode (engine/attention.py).
 """
 from __future__ import annotations
 
@@ -22,10 +23,14 @@ import numpy as np
 
 from engine.model import LayerGeometry, ModelGeometry
 
-# Measured on the 2-core CPU (see tests/test_runner_speed.py and the report in engine/runner.py):
-# 16-token pages keep decode gathers within a few % of larger pages while wasting at most 15
-# tokens per sequence per layer; 8 adds index work and 64+ gathers mostly-empty tails.
-DEFAULT_PAGE_TOKENS = 16
+# Default page size, chosen by measurement (8-layer llama, hidden 512, 4 KV heads x 64, float32,
+# 2-core CPU, CPU-seconds per decode step vs mlx-lm's contiguous caches, 2026-11-29):
+#   batch 8 @ 2K context: 16 -> 0.80x, 32 -> 1.10x, 64 -> 1.18x, 128 -> 1.18x of mlx-lm
+#   batch 1 @ 2K: 16 -> 0.90x, 64 -> 1.06x; at <= 1K every size is within noise (0.9-1.0x).
+# In-place decode issues one small matmul per (row, KV head, page), so small pages pay call
+# overhead at long context; 128 gains nothing over 64 but doubles the tail (<= 63 idle slots per
+# sequence at 64). Hence 64.
+DEFAULT_PAGE_TOKENS = 64
 
 
 @dataclass(frozen=True)

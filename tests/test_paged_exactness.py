@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.kvstore import KVStore
+from engine.kvstore import DEFAULT_PAGE_TOKENS, KVStore
 from engine.model import load_model
 from engine.runner import ModelRunner, SeqChunk
 
@@ -30,19 +30,20 @@ def loaded(tiny_model_dirs):
 class Pages:
     """A shuffled free list, so page tables are scattered and out of order like in serving."""
 
-    def __init__(self, num_pages: int, seed: int = 0):
+    def __init__(self, num_pages: int, seed: int = 0, page: int = PAGE):
         self.free = list(np.random.default_rng(seed).permutation(num_pages))
+        self.page = page
         self.tables: dict[int, list[int]] = {}
 
     def cover(self, seq_id: int, tokens: int) -> list[int]:
         table = self.tables.setdefault(seq_id, [])
-        while len(table) * PAGE < tokens:
+        while len(table) * self.page < tokens:
             table.append(int(self.free.pop()))
         return table
 
 
-def _runner(lm, num_pages=64):
-    return ModelRunner(lm, KVStore(lm.geometry, num_pages, PAGE, lm.dtype))
+def _runner(lm, num_pages=64, page=PAGE):
+    return ModelRunner(lm, KVStore(lm.geometry, num_pages, page, lm.dtype))
 
 
 def _prompt(lm, n, seed):
@@ -53,10 +54,11 @@ def _reference_logits(lm, tokens):
     return lm.model(mx.array([tokens]), cache=make_prompt_cache(lm.model))[0]
 
 
+@pytest.mark.parametrize("page", [8, PAGE, DEFAULT_PAGE_TOKENS])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_teacher_forced_chunked_batched_logits_match_mlx_lm(loaded, arch):
+def test_teacher_forced_chunked_batched_logits_match_mlx_lm(loaded, arch, page):
     lm = loaded[arch]
-    runner, pages = _runner(lm), Pages(64)
+    runner, pages = _runner(lm, 64, page), Pages(64, page=page)
     plans = {0: [7, 20, 1, 1, 21], 1: [30, 3, 1, 25, 1], 2: [1, 1, 40, 2, 1]}
     prompts = {s: _prompt(lm, sum(p), seed=s) for s, p in plans.items()}
     got = {s: [] for s in plans}
