@@ -150,6 +150,7 @@ class Engine:
                 if time.monotonic() >= self._drain_deadline:
                     for s in [*self.scheduler.waiting, *self.scheduler.running]:
                         self.scheduler.cancel(s.request_id)
+            self._reclaim()   # cancels just applied free their seats before admission
             step = self.scheduler.schedule(time.monotonic())
             if step is not None:
                 self._run_step(step)

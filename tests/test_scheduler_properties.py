@@ -72,9 +72,9 @@ def test_random_operations_never_leak(ops):
         sch.pop_finished()
     # Drain: everything finishes (max_tokens bounds it), then nothing is held.
     for _ in range(10_000):
+        sch.reclaim(retired)      # as the loop does before scheduling: frees seats for admission
         step = sch.schedule(now)
         if step is None:
-            sch.reclaim(retired)
             break
         sch.complete(step, [5 if c.samples else None for c in step.chunks], now)
         retired = step.step_id
