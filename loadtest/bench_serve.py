@@ -47,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
                    "runs on the CPU and Orchard computes in float32; as shipped elsewhere)")
     p.add_argument("--baseline", default=PEER_LABEL, help="label the ratios are taken against")
     p.add_argument("--docs", help="markdown file whose bench-serve section to (re)write")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="replay the schedule this many times per target, rotating the target "
+                   "order each time so host-load drift does not always favour the same one")
     runner.add_load_args(p)
     return p
 
@@ -113,16 +116,21 @@ def main(argv: list[str] | None = None) -> int:
         caps = [i["advertised_concurrency"] for i in infos.values() if i["advertised_concurrency"]]
         schedule = runner.build_schedule(args, {"context": min(contexts),
                                                 "advertised_concurrency": min(caps, default=None)})
-        os.makedirs(args.out, exist_ok=True)
-        summaries, runs = {}, {}
-        for t in targets:
-            out = os.path.join(args.out, re.sub(r"[^A-Za-z0-9_.-]+", "_", t.name))
-            summaries[t.name] = runner.run_locust(t, schedule, args, out)
-            runs[t.name] = report.load_records(summaries[t.name]["files"]["records"])[0]
+        per: dict[str, list] = {t.name: [] for t in targets}
+        for rep in range(args.repeats):
+            for t in targets[rep % len(targets):] + targets[:rep % len(targets)]:
+                out = os.path.join(args.out, re.sub(r"[^A-Za-z0-9_.-]+", "_", t.name))
+                out = os.path.join(out, f"r{rep}") if args.repeats > 1 else out
+                s = runner.run_locust(t, schedule, args, out)
+                per[t.name].append((s, report.load_records(s["files"]["records"])[0]))
     finally:
         if started is not None:
             started.stop()
-    plot_paths = plots.all_plots(runs, args.out)
+    summaries = {k: v[0][0] if len(v) == 1 else
+                 report.pool(v, schedule.meta, args.slo_ttft_ms, args.slo_tpot_ms)
+                 for k, v in per.items()}
+    runs = {k: [r for _, recs in v for r in recs] for k, v in per.items()}
+    plot_paths = plots.all_plots(runs, args.out, timeline={k: v[0][1] for k, v in per.items()})
     command = "python -m loadtest bench-serve " + " ".join(shlex.quote(a) for a in argv)
     md = comparison_markdown(summaries, args.baseline, command, schedule.meta)
     with open(os.path.join(args.out, "comparison.md"), "w") as f:

@@ -85,10 +85,13 @@ def refusals_over_time(runs: dict[str, list[RequestRecord]], path: str, width: f
     plt.close(fig)
 
 
-def all_plots(runs: dict[str, list[RequestRecord]], out_dir: str) -> list[str]:
+def all_plots(runs: dict[str, list[RequestRecord]], out_dir: str,
+              timeline: dict[str, list[RequestRecord]] | None = None) -> list[str]:
+    """CDF over every record; time series over `timeline` (one run per target: repeated runs
+    share a clock origin and would stack)."""
     paths = [f"{out_dir}/ttft_cdf.png", f"{out_dir}/output_tokens_per_s.png",
              f"{out_dir}/refusals.png"]
     ttft_cdf(runs, paths[0])
-    tokens_over_time(runs, paths[1])
-    refusals_over_time(runs, paths[2])
+    tokens_over_time(timeline or runs, paths[1])
+    refusals_over_time(timeline or runs, paths[2])
     return paths

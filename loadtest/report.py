@@ -109,6 +109,34 @@ def summarize(records: list[RequestRecord], meta: dict, slo_ttft_ms: float,
     }
 
 
+def pool(runs: list[tuple[dict, list[RequestRecord]]], meta: dict, slo_ttft_ms: float,
+         slo_tpot_ms: float) -> dict:
+    """One summary over repeated runs of a target: latency percentiles over all requests;
+    throughput and goodput as totals over the summed wall time (each run has its own clock)."""
+    records = [r for _, recs in runs for r in recs]
+    out = summarize(records, meta, slo_ttft_ms, slo_tpot_ms)
+    wall = sum(s["throughput"]["wall_s"] for s, _ in runs)
+    ok = [r for r in records if r.outcome == "ok"]
+    good = sum((s["goodput"]["requests_per_s"] or 0) * s["throughput"]["wall_s"] for s, _ in runs)
+    tokens = sum(r.output_tokens or 0 for r in ok)
+    out["throughput"] = {"wall_s": wall, "requests_per_s": len(ok) / wall if wall else None,
+                         "output_tokens_per_s": tokens / wall if wall else None,
+                         "output_tokens": tokens}
+    out["goodput"]["requests_per_s"] = good / wall if wall else None
+    first = runs[0][0]
+    out["target"] = first["target"]
+    idles = [s["capacity_after"].get("idle") for s, _ in runs]
+    out["capacity_after"] = {"checked": any(s["capacity_after"].get("checked") for s, _ in runs),
+                             "idle": False if False in idles else (True if True in idles else None)}
+    out["host"] = {"runs": [s.get("host") for s, _ in runs],
+                   "loadavg_1m_before": first.get("host", {}).get("loadavg_1m_before"),
+                   "loadavg_1m_after": runs[-1][0].get("host", {}).get("loadavg_1m_after")}
+    out["repeats"] = len(runs)
+    out["per_run_output_tokens_per_s"] = [s["throughput"]["output_tokens_per_s"] for s, _ in runs]
+    out["files"] = {"runs": [s["files"] for s, _ in runs]}
+    return out
+
+
 def _group(items, key):
     out: dict = {}
     for it in items:

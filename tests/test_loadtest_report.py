@@ -104,3 +104,20 @@ def test_wall_time_includes_streams_cut_as_hung():
     s = report.summarize(recs, {"peak_rate_1s": 1.0}, 500.0, 100.0)
     assert s["throughput"]["wall_s"] == pytest.approx(31.0 - 0.001)
     assert s["counts"]["hung"] == 1 and s["metrics"]["e2e_ms"]["n"] == 1
+
+
+def test_pool_sums_throughput_over_runs():
+    run_a = [served(0), served(1)]
+    run_b = [served(0, ttft=0.3), served(1, ttft=0.3), rec(2, sent=2.0, status=429,
+                                                            retry_after="1", done=0.01)]
+    sa = report.summarize(run_a, {"peak_rate_1s": 1.0}, 500.0, 100.0)
+    sb = report.summarize(run_b, {"peak_rate_1s": 1.0}, 500.0, 100.0)
+    for s in (sa, sb):
+        s["capacity_after"] = {"checked": True, "idle": True}
+        s["files"] = {}
+    p = report.pool([(sa, run_a), (sb, run_b)], {"peak_rate_1s": 1.0}, 500.0, 100.0)
+    wall = sa["throughput"]["wall_s"] + sb["throughput"]["wall_s"]
+    assert p["throughput"]["output_tokens_per_s"] == pytest.approx(16 / wall)
+    assert p["counts"]["ok"] == 4 and p["counts"]["refused"] == 1 and p["repeats"] == 2
+    assert p["metrics"]["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert p["capacity_after"]["idle"] is True
