@@ -1,0 +1,233 @@
+"""Issue-3 bench: KV bytes and capacity per format, prefill TTFT and decode speed vs native.
+
+    python -m engine.platform exec .venv/bin/python -m engine.bench_kv --out bench.json
+
+Every number of one run comes from one process, so ratios to native are fair on a shared machine;
+absolute times mean something only on a dedicated one. The default model is a synthetic
+llama-style geometry (random weights, built offline) so the bench runs anywhere; `--model DIR`
+uses a real mlx-lm directory instead.
+
+Sections:
+- capacity: exact bytes per token per format, and the raw tokens admitted at one equal KV
+  budget (single request, and the split-safe projection over 16 requests, page tails included),
+  for the bench model and two reference geometries, against the 1.78x / 2.29x / 3.2x goals;
+- prefill: time to first token of a prompt of N tokens, prefilled in `--chunk`-token steps, for
+  native, direct and fused;
+- decode: tokens/s of B sequences that each already hold N tokens of KV. The history is written
+  straight into the pages (random rows, quantized on write for packed formats): decode speed
+  depends on how much KV it reads, not on what the rows say, and this keeps 16K contexts cheap.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from capacity.formats import FORMAT_BITS, KVFormat
+from capacity.pricing import CostModel
+from engine.kvstore import KVStore, Slots
+from engine.model import load_model
+from engine.packed_cache import PackedModelRunner
+from engine.packed_store import counters_of, packed_layer_factory
+from engine.runner import ModelRunner, SeqChunk
+
+GOALS = {"int8": 16 / 9, "k8v4": 16 / 7, "int4": 3.2}
+REFERENCE_GEOMETRIES = {
+    # name: (full-attention layers, kv heads, head dim), BF16 payload
+    "llama3-8b": (32, 8, 128),
+    "qwen3.6-35b-a3b(full layers)": (10, 2, 256),
+}
+SYNTHETIC = dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1024,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                 max_position_embeddings=40000)
+PAGE_TOKENS = 16
+
+
+def capacity_table(bytes_per_token: dict[str, int], budget: int, page_tokens: int) -> dict:
+    """Admitted raw tokens per format at one budget, and the ratio to native."""
+    out = {}
+    for name, bpt in bytes_per_token.items():
+        cm = CostModel(budget_bytes=budget, bytes_per_token=bpt, page_tokens=page_tokens,
+                       fixed_bytes_per_request=0, concurrency_ceiling=16)
+        out[name] = {"bytes_per_token": bpt, "max_raw_tokens_1req": cm.max_raw_tokens(),
+                     "max_raw_tokens_16req": cm.project().max_new_raw_tokens}
+    for name, row in out.items():
+        for key in ("max_raw_tokens_1req", "max_raw_tokens_16req"):
+            row[key.replace("max_raw_tokens", "ratio")] = round(
+                row[key] / out["native"][key], 4)
+        if name in GOALS:
+            row["goal"] = round(GOALS[name], 4)
+            row["within_3pct"] = abs(row["ratio_16req"] / GOALS[name] - 1) <= 0.03
+    return out
+
+
+def capacity_section(loaded, budget: int) -> dict:
+    result = {}
+    for ref, (layers, heads, dim) in REFERENCE_GEOMETRIES.items():
+        bpt = {n: layers * KVFormat(n, dim, "bfloat16").bytes_per_token(heads) for n in FORMAT_BITS}
+        result[ref] = capacity_table(bpt, budget, PAGE_TOKENS)
+    # The bench model: bytes measured from real allocated stores, not from the formula.
+    bpt = {n: _store(loaded, n, 1).bytes_per_token for n in FORMAT_BITS}
+    result[f"bench-model({loaded.dtype_name})"] = capacity_table(bpt, budget, PAGE_TOKENS)
+    return result
+
+
+def _store(loaded, fmt, pages, **kw):
+    return KVStore(loaded.geometry, pages, PAGE_TOKENS, loaded.dtype,
+                   layer_factory=packed_layer_factory(fmt, **kw))
+
+
+def _runner(loaded, fmt, pages, mode="direct"):
+    if fmt == "native":
+        return ModelRunner(loaded, _store(loaded, fmt, pages))
+    # The bench's permit hook always grants: it measures the fused path, not the ledger.
+    return PackedModelRunner(loaded, _store(loaded, fmt, pages, prefill_mode=mode,
+                                            permit=lambda n: True))
+
+
+def prefill_once(runner, tokens, chunk) -> float:
+    table = list(range(-(-len(tokens) // PAGE_TOKENS)))
+    mx.synchronize()
+    t0 = time.perf_counter()
+    for s in range(0, len(tokens), chunk):
+        mx.eval(runner.forward([SeqChunk(0, tokens[s:s + chunk], s, table)]))
+    return time.perf_counter() - t0
+
+
+def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save) -> dict:
+    rng = np.random.default_rng(0)
+    vocab = loaded.geometry.vocab_size
+    for n in contexts:
+        tokens = rng.integers(3, vocab, n).tolist()
+        variants = [("native", "native", "direct")] + [
+            (f"{f}-{m}", f, m) for f in formats for m in ("direct", "fused")]
+        runners = {name: _runner(loaded, f, -(-n // PAGE_TOKENS), m) for name, f, m in variants}
+        times = {name: [] for name in runners}
+        for r in runners.values():        # warm-up: kernels compile/JIT outside the timing
+            prefill_once(r, tokens[:2 * min(chunk, 64)], min(chunk, 64))
+        for _ in range(repeats):          # interleaved, so drift hits every variant alike
+            for name, r in runners.items():
+                times[name].append(prefill_once(r, tokens, chunk))
+        row = {}
+        for name, r in runners.items():
+            t = min(times[name])
+            row[name] = {"ttft_s": round(t, 4), "ratio_to_native": None,
+                         "counters": counters_of(r.kvstore) or None}
+        for name in row:
+            row[name]["ratio_to_native"] = round(row[name]["ttft_s"] / row["native"]["ttft_s"], 3)
+        out[str(n)] = row
+        save()
+        del runners
+    return out
+
+
+def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
+    """Write `context` random rows for each of `seqs` sequences, leave `room` tokens to decode;
+    return their page tables."""
+    per = -(-(context + room) // PAGE_TOKENS)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(seqs)]
+    key = mx.random.key(seed)
+    for table in tables:
+        for s in range(0, context, 4096):
+            pos = np.arange(s, min(context, s + 4096))
+            slots = Slots.from_flat(np.asarray(table)[pos // PAGE_TOKENS] * PAGE_TOKENS
+                                    + pos % PAGE_TOKENS, PAGE_TOKENS)
+            for index in store.layers:
+                g = store.geometry.layers[index]
+                key, k1, k2 = mx.random.split(key, 3)
+                k = mx.random.normal((len(pos), g.kv_heads, g.head_dim), key=k1).astype(store.dtype)
+                v = mx.random.normal((len(pos), g.kv_heads, g.v_head_dim), key=k2).astype(store.dtype)
+                store.write(index, slots, k, v)
+            mx.eval(*store.arrays())
+    return tables
+
+
+def decode_section(loaded, contexts, batches, formats, steps, repeats, out: dict, save) -> dict:
+    for n in contexts:
+        for b in batches:
+            room = steps * (repeats + 1)
+            pages = b * -(-(n + room) // PAGE_TOKENS)
+            row = {}
+            for fmt in ["native", *formats]:
+                runner = _runner(loaded, fmt, pages)
+                tables = _fill(runner.kvstore, b, n, room)
+                pos = n
+                best = None
+                for _ in range(repeats + 1):
+                    mx.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        logits = runner.forward([SeqChunk(i, [7], pos, t)
+                                                 for i, t in enumerate(tables)])
+                        mx.eval(logits)
+                        pos += 1
+                    dt = time.perf_counter() - t0
+                    best = dt if best is None else min(best, dt)   # first round is warm-up
+                row[fmt] = {"tok_s": round(b * steps / best, 2)}
+                del runner
+            for fmt in row:
+                row[fmt]["ratio_to_native"] = round(row[fmt]["tok_s"] / row["native"]["tok_s"], 3)
+            out[f"ctx{n}-b{b}"] = row
+            save()
+    return out
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="mlx-lm model dir (default: synthetic llama geometry)")
+    ap.add_argument("--dtype", default=None, help="compute dtype (default: f32 CPU, bf16 GPU)")
+    ap.add_argument("--out", default="bench_kv.json")
+    ap.add_argument("--budget-gib", type=float, default=8.0)
+    ap.add_argument("--prefill", type=_ints, default=[512, 4096, 16384])
+    ap.add_argument("--prefill-formats", default="int8,int4")
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--decode", type=_ints, default=[1024, 4096, 16384])
+    ap.add_argument("--batches", type=_ints, default=[1, 4])
+    ap.add_argument("--decode-formats", default="int8,k8v4,int4")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sections", default="capacity,prefill,decode")
+    args = ap.parse_args(argv)
+
+    if args.model:
+        model_dir = args.model
+    else:
+        from tests.fixtures.tiny_models import build_tiny_model
+        model_dir = str(build_tiny_model("llama", Path(tempfile.mkdtemp()) / "bench", **SYNTHETIC))
+    loaded = load_model(model_dir, dtype=args.dtype)
+    sections = args.sections.split(",")
+    result = {"env": {"mlx": mx.__version__, "device": str(mx.default_device()),
+                      "machine": platform.machine(), "dtype": loaded.dtype_name,
+                      "model": args.model or f"synthetic-llama {SYNTHETIC}",
+                      "geometry": loaded.geometry.describe()[:1], "page_tokens": PAGE_TOKENS,
+                      "args": vars(args)}}
+
+    def save():   # after every row, so a run cut short still leaves what it measured
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+    if "capacity" in sections:
+        result["capacity"] = capacity_section(loaded, int(args.budget_gib * 2**30))
+        save()
+    if "prefill" in sections:
+        prefill_section(loaded, args.prefill, args.prefill_formats.split(","), args.chunk,
+                        args.repeats, result.setdefault("prefill", {}), save)
+    if "decode" in sections:
+        decode_section(loaded, args.decode, args.batches, args.decode_formats.split(","),
+                       args.steps, args.repeats, result.setdefault("decode", {}), save)
+    save()
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
