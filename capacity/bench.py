@@ -39,9 +39,9 @@ def _summary(lat_s: list[float], wall_s: float) -> dict:
             "pairs_per_s": round(len(ms) / wall_s, 1)}
 
 
-def _register(replicas: int) -> list[dict]:
+def _register(replicas: int, seq: int = 1) -> list[dict]:
     return [{"replica_id": f"r{i}", "node_id": f"box{i}", "chip_class": "bench", "incarnation": 1,
-             "seq": 1, "slots": [{"model_id": "bench-model", "state": "running",
+             "seq": seq, "slots": [{"model_id": "bench-model", "state": "running",
                                   "raw_budget_used": 0, "raw_budget_max": 10**9,
                                   "max_concurrency": 1024, "kv_bytes_per_token": 1}]}
             for i in range(replicas)]
@@ -82,8 +82,16 @@ async def _actor_bench(args) -> dict:
     try:
         client = CapacityClient(namespace=ns, name=name, snapshot_path="", call_timeout_s=30,
                                 max_inflight=args.max_inflight)
-        for rep in _register(args.replicas):
-            await client.heartbeat(rep)
+        async def heartbeats():   # replicas report every second, as they would in serving
+            seq = 0
+            while True:
+                seq += 1
+                for rep in _register(args.replicas, seq):
+                    await client.heartbeat(rep)
+                await asyncio.sleep(1.0)
+
+        beating = asyncio.get_running_loop().create_task(heartbeats())
+        await asyncio.sleep(0.5)
         await _round_trips(client, args.callers, 3, 0.0)                 # warm-up
         out = {"sequential_1_caller": await _round_trips(client, 1, args.rounds * 4, 0.0),
                f"closed_loop_{args.callers}_callers": await _round_trips(
@@ -92,8 +100,10 @@ async def _actor_bench(args) -> dict:
             res = await _round_trips(client, args.callers, args.rounds, args.callers / rate)
             res["target_pairs_per_s"] = rate
             out[f"paced_{args.callers}_callers_{rate:g}_per_s"] = res
+        beating.cancel()
         snap = await client.snapshot()
         assert snap["outstanding_raw_tokens"] == 0, "every hold was released"
+        assert not any(v["refused"] for v in out.values()), "the fleet never ran out of room"
         return out
     finally:
         import ray
