@@ -157,7 +157,11 @@ class Fleet:
                      if telemetry.execution_identity is not None else (rep.key.execution if rep else ""))
         key = ExecutionKey(res.model, chip, execution)
         if telemetry.ttft_s is not None:
-            solo = telemetry.batch_size <= 1 and (telemetry.max_batch_size or 1) <= 1
+            # Solo only if the request never shared its replica AND its box was last seen quiet;
+            # a request merely admitted alone may have decoded next to later arrivals.
+            box = self._node_load.get(rep.node_id, {}) if rep else {}
+            solo = (telemetry.batch_size <= 1 and telemetry.max_batch_size is not None
+                    and telemetry.max_batch_size <= 1 and sum(box.values()) <= 1)
             self.rates.record_request(key, RequestSample(telemetry.prompt_tokens, telemetry.batch_size,
                                                          telemetry.ttft_s, telemetry.tpot_s), solo)
             if res.predicted_ttft_s and (rep is None or key == rep.key):

@@ -1,5 +1,7 @@
 """Execution identity grammar and quarantine."""
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from capacity.errors import IdentityError
 from capacity.formats import KVFormat
@@ -59,3 +61,17 @@ def test_key_classification():
         ExecutionKey.make("m", "M4 Max; drop", None)
     with pytest.raises(IdentityError):
         ExecutionKey.make("", "M4", None)
+
+
+@given(st.text(min_size=1, max_size=200))
+def test_no_nonempty_value_ever_parses_as_native(value):
+    out = parse_execution(value)
+    assert out != NATIVE
+    assert out == INVALID or out == value   # valid values pass through unchanged
+
+
+@given(st.sampled_from(["int8", "k8v4", "int4"]), st.sampled_from([64, 128, 256]),
+       st.sampled_from(["direct", "fused"]))
+def test_every_produced_identity_parses_back(name, head_dim, prefill):
+    wire = execution_identity(KVFormat(name, head_dim).identity, prefill)
+    assert parse_execution(wire) == wire
