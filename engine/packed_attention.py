@@ -17,6 +17,7 @@ Shapes: q (B, Hq, L, D); fresh k/v (B, Hkv, L, D); history (B, Hkv, S, ...) pack
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
@@ -46,8 +47,29 @@ class PackedKV(NamedTuple):
         return self.k.codes.shape[-2]
 
 
-def _qmm(x, p: Packed, bits: int, transpose: bool):
+def _qmm(x, p: Packed, bits: int, transpose: bool, dtype: mx.Dtype):
+    x = x.astype(dtype)
     return mx.quantized_matmul(x, *p, transpose=transpose, group_size=GROUP_SIZE, bits=bits)
+
+
+@lru_cache(maxsize=None)
+def _qmm_activation_dtype(bits: int, fallback: mx.Dtype) -> mx.Dtype | None:
+    """float32 activations where the backend has the kernel (the CPU, Metal); else `fallback`.
+
+    MLX's CUDA backend has 8-bit quantized_matmul only for bf16 activations; its kernels still
+    accumulate in float32. Probed once per process on a tiny matmul, because a missing kernel
+    only shows when a graph is evaluated.
+    """
+    for dtype in (mx.float32, fallback):
+        try:
+            w = mx.zeros((1, 64 * bits // 32), mx.uint32)
+            meta = mx.zeros((1, 1), mx.float32)
+            mx.eval(mx.quantized_matmul(mx.zeros((1, 64), dtype), w, meta, meta, transpose=True,
+                                        group_size=GROUP_SIZE, bits=bits))
+            return dtype
+        except (RuntimeError, ValueError):
+            continue
+    return None
 
 
 def _bool_mask(mask, shape_lq, n_keys):
@@ -87,12 +109,15 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     nmask = None if new_mask is None else _group(_bool_mask(new_mask, L, L), Hkv, rep)
     s_new = qn @ mx.expand_dims(k_new.astype(mx.float32), 2).swapaxes(-1, -2)  # (B,Hkv,rep,L,L)
     v_new = mx.expand_dims(v_new.astype(mx.float32), 2)
-    if L > (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries):
+    act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype)
+    act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype)
+    use_qmm = L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries)
+    if not (use_qmm and act_k is not None and act_v is not None):
         return _tiled(qh, s_new, v_new, nmask, hist, hmask, fmt, sinks, tile).reshape(
             B, Hq, L, D).astype(q.dtype)
     # One (rep*L)-row matmul per KV head: broadcasting packed rows over a repeat axis instead
     # was ~1.7x slower on the CPU at batch 4 (measured).
-    s_hist = _qmm(qh.reshape(B, Hkv, rep * L, D), hist.k, fmt.k_bits, transpose=True)
+    s_hist = _qmm(qh.reshape(B, Hkv, rep * L, D), hist.k, fmt.k_bits, True, act_k)
     s_hist = s_hist.reshape(B, Hkv, rep, L, S)
     if hmask is not None:
         s_hist = mx.where(hmask, s_hist, neg)
@@ -103,7 +128,7 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
         parts.append(mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1),
                                      (B, Hkv, rep, L, 1)))
     p = mx.softmax(mx.concatenate(parts, axis=-1), axis=-1, precise=True)
-    out = _qmm(p[..., :S].reshape(B, Hkv, rep * L, S), hist.v, fmt.v_bits, transpose=False)
+    out = _qmm(p[..., :S].reshape(B, Hkv, rep * L, S), hist.v, fmt.v_bits, False, act_v)
     out = out.reshape(B, Hkv, rep, L, D) + p[..., S:S + L] @ v_new
     return out.reshape(B, Hq, L, D).astype(q.dtype)
 

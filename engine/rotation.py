@@ -13,6 +13,7 @@ import random
 from functools import lru_cache
 
 import mlx.core as mx
+import numpy as np
 
 from capacity.formats import ROTATION_SEED, hadamard_block
 
@@ -33,10 +34,31 @@ def rotate(x: mx.array) -> mx.array:
     d = x.shape[-1]
     b = hadamard_block(d)
     y = x.astype(mx.float32) * _signs(d)
+    if not _fast_hadamard_available():
+        return y @ _block_diag_hadamard(d)
     if b == d:
         return mx.hadamard_transform(y, scale=b ** -0.5)
     blocks = y.reshape(*y.shape[:-1], d // b, b)
     return mx.hadamard_transform(blocks, scale=b ** -0.5).reshape(y.shape)
+
+
+@lru_cache(maxsize=None)
+def _fast_hadamard_available() -> bool:
+    """mx.hadamard_transform where the backend has it; a dense matmul otherwise (same R)."""
+    try:
+        mx.eval(mx.hadamard_transform(mx.ones((1, 64)), scale=0.125))
+        return True
+    except (RuntimeError, ValueError):
+        return False
+
+
+@lru_cache(maxsize=None)
+def _block_diag_hadamard(head_dim: int) -> mx.array:
+    b = hadamard_block(head_dim)
+    h = np.ones((1, 1))
+    while h.shape[0] < b:   # Sylvester's construction: natural (Walsh) order, like MLX's
+        h = np.block([[h, h], [h, -h]])
+    return mx.array(np.kron(np.eye(head_dim // b), h / np.sqrt(b)).astype(np.float32))
 
 
 def rotation_matrix(head_dim: int) -> mx.array:

@@ -48,3 +48,12 @@ def test_rotation_cuts_int4_error_on_outlier_channels():
     rk = rotate(k)
     rotated = mx.abs(dequantize(quantize(rk, 4), 4) @ rotation_matrix(128).T - k).mean()
     assert (rotated < 0.6 * plain).item()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_dense_fallback_is_the_same_rotation(head_dim):
+    # Backends without mx.hadamard_transform use a dense matrix; it must be the same R.
+    from engine.rotation import _block_diag_hadamard, _signs
+    x = mx.random.normal((5, head_dim), key=mx.random.key(7))
+    dense = (x * _signs(head_dim)) @ _block_diag_hadamard(head_dim)
+    assert mx.allclose(dense, rotate(x), atol=1e-5).item()
