@@ -10,7 +10,7 @@ typo must not borrow native throughput. Pure Python.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from capacity.errors import IdentityError
 from capacity.formats import KVFormatError, parse_identity
@@ -80,9 +80,11 @@ def check_model_id(value: str) -> str:
     return value
 
 
-@dataclass(frozen=True, order=True)
-class ExecutionKey:
-    """(model, chip class, execution). Build with `make` so fields are validated and canonical."""
+class ExecutionKey(NamedTuple):
+    """(model, chip class, execution). Build with `make` so fields are validated and canonical.
+
+    A tuple, not a dataclass: it is hashed several times per hold, and tuple hashing is C.
+    """
 
     model: str
     chip_class: str
