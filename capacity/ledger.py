@@ -16,6 +16,7 @@ cancel or expiry can never refund twice. Pure Python; callers pass `now` (monoto
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 
@@ -36,6 +37,7 @@ class LedgerConfig:
     missed_reports_to_drop: int = 2  # complete active lists a commit may be missing from, then dropped
     settled_memory: int = 100_000   # settled ids remembered (idempotency, no phantom re-creation)
     retry_after_s: float = 1.0      # Retry-After hint on refusals
+    ranking_size: int = 8           # candidates returned per hold (the router's retry plan)
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "LedgerConfig":
@@ -192,7 +194,8 @@ class Ledger:
             raise CapacityRefused("request_too_large" if too_big else "no_capacity",
                                   0.0 if too_big else self.cfg.retry_after_s, model)
         rank = rank or _least_loaded
-        fits.sort(key=lambda pair: rank(*pair))
+        # A bounded plan: the best few, not the whole fleet sorted on every request.
+        fits = heapq.nsmallest(max(1, self.cfg.ranking_size), fits, key=lambda pair: rank(*pair))
         best = fits[0][0]
         res = Reservation(request_id, model, best.replica_id, raw_tokens, HELD,
                           now + self.cfg.hold_ttl_s)

@@ -185,3 +185,13 @@ def test_request_larger_than_any_replica_allows_is_refused_without_retry():
     with pytest.raises(CapacityRefused) as e:
         led.hold("m", 101, "a", 0.0)
     assert e.value.reason == "request_too_large" and e.value.retry_after_s == 0.0
+
+
+def test_ranking_is_a_bounded_plan_best_first():
+    slots = [slot(conc=4 if i != 3 else 8) for i in range(6)]
+    led = Ledger(LedgerConfig(ranking_size=3))
+    for i, s in enumerate(slots):
+        assert led.accept_seq(f"r{i}", 1, 1)
+        led.apply_slot(f"r{i}", "node", s, KEY, 8, 0.0)
+    res, ranking = led.hold("m", 10, "a", 0.0)
+    assert len(ranking) == 3 and ranking[0] == res.replica_id == "r3"   # most free slots first
