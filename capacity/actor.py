@@ -211,10 +211,15 @@ class CapacityClient:
     def __init__(self, namespace: str = DEFAULT_NAMESPACE, name: str = DEFAULT_NAME, *,
                  create: bool = True, config: dict | None = None, snapshot_path: str | None = None,
                  call_timeout_s: float = 2.0, fallback_cap: int = 1, backoff_s: float = 0.5,
-                 max_backoff_s: float = 10.0, max_batch: int = 512, max_inflight: int = 2):
+                 max_backoff_s: float = 10.0, max_batch: int = 512, max_inflight: int = 2,
+                 first_call_timeout_s: float = 30.0):
         self.namespace, self.name, self.create = namespace, name, create
         self.config, self.snapshot_path = config, snapshot_path
         self.call_timeout_s = call_timeout_s      # a hold slower than this counts as unreachable
+        # The client's first call may have to wait for the actor process to start (seconds on a
+        # busy 2-core box); only that call gets the longer timeout.
+        self.first_call_timeout_s = max(first_call_timeout_s, call_timeout_s)
+        self._answered = False
         self.fallback_cap = fallback_cap          # in-flight requests per model while unreachable
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.max_batch = max_batch
@@ -252,12 +257,14 @@ class CapacityClient:
             raise CapacityUnavailable("capacity actor marked unreachable (backing off)")
         try:
             handle = await self._get_handle()
-            result = await asyncio.wait_for(getattr(handle, method).remote(*args), self.call_timeout_s)
+            timeout = self.call_timeout_s if self._answered else self.first_call_timeout_s
+            result = await asyncio.wait_for(getattr(handle, method).remote(*args), timeout)
         except (RayActorError, GetTimeoutError, asyncio.TimeoutError, ValueError) as e:
             # ValueError: ray.get_actor found no such actor.
             self._fault()
             raise CapacityUnavailable(f"capacity actor unreachable: {type(e).__name__}: {e}") from e
         self.faults = 0
+        self._answered = True
         return result
 
     # ---- routing path ---------------------------------------------------------------------
