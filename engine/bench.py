@@ -1,0 +1,270 @@
+"""Engine benchmark: prefill and decode throughput of the paged engine beside mlx-lm, same model,
+same process, same run, plus the OpenBLAS on/off matmul difference.
+
+    python -m engine.bench --synthetic --out bench.json        # default synthetic model
+    python -m engine.bench --model /path/to/mlx-model
+
+Prefill: one request of L prompt tokens, max_tokens=1; tok/s = L / time to first token (both
+sides chunk at 2048 tokens). Decode at batch B: B requests of the same prompt length start
+together; tok/s counts tokens of all rows inside the window where every row decodes (from the
+last row's first token to the first row's last token). mlx-lm runs `stream_generate` at batch 1
+and `BatchGenerator` above. Both sides are greedy and ignore EOS. Peak memory is MLX's allocator
+peak over each measurement (weights included; both sides hold the same weights).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Synthetic model: a llama big enough that compute, not Python, dominates a step on a CPU.
+SYNTHETIC = dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1408,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                 vocab_size=32000, max_position_embeddings=16384)
+
+_MATMUL_CHILD = """
+import time, mlx.core as mx
+n = {n}
+a = mx.random.normal((n, n)); b = mx.random.normal((n, n)); mx.eval(a, b)
+mx.eval(a @ b)
+t = time.perf_counter()
+for _ in range({reps}):
+    mx.eval(a @ b)
+print((time.perf_counter() - t) / {reps})
+"""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="mlx-lm model directory (default: --synthetic)")
+    p.add_argument("--synthetic", action="store_true",
+                   help=f"build a random-weight llama in a temp dir: {SYNTHETIC}")
+    p.add_argument("--prefill", default="512,2048,8192", help="prompt lengths for prefill")
+    p.add_argument("--batches", default="1,4,8", help="decode batch sizes")
+    p.add_argument("--decode-prompt", type=int, default=128, help="prompt length for decode")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per row")
+    p.add_argument("--page-tokens", type=int, default=None, help="engine page size")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="alternating runs per point; each side's best is kept")
+    p.add_argument("--no-openblas-check", action="store_true", help="skip the matmul A/B")
+    p.add_argument("--out", help="write the JSON here as well as to stdout")
+    return p.parse_args(argv)
+
+
+def build_synthetic(root: Path) -> str:
+    from tests.fixtures.tiny_models import build_tiny_model
+
+    return str(build_tiny_model("llama", root / "synthetic-llama", seed=0, **SYNTHETIC))
+
+
+def openblas_check(n: int = 1024, reps: int = 5) -> dict:
+    """float32 matmul seconds in child processes with and without OpenBLAS preloaded."""
+    from engine.platform import openblas_path
+
+    lib = openblas_path()
+    code = _MATMUL_CHILD.format(n=n, reps=reps)
+    out = {"matmul": f"{n}x{n} float32", "openblas_lib": lib}
+    for label, preload in (("without", None), ("with", lib)):
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        if preload:
+            env["LD_PRELOAD"] = preload
+        if label == "with" and not preload:
+            continue
+        s = float(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                 capture_output=True, text=True).stdout.strip())
+        out[f"gflops_{label}_openblas"] = round(2 * n ** 3 / s / 1e9, 1)
+    if "gflops_with_openblas" in out:
+        out["speedup"] = round(out["gflops_with_openblas"] / out["gflops_without_openblas"], 2)
+    return out
+
+
+class Window:
+    """Per-row token timestamps -> throughput over the window where every row decodes."""
+
+    def __init__(self, rows: int):
+        self.times: list[list[float]] = [[] for _ in range(rows)]
+
+    def add(self, row: int, n: int = 1) -> None:
+        self.times[row].extend([time.perf_counter()] * n)
+
+    def rate(self) -> float:
+        start = max(t[0] for t in self.times)
+        end = min(t[-1] for t in self.times)
+        tokens = sum(sum(1 for x in t if start < x <= end) for t in self.times)
+        return tokens / (end - start) if end > start and tokens else float("nan")
+
+
+# ---- mlx-lm side ---------------------------------------------------------------------------
+
+def mlx_prefill(model, tokenizer, prompt: list[int]) -> float:
+    from mlx_lm.generate import stream_generate
+
+    t = time.perf_counter()
+    for _ in stream_generate(model, tokenizer, prompt, max_tokens=1, prefill_step_size=2048):
+        break
+    return len(prompt) / (time.perf_counter() - t)
+
+
+def mlx_decode(model, tokenizer, prompts: list[list[int]], n: int) -> float:
+    from mlx_lm.generate import BatchGenerator, stream_generate
+
+    w = Window(len(prompts))
+    if len(prompts) == 1:
+        for _ in stream_generate(model, tokenizer, prompts[0], max_tokens=n):
+            w.add(0)
+        return w.rate()
+    gen = BatchGenerator(model, max_tokens=n, completion_batch_size=len(prompts),
+                         prefill_batch_size=len(prompts), prefill_step_size=2048)
+    try:
+        uids = gen.insert(prompts, max_tokens=[n] * len(prompts))
+        row = {u: i for i, u in enumerate(uids)}
+        done = 0
+        while done < len(prompts):
+            _, responses = gen.next()
+            for r in responses:
+                w.add(row[r.uid])
+                done += r.finish_reason is not None
+    finally:
+        gen.close()
+    return w.rate()
+
+
+# ---- engine side ---------------------------------------------------------------------------
+
+def engine_prefill(eng, prompt: list[int], rid: str) -> float:
+    from engine.request import GenerationRequest
+    from engine.sampling import SamplingParams
+
+    async def go():
+        t = time.perf_counter()
+        async for _ in eng.generate(GenerationRequest(
+                rid, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))):
+            pass
+        return len(prompt) / (time.perf_counter() - t)
+    return asyncio.run(go())
+
+
+def engine_decode(eng, prompts: list[list[int]], n: int, rid: str) -> float:
+    from engine.request import GenerationRequest
+    from engine.sampling import SamplingParams
+
+    w = Window(len(prompts))
+
+    async def row(i, p):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        async for d in eng.generate(GenerationRequest(f"{rid}-{i}", p, params)):
+            w.add(i, len(d.token_ids))
+
+    async def go():
+        await asyncio.gather(*(row(i, p) for i, p in enumerate(prompts)))
+    asyncio.run(go())
+    return w.rate()
+
+
+def measure_pair(ours, ref, repeats: int) -> tuple[float, float, float, float]:
+    """Alternate engine and mlx-lm runs `repeats` times (so load on a shared machine hits both
+    alike); keep each side's best rate and its MLX allocator peak in MB."""
+    import mlx.core as mx
+
+    best = {"ours": 0.0, "ref": 0.0}
+    peak = {"ours": 0.0, "ref": 0.0}
+    for i in range(repeats):
+        for side, fn in (("ours", ours), ("ref", ref)):
+            mx.synchronize()
+            mx.reset_peak_memory()
+            best[side] = max(best[side], fn(i))
+            peak[side] = max(peak[side], round(mx.get_peak_memory() / 2**20, 1))
+    return best["ours"], best["ref"], peak["ours"], peak["ref"]
+
+
+def run(args) -> dict:
+    import random
+
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    from engine.config import EngineConfig
+    from engine.loop import Engine
+
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = args.model or build_synthetic(Path(tmp.name))
+    lengths = [int(x) for x in args.prefill.split(",") if x]
+    batches = [int(x) for x in args.batches.split(",") if x]
+    model, tokenizer = load(model_dir)
+    tokenizer.eos_token_ids = []   # both sides ignore EOS so every row runs its full length
+    vocab = min(len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 256, 256)
+    rng = random.Random(0)
+
+    def prompt(n):
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    max_seqs = max(batches)
+    longest = max([*lengths, args.decode_prompt + args.decode_tokens])
+    cfg = dict(model=model_dir, max_num_seqs=max_seqs, max_step_tokens=2048,
+               max_model_len=longest + 16)
+    if args.page_tokens:
+        cfg["page_tokens"] = args.page_tokens
+    eng = Engine(EngineConfig(**cfg))
+    result = {"model": model_dir if args.model else {"synthetic_llama": SYNTHETIC},
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                          "device": str(mx.default_device()),
+                          "loadavg_at_start": os.getloadavg(),
+                          "ld_preload": os.environ.get("LD_PRELOAD", "")},
+              "engine": {"page_tokens": eng.stats()["page_tokens"],
+                         "kv_bytes_total": eng.stats()["kv_bytes_total"],
+                         "format_identity": eng.format_identity},
+              "prefill": [], "decode": []}
+    try:
+        for n in lengths:
+            p = prompt(n)
+            ours, ref, ours_mem, ref_mem = measure_pair(
+                lambda i: engine_prefill(eng, p, f"pf{n}-{i}"),
+                lambda i: mlx_prefill(model, tokenizer, p), args.repeats)
+            result["prefill"].append({"prompt_tokens": n, "engine_tok_s": round(ours, 1),
+                                      "mlx_lm_tok_s": round(ref, 1),
+                                      "ratio": round(ours / ref, 3),
+                                      "engine_peak_mb": ours_mem, "mlx_lm_peak_mb": ref_mem})
+            print(json.dumps(result["prefill"][-1]), file=sys.stderr)
+        for b in batches:
+            ps = [prompt(args.decode_prompt) for _ in range(b)]
+            ours, ref, ours_mem, ref_mem = measure_pair(
+                lambda i: engine_decode(eng, ps, args.decode_tokens, f"dc{b}-{i}"),
+                lambda i: mlx_decode(model, tokenizer, ps, args.decode_tokens), args.repeats)
+            result["decode"].append({
+                "batch": b, "engine_tok_s": round(ours, 1), "mlx_lm_tok_s": round(ref, 1),
+                "ratio": round(ours / ref, 3), "mlx_lm_path":
+                    "stream_generate" if b == 1 else "BatchGenerator",
+                "engine_peak_mb": ours_mem, "mlx_lm_peak_mb": ref_mem})
+            print(json.dumps(result["decode"][-1]), file=sys.stderr)
+    finally:
+        eng.shutdown()
+        tmp.cleanup()
+    if not args.no_openblas_check:
+        result["openblas"] = openblas_check()
+    result["machine"]["loadavg_at_end"] = os.getloadavg()
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from engine.platform import ensure_openblas_preloaded
+
+    ensure_openblas_preloaded()
+    result = run(args)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
