@@ -46,8 +46,9 @@ class ModelRunner:
         self.page_tokens = kvstore.page_tokens
         self.merge_pad_tokens = merge_pad_tokens
         self._windows = [g.window for g in loaded.geometry.layers]
-        # On the CPU, decode reads pages in place (gather_mm) instead of gathering a copy.
-        self.in_place_decode = mx.default_device() == mx.cpu
+        # On the CPU, decode reads pages in place (gather_mm, float32 only there) instead of
+        # gathering a copy of the context.
+        self.in_place_decode = mx.default_device() == mx.cpu and kvstore.dtype == mx.float32
         install_sdpa_hook(loaded.model)
         self.direct = self._hook_reaches_every_layer()
 

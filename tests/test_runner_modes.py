@@ -89,3 +89,22 @@ def test_lazy_token_ids_pipeline_like_mlx_lm(tiny_llama):
         return out
 
     assert run(lazy=True) == run(lazy=False)
+
+
+def test_bfloat16_pages_follow_the_compute_dtype(tiny_model_dirs):
+    """The Metal/CUDA policy (bf16) on the CPU: pages are bf16 and logits track mlx-lm's bf16."""
+    lm = load_model(tiny_model_dirs["gemma3_text"], dtype="bfloat16")
+    store = KVStore(lm.geometry, 8, 16, lm.dtype)
+    assert all(a.dtype == mx.bfloat16 for a in store.arrays())
+    runner = ModelRunner(lm, store)
+    tokens = _prompts(lm, [40], seed=5)[0]
+    got = runner.forward_all([SeqChunk(0, tokens[:30], 0, [7, 2, 5])])[0]
+    steps = [runner.forward([SeqChunk(0, [t], 30 + i, [7, 2, 5])])[0]
+             for i, t in enumerate(tokens[30:])]
+    ours = mx.concatenate([got, mx.stack(steps)])
+    ref = lm.model(mx.array([tokens]), cache=make_prompt_cache(lm.model))[0].astype(mx.float32)
+    assert ours.dtype == mx.float32
+    # One row gathers exactly mlx-lm's key range (gather_mm is float32-only on the CPU, so bf16
+    # decode takes the gather path): within one bf16 ulp of the largest logit.
+    assert (mx.argmax(ours, -1) == mx.argmax(ref, -1)).all().item()
+    assert mx.abs(ours - ref).max().item() <= 2 ** -7 * mx.abs(ref).max().item()
