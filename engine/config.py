@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from capacity.formats import KVFormatError, normalize_format_name
 from engine.pages import is_power_of_two
 
-# Measured with the runner on the CPU (engine/kvstore.py; re-checked by `engine.bench --pages`):
+# Measured on the CPU (see engine/kvstore.py; re-check with `engine.bench --page-tokens N`):
 # 16-token pages keep decode within a few % of larger pages and waste at most 15 tokens per request.
 DEFAULT_PAGE_TOKENS = 16
 
