@@ -11,6 +11,13 @@ To keep padding waste small, `forward` groups chunks: a chunk joins the current 
 the padding it adds stays under `merge_pad_tokens` token-equivalents (about the fixed cost of
 one extra model call); otherwise it opens a new call. Decode rows therefore batch together, and
 a long prefill chunk runs in its own call.
+
+Measured per decode step on the 2-core CPU (8-layer llama, hidden 512, float32, 64-token pages,
+process CPU time, host heavily shared so +-10%): batch 1 @ 256 context: 59.8 ms synchronous,
+56.2 ms pipelined with lazy token ids, vs 56.9 ms for mlx-lm's stream_generate; batch 8 @ 256:
+63.7 ms (sync) / 62.0 ms (pipelined) vs 68.3 ms for mlx-lm's BatchGenerator; batch 8 @ 2K:
+1.18x mlx-lm's contiguous caches. A caller that reads tokens synchronously every step forgoes
+mlx-lm's overlap of graph building with compute (about 5% at batch 1).
 """
 from __future__ import annotations
 
