@@ -139,12 +139,12 @@ def wait_running(app_name: str, timeout_s: float) -> None:
         app = serve.status().applications.get(app_name)
         if app is not None:
             for name, dep in app.deployments.items():
-                line = f"{dep.status.value.lower()} " + ", ".join(
-                    f"{n} {s.value.lower()}" for s, n in dep.replica_states.items())
+                line = f"{_label(dep.status)} " + ", ".join(
+                    f"{n} {_label(s)}" for s, n in dep.replica_states.items())
                 if last.get(name) != line:
                     _say(f"  {name}: {line}")
                     last[name] = line
-            status = app.status.value
+            status = _label(app.status).upper()
             if status == "RUNNING":
                 return
             if status in ("DEPLOY_FAILED", "UNHEALTHY"):
@@ -152,6 +152,11 @@ def wait_running(app_name: str, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"application {app_name} not running after {timeout_s:.0f} s")
         time.sleep(1.0)
+
+
+def _label(state) -> str:
+    """Serve status fields are enums in some places and plain strings in others."""
+    return str(getattr(state, "value", state)).lower()
 
 
 def wait_healthy(base_url: str, timeout_s: float) -> None:

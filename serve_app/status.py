@@ -15,10 +15,10 @@ def print_status(app_name: str, namespace: str) -> int:
         print(f"no Serve application named {app_name!r} on this cluster "
               f"(running: {', '.join(status.applications) or 'none'})")
         return 1
-    print(f"application {app_name}: {app.status.value.lower()}")
+    print(f"application {app_name}: {_label(app.status)}")
     for name, dep in app.deployments.items():
-        states = ", ".join(f"{n} {s.value.lower()}" for s, n in dep.replica_states.items())
-        print(f"  {name}: {dep.status.value.lower()} ({states or 'no replicas'})")
+        states = ", ".join(f"{n} {_label(s)}" for s, n in dep.replica_states.items())
+        print(f"  {name}: {_label(dep.status)} ({states or 'no replicas'})")
     snapshot = _snapshot(namespace)
     if snapshot is None:
         print("capacity: actor unreachable")
@@ -26,6 +26,10 @@ def print_status(app_name: str, namespace: str) -> int:
     for line in capacity_lines(snapshot):
         print(line)
     return 0
+
+
+def _label(state) -> str:
+    return str(getattr(state, "value", state)).lower()
 
 
 def _snapshot(namespace: str) -> dict | None:
@@ -38,7 +42,8 @@ def _snapshot(namespace: str) -> dict | None:
 
 
 def capacity_lines(snapshot: dict) -> list[str]:
-    """One line per model and per replica slot: format identity, budget, headroom, cap."""
+    """One line per model (readiness, headroom in raw tokens and requests), then one per
+    execution identity (chip class, cap and its source, learned rates)."""
     lines = ["capacity:"]
     models = snapshot.get("models") if isinstance(snapshot, dict) else None
     if not isinstance(models, list):
@@ -46,8 +51,7 @@ def capacity_lines(snapshot: dict) -> list[str]:
     for m in models:
         lines.append("  " + " ".join(f"{k}={v}" for k, v in m.items()
                                      if not isinstance(v, (list, dict))))
-        for key in ("replicas", "identities"):
-            for row in m.get(key, []) or []:
-                lines.append("    " + " ".join(f"{k}={v}" for k, v in row.items()
-                                               if not isinstance(v, (list, dict))))
+        for row in m.get("identities") or []:
+            lines.append("    " + " ".join(f"{k}={v}" for k, v in row.items()
+                                           if not isinstance(v, (list, dict))))
     return lines

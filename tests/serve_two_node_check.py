@@ -63,7 +63,9 @@ def main(model_dir: str) -> dict:
     facts: dict = {}
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"mac": 1, "head": 1},
-        "gcs_server_port": free_port(), "include_dashboard": False})
+        "gcs_server_port": free_port(), "include_dashboard": False,
+        "dashboard_agent_listen_port": free_port(), "runtime_env_agent_port": free_port(),
+        "metrics_export_port": free_port()})
     worker = cluster.add_node(num_cpus=1, resources={"mac": 1})
     try:
         ray.init(address=cluster.address, namespace="orchard-two-node", log_to_driver=False,

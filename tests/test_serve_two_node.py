@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_two_nodes_spread_route_and_survive_node_removal(tiny_llama):
     env = {**os.environ, **openblas_env(), "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_raylet_start_wait_time_s": "180",
            "RAY_TMPDIR": tempfile.mkdtemp(prefix="ort", dir="/tmp")}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, "-m", "tests.serve_two_node_check", tiny_llama],

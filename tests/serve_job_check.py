@@ -1,0 +1,79 @@
+"""`ray job submit` of a deploy against a locally started head; run by tests/test_serve_job.py.
+
+Starts a head node with the dashboard (the Jobs API lives there) through
+`ray.cluster_utils.Cluster`, so shutting it down kills only its own processes (`ray stop`
+would kill every Ray on the machine). Then, exactly as docs/serving.md says, submits
+`--working-dir . -- <deploy CONFIG>` from the repository root, waits for the job, and checks
+that the deployed app answers after the job has exited (Serve apps outlive their driver).
+Prints one JSON line of facts.
+
+    RAY_TMPDIR=/tmp/x python -m tests.serve_job_check MODEL_DIR CONFIG_DIR
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import yaml
+
+
+def main(model_dir: str, config_dir: str) -> dict:
+    from ray.cluster_utils import Cluster
+
+    from tests.fixtures.serve import TEST_API_KEY, free_port, make_config, wait_http_ok
+
+    facts: dict = {}
+    dash_port = free_port()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "gcs_server_port": free_port(), "include_dashboard": True,
+        "dashboard_host": "127.0.0.1", "dashboard_port": dash_port,
+        # Fixed defaults (52365, ...) collide with other Ray instances on a shared machine.
+        "dashboard_agent_listen_port": free_port(), "runtime_env_agent_port": free_port(),
+        "metrics_export_port": free_port()})
+    try:
+        http_port = free_port()
+        cfg_path = os.path.join(config_dir, "config.yaml")
+        with open(cfg_path, "w") as f:
+            yaml.safe_dump(make_config(model_dir, http_port, "orchard-job"), f)
+        env = {**os.environ, "RAY_ADDRESS": f"http://127.0.0.1:{dash_port}"}
+        t0 = time.monotonic()
+        for _ in range(5):
+            proc = subprocess.run(
+                [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit",
+                 "--working-dir", ".", "--",
+                 sys.executable, "-m", "serve_app.cli", "deploy", cfg_path],
+                env=env, capture_output=True, text=True, timeout=300)
+            # On a loaded machine the head's job agent can lag the head itself.
+            if "No available agent to submit job" not in proc.stderr:
+                break
+            time.sleep(5)
+        facts["submit_s"] = round(time.monotonic() - t0, 1)
+        facts["submit_rc"] = proc.returncode
+        facts["job_output_tail"] = proc.stdout[-3000:] + proc.stderr[-1000:]
+        url = f"http://127.0.0.1:{http_port}"
+        if proc.returncode != 0:
+            return facts
+        wait_http_ok(url + "/health", timeout_s=60)
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {TEST_API_KEY}"},
+                       json={"model": "tiny", "max_tokens": 3,
+                             "messages": [{"role": "user", "content": "hi"}]})
+        facts["chat_status"] = r.status_code
+        facts["completion_tokens"] = r.json().get("usage", {}).get("completion_tokens")
+        status = subprocess.run(
+            [sys.executable, "-m", "serve_app.cli", "status", "--app", "orchard-test",
+             "--namespace", "orchard-job", "--address", cluster.address],
+            env=env, capture_output=True, text=True, timeout=120)
+        facts["status_rc"] = status.returncode
+        facts["status_out"] = status.stdout[-2000:] + status.stderr[-2000:]
+        return facts
+    finally:
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    print("FACTS " + json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)
