@@ -39,8 +39,19 @@ class LayerGeometry:
 
     @property
     def paged(self) -> bool:
-        # Sliding layers are paged too (window mask; exact, costs full-length pages).
+        # Sliding layers are paged like full ones and attend through a window mask: exact, and
+        # decode reads only the pages overlapping the window, but they keep every token's K/V
+        # (full bytes per token, where mlx-lm's ring would hold `window` tokens per sequence).
         return self.kind in ("full", "sliding")
+
+    @property
+    def stores(self) -> str:
+        """What this layer keeps, in words (for the engine's report)."""
+        if self.kind == "full":
+            return "paged K/V, every position"
+        if self.kind == "sliding":
+            return f"paged K/V, every position; attends the last {self.window}"
+        return "native per-sequence state (not paged)"
 
 
 @dataclass(frozen=True)
@@ -62,9 +73,9 @@ class ModelGeometry:
 
     def describe(self) -> list[dict]:
         """Per layer: what it stores (for logs, stats and the engine's report)."""
-        return [{"layer": g.index, "kind": g.kind, "paged": g.paged, "kv_heads": g.kv_heads,
-                 "head_dim": g.head_dim, "v_head_dim": g.v_head_dim, "window": g.window}
-                for g in self.layers]
+        return [{"layer": g.index, "kind": g.kind, "paged": g.paged, "stores": g.stores,
+                 "kv_heads": g.kv_heads, "head_dim": g.head_dim, "v_head_dim": g.v_head_dim,
+                 "window": g.window} for g in self.layers]
 
 
 @dataclass

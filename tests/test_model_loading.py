@@ -26,6 +26,9 @@ def test_geometry_matches_the_architecture(tiny_model_dirs, arch):
     assert [g.window for g in geo.layers if g.kind == "sliding"] == \
         [16] * EXPECTED_KINDS[arch].count("sliding")
     assert geo.paged_layers == tuple(range(geo.num_layers)) and geo.unpaged_layers == ()
+    report = geo.describe()
+    assert [r["paged"] for r in report] == [True] * geo.num_layers
+    assert all(("last 16" in r["stores"]) == (r["kind"] == "sliding") for r in report)
     assert geo.vocab_size == json.loads(open(f"{tiny_model_dirs[arch]}/config.json").read())[
         "vocab_size"]
     assert lm.body is not None and lm.head is not None  # last-position LM head verified
