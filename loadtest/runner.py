@@ -64,7 +64,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
     p.add_argument("--stream-timeout", type=float, default=120.0,
                    help="a stream open longer than this counts as hung")
-    p.add_argument("--drain-timeout", type=float, default=120.0)
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="seconds to wait for open streams after the last send (default: "
+                   "--stream-timeout + 5, so no stream is cut before it counts as hung)")
     p.add_argument("--spin-ms", type=float, default=2.0,
                    help="busy-wait this long before each due time for precise delivery")
     p.add_argument("--sched", default="normal", choices=["normal", "nice", "fifo"],
@@ -130,7 +132,8 @@ def run_locust(target: Target, schedule: Schedule, args, out: str) -> dict:
     sched_path, rec_path = os.path.join(out, "schedule.json"), os.path.join(out, "records.json")
     with open(sched_path, "w") as f:
         f.write(schedule.to_json())
-    run_time = int(schedule.duration_s + args.drain_timeout + 60)
+    drain = args.drain_timeout if args.drain_timeout is not None else args.stream_timeout + 5
+    run_time = int(schedule.duration_s + drain + 60)
     cmd = [sys.executable, "-m", "locust", "-f", LOCUSTFILE, "--headless", "-H", target.url,
            "-u", "1", "-r", "1", "-t", f"{run_time}s", "--stop-timeout", "5",
            "--csv", os.path.join(out, "locust"), "--html", os.path.join(out, "locust.html"),
@@ -139,7 +142,7 @@ def run_locust(target: Target, schedule: Schedule, args, out: str) -> dict:
            "--label", target.name, "--api", args.api,
            "--calibration", f"{cal.tokens_per_word},{cal.overhead}",
            "--stream-timeout", str(args.stream_timeout),
-           "--drain-timeout", str(args.drain_timeout), "--spin-ms", str(args.spin_ms),
+           "--drain-timeout", str(drain), "--spin-ms", str(args.spin_ms),
            "--sched", args.sched, "--retry-refused", str(args.retry_refused)]
     if args.extra_body:
         cmd += ["--extra-body", args.extra_body]
