@@ -7,10 +7,11 @@ writes (every write feeds an attention read of the same call).
 
 Mixing prefill chunks and decode rows: rows of one model call are right-padded to its longest
 chunk (RoPE takes one offset per row, so tokens of different sequences cannot share a row).
-To keep padding waste small, `forward` groups chunks: a chunk joins the current group while
-the padding it adds stays under `merge_pad_tokens` token-equivalents (about the fixed cost of
-one extra model call); otherwise it opens a new call. Decode rows therefore batch together, and
-a long prefill chunk runs in its own call.
+A padded position costs as much compute as a real token, so `forward` groups chunks (longest
+first): a chunk joins the current group while the group's total padding stays within
+`merge_pad_tokens` (a conservative share of what one extra model call costs: on the CPU a batch-1
+decode step takes as long as 20-30 prefill tokens); otherwise it opens a new call. Decode
+rows therefore batch together, and a long prefill chunk runs in its own call.
 
 Measured per decode step on the 2-core CPU (8-layer llama, hidden 512, float32, 64-token pages,
 process CPU time, host heavily shared so +-10%): batch 1 @ 256 context: 59.8 ms synchronous,
@@ -42,7 +43,7 @@ class SeqChunk:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, kvstore: KVStore, merge_pad_tokens: int = 32):
+    def __init__(self, loaded: LoadedModel, kvstore: KVStore, merge_pad_tokens: int = 16):
         unpaged = loaded.geometry.unpaged_layers
         if unpaged:
             raise NotImplementedError(
@@ -114,17 +115,18 @@ class ModelRunner:
                 raise ValueError(f"sequence {c.seq_id}: page id out of range")
 
     def _groups(self, chunks: list[SeqChunk]) -> list[list[int]]:
-        """Greedy grouping by length (longest first) under the padding allowance."""
+        """Greedy grouping by length (longest first) under the group's padding allowance."""
         order = sorted(range(len(chunks)), key=lambda i: -len(chunks[i].token_ids))
         groups: list[list[int]] = []
-        width = 0
+        width = padding = 0
         for i in order:
             n = len(chunks[i].token_ids)
-            if groups and width - n <= self.merge_pad_tokens:
+            if groups and padding + width - n <= self.merge_pad_tokens:
                 groups[-1].append(i)
+                padding += width - n
             else:
                 groups.append([i])
-                width = n
+                width, padding = n, 0
         return groups
 
     def _run(self, chunks: list[SeqChunk], last_only: bool) -> mx.array:

@@ -63,9 +63,10 @@ def test_model_bypassing_the_hook_falls_back_to_gathered_keys(tiny_llama, monkey
 
 def test_chunks_group_by_length_under_the_padding_allowance(tiny_llama):
     lm = load_model(tiny_llama)
-    runner = ModelRunner(lm, KVStore(lm.geometry, 4, 16, lm.dtype), merge_pad_tokens=32)
-    chunks = [SeqChunk(i, [1] * n, 0, [0]) for i, n in enumerate([512, 1, 1, 20, 500])]
-    assert runner._groups(chunks) == [[0, 4], [3, 1, 2]]
+    runner = ModelRunner(lm, KVStore(lm.geometry, 4, 16, lm.dtype), merge_pad_tokens=16)
+    chunks = [SeqChunk(i, [1] * n, 0, [0]) for i, n in enumerate([512, 1, 1, 20, 500, 12])]
+    # 500 pads 12 next to 512; 12 pads 8 next to 20, after which a 1 would exceed 16.
+    assert runner._groups(chunks) == [[0, 4], [3, 5], [1, 2]]
 
 
 def test_lazy_token_ids_pipeline_like_mlx_lm(tiny_llama):
