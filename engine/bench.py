@@ -8,7 +8,10 @@ Prefill: one request of L prompt tokens, max_tokens=1; tok/s = L / time to first
 sides chunk at 2048 tokens). Decode at batch B: B requests of the same prompt length start
 together; tok/s counts tokens of all rows inside the window where every row decodes (from the
 last row's first token to the first row's last token). mlx-lm runs `stream_generate` at batch 1
-and `BatchGenerator` above. Both sides are greedy and ignore EOS. Peak memory is MLX's allocator
+and `BatchGenerator` above. Both sides are greedy and ignore EOS. Rates are given on the wall
+clock and on process CPU time (`_cpu`): on a shared host the wall clock mostly measures the other
+tenants, CPU time measures the work. Each side keeps its best of `--repeats` alternating runs.
+Peak memory is MLX's allocator
 peak over each run minus what was resident before it (weights of both sides and the engine's
 preallocated KV pages are resident; `resident_mb` reports them).
 """
@@ -88,33 +91,46 @@ def openblas_check(n: int = 1024, reps: int = 5) -> dict:
 
 
 class Window:
-    """Per-row token timestamps -> throughput over the window where every row decodes."""
+    """Per-row token timestamps -> throughput over the window where every row decodes, on the
+    wall clock and on process CPU time (all threads; a shared host inflates wall time only)."""
 
     def __init__(self, rows: int):
-        self.times: list[list[float]] = [[] for _ in range(rows)]
+        self.times: list[list[tuple[float, float]]] = [[] for _ in range(rows)]
 
     def add(self, row: int, n: int = 1) -> None:
-        self.times[row].extend([time.perf_counter()] * n)
+        self.times[row].extend([(time.perf_counter(), time.process_time())] * n)
 
-    def rate(self) -> float:
-        start = max(t[0] for t in self.times)
-        end = min(t[-1] for t in self.times)
-        tokens = sum(sum(1 for x in t if start < x <= end) for t in self.times)
+    def rate(self) -> tuple[float, float]:
+        return self._rate(0), self._rate(1)
+
+    def _rate(self, clock: int) -> float:
+        start = max(t[0][clock] for t in self.times)
+        end = min(t[-1][clock] for t in self.times)
+        tokens = sum(sum(1 for x in t if start < x[clock] <= end) for t in self.times)
         return tokens / (end - start) if end > start and tokens else float("nan")
+
+
+def clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def rates(tokens: int, since: tuple[float, float]) -> tuple[float, float]:
+    now = clocks()
+    return tokens / (now[0] - since[0]), tokens / max(now[1] - since[1], 1e-9)
 
 
 # ---- mlx-lm side ---------------------------------------------------------------------------
 
-def mlx_prefill(model, tokenizer, prompt: list[int]) -> float:
+def mlx_prefill(model, tokenizer, prompt: list[int]) -> tuple[float, float]:
     from mlx_lm.generate import stream_generate
 
-    t = time.perf_counter()
+    t = clocks()
     for _ in stream_generate(model, tokenizer, prompt, max_tokens=1, prefill_step_size=2048):
         break
-    return len(prompt) / (time.perf_counter() - t)
+    return rates(len(prompt), t)
 
 
-def mlx_decode(model, tokenizer, prompts: list[list[int]], n: int) -> float:
+def mlx_decode(model, tokenizer, prompts: list[list[int]], n: int) -> tuple[float, float]:
     from mlx_lm.generate import BatchGenerator, stream_generate
 
     w = Window(len(prompts))
@@ -140,20 +156,20 @@ def mlx_decode(model, tokenizer, prompts: list[list[int]], n: int) -> float:
 
 # ---- engine side ---------------------------------------------------------------------------
 
-def engine_prefill(eng, prompt: list[int], rid: str) -> float:
+def engine_prefill(eng, prompt: list[int], rid: str) -> tuple[float, float]:
     from engine.request import GenerationRequest
     from engine.sampling import SamplingParams
 
     async def go():
-        t = time.perf_counter()
+        t = clocks()
         async for _ in eng.generate(GenerationRequest(
                 rid, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))):
             pass
-        return len(prompt) / (time.perf_counter() - t)
+        return rates(len(prompt), t)
     return asyncio.run(go())
 
 
-def engine_decode(eng, prompts: list[list[int]], n: int, rid: str) -> float:
+def engine_decode(eng, prompts: list[list[int]], n: int, rid: str) -> tuple[float, float]:
     from engine.request import GenerationRequest
     from engine.sampling import SamplingParams
 
@@ -170,23 +186,28 @@ def engine_decode(eng, prompts: list[list[int]], n: int, rid: str) -> float:
     return w.rate()
 
 
-def measure_pair(ours, ref, repeats: int) -> tuple[float, float, float, float]:
+def measure_pair(ours, ref, repeats: int) -> dict:
     """Alternate engine and mlx-lm runs `repeats` times (so load on a shared machine hits both
-    alike); keep each side's best rate and its peak memory ABOVE what was resident before the run
-    (MB). Resident memory (both copies of the weights, the engine's preallocated KV pages) is
-    reported once, separately."""
+    alike); keep each side's best wall and CPU-time rate, and its peak memory ABOVE what was
+    resident before the run (MB). Resident memory (both copies of the weights, the engine's
+    preallocated KV pages) is reported once, separately."""
     import mlx.core as mx
 
-    best = {"ours": 0.0, "ref": 0.0}
-    peak = {"ours": 0.0, "ref": 0.0}
+    out = {f"{side}_{k}": 0.0 for side in ("engine", "mlx_lm")
+           for k in ("tok_s", "tok_s_cpu", "peak_over_resident_mb")}
     for i in range(repeats):
-        for side, fn in (("ours", ours), ("ref", ref)):
+        for side, fn in (("engine", ours), ("mlx_lm", ref)):
             mx.synchronize()
             mx.reset_peak_memory()
             resident = mx.get_active_memory()
-            best[side] = max(best[side], fn(i))
-            peak[side] = max(peak[side], round((mx.get_peak_memory() - resident) / 2**20, 1))
-    return best["ours"], best["ref"], peak["ours"], peak["ref"]
+            wall, cpu = fn(i)
+            out[f"{side}_tok_s"] = max(out[f"{side}_tok_s"], round(wall, 1))
+            out[f"{side}_tok_s_cpu"] = max(out[f"{side}_tok_s_cpu"], round(cpu, 1))
+            mb = round((mx.get_peak_memory() - resident) / 2**20, 1)
+            out[f"{side}_peak_over_resident_mb"] = max(out[f"{side}_peak_over_resident_mb"], mb)
+    out["ratio_wall"] = round(out["engine_tok_s"] / out["mlx_lm_tok_s"], 3)
+    out["ratio_cpu"] = round(out["engine_tok_s_cpu"] / out["mlx_lm_tok_s_cpu"], 3)
+    return out
 
 
 def run(args) -> dict:
@@ -230,27 +251,20 @@ def run(args) -> dict:
     try:
         for n in lengths:
             p = prompt(n)
-            ours, ref, ours_mem, ref_mem = measure_pair(
+            point = {"prompt_tokens": n, **measure_pair(
                 lambda i: engine_prefill(eng, p, f"pf{n}-{i}"),
-                lambda i: mlx_prefill(model, tokenizer, p), args.repeats)
-            result["prefill"].append({"prompt_tokens": n, "engine_tok_s": round(ours, 1),
-                                      "mlx_lm_tok_s": round(ref, 1),
-                                      "ratio": round(ours / ref, 3),
-                                      "engine_peak_over_resident_mb": ours_mem,
-                                      "mlx_lm_peak_over_resident_mb": ref_mem})
-            print(json.dumps(result["prefill"][-1]), file=sys.stderr)
+                lambda i: mlx_prefill(model, tokenizer, p), args.repeats)}
+            result["prefill"].append(point)
+            print(json.dumps(point), file=sys.stderr)
         for b in batches:
             ps = [prompt(args.decode_prompt) for _ in range(b)]
-            ours, ref, ours_mem, ref_mem = measure_pair(
-                lambda i: engine_decode(eng, ps, args.decode_tokens, f"dc{b}-{i}"),
-                lambda i: mlx_decode(model, tokenizer, ps, args.decode_tokens), args.repeats)
-            result["decode"].append({
-                "batch": b, "engine_tok_s": round(ours, 1), "mlx_lm_tok_s": round(ref, 1),
-                "ratio": round(ours / ref, 3), "mlx_lm_path":
-                    "stream_generate" if b == 1 else "BatchGenerator",
-                "engine_peak_over_resident_mb": ours_mem,
-                "mlx_lm_peak_over_resident_mb": ref_mem})
-            print(json.dumps(result["decode"][-1]), file=sys.stderr)
+            point = {"batch": b, "mlx_lm_path": "stream_generate" if b == 1 else "BatchGenerator",
+                     **measure_pair(
+                         lambda i: engine_decode(eng, ps, args.decode_tokens, f"dc{b}-{i}"),
+                         lambda i: mlx_decode(model, tokenizer, ps, args.decode_tokens),
+                         args.repeats)}
+            result["decode"].append(point)
+            print(json.dumps(point), file=sys.stderr)
     finally:
         eng.shutdown()
         tmp.cleanup()
