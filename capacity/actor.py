@@ -81,6 +81,8 @@ class CapacityActor:
         self.persist_interval_s = persist_interval_s
         self.reap_interval_s = reap_interval_s
         self.persisted_at: float | None = None
+        self.batches = 0      # apply() calls, so batching is observable
+        self.ops = 0
         self._bg: asyncio.Task | None = None
 
     def _ensure_background(self) -> None:
@@ -113,6 +115,7 @@ class CapacityActor:
         return {**ActorInfo().model_dump(), "restored": self.restored,
                 "reconstructed": self.reconstructed, "snapshot_path": self.path,
                 "persisted_at": self.persisted_at, "identities": len(self.fleet.rates),
+                "batches": self.batches, "ops": self.ops,
                 "pid": os.getpid()}
 
     async def hold(self, model_id: str, raw_tokens: int, request_id: str,
@@ -133,6 +136,8 @@ class CapacityActor:
     async def apply(self, ops: list[tuple]) -> list:
         """A batch applied in order: (op, args...), op in hold/commit/release/cancel/heartbeat."""
         self._ensure_background()
+        self.batches += 1
+        self.ops += len(ops)
         out = []
         for op, *args in ops:
             try:

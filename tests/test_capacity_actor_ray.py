@@ -100,3 +100,30 @@ def test_client_falls_back_to_a_local_cap_without_an_actor(ray_session):
         assert client.faults >= 1
 
     asyncio.run(scenario())
+
+
+def test_concurrent_callers_share_batches_and_balance_exactly(ray_session):
+    ray = ray_session
+    name = f"capacity-{uuid.uuid4().hex[:8]}"
+    actor = get_or_create_actor(NS, name, config={"caps": {"native_seeds": {"m": 400.0}}},  # cap 79
+                                snapshot_path="")
+
+    async def scenario():
+        client = CapacityClient(namespace=NS, name=name, snapshot_path="", call_timeout_s=30)
+        native = {**beat(1), "slots": [{**beat(1)["slots"][0], "execution_identity": None,
+                                        "max_concurrency": 200}]}
+        assert (await client.heartbeat(native))["accepted"]
+        before = await actor.info.remote()
+        holds = await asyncio.gather(*(client.hold("m", 10, f"c{i}") for i in range(60)))
+        assert {h.replica_id for h in holds} == {"r0"} and not any(h.fallback for h in holds)
+        assert (await client.snapshot())["outstanding_raw_tokens"] == 600
+        assert all(await asyncio.gather(*(client.release(f"c{i}") for i in range(60))))
+        after = await actor.info.remote()
+        assert after["ops"] - before["ops"] == 120
+        assert after["batches"] - before["batches"] < 60           # 120 calls, far fewer batches
+        assert (await client.snapshot())["outstanding_raw_tokens"] == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        ray.kill(actor, no_restart=True)
