@@ -105,7 +105,8 @@ def test_client_falls_back_to_a_local_cap_without_an_actor(ray_session):
 def test_concurrent_callers_share_batches_and_balance_exactly(ray_session):
     ray = ray_session
     name = f"capacity-{uuid.uuid4().hex[:8]}"
-    actor = get_or_create_actor(NS, name, config={"caps": {"native_seeds": {"m": 400.0}}},  # cap 79
+    # Seed 400 tok/s: qc = floor((400/15 - 1)/0.39) = 65, cap = ceil(65 * 1.2) = 79 >= 60 holds.
+    actor = get_or_create_actor(NS, name, config={"caps": {"native_seeds": {"m": 400.0}}},
                                 snapshot_path="")
 
     async def scenario():
