@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -180,6 +181,8 @@ def cmd_serve(args) -> int:
     _connect(args.address, cfg.capacity.namespace, start_local=args.address is None)
     url = deploy(cfg, args.timeout, args.host, args.port)
     _say(f"ready: {url}/v1  (OpenAI-compatible; Ctrl-C stops)")
+    # SIGTERM (service managers, `kill`) drains like Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(3600)
@@ -192,6 +195,10 @@ def cmd_serve(args) -> int:
             import ray
 
             ray.shutdown()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def cmd_deploy(args) -> int:
