@@ -30,7 +30,8 @@ from engine.bridge import Sink
 from engine.budget import ByteLedger, build_cost_model, resolve_budget_bytes
 from engine.config import EngineConfig
 from engine.detok import TextStream
-from engine.errors import EngineError, EngineShutdown, InvalidRequest
+from engine.errors import (DeadlineUnmeetable, EngineError, EngineOverloaded, EngineShutdown,
+                           InvalidRequest, RequestTooLarge)
 from engine.pages import PagePool, pages_for
 from engine.request import Delta, GenerationRequest, Usage
 from engine.runner import SeqChunk
@@ -41,6 +42,10 @@ __all__ = ["Engine", "GenerationRequest", "SamplingParams", "Delta", "Usage"]
 
 log = logging.getLogger("orchard.engine")
 _IDLE_POLL_S = 0.005   # wait for commands while requests exist but no step can run
+# Counters always present in stats() (zero until they happen), so dashboards see every series.
+_COUNTED = ("submitted", "admitted", "refused_too_large", "refused_deadline", "refused_overloaded",
+            "refused_invalid", "refused_shutdown", "finished_stop", "finished_length",
+            "finished_cancelled", "finished_deadline", "finished_error")
 
 
 class _Live:
@@ -228,6 +233,8 @@ class Engine:
                     raise InvalidRequest(f"request id {seq.request_id!r} is already running")
                 self.scheduler.submit(seq, time.monotonic())
             except EngineError as e:
+                if not isinstance(e, (RequestTooLarge, EngineOverloaded, DeadlineUnmeetable)):
+                    self._counters[f"refused_{e.reason}"] += 1   # the scheduler counts its own
                 sink.put(e, final=True)
                 return
             self._seq_ids += 1
@@ -373,7 +380,10 @@ class Engine:
             "generation_tokens_total": self._counters["generation_tokens"],
             "steps_total": self._counters["steps"],
         }
-        stats.update({f"requests_{k}_total": v for k, v in sch.counters.items()})
+        counts = Counter({k: 0 for k in _COUNTED})
+        counts.update({k: v for k, v in self._counters.items() if k.startswith("refused_")})
+        counts.update(sch.counters)
+        stats.update({f"requests_{k}_total": counts[k] for k in sorted({*_COUNTED, *counts})})
         self._stats = stats
 
 

@@ -89,6 +89,7 @@ def test_bad_inputs_are_refused_before_the_engine_thread(eng):
         GenerationRequest("x", [], SamplingParams())
     with pytest.raises(InvalidRequest, match="out of range"):
         run(collect(eng, GenerationRequest("x", [10**6], SamplingParams())))
+    before = eng.stats()["requests_refused_invalid_total"]
 
     async def duplicate():
         first = asyncio.ensure_future(collect(eng, req("dup", n_prompt=40, max_tokens=30)))
@@ -97,7 +98,9 @@ def test_bad_inputs_are_refused_before_the_engine_thread(eng):
             await collect(eng, req("dup", max_tokens=2))
         return await first
     assert run(duplicate())[-1].finish_reason == "length"
-    wait_idle(eng)
+    s = wait_idle(eng)
+    assert s["requests_refused_invalid_total"] == before + 1
+    assert s["requests_refused_overloaded_total"] == 0     # every series exists from the start
 
 
 def test_eos_finishes_with_stop_and_is_not_decoded(eng):
