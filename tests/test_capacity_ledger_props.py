@@ -51,12 +51,10 @@ class LedgerMachine(RuleBasedStateMachine):
         refunded_before = self.led.refunded_raw
         result = op()
         gone = [rid for rid in before if self.led.reservation(rid) is None]
-        after_new = {rid for rid in IDS if self.led.reservation(rid) and rid not in before}
         assert self.led.refunded_raw - refunded_before == sum(before[r] for r in gone)
         if isinstance(result, list):
             ids = [r.request_id for r in result]
             assert len(ids) == len(set(ids)) and set(ids) <= set(before)
-        del after_new
         return result
 
     @rule(rid=st.sampled_from(IDS), raw=st.integers(1, 600), exclude=st.sets(st.sampled_from(REPLICAS)))
