@@ -42,18 +42,63 @@ class SeqChunk:
     page_table: list[int]   # physical page ids covering start + len(token_ids)
 
 
+class RecurrentStates:
+    """Per-sequence native state of recurrent layers (mlx-lm ArraysCache), batched per call.
+
+    Such state summarizes every earlier token, so it cannot be rebuilt from pages: a sequence
+    must start at token 0 (no prefix reuse), and starting at 0 again resets it. Rows of a call
+    are right-padded, which mlx-lm's ArraysCache handles through per-row `lengths` (the same
+    mechanism its BatchGenerator uses for prefill).
+    """
+
+    def __init__(self, model, layers: list[int]):
+        self.model = model
+        self.layers = layers
+        self._states: dict[int, list] = {}   # seq_id -> one cache per recurrent layer
+
+    def batch(self, chunks: list[SeqChunk], lengths: np.ndarray) -> dict[int, object]:
+        from mlx_lm.models.cache import make_prompt_cache
+        for c in chunks:
+            if c.start == 0:
+                fresh = make_prompt_cache(self.model)
+                self._states[c.seq_id] = [fresh[j] for j in self.layers]
+            elif c.seq_id not in self._states:
+                raise ValueError(f"sequence {c.seq_id}: recurrent layers hold no state for "
+                                 f"its first {c.start} tokens; it must start at token 0")
+        out = {}
+        for k, j in enumerate(self.layers):
+            per_seq = [self._states[c.seq_id][k] for c in chunks]
+            merged = type(per_seq[0]).merge(per_seq)
+            merged.prepare(lengths=lengths.tolist())
+            out[j] = merged
+        return out
+
+    def keep(self, chunks: list[SeqChunk], batch: dict[int, object]) -> None:
+        """Split the call's batched state back into each sequence's own."""
+        for k, j in enumerate(self.layers):
+            batch[j].finalize()
+            for row, c in enumerate(chunks):
+                self._states[c.seq_id][k] = batch[j].extract(row)
+
+    def release(self, seq_id: int) -> None:
+        self._states.pop(seq_id, None)
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, kvstore: KVStore, merge_pad_tokens: int = 16):
-        unpaged = loaded.geometry.unpaged_layers
-        if unpaged:
-            raise NotImplementedError(
-                f"layers {list(unpaged)} keep recurrent/other state; the paged runner "
-                "supports attention-only models (full and sliding window) for now")
+        geometry = loaded.geometry
+        other = [g.index for g in geometry.layers if g.kind == "other"]
+        if other:
+            raise NotImplementedError(f"layers {other} keep a cache the runner cannot page or "
+                                      "batch (neither attention nor recurrent)")
         self.loaded = loaded
         self.kvstore = kvstore
         self.page_tokens = kvstore.page_tokens
         self.merge_pad_tokens = merge_pad_tokens
-        self._windows = [g.window for g in loaded.geometry.layers]
+        self._windows = [g.window for g in geometry.layers]
+        self._paged = set(geometry.paged_layers)
+        self.recurrent = (RecurrentStates(loaded.model, list(geometry.unpaged_layers))
+                          if geometry.unpaged_layers else None)
         # On the CPU, decode reads pages in place (gather_mm, float32 only there) instead of
         # gathering a copy of the context.
         self.in_place_decode = mx.default_device() == mx.cpu and kvstore.dtype == mx.float32
@@ -67,10 +112,12 @@ class ModelRunner:
     def _hook_reaches_every_layer(self) -> bool:
         """Direct mode needs every paged layer to call mlx-lm's scaled_dot_product_attention
         (a model calling mx.fast directly would otherwise attend over fresh keys only)."""
+        from mlx_lm.models.cache import make_prompt_cache
         probe = KVStore(self.loaded.geometry, 1, self.page_tokens, self.kvstore.dtype)
         step = StepBatch([Row(0, 1, [0])], self.page_tokens)
-        caches = [PagedLayerCache(probe.layer(i), step, w, direct=True)
-                  for i, w in enumerate(self._windows)]
+        native = make_prompt_cache(self.loaded.model)
+        caches = [PagedLayerCache(probe.layer(i), step, w, direct=True) if i in self._paged
+                  else native[i] for i, w in enumerate(self._windows)]
         self.loaded.model(mx.array([[0]]), cache=caches)  # graph only; never evaluated
         return step.attended == len(self.loaded.geometry.paged_layers)
 
@@ -95,7 +142,9 @@ class ModelRunner:
         return out
 
     def release(self, seq_id: int) -> None:
-        """Drop per-sequence state outside the pages; every layer is paged today, so none."""
+        """Drop per-sequence state outside the pages (recurrent layers' native state)."""
+        if self.recurrent is not None:
+            self.recurrent.release(seq_id)
 
     def _validate(self, chunks: list[SeqChunk]) -> None:
         if not chunks:
@@ -133,18 +182,25 @@ class ModelRunner:
         rows = [Row(c.start, len(c.token_ids), c.page_table) for c in chunks]
         step = StepBatch(rows, self.page_tokens)
         inputs = _input_tokens(chunks, step.width)
+        native = self.recurrent.batch(chunks, step.lengths) if self.recurrent else {}
         caches = [self._cache_class(i)(self.kvstore.layer(i), step, w, self.direct,
-                                       self.in_place_decode)
+                                       self.in_place_decode) if i in self._paged else native[i]
                   for i, w in enumerate(self._windows)]
+        out = self._call(inputs, caches, step, last_only)
+        if native:
+            self.recurrent.keep(chunks, native)
+        return out
+
+    def _call(self, inputs: mx.array, caches: list, step: StepBatch, last_only: bool):
         loaded = self.loaded
         if not last_only:
             return loaded.model(inputs, cache=caches)
+        rows = mx.arange(step.size)
         last = mx.array((step.lengths - 1).astype(np.int32))
         if loaded.body is not None:
             # Apply the LM head to each row's last position only (prefill rows are long).
-            hidden = loaded.body(inputs, caches)
-            return loaded.head(hidden[mx.arange(len(rows)), last])
-        return loaded.model(inputs, cache=caches)[mx.arange(len(rows)), last]
+            return loaded.head(loaded.body(inputs, caches)[rows, last])
+        return loaded.model(inputs, cache=caches)[rows, last]
 
 
 def _input_tokens(chunks: list[SeqChunk], width: int) -> mx.array:
