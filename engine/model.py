@@ -36,6 +36,7 @@ class LayerGeometry:
     head_dim: int = 0           # key head dim
     v_head_dim: int = 0
     window: int | None = None   # sliding layers: keys within the last `window` positions
+    state_bytes: int = 0        # recurrent layers: native state bytes one sequence holds
 
     @property
     def paged(self) -> bool:
@@ -71,11 +72,16 @@ class ModelGeometry:
     def unpaged_layers(self) -> tuple[int, ...]:
         return tuple(g.index for g in self.layers if not g.paged)
 
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """Fixed bytes each running sequence holds outside the pages (admission charges it)."""
+        return sum(g.state_bytes for g in self.layers)
+
     def describe(self) -> list[dict]:
         """Per layer: what it stores (for logs, stats and the engine's report)."""
         return [{"layer": g.index, "kind": g.kind, "paged": g.paged, "stores": g.stores,
                  "kv_heads": g.kv_heads, "head_dim": g.head_dim, "v_head_dim": g.v_head_dim,
-                 "window": g.window} for g in self.layers]
+                 "window": g.window, "state_bytes": g.state_bytes} for g in self.layers]
 
 
 @dataclass
@@ -161,7 +167,8 @@ def _layer_geometry(index: int, cache: Any) -> LayerGeometry:
             return LayerGeometry(index, "other", kv_heads, head_dim, v_head_dim)
         return LayerGeometry(index, "sliding", kv_heads, head_dim, v_head_dim, cache.max_size)
     if hasattr(cache, "cache") and not hasattr(cache, "keys"):  # ArraysCache / MambaCache
-        return LayerGeometry(index, "recurrent")
+        # Recurrent state has a fixed size per sequence; the probe filled it for one row.
+        return LayerGeometry(index, "recurrent", state_bytes=int(cache.nbytes))
     return LayerGeometry(index, "other")
 
 
@@ -204,7 +211,7 @@ def load_model(path_or_hub_id: str, dtype: str | mx.Dtype | None = None,
     probe = mx.array([[0, 1]], dtype=mx.int32)
     caches = make_prompt_cache(model)
     logits = model(probe, cache=caches)
-    mx.eval(logits, [c.state for c in caches if getattr(c, "keys", None) is not None])
+    mx.eval(logits, [c.state for c in caches])
     layers = tuple(_layer_geometry(i, c) for i, c in enumerate(caches))
     geometry = ModelGeometry(layers=layers, vocab_size=int(logits.shape[-1]))
     body, head = _find_head_split(model, probe, lambda: make_prompt_cache(model))

@@ -26,6 +26,7 @@ def test_geometry_matches_the_architecture(tiny_model_dirs, arch):
     assert [g.window for g in geo.layers if g.kind == "sliding"] == \
         [16] * EXPECTED_KINDS[arch].count("sliding")
     assert geo.paged_layers == tuple(range(geo.num_layers)) and geo.unpaged_layers == ()
+    assert geo.state_bytes_per_sequence == 0
     report = geo.describe()
     assert [r["paged"] for r in report] == [True] * geo.num_layers
     assert all(("last 16" in r["stores"]) == (r["kind"] == "sliding") for r in report)

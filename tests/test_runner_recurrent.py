@@ -41,6 +41,8 @@ def lfm2(tmp_path_factory):
 def test_geometry_marks_conv_layers_recurrent_and_unpaged(lfm2):
     assert [g.kind for g in lfm2.geometry.layers] == ["recurrent", "full"] * 2
     assert lfm2.geometry.paged_layers == (1, 3)
+    # Each conv layer keeps its last conv_L_cache - 1 inputs: 2 x hidden float32 per sequence.
+    assert lfm2.geometry.state_bytes_per_sequence == 2 * (2 * 128 * 4)
     store = KVStore(lfm2.geometry, 4, 16, lfm2.dtype)
     assert sorted(store.layers) == [1, 3]
 
