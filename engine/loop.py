@@ -178,6 +178,8 @@ class Engine:
         probe = KVStore(loaded.geometry, 1, cfg.page_tokens, loaded.dtype, layer_factory=factory)
         page_bytes = probe.page_bytes
         del probe
+        if page_bytes <= 0:
+            raise EngineError(f"{cfg.model}: no layer keeps paged KV; nothing to budget")
         token_limit = cfg.max_model_len or int(loaded.config.get("max_position_embeddings")
                                                or 8192)
         budget = resolve_budget_bytes(
@@ -190,13 +192,14 @@ class Engine:
         self.runner = runner_cls(loaded, self.kvstore)
         self._cost_model = build_cost_model(
             budget_bytes=num_pages * page_bytes, bytes_per_token=self.kvstore.bytes_per_token,
-            page_tokens=cfg.page_tokens, fixed_bytes_per_request=0,
+            page_tokens=cfg.page_tokens,
+            fixed_bytes_per_request=loaded.geometry.state_bytes_per_sequence,
             max_num_seqs=cfg.max_num_seqs, token_limit=token_limit)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.geometry.vocab_size
         self.model_id = cfg.model
-        head_dim = next(g.head_dim for g in loaded.geometry.layers if g.paged)
+        head_dim = next((g.head_dim for g in loaded.geometry.layers if g.paged), 0)
         self.format_identity = KVFormat(cfg.kv_format, head_dim, loaded.dtype_name).identity
         eos = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
         self.scheduler = Scheduler(

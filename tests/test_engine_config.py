@@ -9,9 +9,14 @@ from engine.errors import LedgerError
 
 def test_defaults_are_complete():
     cfg = EngineConfig(model="m")
-    assert (cfg.kv_format, cfg.page_tokens, cfg.max_num_seqs, cfg.max_step_tokens) == \
-        ("native", 16, 16, 512)
+    assert (cfg.kv_format, cfg.max_num_seqs, cfg.max_step_tokens) == ("native", 16, 512)
     assert cfg.kv_budget_bytes is None and cfg.kv_memory_fraction == 0.5 and not cfg.allow_hub
+
+
+def test_default_page_size_is_the_measured_one():
+    from engine.kvstore import DEFAULT_PAGE_TOKENS
+
+    assert EngineConfig(model="m").page_tokens == DEFAULT_PAGE_TOKENS
 
 
 @pytest.mark.parametrize("bad,field", [
