@@ -145,14 +145,16 @@ def busy_values(obj, path: str = "") -> dict[str, float]:
 
 
 def headroom_values(obj, path: str = "") -> dict[str, float]:
-    """Numeric feed fields named *headroom*: free capacity, back to its idle value after a run."""
+    """Numeric feed fields named *headroom* (but not *requests*): free token/byte capacity, back
+    to its idle value after a run. Headroom in requests also follows the concurrency caps the
+    service learns during the run, so a changed value there is not a leak."""
     out: dict[str, float] = {}
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) \
         else ()
     for k, v in items:
         p = f"{path}.{k}" if path else str(k)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
-            if "headroom" in str(k).lower():
+            if "headroom" in str(k).lower() and "request" not in str(k).lower():
                 out[p] = float(v)
         elif str(k).lower() not in SKIP_SUBTREES:
             out.update(headroom_values(v, p))
@@ -161,8 +163,8 @@ def headroom_values(obj, path: str = "") -> dict[str, float]:
 
 def wait_idle(base: str, before: dict | None, timeout: float = 20.0,
               key: str | None = None) -> dict:
-    """Poll the capacity feed until nothing is in flight and every headroom figure is back to
-    at least its value `before` the run; report what it saw."""
+    """Poll the capacity feed until nothing is in flight and every token headroom figure is
+    back to at least its value `before` the run; report what it saw."""
     deadline = time.monotonic() + timeout
     base_room = headroom_values(before) if before else {}
     while True:
