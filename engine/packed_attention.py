@@ -53,19 +53,27 @@ def _qmm(x, p: Packed, bits: int, transpose: bool, dtype: mx.Dtype):
 
 
 @lru_cache(maxsize=None)
-def _qmm_activation_dtype(bits: int, fallback: mx.Dtype) -> mx.Dtype | None:
-    """float32 activations where the backend has the kernel (the CPU, Metal); else `fallback`.
+def _qmm_activation_dtype(bits: int, fallback: mx.Dtype, rows: int, dim: int) -> mx.Dtype | None:
+    """float32 activations on the CPU (else `fallback`), the compute dtype first elsewhere;
+    None if neither works (the caller then unpacks tiles instead).
 
-    MLX's CUDA backend has 8-bit quantized_matmul only for bf16 activations; its kernels still
-    accumulate in float32. Probed once per process on a tiny matmul, because a missing kernel
-    only shows when a graph is evaluated.
+    MLX's CUDA backend lacks float32 kernels for some shapes (e.g. batched 4-row 8-bit scores)
+    and has bf16 ones; its kernels accumulate in float32 either way. A missing kernel only shows
+    when a graph is evaluated, so each (bits, dtype, rows, head dim) is probed once, batched
+    like the real call, in both directions (scores and values).
     """
-    for dtype in (mx.float32, fallback):
+    n = 256
+    w = mx.zeros((2, n, dim * bits // 32), mx.uint32)
+    meta = mx.zeros((2, n, dim // GROUP_SIZE), mx.float32)
+    # On the GPU the compute dtype goes first: CUDA has bf16 kernels for every shape, and float32
+    # passed this probe yet failed at 4x1024x128x4 on the H200 (strided gathered rows, likely).
+    order = (mx.float32, fallback) if mx.default_device() == mx.cpu else (fallback, mx.float32)
+    for dtype in order:
         try:
-            w = mx.zeros((1, 64 * bits // 32), mx.uint32)
-            meta = mx.zeros((1, 1), mx.float32)
-            mx.eval(mx.quantized_matmul(mx.zeros((1, 64), dtype), w, meta, meta, transpose=True,
-                                        group_size=GROUP_SIZE, bits=bits))
+            mx.eval(mx.quantized_matmul(mx.zeros((2, rows, dim), dtype), w, meta, meta,
+                                        transpose=True, group_size=GROUP_SIZE, bits=bits),
+                    mx.quantized_matmul(mx.zeros((2, rows, n), dtype), w, meta, meta,
+                                        transpose=False, group_size=GROUP_SIZE, bits=bits))
             return dtype
         except (RuntimeError, ValueError):
             continue
@@ -83,7 +91,7 @@ def _bool_mask(mask, shape_lq, n_keys):
 
 
 def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat, scale: float,
-                     new_mask="causal", hist_mask=None, sinks=None, tile: int = 1024,
+                     new_mask="causal", hist_mask=None, sinks=None, tile: int | None = None,
                      qmm_max_queries: int | None = None):
     """Packed-history attention with FP32 accumulation; see the module docstring.
 
@@ -109,10 +117,11 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     nmask = None if new_mask is None else _group(_bool_mask(new_mask, L, L), Hkv, rep)
     s_new = qn @ mx.expand_dims(k_new.astype(mx.float32), 2).swapaxes(-1, -2)  # (B,Hkv,rep,L,L)
     v_new = mx.expand_dims(v_new.astype(mx.float32), 2)
-    act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype)
-    act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype)
+    act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype, rep * L, D)
+    act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D)
     use_qmm = L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries)
     if not (use_qmm and act_k is not None and act_v is not None):
+        tile = tile or (1024 if mx.default_device() == mx.cpu else 4096)
         return _tiled(qh, s_new, v_new, nmask, hist, hmask, fmt, sinks, tile).reshape(
             B, Hq, L, D).astype(q.dtype)
     # One (rep*L)-row matmul per KV head: broadcasting packed rows over a repeat axis instead
