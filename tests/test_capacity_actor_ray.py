@@ -102,12 +102,13 @@ def test_client_falls_back_to_a_local_cap_without_an_actor(ray_session):
     asyncio.run(scenario())
 
 
-def test_concurrent_callers_share_batches_and_balance_exactly(ray_session):
+def test_concurrent_callers_share_batches_balance_exactly_and_leaks_expire(ray_session):
     ray = ray_session
     name = f"capacity-{uuid.uuid4().hex[:8]}"
     # Seed 400 tok/s: qc = floor((400/15 - 1)/0.39) = 65, cap = ceil(65 * 1.2) = 79 >= 60 holds.
-    actor = get_or_create_actor(NS, name, config={"caps": {"native_seeds": {"m": 400.0}}},
-                                snapshot_path="")
+    actor = get_or_create_actor(NS, name, config={"caps": {"native_seeds": {"m": 400.0}},
+                                                  "ledger": {"hold_ttl_s": 2.0}},
+                                snapshot_path="", reap_interval_s=0.05)
 
     async def scenario():
         client = CapacityClient(namespace=NS, name=name, snapshot_path="", call_timeout_s=30)
@@ -123,6 +124,15 @@ def test_concurrent_callers_share_batches_and_balance_exactly(ray_session):
         assert after["ops"] - before["ops"] == 120
         assert after["batches"] - before["batches"] < 60           # 120 calls, far fewer batches
         assert (await client.snapshot())["outstanding_raw_tokens"] == 0
+        # A hold that never commits is refunded by the actor's own TTL reaper.
+        await client.hold("m", 10, "leak")
+        assert (await client.snapshot())["outstanding_raw_tokens"] == 10
+        for _ in range(200):
+            if (await client.snapshot())["outstanding_raw_tokens"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (await client.snapshot())["outstanding_raw_tokens"] == 0
+        assert not await client.cancel("leak")                    # already refunded: no-op
 
     try:
         asyncio.run(scenario())
