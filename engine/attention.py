@@ -142,6 +142,10 @@ class StepBatch:
         return view.masks[key]
 
 
+# Masked scores: the dtype's lowest finite value, as mlx-lm does (exp underflows to exactly 0).
+_LOWEST = {t: mx.finfo(t).min for t in (mx.float32, mx.float16, mx.bfloat16)}
+
+
 def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, step: StepBatch,
                            view: View, scale: float, sinks: mx.array | None) -> mx.array:
     """Attention straight from head-major pages [kv_heads, num_pages, T, dim] via gather_mm.
@@ -159,7 +163,7 @@ def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, st
     s = mx.gather_mm(qg, k_pages.swapaxes(-1, -2), lhs, rhs)          # [b, kvh, p, g*n, t]
     s = s.transpose(0, 1, 3, 2, 4).reshape(b, kv_heads, group, n, p * t)
     mask = step.page_mask(view)[:, :, None]                            # [b, 1, 1, n, p*t]
-    s = mx.where(mask, s, mx.finfo(s.dtype).min)
+    s = mx.where(mask, s, _LOWEST[s.dtype])
     if sinks is not None:
         sink = mx.broadcast_to(sinks.astype(s.dtype).reshape(1, kv_heads, group, 1, 1),
                                (b, kv_heads, group, n, 1))
@@ -167,8 +171,8 @@ def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, st
     else:
         probs = mx.softmax(s, axis=-1, precise=True)
     probs = probs.reshape(b, kv_heads, group * n, p, t).transpose(0, 1, 3, 2, 4)
-    out = mx.gather_mm(probs.astype(v_pages.dtype), v_pages, None, rhs)  # [b, kvh, p, g*n, dv]
-    return out.sum(axis=2).reshape(b, hq, n, v_pages.shape[-1]).astype(q.dtype)
+    out = mx.gather_mm(probs, v_pages, None, rhs)                     # [b, kvh, p, g*n, dv]
+    return out.sum(axis=2).reshape(b, hq, n, v_pages.shape[-1])
 
 
 class PagedLayerCache:

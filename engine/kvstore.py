@@ -78,8 +78,10 @@ class NativeLayerStore:
 
     def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
         # Scatter into the sole reference, so MLX updates the buffer in place (no page copy).
-        self.k[:, slots.page, slots.offset] = k.swapaxes(0, 1).astype(self.k.dtype)
-        self.v[:, slots.page, slots.offset] = v.swapaxes(0, 1).astype(self.v.dtype)
+        if k.dtype != self.k.dtype:
+            k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
+        self.k[:, slots.page, slots.offset] = k.swapaxes(0, 1)
+        self.v[:, slots.page, slots.offset] = v.swapaxes(0, 1)
 
     def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]:
         b, p = pages.shape
