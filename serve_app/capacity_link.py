@@ -70,10 +70,16 @@ class CapacityLink:
             log.debug("commit %s: %s", request_id, e)
             return False
 
+    def commit_soon(self, request_id: str) -> None:
+        self._spawn(self.commit(request_id))
+
     def release_soon(self, call: Any, telemetry: dict[str, Any]) -> None:
         """Release from a `finally` that may run during cancellation: schedule, don't await."""
-        task = asyncio.get_running_loop().create_task(self._release(call.request_id, telemetry))
-        self._pending.add(task)
+        self._spawn(self._release(call.request_id, telemetry))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._pending.add(task)   # keep a reference until done (asyncio holds tasks weakly)
         task.add_done_callback(self._pending.discard)
 
     async def _release(self, request_id: str, telemetry: dict[str, Any]) -> None:

@@ -86,7 +86,9 @@ class ModelServer:
         started = time.monotonic()
         self._inflight[call.request_id] = call.raw_tokens
         if self.capacity is not None:
-            await self.capacity.commit(call.request_id)
+            # Off the first-token path: the client sends reports in order, so this commit
+            # still reaches the actor before this request's release.
+            self.capacity.commit_soon(call.request_id)
         stats_at_admission = self.engine.stats()
         usage, ttft, finish, last_t, n_deltas = None, None, None, started, 0
         try:
