@@ -210,8 +210,12 @@ def load_model(path_or_hub_id: str, dtype: str | mx.Dtype | None = None,
 
     probe = mx.array([[0, 1]], dtype=mx.int32)
     caches = make_prompt_cache(model)
-    logits = model(probe, cache=caches)
-    mx.eval(logits, [c.state for c in caches])
+    try:
+        logits = model(probe, cache=caches)
+        mx.eval(logits, [c.state for c in caches])
+    except Exception as exc:  # e.g. an op this backend lacks in this dtype
+        raise ModelLoadError(f"model {model_dir} cannot run in {compute} on "
+                             f"{mx.default_device()}: {exc}") from exc
     layers = tuple(_layer_geometry(i, c) for i, c in enumerate(caches))
     geometry = ModelGeometry(layers=layers, vocab_size=int(logits.shape[-1]))
     body, head = _find_head_split(model, probe, lambda: make_prompt_cache(model))

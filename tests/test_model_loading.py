@@ -48,6 +48,12 @@ def test_cpu_backend_computes_in_float32_unless_overridden(tiny_llama):
         load_model(tiny_llama, dtype="int3")
 
 
+def test_a_dtype_the_backend_cannot_run_is_a_clear_load_error(tiny_model_dirs):
+    # gpt_oss experts use gather_mm, which MLX's CPU backend runs in float32 only.
+    with pytest.raises(ModelLoadError, match="cannot run in"):
+        load_model(tiny_model_dirs["gpt_oss"], dtype="bfloat16")
+
+
 def test_fingerprint_is_stable_and_tracks_weights_and_config(tiny_llama, tmp_path):
     a = load_model(tiny_llama).fingerprint
     assert a == load_model(tiny_llama).fingerprint and len(a) == 16
