@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     if not targets:
         print("no targets: give --target and/or --peer-model/--peer-url", file=sys.stderr)
         return 2
+    # Per-target PNGs would repeat the combined ones drawn at the end.
+    combined_plots, args.no_plots = not args.no_plots, True
     try:
         infos = {t.name: runner.discover(t, args) for t in targets}
         # One schedule for all: sized to the smallest context and capacity among the targets.
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                  report.pool(v, schedule.meta, args.slo_ttft_ms, args.slo_tpot_ms)
                  for k, v in per.items()}
     runs = {k: [r for _, recs in v for r in recs] for k, v in per.items()}
-    plot_paths = plots.all_plots(runs, args.out, timeline={k: v[0][1] for k, v in per.items()})
+    plot_paths = plots.all_plots(runs, args.out, timeline={k: v[0][1] for k, v in per.items()}) \
+        if combined_plots else []
     command = "python -m loadtest bench-serve " + " ".join(shlex.quote(a) for a in argv)
     md = comparison_markdown(summaries, args.baseline, command, schedule.meta)
     with open(os.path.join(args.out, "comparison.md"), "w") as f:

@@ -75,6 +75,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retry-refused", type=int, default=0,
                    help="retry a refused request up to N times after its Retry-After (latencies "
                    "then count from the first attempt); 0 reports refusals as they come")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs (faster)")
     p.add_argument("--locust-stats", action="store_true",
                    help="also print Locust's periodic stats table")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "orchard-loadtest"),
@@ -172,7 +173,8 @@ def run_locust(target: Target, schedule: Schedule, args, out: str) -> dict:
     summary["files"] = {"records": rec_path, "schedule": sched_path,
                         "html": os.path.join(out, "locust.html"),
                         "csv_stats": os.path.join(out, "locust_stats.csv"),
-                        "plots": plots.all_plots({target.name: records}, out)}
+                        "plots": [] if args.no_plots else
+                        plots.all_plots({target.name: records}, out)}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary

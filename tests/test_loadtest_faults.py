@@ -50,7 +50,7 @@ def test_refused_requests_are_retried_after_retry_after(openai_stub, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "loadtest", "run", "--host", url, "--scenario", "bursts",
            "--burst-size", "4", "--burst-period", "1", "--duration", "2", "--max-tokens", "8",
-           "--retry-refused", "3", "--out", str(out)]
+           "--retry-refused", "3", "--no-plots", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())

@@ -10,9 +10,9 @@ SMOKE = ["--scenario", "smoke", "--duration", "8", "--rate", "2", "--context", "
          "--max-tokens", "16", "--stream-timeout", "60", "--drain-timeout", "60"]
 
 
-def run_smoke(url: str, model: str | None, out, label: str) -> dict:
+def run_smoke(url: str, model: str | None, out, label: str, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "loadtest", "run", "--host", url, "--label", label,
-           "--out", str(out), *SMOKE] + (["--model", model] if model else [])
+           "--out", str(out), *SMOKE, *extra] + (["--model", model] if model else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "summary.json").read_text())
@@ -42,6 +42,6 @@ def test_smoke_against_orchard(orchard_url, tmp_path, monkeypatch):
     from tests.fixtures.serve import TEST_API_KEY, TEST_MODEL
 
     monkeypatch.setenv("ORCHARD_API_KEY", TEST_API_KEY)
-    s = run_smoke(orchard_url, TEST_MODEL, tmp_path / "orchard", "orchard")
+    s = run_smoke(orchard_url, TEST_MODEL, tmp_path / "orchard", "orchard", "--no-plots")
     check_clean(s)
     assert s["capacity_after"]["checked"] and s["capacity_after"]["idle"], s["capacity_after"]
