@@ -20,6 +20,9 @@ from serve_app.heartbeat import chip_class
 
 log = logging.getLogger("orchard.server")
 
+# A step on a loaded Mac takes well under a second; a minute without one while requests wait
+# means the engine thread is stuck (a hung kernel, a deadlock), not slow.
+WEDGE_TIMEOUT_S = 60.0
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
                    "chat_template.json", "config.json", "generation_config.json")
@@ -60,6 +63,8 @@ class ModelServer:
         self.node_id = _node_id()
         self.capacity = _capacity_link(capacity, self) if capacity else None
         self._started = False
+        self.wedge_timeout_s = WEDGE_TIMEOUT_S
+        self._progress = (0, time.monotonic())   # (engine steps, when they last changed)
         self._inflight: dict[str, int] = {}   # request id -> raw tokens
 
     def _make_engine(self, engine_cfg: Any) -> Any:
@@ -189,8 +194,18 @@ class ModelServer:
                 "kv_format_negotiation": getattr(self, "kv_format_reason", "")}
 
     async def check_health(self) -> None:
+        """Serve replaces the replica when this raises: a dead engine thread, or a wedged one
+        (work queued but no step completed for wedge_timeout_s)."""
         if not self.engine.healthy():
             raise RuntimeError(f"engine of {self.model_id} on {self.replica_id} is not healthy")
+        stats = self.engine.stats()
+        steps, now = stats.get("steps_total", 0), time.monotonic()
+        busy = stats.get("num_requests_running", 0) + stats.get("num_requests_waiting", 0)
+        if steps != self._progress[0] or not busy:
+            self._progress = (steps, now)
+        elif now - self._progress[1] > self.wedge_timeout_s:
+            raise RuntimeError(f"engine of {self.model_id} on {self.replica_id} made no step "
+                               f"in {now - self._progress[1]:.0f} s with {busy} requests queued")
 
     def shutdown(self) -> None:
         """Graceful drain: stop reporting, let running requests finish, stop the engine."""

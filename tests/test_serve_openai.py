@@ -4,7 +4,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.fixtures.serve import TEST_API_KEY, TEST_MODEL
+from tests.fixtures.serve import TEST_API_KEY, TEST_MODEL, TEST_MODEL_INT8
 
 MSG = [{"role": "user", "content": "The quick brown fox"}]
 
@@ -16,7 +16,7 @@ def client(orchard_url):
 
 
 def test_models_list(client):
-    assert [m.id for m in client.models.list().data] == [TEST_MODEL]
+    assert [m.id for m in client.models.list().data] == [TEST_MODEL, TEST_MODEL_INT8]
 
 
 def test_chat_non_streaming_usage_and_length(client):
