@@ -117,10 +117,11 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     nmask = None if new_mask is None else _group(_bool_mask(new_mask, L, L), Hkv, rep)
     s_new = qn @ mx.expand_dims(k_new.astype(mx.float32), 2).swapaxes(-1, -2)  # (B,Hkv,rep,L,L)
     v_new = mx.expand_dims(v_new.astype(mx.float32), 2)
-    act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype, rep * L, D)
-    act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D)
-    use_qmm = L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries)
-    if not (use_qmm and act_k is not None and act_v is not None):
+    act_k = act_v = None
+    if L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries):
+        act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype, rep * L, D)
+        act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D)
+    if act_k is None or act_v is None:
         tile = tile or (1024 if mx.default_device() == mx.cpu else 4096)
         return _tiled(qh, s_new, v_new, nmask, hist, hmask, fmt, sinks, tile).reshape(
             B, Hq, L, D).astype(q.dtype)
