@@ -6,7 +6,6 @@ routing stats and replica metadata to Serve, and drains on shutdown.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -15,7 +14,7 @@ from dataclasses import asdict
 from typing import Any, AsyncIterator
 
 from serve_app.calls import GenerateCall
-from serve_app.errors import APIError, from_exception
+from serve_app.errors import from_exception
 from serve_app.heartbeat import chip_class
 
 log = logging.getLogger("orchard.server")
@@ -240,6 +239,3 @@ def _node_id() -> str:
     except Exception:  # noqa: BLE001
         return "local"
 
-
-def api_error_of(item: dict) -> APIError | None:
-    return APIError.from_wire(item["error"]) if "error" in item else None
