@@ -247,11 +247,17 @@ class IngressCore:
                            retry_after_s=5) from None
 
     async def health(self) -> tuple[int, dict]:
+        """200 when every model has answered once and (behind Serve) still has a live replica."""
         status = {}
+        live: dict[str, int] = {}
+        views = self.replica_views()
+        for v in views:
+            mid = v["metadata"].get("model_id") or v["routing_stats"].get("model_id")
+            live[mid] = live.get(mid, 0) + 1
         for mid, entry in self.models.items():
             try:
                 await asyncio.wait_for(entry.ready(), timeout=30)
-                status[mid] = "ok"
+                status[mid] = "ok" if not views or live.get(mid) else "no running replicas"
             except Exception as e:  # noqa: BLE001
                 status[mid] = f"unavailable: {type(e).__name__}"
         ok = all(v == "ok" for v in status.values())
