@@ -86,3 +86,16 @@ def test_service_healthy_after_bad_inputs(http):
     r = http.post("/v1/chat/completions", headers=AUTH,
                   json={"model": TEST_MODEL, "messages": OK_MSG, "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_first_token_deadline_header(http):
+    body = {"model": TEST_MODEL, "messages": OK_MSG, "max_tokens": 3}
+    ok = http.post("/v1/chat/completions", json=body,
+                   headers={**AUTH, "x-orchard-first-token-deadline-ms": "60000"})
+    assert ok.status_code == 200, ok.text
+    # 1 ms cannot be met: refused up front (forecast) or when it passes, never served late.
+    late = http.post("/v1/chat/completions", json=body,
+                     headers={**AUTH, "x-orchard-first-token-deadline-ms": "1"})
+    _assert_error(late, 503)
+    assert late.json()["error"]["code"] in ("deadline_unmeetable", "deadline_exceeded")
+    assert int(late.headers["retry-after"]) >= 1
