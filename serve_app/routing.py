@@ -56,6 +56,7 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         self.consecutive_faults = 0
         self.holds: dict[str, tuple[str, Any]] = {}   # internal request id -> (request id, hold)
         self.stats = {"holds": 0, "refusals": 0, "faults": 0, "fallback_routes": 0}
+        self._tasks: set[asyncio.Task] = set()
         router_registry.register(self)
 
     # --- the per-request path ------------------------------------------------------------
@@ -182,7 +183,9 @@ class CapacityRouter(LocalityMixin, RequestRouter):
                 pass
 
         try:
-            asyncio.get_running_loop().create_task(cancel())
-        except RuntimeError:
-            pass
+            task = asyncio.get_running_loop().create_task(cancel())
+        except RuntimeError:   # no loop in this thread: the actor's TTL reaper settles it
+            return
+        self._tasks.add(task)   # asyncio holds tasks weakly
+        task.add_done_callback(self._tasks.discard)
 
