@@ -125,9 +125,11 @@ class IngressCore:
         tok = entry.tokenizer
         if kind == "chat":
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            prompt_ids = chat_prompt_ids(tok, messages)
+            prompt_ids = await _off_loop_if_long(chat_prompt_ids, tok, messages,
+                                                 size=sum(len(m["content"]) for m in messages))
         else:
-            prompt_ids = text_prompt_ids(tok, req.prompt)
+            size = len(req.prompt) if isinstance(req.prompt, str) else 0
+            prompt_ids = await _off_loop_if_long(text_prompt_ids, tok, req.prompt, size=size)
             if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= len(tok)):
                 raise bad_request("prompt token id out of vocabulary range", param="prompt")
         limit = entry.max_model_len
@@ -300,6 +302,16 @@ class _Tracker:
             self.m.prompt_tokens.labels(self.model).inc(usage["prompt_tokens"])
             self.m.generation_tokens.labels(self.model).inc(usage["completion_tokens"])
             self.m.cached_tokens.labels(self.model).inc(usage.get("cached_tokens", 0))
+
+
+# Tokenizing a long prompt takes milliseconds; do it off the event loop that serves everyone.
+_INLINE_TOKENIZE_CHARS = 8192
+
+
+async def _off_loop_if_long(fn, *args, size: int):
+    if size > _INLINE_TOKENIZE_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 async def _chain(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
