@@ -6,7 +6,7 @@ import pytest
 from engine.errors import InvalidRequest, RequestTooLarge
 from engine.request import GenerationRequest
 from engine.sampling import SamplingParams
-from tests.engine_helpers import collect, make_engine, prompt, req, run, tokens, wait_idle
+from tests.engine_helpers import collect, make_engine, req, run, tokens, wait_idle
 
 
 @pytest.fixture(scope="module")

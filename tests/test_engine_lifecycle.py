@@ -32,7 +32,7 @@ class Trace:
                 retired = max(retired, f["step"])
             else:
                 refunds += 1
-                assert f["last_step"] <= retired, f"refund of {f['request']} before its step retired"
+                assert f["last_step"] <= retired, f"{f['request']} refunded before its step retired"
         return refunds
 
 

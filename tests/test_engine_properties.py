@@ -26,8 +26,8 @@ def traced(tiny_llama):
     eng.shutdown()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.lists(op, min_size=5, max_size=20))
 def test_random_traffic_leaves_nothing_behind(traced, ops):
     eng, trace = traced
