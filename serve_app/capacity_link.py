@@ -83,6 +83,7 @@ class CapacityLink:
         task.add_done_callback(self._pending.discard)
 
     async def _release(self, request_id: str, telemetry: dict[str, Any]) -> None:
+        from capacity.identity import execution_identity
         from capacity.protocol import RequestTelemetry
 
         try:
@@ -91,7 +92,12 @@ class CapacityLink:
                 completion_tokens=telemetry["completion_tokens"],
                 batch_size=max(1, telemetry["batch_size_at_admission"]),
                 ttft_s=telemetry["ttft_s"] or None, tpot_s=telemetry["tpot_s"] or None,
-                execution_identity=self.server.engine.format_identity,
+                max_batch_size=max(1, telemetry.get("max_batch_size", 1)),
+                # The wire form (kvq-v1:...:prefill=...), not the bare format identity, which
+                # the actor's grammar would quarantine and drop.
+                execution_identity=execution_identity(
+                    self.server.engine.format_identity,
+                    self.server.engine.stats().get("prefill_mode", "direct")) or None,
                 finish_reason=telemetry["finish_reason"])
             await self.client.release(request_id, t)
         except Exception:  # noqa: BLE001

@@ -135,6 +135,11 @@ class ModelServer:
                     "cached_tokens": usage.cached_tokens if usage else 0,
                     "batch_size_at_admission": int(stats_at_admission.get(
                         "num_requests_running", 0)) + 1,
+                    # Seen at admission and at finish: a request is a solo sample only if both
+                    # are 1 (the actor takes solo decode rates only from such requests).
+                    "max_batch_size": max(int(stats_at_admission.get("num_requests_running", 0)),
+                                          int(self.engine.stats().get("num_requests_running", 0)))
+                    + 1,
                     "ttft_s": ttft,
                     "tpot_s": ((last_t - started - (ttft or 0)) / (usage.completion_tokens - 1)
                                if usage and usage.completion_tokens > 1 else None),

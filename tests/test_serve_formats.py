@@ -46,3 +46,22 @@ def test_feed_and_metrics_keep_identities_apart(http):
                      r'"affine-v1-k8v8-g64-f32-h64-s1",model_name="tiny-int8"\} [1-9]', text)
     assert re.search(r'orchard:concurrency_cap\{execution_identity="kvq-v1:affine-v1-k8v8[^"]*",'
                      r'model_name="tiny-int8"\}', text)
+
+
+def test_release_telemetry_trains_the_packed_identity(http):
+    """Released requests carry the wire execution identity, so their samples land under the
+    int8 identity (a bare format identity would be quarantined and its samples dropped)."""
+    import time
+
+    for _ in range(2):
+        assert chat(http, TEST_MODEL_INT8).status_code == 200
+    deadline = time.monotonic() + 10
+    while True:
+        models = {m["model_id"]: m for m in http.get("/v1/models/capacity", headers=AUTH)
+                  .json()["models"]}
+        [ident] = models[TEST_MODEL_INT8]["identities"]
+        if ident["prefill_tps"] is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert ident["identity"] == INT8_EXECUTION
+    assert ident["prefill_tps"] is not None and ident["prefill_tps"] > 0
