@@ -25,6 +25,9 @@ def test_stream_shape_usage_and_ttft(eng):
     assert len(tokens(deltas)) == 6
     s = wait_idle(eng)
     assert s["requests_finished_length_total"] >= 1
+    # The preallocated KV never exceeds the configured budget, and the ledger prices it exactly.
+    assert eng.kvstore.nbytes == s["kv_bytes_total"] <= eng.cfg.kv_budget_bytes
+    assert eng.cost_model().budget_bytes == s["kv_bytes_total"]
 
 
 def test_greedy_alone_equals_batched_with_different_lengths(eng):
