@@ -3,6 +3,9 @@
   orchard serve [CONFIG]    start (or join) Ray, deploy, wait until healthy, print the URL, block
   orchard deploy CONFIG     deploy onto a running cluster (e.g. inside `ray job submit`), exit
   orchard status            replicas, formats, budgets and caps of the running service
+  orchard loadtest ...      headless Locust run against an endpoint (loadtest.runner)
+  orchard bench WHAT ...    benchmarks that print JSON: engine, kv, capacity, serve, serve-path
+  orchard quality ...       KV-format quality gate against native (engine.quality)
 """
 from __future__ import annotations
 
@@ -40,10 +43,41 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--address", default="auto")
     st.add_argument("--app", default="orchard", help="Serve application name")
     st.add_argument("--namespace", default="orchard", help="capacity actor namespace")
+    lt = sub.add_parser("loadtest", help="headless Locust run (see `orchard loadtest --help`)",
+                        add_help=False)
+    lt.add_argument("rest", nargs=argparse.REMAINDER)
+    b = sub.add_parser("bench", help="benchmarks printing JSON: " + ", ".join(BENCHES),
+                       description="Run one benchmark; arguments after WHAT go to it "
+                       "(`orchard bench WHAT --help`).")
+    b.add_argument("what", choices=sorted(BENCHES))
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    q = sub.add_parser("quality", help="KV-format quality gate (see `orchard quality --help`)",
+                       add_help=False)
+    q.add_argument("rest", nargs=argparse.REMAINDER)
     return p
 
 
+# Subcommands that hand their arguments to a module's main(argv); imported only when used.
+BENCHES = {
+    "engine": "engine.bench",          # paged engine vs mlx-lm, OpenBLAS on/off
+    "kv": "engine.bench_kv",           # KV formats: bytes, capacity, prefill/decode ratios
+    "capacity": "capacity.bench",      # capacity actor round trips, memory per identity
+    "serve": "loadtest.bench_serve",   # same schedule vs Orchard formats and mlx_lm.server
+    "serve-path": "serve_app.bench",   # TTFT overhead of the HTTP/Serve path
+}
+
+
+def _delegate(module: str, argv: list[str]) -> int:
+    import importlib
+
+    return importlib.import_module(module).main(argv) or 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "loadtest":
+        # Locust must be imported before anything that imports requests/urllib3/ray.
+        return _delegate("loadtest.runner", argv[1:])
     args = _parser().parse_args(argv)
     from engine.platform import ensure_openblas_preloaded
 
@@ -56,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "deploy":
             return cmd_deploy(args)
+        if args.command == "bench":
+            return _delegate(BENCHES[args.what], args.rest)
+        if args.command == "quality":
+            return _delegate("engine.quality", args.rest)
         return cmd_status(args)
     except ConfigError as e:
         print(f"orchard: config error:\n{e}", file=sys.stderr)

@@ -17,10 +17,17 @@ def orchard(*args, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args, expect", [
-    ((), "serve"), (("serve",), "CONFIG"), (("deploy",), "--address"), (("status",), "--app")])
+    ((), "serve"), (("serve",), "CONFIG"), (("deploy",), "--address"), (("status",), "--app"),
+    (("loadtest",), "--scenario"), (("bench",), "serve-path"), (("bench", "capacity"), "--callers"),
+    (("bench", "kv"), "usage"), (("bench", "serve"), "usage"), (("bench", "engine"), "usage")])
 def test_help(args, expect):
     r = orchard(*args, "--help")
     assert r.returncode == 0 and expect in r.stdout
+
+
+def test_unknown_benchmark_is_refused():
+    r = orchard("bench", "nonsense")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
 def test_invalid_config_fails_fast_naming_the_field(tmp_path):
