@@ -1,0 +1,151 @@
+"""Markdown for the quality gate's result (docs/quality.md): what ran, verdicts, details."""
+from __future__ import annotations
+
+from engine.quality_stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
+
+
+def _ci(d: dict, fmt: str = "{:+.3f}", scale: float = 1.0) -> str:
+    lo, hi = d["ci95"]
+    return (f"{fmt.format(d['estimate'] * scale)} "
+            f"[{fmt.format(lo * scale)}, {fmt.format(hi * scale)}]")
+
+
+def _kl(d: dict) -> str:
+    lo, hi = d["ci95"]
+    return f"{d['estimate']:.2e} [{lo:.2e}, {hi:.2e}]"
+
+
+def _acc(d: dict | None) -> str:
+    if not d:
+        return "-"
+    dp = d["delta_points"]
+    return f"{100 * d['accuracy']:.1f} ({dp['estimate']:+.1f} [{dp['ci95'][0]:+.1f}, {dp['ci95'][1]:+.1f}])"
+
+
+def table(r: dict) -> str:
+    lengths = [str(L) for L in r["sizes"]["lengths"]]
+    head = ["format", "NLL delta % [95% CI]", "KL nats/token [95% CI]", "top-1 agreement",
+            *[f"retrieval@{L} % (delta pts [CI])" for L in lengths], "probes % (delta pts [CI])",
+            "verdict"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for fmt in r["formats"]:
+        n = r["nll"].get(fmt)
+        ret = r["retrieval"].get(fmt, {}).get("by_length", {})
+        v = r["verdicts"].get(fmt)
+        verdict = "control" if fmt == "native" else v["overall"]
+        cells = [fmt,
+                 _ci(n["nll_delta_pct"]) if n else "-",
+                 _kl(n["kl"]) if n else "-",
+                 _ci(n["top1_agreement"], "{:.4f}") if n else "-",
+                 *[_acc(ret.get(L)) for L in lengths],
+                 _acc(r["probes"]["by_format"].get(fmt)), f"**{verdict}**"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def checks(r: dict) -> str:
+    rows = ["| format | check | estimate | 95% CI | verdict |", "|---|---|---|---|---|"]
+    for fmt, v in r["verdicts"].items():
+        for c in v["checks"]:
+            rows.append(f"| {fmt} | {c['check']} | {c['estimate']:.4g} | "
+                        f"[{c['ci95'][0]:.4g}, {c['ci95'][1]:.4g}] | {c['verdict']} |")
+    return "\n".join(rows)
+
+
+def cells(r: dict) -> str:
+    names = list(next(iter(r["retrieval"].values()))["cells"]) if r["retrieval"] else []
+    rows = ["| format | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    for fmt, d in r["retrieval"].items():
+        rows.append(f"| {fmt} | " + " | ".join(f"{100 * d['cells'][k]['accuracy']:.1f}"
+                                                for k in names) + " |")
+    return "\n".join(rows)
+
+
+def markdown(r: dict, table_only: bool = False) -> str:
+    if table_only:
+        return table(r)
+    s, n = r["sizes"], r["nll"].get("native") or next(iter(r["nll"].values()))
+    probes = r["probes"]
+    fams = ", ".join(f"{k} {v['kept']}/{v['tried']}" for k, v in probes["selection"].items())
+    by_fam = "\n".join(f"| {f} | " + " | ".join(f"{100 * x:.0f}" for x in d["by_family"].values())
+                       + " |" for f, d in probes["by_format"].items())
+    fam_head = " | ".join(next(iter(probes["by_format"].values()))["by_family"])
+    sec = r["seconds"]
+    return f"""# KV-format quality gate
+
+Each packed KV format against native on the same weights ({r['model']}, fingerprint
+`{r['fingerprint']}`), produced by `engine/quality.py`. Generated file: rerun the command to refresh.
+
+- **Command**: `{r['command']}`
+- **Machine**: {r['machine']}; compute dtype **{r['dtype']}**; {sec['total']:.0f} s
+  (NLL {sec['nll']:.0f} s, retrieval {sec['retrieval']:.0f} s, probes {sec['probes']:.0f} s)
+- **Sizes**: {n['tokens']} scored held-out tokens per format in {n['windows']} windows of
+  {s['window']}; retrieval {s['retrieval_cases_per_cell']} cases per (task, length) cell at
+  {', '.join(map(str, s['lengths']))} (tasks: pass key, key-value); {probes['kept']} graded probes;
+  KV pages of {s['page_tokens']} tokens; {s['batch']} sequences per forward call.
+- **Held-out text**: {r['heldout']['tokens']} tokens (sha256 `{r['heldout']['sha256_16']}`) from
+  {r['heldout']['source']}.
+
+## Declared margins and rule
+
+Margins (fixed before any run): int8 NLL delta <= 0.1 % and KL <= 1e-3 nats/token; k8v4 NLL delta
+<= 0.5 %; int4 (and int4 without rotation, the ablation) NLL delta <= 1 %; retrieval accuracy at
+each length within {r['retrieval_points']:g} points of native (both tasks pooled per length);
+probe accuracy within {r['probe_points']:g} points of native. KL, top-1 agreement and per-cell
+accuracies of other formats are reported, not judged.
+
+Rule: paired bootstrap 95% percentile interval ({BOOTSTRAP_RESAMPLES} resamples, seed
+{BOOTSTRAP_SEED}) over held-out windows (NLL, KL, top-1) or cases (retrieval, probes). For an
+"at most m" check: **pass** if the upper bound <= m, **fail** if the lower bound > m, else
+**inconclusive**. For "within d points": pass if the lower bound of (format - native) >= -d, fail
+if its upper bound < -d, else inconclusive. A format passes when all its checks pass, fails when
+any fails, otherwise it is inconclusive.
+
+## Verdicts
+
+{table(r)}
+
+Native is the control: a second native run through its own paged store (expected exactly 0,
+0 and 1.0). Retrieval and probe cells show accuracy (%) and the paired difference to native.
+
+### Checks
+
+{checks(r)}
+
+## How tokens were scored
+
+Teacher forcing through the serving code path (`PackedModelRunner` over a `KVStore` with the
+format's layer stores): each window is prefilled in chunks of {s['chunk']} tokens; every chunk
+after the first reads all earlier positions from stored pages (packed codes for packed formats),
+while attending its own fresh K/V in full precision, exactly as chunked prefill does in serving.
+Positions of the first chunk see no stored history (identical in every format) and are not
+scored, so each window of {s['window']} scores {s['window'] - 1 - s['chunk']} next-token
+predictions; a scored token attends on average ~{s['chunk'] // 2} fresh positions and the rest
+from pages. Decode (one token per step) reads everything from pages and so is slightly harsher
+than these numbers; the retrieval and probe tasks exercise it. Native mean NLL over the scored
+tokens: {n['native_nll']:.4f} nats/token. Windows are spread evenly over the held-out stream.
+
+Retrieval: `training.corpus.passkey_case` / `kv_case` (the model card's generators, seeded
+per cell) over held-out filler; the prompt is prefilled in chunks of {s['retrieval_chunk']} tokens
+and the answer decoded greedily one token per step; a case counts when every answer digit
+matches. Per cell (accuracy %):
+
+{cells(r)}
+
+Probes: candidates from four exact-answer families (`engine/quality_data.py`): chat pass key
+(answer "The pass key is NNNNN." plus `<|im_end|>`), the 2nd-4th lookup of a 300-1500-token
+key-value table, the pass key in held-out code at 300-3000 tokens, and restating "a op b =" from
+a chat question with 3-digit operands; greedy decoding must reproduce the expected tokens exactly.
+Only candidates native answers correctly are kept (kept/tried: {fams}), so native is 100% by
+construction and a format can only lose; a probe native barely gets right may flip under any
+perturbation. Accuracy (%) by family:
+
+| format | {fam_head} |
+|---|{'---|' * len(next(iter(probes['by_format'].values()))['by_family'])}
+{by_fam}
+
+int4 without rotation: the shipped store always rotates keys (and attention rotates queries), so
+the ablation is an adapter in `engine/quality_runs.py`: keys are quantized unrotated and the
+shared direct attention path receives q R^T and k_new R^T, which R's orthogonality turns back
+into q against unrotated stored keys.
+"""

@@ -1,0 +1,193 @@
+"""What the quality gate runs: paged runners per KV format, teacher-forced scoring, greedy probes.
+
+Every format, native included, runs through the same paged runner (engine.packed_cache's
+PackedModelRunner over a KVStore), prefilling in chunks so that each chunk after the first reads
+its history from stored pages (packed for packed formats) while attending its own fresh K/V in
+full precision, exactly as serving's chunked prefill does. Generation then decodes one token per
+step over fully stored history.
+
+"int4-norot" is int4 without the K rotation. The shipped packed store always rotates keys and
+its attention always rotates queries, so the variant is an adapter here (no edit to those files):
+its store quantizes keys unrotated, and its attention hands the shared direct path q R^T and
+k_new R^T. Because R is orthogonal, the path's own rotation of q then yields q again against the
+unrotated stored keys, and fresh scores stay q k^T (float32, error ~1e-7 relative). Its format
+identity string is int4's; it never persists anything, so that never matters.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from capacity.formats import KVFormat
+from engine.kvstore import KVStore, NativeLayerStore
+from engine.packed_attention import PackedAttention, direct_attention
+from engine.packed_cache import PackedModelRunner
+from engine.packed_store import PackedLayerStore, counters_of, packed_layer_factory
+from engine.quant import dequantize, quantize
+from engine.rotation import rotation_matrix
+from engine.runner import SeqChunk
+
+FORMATS = ("native", "int8", "k8v4", "int4", "int4-norot")
+PAGE_TOKENS = 64
+
+
+# ------------------------------------------------------------------ int4 without rotation
+
+class _UnrotatedAttention(PackedAttention):
+    def __call__(self, q, hist, k_new, v_new, *, scale, new_mask="causal", hist_mask=None,
+                 sinks=None):
+        self.counters.direct += 1
+        if hist is None or hist.length == 0:   # no stored keys: plain SDPA, nothing rotated
+            return direct_attention(q, hist, k_new, v_new, fmt=self.fmt, scale=scale,
+                                    new_mask=new_mask, hist_mask=hist_mask, sinks=sinks)
+        r_t = rotation_matrix(q.shape[-1]).T
+        # Off the CPU, float32 queries could pick a quantized_matmul kernel CUDA lacks; unpacking
+        # tiles (float32) is the path every backend has, and is at least as exact.
+        qmm = None if mx.default_device() == mx.cpu else 0
+        out = direct_attention(q.astype(mx.float32) @ r_t, hist, k_new.astype(mx.float32) @ r_t,
+                               v_new, fmt=self.fmt, scale=scale, new_mask=new_mask,
+                               hist_mask=hist_mask, sinks=sinks, qmm_max_queries=qmm)
+        return out.astype(q.dtype)
+
+
+class _UnrotatedStore(PackedLayerStore):
+    def write(self, slots, k, v):
+        self.write_packed(slots, quantize(k, self.fmt.k_bits), quantize(v, self.fmt.v_bits))
+
+    def gather(self, pages):
+        hist = self.gather_packed(pages)
+        return dequantize(hist.k, self.fmt.k_bits), dequantize(hist.v, self.fmt.v_bits)
+
+
+def _unrotated_int4_factory(geometry, num_pages, page_tokens, dtype):
+    fmt = KVFormat("int4", geometry.head_dim, str(dtype).removeprefix("mlx.core."))
+    if geometry.kind != "full":
+        return NativeLayerStore(geometry, num_pages, page_tokens, dtype)
+    return _UnrotatedStore(geometry, fmt, num_pages, page_tokens, _UnrotatedAttention(fmt))
+
+
+def make_runner(loaded, fmt: str, num_pages: int) -> PackedModelRunner:
+    factory = _unrotated_int4_factory if fmt == "int4-norot" else packed_layer_factory(fmt)
+    store = KVStore(loaded.geometry, num_pages, PAGE_TOKENS, loaded.dtype, layer_factory=factory)
+    return PackedModelRunner(loaded, store)
+
+
+def _tables(n_seqs: int, max_tokens: int) -> tuple[int, list[list[int]]]:
+    pps = -(-max_tokens // PAGE_TOKENS)
+    return n_seqs * pps, [list(range(i * pps, (i + 1) * pps)) for i in range(n_seqs)]
+
+
+# ------------------------------------------------------------------ teacher-forced scoring
+
+@dataclass
+class WindowScores:
+    """Per-window sums (one entry per window) for one format against native."""
+
+    nll_native: np.ndarray
+    nll_format: np.ndarray
+    kl: np.ndarray
+    agree: np.ndarray
+    tokens: np.ndarray
+
+
+def _chunk_metrics(ref: mx.array, out: mx.array, targets: mx.array, valid: mx.array):
+    """Per-row sums over valid positions: native NLL, format NLL, KL(native || format), top-1."""
+    lp_r = ref - mx.logsumexp(ref, axis=-1, keepdims=True)
+    lp_f = out - mx.logsumexp(out, axis=-1, keepdims=True)
+    t = targets[..., None]
+    nll_r = -mx.take_along_axis(lp_r, t, axis=-1)[..., 0]
+    nll_f = -mx.take_along_axis(lp_f, t, axis=-1)[..., 0]
+    kl = mx.sum(mx.exp(lp_r) * (lp_r - lp_f), axis=-1)
+    agree = (mx.argmax(lp_r, axis=-1) == mx.argmax(lp_f, axis=-1)).astype(mx.float32)
+    v = valid.astype(mx.float32)
+    return [mx.sum(a * v, axis=-1) for a in (nll_r, nll_f, kl, agree)]
+
+
+def teacher_forced(loaded, wins: list[np.ndarray], formats, chunk: int, batch: int,
+                   log=print, reference: str = "native") -> dict[str, WindowScores]:
+    """Score every window under each format against `reference`, chunk by chunk.
+
+    Positions of the first chunk read no stored history (every format equals native there), so
+    only targets predicted from positions >= `chunk` are scored.
+    """
+    length = len(wins[0])
+    if chunk >= length - 1:
+        raise ValueError(f"chunk {chunk} leaves nothing to score in windows of {length}")
+    sums = {f: np.zeros((4, len(wins))) for f in formats}
+    counts = np.zeros(len(wins))
+    t0 = time.time()
+    for b0 in range(0, len(wins), batch):
+        group = np.stack(wins[b0:b0 + batch]).astype(np.int32)
+        n = len(group)
+        num_pages, tables = _tables(n, length)
+        runners = {f: make_runner(loaded, f, num_pages) for f in {reference, *formats}}
+        for s in range(0, length, chunk):
+            e = min(s + chunk, length)
+            chunks = [SeqChunk(i, group[i, s:e].tolist(), s, tables[i]) for i in range(n)]
+            logits = {f: mx.stack(r.forward_all(chunks)) for f, r in runners.items()}
+            if s == 0:
+                mx.eval(list(logits.values()))   # writes the first chunk's K/V; nothing scored
+                continue
+            pos = np.arange(s, e)
+            tgt = np.zeros((n, e - s), np.int32)
+            ok = pos + 1 < length
+            tgt[:, ok] = group[:, pos[ok] + 1]
+            valid = mx.array(np.broadcast_to(ok, (n, e - s)))
+            got = {f: _chunk_metrics(logits[reference], logits[f], mx.array(tgt), valid)
+                   for f in formats}
+            mx.eval(got)
+            for f in formats:
+                sums[f][:, b0:b0 + n] += np.stack([np.array(a) for a in got[f]])
+            counts[b0:b0 + n] += ok.sum()
+        del runners
+        done = min(b0 + batch, len(wins))
+        log(f"  nll: {done}/{len(wins)} windows, {int(counts.sum())} tokens scored per format, "
+            f"{time.time() - t0:.0f}s")
+    return {f: WindowScores(*sums[f], counts.copy()) for f in formats}
+
+
+# ------------------------------------------------------------------ greedy generation
+
+def generate(loaded, fmt: str, cases, chunk: int, batch: int, log=None) -> np.ndarray:
+    """1/0 per case: greedy decoding from the prompt produces exactly the case's answer tokens.
+
+    The prompt is prefilled in `chunk`-token chunks, then the answer decoded one token per step
+    (so every answer token after the first reads the whole prompt from stored pages). Decoding
+    stops at the first wrong token.
+    """
+    ok = np.zeros(len(cases), np.int8)
+    for b0 in range(0, len(cases), batch):
+        group = cases[b0:b0 + batch]
+        num_pages, tables = _tables(len(group), max(len(c.prompt) + len(c.answer) for c in group))
+        runner = make_runner(loaded, fmt, num_pages)
+        pos = [0] * len(group)
+        gen: list[list[int]] = [[] for _ in group]
+        alive = set(range(len(group)))
+        while alive:
+            rows = sorted(alive)
+            chunks = []
+            for i in rows:
+                c = group[i]
+                ids = (c.prompt[pos[i]:pos[i] + chunk] if pos[i] < len(c.prompt)
+                       else [gen[i][-1]])
+                chunks.append(SeqChunk(i, ids, pos[i], tables[i]))
+            nxt = np.array(mx.argmax(runner.forward(chunks), axis=-1))
+            for j, i in enumerate(rows):
+                pos[i] += len(chunks[j].token_ids)
+                if pos[i] < len(group[i].prompt):
+                    continue
+                gen[i].append(int(nxt[j]))
+                ans = group[i].answer
+                if gen[i][-1] != ans[len(gen[i]) - 1]:
+                    alive.discard(i)
+                elif len(gen[i]) == len(ans):
+                    ok[b0 + i] = 1
+                    alive.discard(i)
+        if fmt != "native" and not counters_of(runner.kvstore).get("direct"):
+            raise RuntimeError(f"{fmt}: the packed attention path never ran")
+        if log:
+            log(f"    {fmt}: {min(b0 + batch, len(cases))}/{len(cases)} cases")
+    return ok
