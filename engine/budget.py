@@ -55,11 +55,22 @@ def build_cost_model(budget_bytes: int, bytes_per_token: int, page_tokens: int,
 
 
 class ByteLedger:
-    """Reservations of admitted requests, in bytes charged by the cost model."""
+    """Bytes charged against the KV budget, in three kinds of holdings:
+
+    - requests: each admitted request's whole footprint from the cost model, less the pages it
+      shares from the prefix cache (a shared page is charged once, to whoever allocated it);
+    - step workspace: permits taken while a step is built (fused prefill scratch), released only
+      once that step retired;
+    - prefix cache: pages a finished request left in the cache move their charge here and are
+      refunded when the cache evicts them.
+    """
 
     def __init__(self, cost_model: CostModel):
         self.cost_model = cost_model
         self._held: dict[str, int] = {}
+        self._raw: dict[str, int] = {}
+        self._workspace: dict[int, int] = {}
+        self.cache_pages = 0
         self.used_bytes = 0
 
     @property
@@ -67,34 +78,86 @@ class ByteLedger:
         return self.cost_model.budget_bytes
 
     @property
+    def page_charge(self) -> int:
+        return self.cost_model.page_tokens * self.cost_model.bytes_per_token
+
+    @property
     def running(self) -> int:
         return len(self._held)
+
+    @property
+    def raw_tokens_reserved(self) -> int:
+        """The users' raw tokens (prompt + max_tokens) of admitted requests, sharing or not."""
+        return sum(self._raw.values())
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(self._workspace.values())
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache_pages * self.page_charge
 
     def ever_fits(self, raw_tokens: int) -> bool:
         """Would the request fit an idle engine? If not, queueing cannot help: refuse it."""
         return self.cost_model.fits(0, raw_tokens, 0)
 
-    def fits(self, raw_tokens: int) -> bool:
-        return self.cost_model.fits(self.used_bytes, raw_tokens, len(self._held))
+    def charge_for(self, raw_tokens: int, shared_pages: int = 0) -> int:
+        return self.cost_model.charge_bytes(raw_tokens) - shared_pages * self.page_charge
 
-    def reserve(self, request_id: str, raw_tokens: int) -> int:
+    def fits(self, raw_tokens: int, shared_pages: int = 0) -> bool:
+        cm = self.cost_model
+        if not cm.fits(0, raw_tokens, len(self._held)):   # ceiling and per-request limit
+            return False
+        return self.charge_for(raw_tokens, shared_pages) <= cm.free_bytes(self.used_bytes)
+
+    def reserve(self, request_id: str, raw_tokens: int, shared_pages: int = 0) -> int:
         """Charge a request's whole footprint; the caller checked `fits` first."""
         if request_id in self._held:
             raise LedgerError(f"request {request_id!r} already holds a reservation")
-        if not self.fits(raw_tokens):
+        if not self.fits(raw_tokens, shared_pages):
             raise LedgerError(f"reservation of {raw_tokens} raw tokens does not fit")
-        charge = self.cost_model.charge_bytes(raw_tokens)
+        charge = self.charge_for(raw_tokens, shared_pages)
         self._held[request_id] = charge
+        self._raw[request_id] = raw_tokens
         self.used_bytes += charge
         return charge
 
-    def refund(self, request_id: str) -> int:
-        """Return a request's bytes; refunding twice is an engine bug and raises."""
+    def refund(self, request_id: str, to_cache_pages: int = 0) -> int:
+        """Return a request's bytes, less `to_cache_pages` pages it leaves in the prefix cache
+        (their charge moves to the cache). Refunding twice is an engine bug and raises."""
         if request_id not in self._held:
             raise LedgerError(f"request {request_id!r} holds no reservation (double refund?)")
         charge = self._held.pop(request_id)
-        self.used_bytes -= charge
-        return charge
+        self._raw.pop(request_id)
+        moved = to_cache_pages * self.page_charge
+        if moved > charge:
+            raise LedgerError(f"{request_id!r} cannot leave {to_cache_pages} pages to the cache")
+        self.cache_pages += to_cache_pages
+        self.used_bytes -= charge - moved
+        return charge - moved
+
+    def uncharge_cache(self, pages: int) -> int:
+        """Refund pages the prefix cache evicted."""
+        if pages > self.cache_pages:
+            raise LedgerError(f"cache holds {self.cache_pages} charged pages, not {pages}")
+        self.cache_pages -= pages
+        self.used_bytes -= pages * self.page_charge
+        return pages * self.page_charge
+
+    def reserve_workspace(self, step_id: int, nbytes: int) -> bool:
+        """A workspace permit for `step_id` if the budget has room now; never waits."""
+        if nbytes < 0 or nbytes > self.cost_model.free_bytes(self.used_bytes):
+            return False
+        self._workspace[step_id] = self._workspace.get(step_id, 0) + nbytes
+        self.used_bytes += nbytes
+        return True
+
+    def release_workspace(self, step_id: int) -> int:
+        """Return every permit of a retired step (0 if it took none)."""
+        nbytes = self._workspace.pop(step_id, 0)
+        self.used_bytes -= nbytes
+        return nbytes
 
     def held(self, request_id: str) -> int | None:
         return self._held.get(request_id)

@@ -1,9 +1,11 @@
 """EngineConfig: every engine knob, defaulted and validated with messages that name the knob."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from capacity.formats import KVFormatError, normalize_format_name
+from capacity.formats import KVFormatError, normalize_format_name, validate_policy
 from engine.pages import is_power_of_two
 
 # Chosen by measurement in engine/kvstore.py (its DEFAULT_PAGE_TOKENS; a test keeps the two equal):
@@ -18,6 +20,14 @@ class EngineConfig(BaseModel):
 
     model: str = Field(description="local model directory, or a hub id when allow_hub is set")
     kv_format: str = Field("native", description="KV storage format: native, int8, k8v4, int4")
+    kv_format_overrides: dict[str, str] = Field(
+        default_factory=dict, description="exact `model` value -> KV format; wins over kv_format "
+        "(the weights' quantization never selects KV precision)")
+    prefill_mode: Literal["direct", "fused"] = Field(
+        "direct", description="packed-history prefill path: direct (production) or fused "
+        "(opt-in: dequantized FP32 scratch, paid for with a per-step workspace permit)")
+    enable_prefix_caching: bool = Field(False, description="reuse full KV pages of earlier "
+                                        "prompts (same model, storage format and tenant)")
     dtype: str | None = Field(None, description="compute dtype; None = float32 on CPU, bf16 else")
     page_tokens: int = Field(DEFAULT_PAGE_TOKENS, description="token slots per KV page (2^n)")
     kv_budget_bytes: int | None = Field(None, description="KV bytes this replica may use")
@@ -40,6 +50,15 @@ class EngineConfig(BaseModel):
             return normalize_format_name(v)
         except KVFormatError as e:
             raise ValueError(str(e)) from None
+
+    @field_validator("kv_format_overrides")
+    @classmethod
+    def _overrides_known(cls, v: dict[str, str]) -> dict[str, str]:
+        try:
+            validate_policy("native", v)
+        except KVFormatError as e:
+            raise ValueError(str(e)) from None
+        return {model_id: normalize_format_name(name) for model_id, name in v.items()}
 
     @field_validator("dtype")
     @classmethod

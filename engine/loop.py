@@ -6,7 +6,17 @@ One iteration of the thread: take commands (submit/cancel/stop) -> schedule a st
 RETIRE it (evaluate the sampled tokens and the KV store arrays, then synchronize) -> record tokens
 and emit deltas -> RECLAIM pages and bytes of finished requests whose last step has retired.
 Refunds therefore never precede the retirement of the work that used the memory; `trace`
-(optional) observes the order ("retire", step) / ("refund", request, last_step) for tests.
+(optional) observes the order for tests: ("retire", step), ("refund", request, last_step),
+("permit", step, nbytes, granted), ("release", step, nbytes, active_before, active_after),
+("arrival", request, ...), ("admit", request, ...).
+
+Workspace permits (fused prefill): a packed layer asks `_permit(nbytes)` while the step's graph
+is built; the bytes are charged to that step in the ledger and returned only right after the
+step retired (never when a request is cancelled: the cancel is applied between steps, and the
+permit belongs to the step, not to the request). Commands, arrivals included, are applied only
+between steps, so a request arriving while a fused step holds workspace is looked at after that
+step retired and its permit was returned; its first-token deadline stays the original absolute
+one, so the retirement time counts against it (and it may expire meanwhile).
 
 A failure inside a step fails only the requests that caused it (the step is retried row by row
 to find them); the thread itself never dies on a request.
@@ -24,7 +34,7 @@ from typing import AsyncIterator, Callable
 
 import mlx.core as mx
 
-from capacity.formats import KVFormat
+from capacity.formats import KVFormat, resolve_kv_format
 from capacity.pricing import CostModel
 from engine.bridge import Sink
 from engine.budget import ByteLedger, build_cost_model, resolve_budget_bytes
@@ -33,6 +43,7 @@ from engine.detok import TextStream
 from engine.errors import (DeadlineUnmeetable, EngineError, EngineOverloaded, EngineShutdown,
                            InvalidRequest, RequestTooLarge)
 from engine.pages import PagePool, pages_for
+from engine.prefix import PrefixCache, chain_root
 from engine.request import Delta, GenerationRequest, Usage
 from engine.runner import SeqChunk
 from engine.sampling import RowSpec, SamplingParams, sample
@@ -46,6 +57,7 @@ _IDLE_POLL_S = 0.005   # wait for commands while requests exist but no step can 
 _COUNTED = ("submitted", "admitted", "refused_too_large", "refused_deadline", "refused_overloaded",
             "refused_invalid", "refused_shutdown", "finished_stop", "finished_length",
             "finished_cancelled", "finished_deadline", "finished_error")
+_PATHS = ("direct", "fused", "budget_fallback", "ineligible_fallback")
 
 
 class _Live:
@@ -89,7 +101,8 @@ class Engine:
         p = req.params
         seq = Seq(req.request_id, req.prompt_ids, p,
                   seed=p.seed if p.seed is not None else random.getrandbits(63),
-                  deadline=req.first_token_deadline, arrival=time.monotonic())
+                  deadline=req.first_token_deadline, arrival=time.monotonic(),
+                  tenant=req.tenant or self.cfg.tenant)
         sink = Sink(asyncio.get_running_loop())
         self._inbox.put(("submit", seq, sink))
         done = False
@@ -111,6 +124,10 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         """Cancel a request wherever it is; unknown or finished ids are ignored (idempotent)."""
         self._inbox.put(("cancel", request_id))
+
+    def evict_prefix_cache(self) -> None:
+        """Evict every cached prefix page no running request shares (asynchronous)."""
+        self._inbox.put(("evict",))
 
     def stats(self) -> dict:
         return dict(self._stats, engine_alive=self.healthy())
@@ -165,6 +182,7 @@ class Engine:
             self._reclaim()
             self._publish_stats()
             self._flush_outbox()
+        self.scheduler.evict_cache(self.scheduler.pool.num_pages)
         self._fail_inbox(EngineShutdown("engine shut down"))
         self._publish_stats()
 
@@ -172,9 +190,15 @@ class Engine:
         from engine.kvstore import KVStore
         from engine.model import load_model
 
+        from engine.packed_store import counters_of, layer_report, storage_identity
+
         cfg = self.cfg
+        # Policy before any weights are read: an unknown value refuses the load (no fallback).
+        self.kv_format = resolve_kv_format(cfg.model, cfg.kv_format, cfg.kv_format_overrides)
         loaded = load_model(cfg.model, dtype=cfg.dtype, allow_hub=cfg.allow_hub)
-        factory, runner_cls = _store_for(cfg.kv_format)
+        self._step_id: int | None = None     # the step whose graph is being built
+        self._step_arrays: list = []         # its device results, dropped when it is released
+        factory, runner_cls = _store_for(self.kv_format, cfg.prefill_mode, self._permit)
         probe = KVStore(loaded.geometry, 1, cfg.page_tokens, loaded.dtype, layer_factory=factory)
         page_bytes = probe.page_bytes
         del probe
@@ -200,13 +224,33 @@ class Engine:
         self.vocab_size = loaded.geometry.vocab_size
         self.model_id = cfg.model
         head_dim = next((g.head_dim for g in loaded.geometry.layers if g.paged), 0)
-        self.format_identity = KVFormat(cfg.kv_format, head_dim, loaded.dtype_name).identity
+        self.format_identity = KVFormat(self.kv_format, head_dim, loaded.dtype_name).identity
+        self.storage_identity = storage_identity(self.kvstore)
+        self._layer_report = layer_report(self.kvstore)
+        self._path_counters = lambda: {**dict.fromkeys(_PATHS, 0), **counters_of(self.kvstore)}
         eos = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
+        pool = PagePool(num_pages, cfg.page_tokens)
+        prefix = root_of = None
+        if cfg.enable_prefix_caching:
+            if loaded.geometry.unpaged_layers:
+                raise EngineError(f"{cfg.model}: prefix caching needs every layer's state in "
+                                  "pages; its recurrent layers summarize whole prompts")
+            prefix = PrefixCache(pool)
+            roots: dict[str, bytes] = {}
+
+            def root_of(seq: Seq) -> bytes:
+                if seq.tenant not in roots:
+                    roots[seq.tenant] = chain_root(self.storage_identity, loaded.fingerprint,
+                                                   seq.tenant, cfg.page_tokens)
+                return roots[seq.tenant]
         self.scheduler = Scheduler(
-            PagePool(num_pages, cfg.page_tokens), ByteLedger(self._cost_model),
+            pool, ByteLedger(self._cost_model),
             max_num_seqs=cfg.max_num_seqs, max_step_tokens=cfg.max_step_tokens,
             max_waiting=cfg.max_waiting, eos_ids=eos,
-            forecast=RateForecast(cfg.rate_ewma_alpha))
+            forecast=RateForecast(cfg.rate_ewma_alpha), prefix=prefix, root_of=root_of,
+            on_admit=lambda seq: self._emit("admit", request=seq.request_id,
+                                            cached_tokens=seq.cached_tokens,
+                                            retired_step=self._retired_step))
         self._live: dict[str, _Live] = {}
         self._outbox: list[tuple[Sink, Delta]] = []
         self._seq_ids = 0
@@ -234,7 +278,12 @@ class Engine:
                     raise EngineShutdown("engine is shutting down")
                 if seq.request_id in self._live:
                     raise InvalidRequest(f"request id {seq.request_id!r} is already running")
-                self.scheduler.submit(seq, time.monotonic())
+                now = time.monotonic()
+                ledger = self.scheduler.ledger
+                self._emit("arrival", request=seq.request_id, now=now, deadline=seq.deadline,
+                           retired_step=self._retired_step, workspace_bytes=ledger.workspace_bytes,
+                           free_bytes=ledger.cost_model.free_bytes(ledger.used_bytes))
+                self.scheduler.submit(seq, now)
             except EngineError as e:
                 if not isinstance(e, (RequestTooLarge, EngineOverloaded, DeadlineUnmeetable)):
                     self._counters[f"refused_{e.reason}"] += 1   # the scheduler counts its own
@@ -246,15 +295,22 @@ class Engine:
                 seq, sink, TextStream(self.tokenizer, seq.prompt_ids, seq.params.stop))
         elif cmd[0] == "cancel":
             self.scheduler.cancel(cmd[1])
+        elif cmd[0] == "evict":
+            self.scheduler.evict_cache(self.scheduler.pool.num_pages)
 
     def _run_step(self, step: Step) -> None:
         t0 = time.perf_counter()
+        self._step_id = step.step_id
         try:
-            tokens = self._forward_and_sample(step.chunks)
-        except Exception:  # noqa: BLE001 - isolate the rows that fail; never kill the thread
-            tokens = self._isolate_failures(step)
+            try:
+                tokens = self._forward_and_sample(step.chunks)
+            except Exception:  # noqa: BLE001 - isolate the rows that fail; never kill the thread
+                tokens = self._isolate_failures(step)
+        finally:
+            self._step_id = None
         self._retired_step = step.step_id
         self._emit("retire", step=step.step_id)
+        self._release_step(step.step_id)
         now = time.monotonic()
         self.scheduler.forecast.observe(step.prefill_tokens, step.decode_rows,
                                         time.perf_counter() - t0)
@@ -278,6 +334,7 @@ class Engine:
         # Retirement: the tokens and every KV page array are computed and the device is idle.
         mx.eval(drawn if drawn is not None else logits, self.kvstore.arrays())
         mx.synchronize()
+        self._step_arrays.extend((logits, drawn))
         out: list[int | None] = [None] * len(chunks)
         for i, t in zip(rows, drawn.tolist() if drawn is not None else []):
             out[i] = t
@@ -293,6 +350,30 @@ class Engine:
                 self._fail(c.seq, e)
         mx.synchronize()
         return out
+
+    def _permit(self, nbytes: int) -> bool:
+        """Workspace for the step being built, from the byte ledger; refused outside a step."""
+        step = self._step_id
+        ledger = self.scheduler.ledger
+        granted = step is not None and ledger.reserve_workspace(step, nbytes)
+        self._emit("permit", step=step, nbytes=nbytes, granted=granted,
+                   workspace_bytes=ledger.workspace_bytes,
+                   free_bytes=ledger.cost_model.free_bytes(ledger.used_bytes))
+        return granted
+
+    def _release_step(self, step_id: int) -> None:
+        """After retirement: drop the step's device results, then return its workspace permits.
+
+        MLX active memory is read around dropping the arrays the step still references (its
+        logits and sampled ids, and whatever of its graph they keep alive), so a trace shows
+        what returning the workspace actually frees.
+        """
+        before = mx.get_active_memory()
+        self._step_arrays.clear()
+        after = mx.get_active_memory()
+        nbytes = self.scheduler.ledger.release_workspace(step_id)
+        self._emit("release", step=step_id, nbytes=nbytes, active_before=before,
+                   active_after=after)
 
     def _fail(self, seq: Seq, exc: Exception) -> None:
         self.scheduler.finish(seq, "error")
@@ -325,7 +406,7 @@ class Engine:
             ttft = seq.first_token_time - seq.arrival
             live.sent_first = True
         delta = Delta(seq.request_id, text, token_ids, reason,
-                      Usage(len(seq.prompt_ids), len(seq.output_ids)), ttft)
+                      Usage(len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens), ttft)
         self._outbox.append((live.sink, delta))
         if reason is not None:
             self._live.pop(seq.request_id, None)
@@ -369,6 +450,14 @@ class Engine:
         page_bytes = self.kvstore.page_bytes
         stats = {
             "model_id": self.model_id, "format_identity": self.format_identity,
+            "kv_format": self.kv_format, "prefill_mode": self.cfg.prefill_mode,
+            "storage_identity": self.storage_identity, "kv_layers": self._layer_report,
+            "kv_path_counters": self._path_counters(),
+            "kv_workspace_bytes": ledger.workspace_bytes,
+            "kv_raw_tokens_reserved": ledger.raw_tokens_reserved,
+            "prefix_cache_enabled": sch.prefix is not None,
+            "prefix_cache_pages": len(sch.prefix) if sch.prefix is not None else 0,
+            "prefix_cache_bytes": ledger.cache_bytes,
             "tenant": self.cfg.tenant,
             "num_requests_running": len(sch.running),
             "num_requests_waiting": len(sch.waiting),
@@ -385,12 +474,14 @@ class Engine:
         }
         counts = Counter({k: 0 for k in _COUNTED})
         counts.update({k: v for k, v in self._counters.items() if k.startswith("refused_")})
-        counts.update(sch.counters)
+        counts.update({k: v for k, v in sch.counters.items() if not k.startswith("prefix_")})
+        stats.update({f"{k}_total": sch.counters[k]
+                      for k in ("prefix_hits", "prefix_hit_tokens", "prefix_evicted_pages")})
         stats.update({f"requests_{k}_total": counts[k] for k in sorted({*_COUNTED, *counts})})
         self._stats = stats
 
 
-def _store_for(kv_format: str):
+def _store_for(kv_format: str, prefill_mode: str, permit: Callable[[int], bool]):
     """KV layer-store factory and runner class for a format (packed formats hook attention)."""
     from engine.kvstore import NativeLayerStore
     from engine.runner import ModelRunner
@@ -400,4 +491,4 @@ def _store_for(kv_format: str):
     from engine.packed_cache import PackedModelRunner
     from engine.packed_store import packed_layer_factory
 
-    return packed_layer_factory(kv_format), PackedModelRunner
+    return packed_layer_factory(kv_format, prefill_mode, permit), PackedModelRunner

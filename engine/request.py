@@ -16,6 +16,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     first_token_deadline: float | None = None  # absolute time.monotonic() seconds
+    tenant: str | None = None   # prefix-cache namespace; None = the engine's configured tenant
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -25,6 +26,8 @@ class GenerationRequest:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                    for t in self.prompt_ids):
             raise InvalidRequest("prompt_ids must be non-negative integers")
+        if self.tenant is not None and (not isinstance(self.tenant, str) or not self.tenant):
+            raise InvalidRequest("tenant must be a non-empty string when given")
         if not isinstance(self.params, SamplingParams):
             raise InvalidRequest("params must be a SamplingParams")
         object.__setattr__(self, "prompt_ids", list(self.prompt_ids))

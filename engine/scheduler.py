@@ -9,16 +9,24 @@ pages and nothing is ever preempted. A request larger than the whole budget is r
 Each step is one forward pass: every decoding request contributes one token, then prefilling
 requests fill the rest of `max_step_tokens` in admission order (chunked prefill). Pages used by a
 step are returned only by `reclaim(retired_step)` once the loop has retired that step.
+
+Prefix reuse (optional `prefix` cache + `root_of(seq)` chain root): at admission the prompt's
+cached full pages are shared into the request's table and prefill starts after them; those pages
+are not charged again. A request's prompt pages are inserted when its prefill step retired
+(`complete`); when it is reclaimed, its pages the cache still holds move their charge to the
+cache. A request that does not fit makes the cache evict unshared pages first.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.budget import ByteLedger
 from engine.errors import DeadlineUnmeetable, EngineOverloaded, PageError, RequestTooLarge
 from engine.pages import PagePool, PageTable
+from engine.prefix import PrefixCache
 from engine.sampling import SamplingParams
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -41,6 +49,9 @@ class Seq:
     last_step: int = -1                  # last step whose device work used this seq's pages
     first_token_time: float | None = None
     seq_id: int = 0                      # the runner's integer id, set by the engine
+    tenant: str = "default"              # prefix-cache namespace
+    cached_tokens: int = 0               # prompt tokens found in the prefix cache at admission
+    shared_pages: int = 0                # leading pages of `table` shared from the prefix cache
 
     @property
     def raw_tokens(self) -> int:
@@ -113,7 +124,14 @@ class RateForecast:
 class Scheduler:
     def __init__(self, pool: PagePool, ledger: ByteLedger, *, max_num_seqs: int,
                  max_step_tokens: int, max_waiting: int, eos_ids: set[int] = frozenset(),
-                 forecast: RateForecast | None = None):
+                 forecast: RateForecast | None = None, prefix: PrefixCache | None = None,
+                 root_of: Callable[[Seq], bytes] | None = None,
+                 on_admit: Callable[[Seq], None] | None = None):
+        if (prefix is None) != (root_of is None):
+            raise ValueError("a prefix cache needs root_of, and root_of a prefix cache")
+        self.prefix = prefix
+        self.root_of = root_of
+        self.on_admit = on_admit
         self.pool = pool
         self.ledger = ledger
         self.max_num_seqs = max_num_seqs
@@ -216,6 +234,9 @@ class Scheduler:
             s.num_computed = c.start + len(c.token_ids)
             if not c.samples:
                 continue
+            if self.prefix is not None and s.prefilling:
+                # This retired step wrote the last prompt rows: the prompt's full pages are final.
+                self.prefix.insert(self.root_of(s), s.prompt_ids, s.table.pages)
             s.output_ids.append(tok)
             if s.first_token_time is None:
                 s.first_token_time = now
@@ -238,8 +259,19 @@ class Scheduler:
             (freed if s.last_step <= retired_step else keep).append(s)
         self._unreclaimed = keep
         for s in freed:
+            owned = s.table.pages[s.shared_pages:]
             s.table.release()
-            self.ledger.refund(s.request_id)
+            kept = sum(1 for p in owned if self.pool.refcount(p) > 0)   # still in the cache
+            self.ledger.refund(s.request_id, to_cache_pages=kept)
+        return freed
+
+    def evict_cache(self, pages: int) -> int:
+        """Evict up to `pages` cached pages no request holds; refund their bytes."""
+        if self.prefix is None:
+            return 0
+        freed = self.prefix.evict(pages)
+        self.ledger.uncharge_cache(freed)
+        self.counters["prefix_evicted_pages"] += freed
         return freed
 
     def pop_finished(self) -> list[Seq]:
@@ -265,14 +297,37 @@ class Scheduler:
             self._finish(s, "deadline")
 
     def _admit(self) -> None:
-        while self.waiting and self.ledger.fits(self.waiting[0].raw_tokens):
-            s = self.waiting.popleft()
-            self.ledger.reserve(s.request_id, s.raw_tokens)
+        while self.waiting:
+            s = self.waiting[0]
+            shared = self._lookup(s)
+            if not self.ledger.fits(s.raw_tokens, len(shared)):
+                self.pool.free(shared)
+                short = (self.ledger.charge_for(s.raw_tokens, len(shared))
+                         - self.ledger.cost_model.free_bytes(self.ledger.used_bytes))
+                if short > 0 and self.evict_cache(-(-short // self.ledger.page_charge)):
+                    continue   # look up again: eviction may have taken some of its pages
+                return
+            self.waiting.popleft()
+            self.ledger.reserve(s.request_id, s.raw_tokens, len(shared))
             s.reserved_pages = self.ledger.cost_model.pages(s.raw_tokens)
             s.table = PageTable(self.pool)
+            s.table.pages = shared
+            s.shared_pages = len(shared)
+            s.num_computed = s.cached_tokens = len(shared) * self.pool.page_tokens
             s.status = RUNNING
             self.running.append(s)
             self.counters["admitted"] += 1
+            if shared:
+                self.counters["prefix_hits"] += 1
+                self.counters["prefix_hit_tokens"] += s.cached_tokens
+            if self.on_admit is not None:
+                self.on_admit(s)
+
+    def _lookup(self, s: Seq) -> list[int]:
+        """Cached full pages of the prompt, now shared by `s` (freed again if it cannot run)."""
+        if self.prefix is None:
+            return []
+        return self.prefix.lookup(self.root_of(s), s.prompt_ids)
 
     def _finish(self, s: Seq, reason: str) -> None:
         if s.status == RUNNING:

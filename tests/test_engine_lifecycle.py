@@ -30,7 +30,7 @@ class Trace:
         for event, f in self.events:
             if event == "retire":
                 retired = max(retired, f["step"])
-            else:
+            elif event == "refund":
                 refunds += 1
                 assert f["last_step"] <= retired, f"{f['request']} refunded before its step retired"
         return refunds
