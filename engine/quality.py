@@ -39,7 +39,7 @@ RETRIEVAL_POINTS = 2.0
 PROBE_POINTS = 2.0
 TASKS = ("passkey", "kv")
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "orchard-tiny"
-FULL = {"nll_tokens": 20480, "retrieval_cases": 100, "probes": 60, "lengths": "512,1024,2048,4096"}
+FULL = {"nll_tokens": 20480, "retrieval_cases": 100, "probes": 200, "lengths": "512,1024,2048,4096"}
 QUICK = {"nll_tokens": 2048, "retrieval_cases": 4, "probes": 8, "lengths": "512"}
 
 
@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--md", default=None, help="write the markdown report here (docs/quality.md)")
     ap.add_argument("--machine", default=None, help="machine description for the report")
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="no run: re-render the verdicts and --md from a saved --out result")
     ap.add_argument("--strict", action="store_true",
                     help="exit 1 when any judged format fails (int4-norot excluded: it is the "
                     "ablation that shows what rotation buys)")
@@ -158,30 +160,33 @@ def run_nll(loaded, held, a) -> dict:
     return {f: summarize_nll(s) for f, s in scores.items()}
 
 
-def run_retrieval(loaded, held, a) -> dict:
+def run_retrieval(loaded, held, a, checkpoint=lambda part: None) -> dict:
+    """Length by length (shortest first), every format on the same cases; `checkpoint` gets
+    the summary of the lengths done so far, so a run cut short keeps them."""
     import numpy as np
 
     from engine.quality_data import retrieval_cases
     from engine.quality_runs import generate
-    cases = {(t, L): retrieval_cases(held, t, L, a.retrieval_cases) for t in TASKS for L in a.lengths}
-    flat = [c for k in cases for c in cases[k]]
-    ok = {}
-    for fmt in ["native"] + [f for f in a.formats if f != "native"]:
-        _log(f"retrieval: {fmt}, {len(flat)} cases")
-        ok[fmt] = generate(loaded, fmt, flat, a.retrieval_chunk, a.batch, log=_log)
-    out = {}
-    for fmt in a.formats:
-        cells, by_len, i = {}, {}, 0
-        for (t, L), cs in cases.items():
-            cells[f"{t}@{L}"] = {"accuracy": float(ok[fmt][i:i + len(cs)].mean()),
-                                 "native_accuracy": float(ok["native"][i:i + len(cs)].mean()),
-                                 "cases": len(cs)}
-            by_len.setdefault(L, []).append(slice(i, i + len(cs)))
-            i += len(cs)
-        out[fmt] = {"cells": cells, "by_length": {
-            str(L): summarize_accuracy(np.concatenate([ok[fmt][s] for s in sl]),
-                                       np.concatenate([ok["native"][s] for s in sl]))
-            for L, sl in by_len.items()}}
+    ok: dict[str, dict[tuple, np.ndarray]] = {f: {} for f in {"native", *a.formats}}
+    out: dict = {}
+    for L in a.lengths:
+        cases = {t: retrieval_cases(held, t, L, a.retrieval_cases) for t in TASKS}
+        flat = [c for t in TASKS for c in cases[t]]
+        for fmt in ["native"] + [f for f in a.formats if f != "native"]:
+            _log(f"retrieval@{L}: {fmt}, {len(flat)} cases")
+            got = generate(loaded, fmt, flat, a.retrieval_chunk, a.batch, log=_log)
+            for i, t in enumerate(TASKS):
+                ok[fmt][(t, L)] = got[i * a.retrieval_cases:(i + 1) * a.retrieval_cases]
+        for fmt in a.formats:
+            d = out.setdefault(fmt, {"cells": {}, "by_length": {}})
+            for t in TASKS:
+                d["cells"][f"{t}@{L}"] = {"accuracy": float(ok[fmt][(t, L)].mean()),
+                                          "native_accuracy": float(ok["native"][(t, L)].mean()),
+                                          "cases": a.retrieval_cases}
+            d["by_length"][str(L)] = summarize_accuracy(
+                np.concatenate([ok[fmt][(t, L)] for t in TASKS]),
+                np.concatenate([ok["native"][(t, L)] for t in TASKS]))
+        checkpoint(out)
     return out
 
 
@@ -263,25 +268,40 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
         "margins": MARGINS, "retrieval_points": RETRIEVAL_POINTS, "probe_points": PROBE_POINTS,
     }
     stamps = {}
-    for name, fn in (("nll", run_nll), ("retrieval", run_retrieval), ("probes", run_probes)):
+    result.update(nll={}, retrieval={}, probes={}, seconds=stamps)
+
+    def checkpoint(name, part):
+        # Partial results reach --out after every phase (and retrieval length), so a run cut
+        # short by a time limit still leaves what it measured.
+        result[name] = part
+        result["verdicts"] = verdicts(result)
+        stamps["total"] = round(time.time() - t0, 1)
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(result, indent=1))
+
+    # Cheapest first: NLL carries the finest signal; retrieval's long cells cost the most.
+    for name, fn in (("nll", run_nll), ("probes", run_probes), ("retrieval", run_retrieval)):
         t = time.time()
-        result[name] = fn(loaded, held, a)
+        kw = {"checkpoint": lambda part, n=name: checkpoint(n, part)} if name == "retrieval" else {}
+        part = fn(loaded, held, a, **kw)
         stamps[name] = round(time.time() - t, 1)
+        checkpoint(name, part)
         _log(f"{name} done in {stamps[name]}s")
-    result["verdicts"] = verdicts(result)
-    result["seconds"] = {**stamps, "total": round(time.time() - t0, 1)}
+    result["complete"] = True
+    checkpoint("retrieval", result["retrieval"])
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = resolve_sizes(_parser().parse_args(argv))
-    result = run(a, argv)
     from engine.quality_report import markdown
-    text = json.dumps(result, indent=1)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text)
+    if a.report:
+        result = json.loads(Path(a.report).read_text())
+        result["verdicts"] = verdicts(result)
+    else:
+        result = run(a, argv)
     if a.md:
         Path(a.md).parent.mkdir(parents=True, exist_ok=True)
         Path(a.md).write_text(markdown(result))

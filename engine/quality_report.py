@@ -38,7 +38,7 @@ def table(r: dict) -> str:
                  _kl(n["kl"]) if n else "-",
                  _ci(n["top1_agreement"], "{:.4f}") if n else "-",
                  *[_acc(ret.get(L)) for L in lengths],
-                 _acc(r["probes"]["by_format"].get(fmt)), f"**{verdict}**"]
+                 _acc(r["probes"].get("by_format", {}).get(fmt)), f"**{verdict}**"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -53,7 +53,9 @@ def checks(r: dict) -> str:
 
 
 def cells(r: dict) -> str:
-    names = list(next(iter(r["retrieval"].values()))["cells"]) if r["retrieval"] else []
+    if not r["retrieval"]:
+        return "(not run)"
+    names = list(next(iter(r["retrieval"].values()))["cells"])
     rows = ["| format | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
     for fmt, d in r["retrieval"].items():
         rows.append(f"| {fmt} | " + " | ".join(f"{100 * d['cells'][k]['accuracy']:.1f}"
@@ -65,17 +67,23 @@ def markdown(r: dict, table_only: bool = False) -> str:
     if table_only:
         return table(r)
     s, n = r["sizes"], r["nll"].get("native") or next(iter(r["nll"].values()))
-    probes = r["probes"]
+    probes = r["probes"] or {"selection": {}, "kept": 0, "by_format": {"-": {"by_family": {}}}}
     fams = ", ".join(f"{k} {v['kept']}/{v['tried']}" for k, v in probes["selection"].items())
     by_fam = "\n".join(f"| {f} | " + " | ".join(f"{100 * x:.0f}" for x in d["by_family"].values())
                        + " |" for f, d in probes["by_format"].items())
     fam_head = " | ".join(next(iter(probes["by_format"].values()))["by_family"])
-    sec = r["seconds"]
+    sec = {k: r["seconds"].get(k, float("nan")) for k in ("total", "nll", "retrieval", "probes")}
+    done = [L for L in map(str, s["lengths"])
+            if any(L in d["by_length"] for d in r["retrieval"].values())]
+    partial = "" if r.get("complete") else (
+        f"\n> **Partial run**: it stopped before finishing (time limit). Completed: NLL "
+        f"{'yes' if r['nll'] else 'no'}, probes {'yes' if r['probes'] else 'no'}, retrieval "
+        f"lengths {', '.join(done) or 'none'}. Unfinished cells show '-'.\n")
     return f"""# KV-format quality gate
 
 Each packed KV format against native on the same weights ({r['model']}, fingerprint
 `{r['fingerprint']}`), produced by `engine/quality.py`. Generated file: rerun the command to refresh.
-
+{partial}
 - **Command**: `{r['command']}`
 - **Machine**: {r['machine']}; compute dtype **{r['dtype']}**; {sec['total']:.0f} s
   (NLL {sec['nll']:.0f} s, retrieval {sec['retrieval']:.0f} s, probes {sec['probes']:.0f} s)

@@ -102,8 +102,16 @@ def test_bootstrap_intervals_are_paired_and_seeded():
     assert noisy.low < noisy.estimate < noisy.high
     assert relative_delta_interval(ref + np.array([2.0, -1.0, 3.0, 0.0]), ref) == noisy
     one_miss = accuracy_delta_interval(np.array([1] * 99 + [0]), np.ones(100))
-    assert one_miss.estimate == pytest.approx(-1.0) and one_miss.high == 0.0
+    assert one_miss.estimate == pytest.approx(-1.0)
     assert verdict_within_points(one_miss, 2) == INCONCLUSIVE   # 100 cases cannot settle 1 miss
+    # Identical answers: the bootstrap collapses to 0, the exact bound does not (0 of n lost
+    # allows 1 - 0.025^(1/n)); 100 cases cannot show "within 2 points", 200 can.
+    same100 = accuracy_delta_interval(np.ones(100), np.ones(100))
+    assert same100.estimate == 0.0 and same100.low == pytest.approx(-100 * (1 - 0.025 ** 0.01), rel=1e-6)
+    assert verdict_within_points(same100, 2) == INCONCLUSIVE
+    assert verdict_within_points(accuracy_delta_interval(np.ones(200), np.ones(200)), 2) == PASS
+    lost = accuracy_delta_interval(np.array([0] * 20 + [1] * 80), np.ones(100))
+    assert verdict_within_points(lost, 2) == FAIL
 
 
 def test_sizes_presets():
