@@ -301,6 +301,7 @@ class Engine:
     def _run_step(self, step: Step) -> None:
         t0 = time.perf_counter()
         self._step_id = step.step_id
+        mx.reset_peak_memory()   # the release event reports this step's peak (workspace evidence)
         try:
             try:
                 tokens = self._forward_and_sample(step.chunks)
@@ -365,15 +366,16 @@ class Engine:
         """After retirement: drop the step's device results, then return its workspace permits.
 
         MLX active memory is read around dropping the arrays the step still references (its
-        logits and sampled ids, and whatever of its graph they keep alive), so a trace shows
-        what returning the workspace actually frees.
+        logits and sampled ids, and whatever of its graph they keep alive), with the step's peak,
+        so a trace shows that the workspace it paid for is no longer allocated when the bytes
+        return to the ledger.
         """
-        before = mx.get_active_memory()
+        before, peak = mx.get_active_memory(), mx.get_peak_memory()
         self._step_arrays.clear()
         after = mx.get_active_memory()
         nbytes = self.scheduler.ledger.release_workspace(step_id)
         self._emit("release", step=step_id, nbytes=nbytes, active_before=before,
-                   active_after=after)
+                   active_after=after, peak=peak)
 
     def _fail(self, seq: Seq, exc: Exception) -> None:
         self.scheduler.finish(seq, "error")
