@@ -248,9 +248,10 @@ class Engine:
             max_num_seqs=cfg.max_num_seqs, max_step_tokens=cfg.max_step_tokens,
             max_waiting=cfg.max_waiting, eos_ids=eos,
             forecast=RateForecast(cfg.rate_ewma_alpha), prefix=prefix, root_of=root_of,
-            on_admit=lambda seq: self._emit("admit", request=seq.request_id,
-                                            cached_tokens=seq.cached_tokens,
-                                            retired_step=self._retired_step))
+            on_admit=lambda seq: self._emit(
+                "admit", request=seq.request_id, cached_tokens=seq.cached_tokens,
+                charged=self.scheduler.ledger.held(seq.request_id),
+                retired_step=self._retired_step))
         self._live: dict[str, _Live] = {}
         self._outbox: list[tuple[Sink, Delta]] = []
         self._seq_ids = 0
