@@ -28,6 +28,8 @@ class EngineConfig(BaseModel):
         "(opt-in: dequantized FP32 scratch, paid for with a per-step workspace permit)")
     enable_prefix_caching: bool = Field(False, description="reuse full KV pages of earlier "
                                         "prompts (same model, storage format and tenant)")
+    checkpoint_key: str | None = Field(None, description="HMAC-SHA256 key: checkpoints are "
+                                       "signed when saved and must verify when restored")
     dtype: str | None = Field(None, description="compute dtype; None = float32 on CPU, bf16 else")
     page_tokens: int = Field(DEFAULT_PAGE_TOKENS, description="token slots per KV page (2^n)")
     kv_budget_bytes: int | None = Field(None, description="KV bytes this replica may use")

@@ -24,6 +24,7 @@ to find them); the thread itself never dies on a request.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import random
@@ -38,6 +39,8 @@ from capacity.formats import KVFormat, resolve_kv_format
 from capacity.pricing import CostModel
 from engine.bridge import Sink
 from engine.budget import ByteLedger, build_cost_model, resolve_budget_bytes
+from engine.checkpoint import (CheckpointError, check_compatible, read_manifest,
+                               restore_checkpoint, save_checkpoint)
 from engine.config import EngineConfig
 from engine.detok import TextStream
 from engine.errors import (DeadlineUnmeetable, EngineError, EngineOverloaded, EngineShutdown,
@@ -102,7 +105,7 @@ class Engine:
         seq = Seq(req.request_id, req.prompt_ids, p,
                   seed=p.seed if p.seed is not None else random.getrandbits(63),
                   deadline=req.first_token_deadline, arrival=time.monotonic(),
-                  tenant=req.tenant or self.cfg.tenant)
+                  tenant=req.tenant or self.cfg.tenant, restore=req.restore_from)
         sink = Sink(asyncio.get_running_loop())
         self._inbox.put(("submit", seq, sink))
         done = False
@@ -124,6 +127,16 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         """Cancel a request wherever it is; unknown or finished ids are ignored (idempotent)."""
         self._inbox.put(("cancel", request_id))
+
+    def save_checkpoint(self, request_id: str, path: str, timeout_s: float = 60.0) -> dict:
+        """Save the KV rows a running request has computed so far (between steps, so the step
+        that wrote them retired) and return the manifest; `num_tokens` says how many of its
+        tokens (prompt, then generated) the checkpoint covers. Blocks until written."""
+        if not self.healthy():
+            raise EngineShutdown("engine is not running")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("save", request_id, str(path), done))
+        return done.result(timeout=timeout_s)
 
     def evict_prefix_cache(self) -> None:
         """Evict every cached prefix page no running request shares (asynchronous)."""
@@ -248,10 +261,8 @@ class Engine:
             max_num_seqs=cfg.max_num_seqs, max_step_tokens=cfg.max_step_tokens,
             max_waiting=cfg.max_waiting, eos_ids=eos,
             forecast=RateForecast(cfg.rate_ewma_alpha), prefix=prefix, root_of=root_of,
-            on_admit=lambda seq: self._emit(
-                "admit", request=seq.request_id, cached_tokens=seq.cached_tokens,
-                charged=self.scheduler.ledger.held(seq.request_id),
-                retired_step=self._retired_step))
+            on_admit=self._on_admit)
+        self._ckpt_key = cfg.checkpoint_key.encode() if cfg.checkpoint_key else None
         self._live: dict[str, _Live] = {}
         self._outbox: list[tuple[Sink, Delta]] = []
         self._seq_ids = 0
@@ -284,6 +295,8 @@ class Engine:
                 self._emit("arrival", request=seq.request_id, now=now, deadline=seq.deadline,
                            retired_step=self._retired_step, workspace_bytes=ledger.workspace_bytes,
                            free_bytes=ledger.cost_model.free_bytes(ledger.used_bytes))
+                if seq.restore is not None:
+                    self._check_restorable(seq)
                 self.scheduler.submit(seq, now)
             except EngineError as e:
                 if not isinstance(e, (RequestTooLarge, EngineOverloaded, DeadlineUnmeetable)):
@@ -296,6 +309,12 @@ class Engine:
                 seq, sink, TextStream(self.tokenizer, seq.prompt_ids, seq.params.stop))
         elif cmd[0] == "cancel":
             self.scheduler.cancel(cmd[1])
+        elif cmd[0] == "save":
+            _, request_id, path, done = cmd
+            try:
+                done.set_result(self._save(request_id, path))
+            except Exception as e:  # noqa: BLE001 - reported to the caller, never kills the thread
+                done.set_exception(e if isinstance(e, EngineError) else CheckpointError(repr(e)))
         elif cmd[0] == "evict":
             self.scheduler.evict_cache(self.scheduler.pool.num_pages)
 
@@ -352,6 +371,51 @@ class Engine:
                 self._fail(c.seq, e)
         mx.synchronize()
         return out
+
+    def _on_admit(self, seq: Seq) -> None:
+        self._emit("admit", request=seq.request_id, cached_tokens=seq.cached_tokens,
+                   charged=self.scheduler.ledger.held(seq.request_id),
+                   retired_step=self._retired_step)
+        if seq.restore is not None:
+            self._restore(seq)
+
+    def _check_restorable(self, seq: Seq) -> None:
+        """Refuse a bad checkpoint at submit, before anything is charged or allocated."""
+        if self.runner.recurrent is not None:
+            raise CheckpointError(f"{self.model_id}: recurrent layers keep state outside the "
+                                  "pages; their requests cannot be restored")
+        manifest = read_manifest(seq.restore, self._ckpt_key)
+        check_compatible(manifest, self.kvstore, self.loaded.fingerprint, seq.prompt_ids)
+        if manifest["num_tokens"] >= len(seq.prompt_ids):
+            raise CheckpointError("the checkpoint covers the whole prompt; append at least the "
+                                  "next token so there is one to compute")
+
+    def _restore(self, seq: Seq) -> None:
+        """Write the checkpoint's rows into the admitted request's first pages (re-validated
+        first: nothing is allocated for a file that changed since submit)."""
+        try:
+            _, n = restore_checkpoint(
+                seq.restore, self.kvstore, seq.prompt_ids, model_fingerprint=self.loaded.fingerprint,
+                key=self._ckpt_key,
+                allocate=lambda pages: seq.table.ensure(pages * self.cfg.page_tokens))
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            self.scheduler.finish(seq, "error")
+            live = self._live.pop(seq.request_id, None)
+            if live is not None:
+                live.sink.put(e if isinstance(e, CheckpointError) else CheckpointError(repr(e)),
+                              final=True)
+            return
+        seq.num_computed = seq.cached_tokens = n
+
+    def _save(self, request_id: str, path: str) -> dict:
+        seq = next((s for s in self.scheduler.running if s.request_id == request_id), None)
+        if seq is None or seq.num_computed == 0:
+            raise CheckpointError(f"request {request_id!r} is not running with computed KV; "
+                                  "only a running request's KV can be saved")
+        n = seq.num_computed
+        return save_checkpoint(path, self.kvstore, seq.table.pages,
+                               [seq.token_at(i) for i in range(n)],
+                               model_fingerprint=self.loaded.fingerprint, key=self._ckpt_key)
 
     def _permit(self, nbytes: int) -> bool:
         """Workspace for the step being built, from the byte ledger; refused outside a step."""
@@ -447,6 +511,8 @@ class Engine:
                 return
             if cmd[0] == "submit":
                 cmd[2].put(exc, final=True)
+            elif cmd[0] == "save":
+                cmd[3].set_exception(exc)
 
     def _publish_stats(self) -> None:
         sch, pool, ledger = self.scheduler, self.scheduler.pool, self.scheduler.ledger

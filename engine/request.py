@@ -17,6 +17,9 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     first_token_deadline: float | None = None  # absolute time.monotonic() seconds
     tenant: str | None = None   # prefix-cache namespace; None = the engine's configured tenant
+    # A checkpoint directory (Engine.save_checkpoint) whose KV rows cover the first tokens of
+    # prompt_ids: they are restored verbatim instead of computed; at least one token must remain.
+    restore_from: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:

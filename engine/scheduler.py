@@ -52,6 +52,7 @@ class Seq:
     tenant: str = "default"              # prefix-cache namespace
     cached_tokens: int = 0               # prompt tokens found in the prefix cache at admission
     shared_pages: int = 0                # leading pages of `table` shared from the prefix cache
+    restore: str | None = None           # checkpoint to restore at admission (no prefix lookup)
 
     @property
     def raw_tokens(self) -> int:
@@ -325,7 +326,7 @@ class Scheduler:
 
     def _lookup(self, s: Seq) -> list[int]:
         """Cached full pages of the prompt, now shared by `s` (freed again if it cannot run)."""
-        if self.prefix is None:
+        if self.prefix is None or s.restore is not None:
             return []
         return self.prefix.lookup(self.root_of(s), s.prompt_ids)
 

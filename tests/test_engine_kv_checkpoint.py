@@ -1,0 +1,94 @@
+"""Checkpoints through the Engine: save a running request's KV, restore it into a new request
+that continues with the same tokens; bad checkpoints are refused before anything is allocated."""
+import json
+
+import pytest
+
+from engine.checkpoint import CheckpointError
+from engine.request import GenerationRequest
+from engine.sampling import SamplingParams
+from tests.engine_helpers import make_engine, prompt, run, tokens, wait_idle
+
+N = 24   # generated tokens of the original request
+
+
+def greq(rid, ids, max_tokens, restore=None):
+    return GenerationRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                      ignore_eos=True), restore_from=restore)
+
+
+def generate_and_save(eng, ids, path, after=4):
+    """Stream a request; after `after` deltas save its checkpoint (between two steps)."""
+    async def go():
+        out, manifest = [], None
+        async for d in eng.generate(greq("orig", ids, N)):
+            out.append(d)
+            if len(out) == after:
+                manifest = eng.save_checkpoint("orig", path)
+        return out, manifest
+    return run(go())
+
+
+@pytest.fixture(scope="module", params=["native", "int8", "int4"])
+def eng(request, tiny_llama):
+    e = make_engine(tiny_llama, pages=32, max_step_tokens=16, kv_format=request.param,
+                    checkpoint_key="k1")
+    yield e
+    e.shutdown()
+
+
+def test_restore_continues_with_the_same_tokens(eng, tmp_path):
+    ids = prompt(21, seed=3)
+    out, manifest = generate_and_save(eng, ids, tmp_path / "ck")
+    full = ids + tokens(out)
+    n = manifest["num_tokens"]
+    assert len(ids) < n < len(full) and manifest["hmac"]
+    # The new request's prompt is what the checkpoint covers plus the next token.
+    restored = run(_collect(eng, greq("restored", full[:n + 1], len(full) - n - 1,
+                                      restore=str(tmp_path / "ck"))))
+    assert tokens(restored) == full[n + 1:]
+    assert restored[-1].usage.cached_tokens == n
+    s = wait_idle(eng)
+    assert s["kv_bytes_reserved"] == 0
+
+
+async def _collect(eng, r):
+    return [d async for d in eng.generate(r)]
+
+
+def test_bad_checkpoints_are_refused_before_allocating(eng, tiny_llama, tmp_path):
+    ids = prompt(21, seed=4)
+    out, manifest = generate_and_save(eng, ids, tmp_path / "ck")
+    full = ids + tokens(out)
+    n = manifest["num_tokens"]
+    ok = full[:n + 1]
+    before = eng.stats()
+    for bad_ids, match in ((ok[:n], "whole prompt"), ([7] + ok[1:], "different token ids")):
+        with pytest.raises(CheckpointError, match=match):
+            run(_collect(eng, greq("bad", bad_ids, 2, restore=str(tmp_path / "ck"))))
+    m = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    m["num_tokens"] -= 1
+    (tmp_path / "ck" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match="signature"):
+        run(_collect(eng, greq("tampered", ok, 2, restore=str(tmp_path / "ck"))))
+    with pytest.raises(CheckpointError, match="not running"):
+        eng.save_checkpoint("nobody", tmp_path / "x")
+    s = wait_idle(eng)
+    assert s["requests_refused_checkpoint_total"] == 3
+    assert s["steps_total"] == before["steps_total"]          # nothing ran, nothing allocated
+
+
+def test_other_format_refuses_the_checkpoint(tiny_llama, tmp_path):
+    a = make_engine(tiny_llama, pages=16, max_step_tokens=16, kv_format="int8")
+    b = make_engine(tiny_llama, pages=16, max_step_tokens=16, kv_format="int4")
+    try:
+        ids = prompt(21, seed=5)
+        out, manifest = generate_and_save(a, ids, tmp_path / "ck")
+        full = ids + tokens(out)
+        with pytest.raises(CheckpointError, match="storage"):
+            run(_collect(b, greq("x", full[:manifest["num_tokens"] + 1], 2,
+                                 restore=str(tmp_path / "ck"))))
+        assert b.stats()["kv_pages_used"] == 0
+    finally:
+        a.shutdown()
+        b.shutdown()
