@@ -196,7 +196,7 @@ def test_deadline_arrival_fits_only_because_the_fused_step_retired(tiny_llama):
     eng = engine(tiny_llama, pages=pages(a_raw) + pages(b_raw), trace=trace)
     try:
         cm = eng.cost_model()
-        r = _arrival_scenario(eng, trace, b_deadline_s=0.5, retire_delay_s=0.0,
+        r = _arrival_scenario(eng, trace, b_deadline_s=1.0, retire_delay_s=0.0,
                               a_max_tokens=400)
         charge_b = cm.charge_bytes(b_raw)
         # While the step held its permit(s) B did not fit; the permit is what it lacked.
