@@ -284,6 +284,14 @@ class Scheduler:
         return not (self.waiting or self.running or self._unreclaimed)
 
     @property
+    def evictable_pages(self) -> int:
+        """Pages only the prefix cache holds: free for any admission that needs them."""
+        if self.prefix is None:
+            return 0
+        held = {p for s in (*self.running, *self._unreclaimed) for p in s.table.pages}
+        return self.pool.num_used - len(held)
+
+    @property
     def unreclaimed(self) -> list[Seq]:
         return list(self._unreclaimed)
 

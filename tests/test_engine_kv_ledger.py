@@ -34,7 +34,7 @@ def check(sch):
     assert led.used_bytes == charged_pages * led.page_charge
     assert sch.pool.num_used <= charged_pages                  # no page in use goes unpaid
     assert led.used_bytes <= led.budget_bytes
-    assert led.cache_pages <= len(sch.prefix)
+    assert sch.evictable_pages <= led.cache_pages <= len(sch.prefix)
     assert led.raw_tokens_reserved == sum(s.raw_tokens for s in holders)
 
 
@@ -93,3 +93,16 @@ def test_a_hit_is_not_charged_for_its_shared_pages():
     assert second.cached_tokens == 12 and second.num_computed == 12
     assert sch.ledger.held("b") == (4 - 3) * page            # 16 raw tokens = 4 pages, 3 shared
     assert sch.ledger.raw_tokens_reserved == 16
+
+
+def test_only_cache_only_pages_are_evictable():
+    sch = with_cache(make_scheduler(pages=8, max_num_seqs=2, max_step_tokens=16))
+    a = Seq("a", PREFIXES[0] + [1], SamplingParams(max_tokens=2, ignore_eos=True))
+    sch.submit(a, 0.0)
+    step = sch.schedule(0.0)
+    sch.complete(step, [7], 0.0)                 # prefill retired: 3 prompt pages cached
+    assert len(sch.prefix) == 3 and sch.evictable_pages == 0   # a still holds them
+    sch.cancel("a")
+    sch.reclaim(step.step_id)
+    assert sch.evictable_pages == 3 == sch.ledger.cache_pages
+    assert sch.evict_cache(10) == 3 and sch.ledger.used_bytes == 0

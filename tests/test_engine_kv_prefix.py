@@ -60,8 +60,9 @@ def test_hit_skips_cached_pages_and_generates_the_same_tokens(tiny_llama, plain,
         assert miss[-1].usage.cached_tokens == 0
         s = wait_for(eng, num_requests_running=0, prefix_cache_pages=2)
         page_bytes = s["kv_bytes_total"] // s["kv_pages_total"]
-        # Idle: only the cache holds pages, and the ledger charges exactly those.
-        assert s["kv_pages_used"] == 2 and s["kv_bytes_reserved"] == 2 * page_bytes
+        # Idle: only the cache holds pages, charged to it, but evictable: not reserved for routing.
+        assert s["kv_pages_used"] == 2 and s["prefix_cache_bytes"] == 2 * page_bytes
+        assert s["prefix_cache_evictable_pages"] == 2 and s["kv_bytes_reserved"] == 0
         hit = run(collect(eng, greq("y", second)))
         assert hit[-1].usage.cached_tokens == 32 and hit[-1].usage.prompt_tokens == 37
         assert tokens(hit) == tokens(run(collect(ref, greq("y-ref", second))))
@@ -111,13 +112,13 @@ def test_short_of_pages_evicts_and_nothing_leaks(tiny_llama):
         for i in range(3):
             run(collect(eng, greq(f"fill{i}", prompt(33, seed=20 + i), max_tokens=2)))
         s = wait_for(eng, num_requests_running=0, prefix_cache_pages=6)
-        assert s["kv_bytes_reserved"] == 6 * PAGE_BYTES_LLAMA
+        assert s["prefix_cache_bytes"] == 6 * PAGE_BYTES_LLAMA and s["kv_bytes_reserved"] == 0
         big = run(collect(eng, greq("big", prompt(90, seed=30), max_tokens=10)))
         assert big[-1].finish_reason == "length"
         s = wait_for(eng, num_requests_running=0)
         assert s["prefix_evicted_pages_total"] >= 5
-        assert s["kv_bytes_reserved"] == s["prefix_cache_pages"] * PAGE_BYTES_LLAMA
-        assert s["kv_pages_used"] == s["prefix_cache_pages"]
+        assert s["prefix_cache_bytes"] == s["prefix_cache_pages"] * PAGE_BYTES_LLAMA
+        assert s["kv_pages_used"] == s["prefix_cache_pages"] == s["prefix_cache_evictable_pages"]
 
         async def concurrent():   # two requests sharing cached pages at once
             ids = prompt(90, seed=30)
@@ -127,7 +128,8 @@ def test_short_of_pages_evicts_and_nothing_leaks(tiny_llama):
         assert a[-1].usage.cached_tokens + b[-1].usage.cached_tokens >= 32
         wait_for(eng, num_requests_running=0)
         eng.evict_prefix_cache()
-        s = wait_for(eng, kv_pages_used=0, kv_bytes_reserved=0, prefix_cache_pages=0)
+        s = wait_for(eng, kv_pages_used=0, kv_bytes_reserved=0, prefix_cache_pages=0,
+                     prefix_cache_bytes=0)
         assert s["kv_raw_tokens_reserved"] == 0 and s["kv_workspace_bytes"] == 0
     finally:
         eng.shutdown()
