@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--md", default=None, help="write the markdown report here (docs/quality.md)")
     ap.add_argument("--machine", default=None, help="machine description for the report")
+    ap.add_argument("--parts", default="nll,probes,retrieval",
+                    help="measurements to run, in this order (a subset reruns part of the gate)")
     ap.add_argument("--report", default=None, metavar="JSON",
                     help="no run: re-render the verdicts and --md from a saved --out result")
     ap.add_argument("--strict", action="store_true",
@@ -250,6 +252,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
 
     from engine.model import load_model
     from engine.quality_data import load_heldout
+    from engine.quality_runs import decode_path
     t0 = time.time()
     loaded = load_model(a.model, dtype=a.dtype)
     a.batch = a.batch or (4 if mx.default_device() == mx.cpu else 64)
@@ -263,7 +266,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
         "sizes": {"nll_tokens_min": a.nll_tokens, "window": a.window, "chunk": a.chunk,
                   "retrieval_cases_per_cell": a.retrieval_cases, "lengths": a.lengths,
                   "retrieval_chunk": a.retrieval_chunk, "probes": a.probes, "batch": a.batch,
-                  "page_tokens": 64},
+                  "page_tokens": 64, "decode_path": decode_path()},
         "heldout": {"tokens": int(len(held.stream)), "sha256_16": held.sha256, "source": held.source},
         "margins": MARGINS, "retrieval_points": RETRIEVAL_POINTS, "probe_points": PROBE_POINTS,
     }
@@ -281,7 +284,9 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
             Path(a.out).write_text(json.dumps(result, indent=1))
 
     # Cheapest first: NLL carries the finest signal; retrieval's long cells cost the most.
-    for name, fn in (("nll", run_nll), ("probes", run_probes), ("retrieval", run_retrieval)):
+    fns = {"nll": run_nll, "probes": run_probes, "retrieval": run_retrieval}
+    for name in [p.strip() for p in a.parts.split(",") if p.strip()]:
+        fn = fns[name]
         t = time.time()
         kw = {"checkpoint": lambda part, n=name: checkpoint(n, part)} if name == "retrieval" else {}
         part = fn(loaded, held, a, **kw)

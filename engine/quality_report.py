@@ -1,6 +1,8 @@
 """Markdown for the quality gate's result (docs/quality.md): what ran, verdicts, details."""
 from __future__ import annotations
 
+import json
+
 from engine.quality_stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
 
 
@@ -79,21 +81,30 @@ def markdown(r: dict, table_only: bool = False) -> str:
         f"\n> **Partial run**: it stopped before finishing (time limit). Completed: NLL "
         f"{'yes' if r['nll'] else 'no'}, probes {'yes' if r['probes'] else 'no'}, retrieval "
         f"lengths {', '.join(done) or 'none'}. Unfinished cells show '-'.\n")
+    if r.get("runs"):
+        command = "; ".join(f"`{x['command']}` ({x['used']})" for x in r["runs"])
+    else:
+        command = f"`{r['command']}`"
+    notes = f"\n## Reading the results\n\n{r['notes'].strip()}\n" if r.get("notes") else ""
+    raw = "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in r.items()
+                              if k != "notes") + "\n}"
     return f"""# KV-format quality gate
 
 Each packed KV format against native on the same weights ({r['model']}, fingerprint
 `{r['fingerprint']}`), produced by `engine/quality.py`. Generated file: rerun the command to refresh.
 {partial}
-- **Command**: `{r['command']}`
+- **Command**: {command}
 - **Machine**: {r['machine']}; compute dtype **{r['dtype']}**; {sec['total']:.0f} s
   (NLL {sec['nll']:.0f} s, retrieval {sec['retrieval']:.0f} s, probes {sec['probes']:.0f} s)
 - **Sizes**: {n['tokens']} scored held-out tokens per format in {n['windows']} windows of
   {s['window']}; retrieval {s['retrieval_cases_per_cell']} cases per (task, length) cell at
   {', '.join(map(str, s['lengths']))} (tasks: pass key, key-value); {probes['kept']} graded probes;
-  KV pages of {s['page_tokens']} tokens; {s['batch']} sequences per forward call.
+  KV pages of {s['page_tokens']} tokens; {s['batch']} sequences per forward call; decode steps
+  through {s.get('decode_path', 'the production path')}.
 - **Held-out text**: {r['heldout']['tokens']} tokens (sha256 `{r['heldout']['sha256_16']}`) from
   {r['heldout']['source']}.
 
+{notes}
 ## Declared margins and rule
 
 Margins (fixed before any run): int8 NLL delta <= 0.1 % and KL <= 1e-3 nats/token; k8v4 NLL delta
@@ -106,15 +117,20 @@ Rule: paired bootstrap 95% percentile interval ({BOOTSTRAP_RESAMPLES} resamples,
 {BOOTSTRAP_SEED}) over held-out windows (NLL, KL, top-1) or cases (retrieval, probes). For an
 "at most m" check: **pass** if the upper bound <= m, **fail** if the lower bound > m, else
 **inconclusive**. For "within d points": pass if the lower bound of (format - native) >= -d, fail
-if its upper bound < -d, else inconclusive. A format passes when all its checks pass, fails when
+if its upper bound < -d, else inconclusive. Accuracy intervals are the bootstrap interval widened
+by exact Clopper-Pearson bounds on the rates of cases lost / gained against native, because near
+ceiling the bootstrap collapses to a point: with 0 losses in n cases the lower bound is
+-100 (1 - 0.025^(1/n)) points (-1.8 at n = 200, -3.6 at n = 100). A format passes when all its checks pass, fails when
 any fails, otherwise it is inconclusive.
 
 ## Verdicts
 
 {table(r)}
 
-Native is the control: a second native run through its own paged store (expected exactly 0,
-0 and 1.0). Retrieval and probe cells show accuracy (%) and the paired difference to native.
+Native is the control for NLL/KL/top-1: a second native run through its own paged store
+(expected exactly 0, 0 and 1.0). For retrieval and probes the native row is the reference run
+itself, shown with the interval that the same data would give a format with no loss. Cells show
+accuracy (%) and the paired difference to native in points.
 
 ### Checks
 
@@ -156,4 +172,11 @@ int4 without rotation: the shipped store always rotates keys (and attention rota
 the ablation is an adapter in `engine/quality_runs.py`: keys are quantized unrotated and the
 shared direct attention path receives q R^T and k_new R^T, which R's orthogonality turns back
 into q against unrotated stored keys.
+
+<details><summary>The result JSON (engine.quality --out)</summary>
+
+```json
+{raw}
+```
+</details>
 """
