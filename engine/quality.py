@@ -285,7 +285,8 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
 
     # Cheapest first: NLL carries the finest signal; retrieval's long cells cost the most.
     fns = {"nll": run_nll, "probes": run_probes, "retrieval": run_retrieval}
-    for name in [p.strip() for p in a.parts.split(",") if p.strip()]:
+    parts = [p.strip() for p in a.parts.split(",") if p.strip()]
+    for name in parts:
         fn = fns[name]
         t = time.time()
         kw = {"checkpoint": lambda part, n=name: checkpoint(n, part)} if name == "retrieval" else {}
@@ -293,7 +294,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
         stamps[name] = round(time.time() - t, 1)
         checkpoint(name, part)
         _log(f"{name} done in {stamps[name]}s")
-    result["complete"] = True
+    result["complete"] = set(parts) == set(fns)
     checkpoint("retrieval", result["retrieval"])
     return result
 
@@ -301,6 +302,9 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = resolve_sizes(_parser().parse_args(argv))
+    unknown = set(p.strip() for p in a.parts.split(",") if p.strip()) - {"nll", "probes", "retrieval"}
+    if unknown:
+        _parser().error(f"--parts: unknown {sorted(unknown)}")
     from engine.quality_report import markdown
     if a.report:
         result = json.loads(Path(a.report).read_text())

@@ -68,7 +68,9 @@ def cells(r: dict) -> str:
 def markdown(r: dict, table_only: bool = False) -> str:
     if table_only:
         return table(r)
-    s, n = r["sizes"], r["nll"].get("native") or next(iter(r["nll"].values()))
+    s = r["sizes"]
+    n = r["nll"].get("native") or next(iter(r["nll"].values()), None) or {
+        "tokens": 0, "windows": 0, "native_nll": float("nan")}
     probes = r["probes"] or {"selection": {}, "kept": 0, "by_format": {"-": {"by_family": {}}}}
     fams = ", ".join(f"{k} {v['kept']}/{v['tried']}" for k, v in probes["selection"].items())
     by_fam = "\n".join(f"| {f} | " + " | ".join(f"{100 * x:.0f}" for x in d["by_family"].values())
@@ -78,7 +80,7 @@ def markdown(r: dict, table_only: bool = False) -> str:
     done = [L for L in map(str, s["lengths"])
             if any(L in d["by_length"] for d in r["retrieval"].values())]
     partial = "" if r.get("complete") else (
-        f"\n> **Partial run**: it stopped before finishing (time limit). Completed: NLL "
+        f"\n> **Partial run** (a --parts subset, or stopped by a time limit). Completed: NLL "
         f"{'yes' if r['nll'] else 'no'}, probes {'yes' if r['probes'] else 'no'}, retrieval "
         f"lengths {', '.join(done) or 'none'}. Unfinished cells show '-'.\n")
     if r.get("runs"):
