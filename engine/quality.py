@@ -266,7 +266,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
         "sizes": {"nll_tokens_min": a.nll_tokens, "window": a.window, "chunk": a.chunk,
                   "retrieval_cases_per_cell": a.retrieval_cases, "lengths": a.lengths,
                   "retrieval_chunk": a.retrieval_chunk, "probes": a.probes, "batch": a.batch,
-                  "page_tokens": 64, "decode_path": decode_path()},
+                  "page_tokens": 64, "decode_path": decode_path(), "independent_control": True},
         "heldout": {"tokens": int(len(held.stream)), "sha256_16": held.sha256, "source": held.source},
         "margins": MARGINS, "retrieval_points": RETRIEVAL_POINTS, "probe_points": PROBE_POINTS,
     }

@@ -87,6 +87,10 @@ def markdown(r: dict, table_only: bool = False) -> str:
         command = "; ".join(f"`{x['command']}` ({x['used']})" for x in r["runs"])
     else:
         command = f"`{r['command']}`"
+    control = ("Native is the control for NLL/KL/top-1: a second native run through its own paged "
+               "store\n(expected exactly 0, 0 and 1.0)." if s.get("independent_control") else
+               "In this run the native NLL/KL/top-1 row compared the reference run with itself\n"
+               "(trivially 0; the gate now runs an independent second native store).")
     notes = f"\n## Reading the results\n\n{r['notes'].strip()}\n" if r.get("notes") else ""
     raw = "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in r.items()
                               if k != "notes") + "\n}"
@@ -129,8 +133,7 @@ any fails, otherwise it is inconclusive.
 
 {table(r)}
 
-Native is the control for NLL/KL/top-1: a second native run through its own paged store
-(expected exactly 0, 0 and 1.0). For retrieval and probes the native row is the reference run
+{control} For retrieval and probes the native row is the reference run
 itself, shown with the interval that the same data would give a format with no loss. Cells show
 accuracy (%) and the paired difference to native in points.
 

@@ -37,6 +37,7 @@ from engine.runner import SeqChunk
 
 FORMATS = ("native", "int8", "k8v4", "int4", "int4-norot")
 PAGE_TOKENS = 64
+REF = "__reference__"
 
 
 # ------------------------------------------------------------------ attention adapters
@@ -148,6 +149,9 @@ def teacher_forced(loaded, wins: list[np.ndarray], formats, chunk: int, batch: i
                    log=print, reference: str = "native") -> dict[str, WindowScores]:
     """Score every window under each format against `reference`, chunk by chunk.
 
+    The reference runs in a store of its own, so listing `reference` among `formats` compares two
+    independent runs (the control: any nondeterminism or store leak in the harness shows there).
+
     Positions of the first chunk read no stored history (every format equals native there), so
     only targets predicted from positions >= `chunk` are scored.
     """
@@ -161,7 +165,8 @@ def teacher_forced(loaded, wins: list[np.ndarray], formats, chunk: int, batch: i
         group = np.stack(wins[b0:b0 + batch]).astype(np.int32)
         n = len(group)
         num_pages, tables = _tables(n, length)
-        runners = {f: make_runner(loaded, f, num_pages) for f in {reference, *formats}}
+        runners = {REF: make_runner(loaded, reference, num_pages),
+                   **{f: make_runner(loaded, f, num_pages) for f in formats}}
         for s in range(0, length, chunk):
             e = min(s + chunk, length)
             chunks = [SeqChunk(i, group[i, s:e].tolist(), s, tables[i]) for i in range(n)]
@@ -174,7 +179,7 @@ def teacher_forced(loaded, wins: list[np.ndarray], formats, chunk: int, batch: i
             ok = pos + 1 < length
             tgt[:, ok] = group[:, pos[ok] + 1]
             valid = mx.array(np.broadcast_to(ok, (n, e - s)))
-            got = {f: _chunk_metrics(logits[reference], logits[f], mx.array(tgt), valid)
+            got = {f: _chunk_metrics(logits[REF], logits[f], mx.array(tgt), valid)
                    for f in formats}
             mx.eval(got)
             for f in formats:

@@ -166,3 +166,21 @@ def test_int4_without_rotation_stores_unrotated_keys_and_attends_exactly():
     # the rotated path over the same unrotated codes would be wrong: the adapter is load-bearing
     wrong = direct_attention(q, hist, kn, vn, fmt=fmt, scale=0.125)
     assert mx.abs(wrong - want).max().item() > 1e-2
+
+
+def test_native_control_is_an_independent_run(monkeypatch):
+    """The control must come from its own store: a harness that compared the reference with
+    itself would report 0 even if runs were nondeterministic or stores leaked."""
+    from engine import quality_runs
+    from engine.model import load_model
+
+    built = []
+    real = quality_runs.make_runner
+    monkeypatch.setattr(quality_runs, "make_runner",
+                        lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    loaded = load_model(str(ROOT / "models" / "orchard-tiny"), dtype="float32")
+    win = np.arange(100, 148)
+    out = quality_runs.teacher_forced(loaded, [win], ["native"], chunk=16, batch=1,
+                                      log=lambda m: None)
+    assert built == ["native", "native"]
+    assert out["native"].kl[0] == 0.0 and out["native"].tokens[0] == 48 - 1 - 16
