@@ -105,7 +105,8 @@ class Engine:
         seq = Seq(req.request_id, req.prompt_ids, p,
                   seed=p.seed if p.seed is not None else random.getrandbits(63),
                   deadline=req.first_token_deadline, arrival=time.monotonic(),
-                  tenant=req.tenant or self.cfg.tenant, restore=req.restore_from)
+                  tenant=req.tenant or self.cfg.tenant, restore=req.restore_from,
+                  checkpoint_to=req.checkpoint_to)
         sink = Sink(asyncio.get_running_loop())
         self._inbox.put(("submit", seq, sink))
         done = False
@@ -417,6 +418,18 @@ class Engine:
                                [seq.token_at(i) for i in range(n)],
                                model_fingerprint=self.loaded.fingerprint, key=self._ckpt_key)
 
+    def _save_finished(self, seq: Seq) -> dict:
+        """Save a finished request's KV before its pages are reclaimed (its steps retired)."""
+        if seq.table is None or seq.num_computed == 0:
+            return {"error": "the request finished before any of its KV was computed"}
+        try:
+            return save_checkpoint(seq.checkpoint_to, self.kvstore, seq.table.pages,
+                                   [seq.token_at(i) for i in range(seq.num_computed)],
+                                   model_fingerprint=self.loaded.fingerprint, key=self._ckpt_key)
+        except Exception as e:  # noqa: BLE001 - the request itself finished fine
+            log.exception("checkpoint of %s failed", seq.request_id)
+            return {"error": f"checkpoint failed: {e!r}"}
+
     def _permit(self, nbytes: int) -> bool:
         """Workspace for the step being built, from the byte ledger; refused outside a step."""
         step = self._step_id
@@ -472,8 +485,12 @@ class Engine:
         if not live.sent_first and seq.first_token_time is not None:
             ttft = seq.first_token_time - seq.arrival
             live.sent_first = True
+        ckpt = None
+        if reason is not None and seq.checkpoint_to is not None:
+            ckpt = self._save_finished(seq)
         delta = Delta(seq.request_id, text, token_ids, reason,
-                      Usage(len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens), ttft)
+                      Usage(len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens), ttft,
+                      ckpt)
         self._outbox.append((live.sink, delta))
         if reason is not None:
             self._live.pop(seq.request_id, None)

@@ -20,6 +20,9 @@ class GenerationRequest:
     # A checkpoint directory (Engine.save_checkpoint) whose KV rows cover the first tokens of
     # prompt_ids: they are restored verbatim instead of computed; at least one token must remain.
     restore_from: str | None = None
+    # Save the request's KV to this directory when it finishes (its final delta carries the
+    # manifest): the finished-request form of Engine.save_checkpoint.
+    checkpoint_to: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -53,3 +56,4 @@ class Delta:
     finish_reason: str | None
     usage: Usage
     ttft_s: float | None = None  # on the first delta only: seconds from submit to first token
+    checkpoint: dict | None = None  # final delta of a checkpoint_to request: manifest or error

@@ -53,6 +53,7 @@ class Seq:
     cached_tokens: int = 0               # prompt tokens found in the prefix cache at admission
     shared_pages: int = 0                # leading pages of `table` shared from the prefix cache
     restore: str | None = None           # checkpoint to restore at admission (no prefix lookup)
+    checkpoint_to: str | None = None     # where to save its KV when it finishes
 
     @property
     def raw_tokens(self) -> int:

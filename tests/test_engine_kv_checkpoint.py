@@ -92,3 +92,18 @@ def test_other_format_refuses_the_checkpoint(tiny_llama, tmp_path):
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_finished_request_saves_and_a_new_request_continues_it(eng, tmp_path):
+    ids = prompt(21, seed=6)
+    longer = tokens(run(_collect(eng, greq("long", ids, 16))))
+    r = GenerationRequest("short", ids, SamplingParams(temperature=0.0, max_tokens=8,
+                                                       ignore_eos=True),
+                          checkpoint_to=str(tmp_path / "fin"))
+    out = run(_collect(eng, r))
+    assert out[-1].finish_reason == "length" and tokens(out) == longer[:8]
+    manifest = out[-1].checkpoint
+    assert manifest["num_tokens"] == 21 + 8 - 1     # the last sampled token has no KV yet
+    cont = run(_collect(eng, greq("cont", ids + longer[:8], 8, restore=str(tmp_path / "fin"))))
+    assert tokens(cont) == longer[8:16] and cont[-1].usage.cached_tokens == 28
+    wait_idle(eng)
