@@ -203,7 +203,6 @@ class Engine:
     def _start(self) -> None:
         from engine.kvstore import KVStore
         from engine.model import load_model
-
         from engine.packed_store import counters_of, layer_report, storage_identity
 
         cfg = self.cfg
@@ -396,8 +395,8 @@ class Engine:
         first: nothing is allocated for a file that changed since submit)."""
         try:
             _, n = restore_checkpoint(
-                seq.restore, self.kvstore, seq.prompt_ids, model_fingerprint=self.loaded.fingerprint,
-                key=self._ckpt_key,
+                seq.restore, self.kvstore, seq.prompt_ids,
+                model_fingerprint=self.loaded.fingerprint, key=self._ckpt_key,
                 allocate=lambda pages: seq.table.ensure(pages * self.cfg.page_tokens))
         except Exception as e:  # noqa: BLE001 - fails this request only
             self.scheduler.finish(seq, "error")
