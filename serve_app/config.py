@@ -49,6 +49,10 @@ class ReplicaResources(_Strict):
         return opts
 
 
+SERVE_OWNED_ENGINE_KNOBS = {"model", "kv_format", "kv_format_overrides", "kv_budget_bytes",
+                            "max_num_seqs"}
+
+
 class ModelConfig(_Strict):
     """One served model: `id` is what clients put in `model`; `path` a directory or hub id."""
 
@@ -74,6 +78,23 @@ class ModelConfig(_Strict):
             return normalize_format_name(v)
         except KVFormatError as e:
             raise ValueError(str(e)) from None
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_knobs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from engine.config import EngineConfig
+
+        # These are decided by the serving config itself (format policy, budgets, ceiling);
+        # letting the passthrough set them would silently override that decision.
+        owned = sorted(set(v) & SERVE_OWNED_ENGINE_KNOBS)
+        if owned:
+            raise ValueError(f"set {', '.join(owned)} on the model (or under kv:), "
+                             "not in its engine: passthrough")
+        unknown = sorted(set(v) - set(EngineConfig.model_fields))
+        if unknown:
+            raise ValueError(f"unknown engine knob(s) {', '.join(unknown)}; see "
+                             "engine/config.py for EngineConfig's fields")
+        return v
 
     @field_validator("id")
     @classmethod
