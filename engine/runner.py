@@ -210,6 +210,10 @@ def _input_tokens(chunks: list[SeqChunk], width: int) -> mx.array:
         for i, c in enumerate(chunks):
             tokens[i, :len(c.token_ids)] = c.token_ids
         return mx.array(tokens)
+    if width == 1:   # decode rows (e.g. pipelined): one concatenation instead of per-row ops
+        ids = [c.token_ids if isinstance(c.token_ids, mx.array)
+               else mx.array(c.token_ids, dtype=mx.int32) for c in chunks]
+        return mx.concatenate([i.reshape(1) for i in ids]).astype(mx.int32)[:, None]
     rows = []
     for c in chunks:
         ids = (c.token_ids if isinstance(c.token_ids, mx.array)

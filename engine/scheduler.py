@@ -225,6 +225,28 @@ class Scheduler:
             c.seq.last_step = step.step_id
         return step
 
+    def continue_decode(self, step: Step, tokens) -> Step:
+        """The next decode step of `step`'s rows, built BEFORE `step` retired (pipelining).
+
+        Each row's input is the token `step` samples for it (`tokens`: a lazy int array [rows],
+        row order of `step`) at the position after `step`'s. The caller must only ask when every
+        row of `step` is a running, decoding row with at least two tokens left to max_tokens
+        (the token `step` samples and the one this step samples), so the new step stays within
+        every reservation. A row that finishes when `step` completes (EOS, stop string, cancel)
+        is still in the new step: `complete` discards its token, and its pages are reclaimed
+        only after the new step retired (its `last_step`)."""
+        chunks = [Chunk(c.seq, c.start + 1, tokens[i:i + 1], True)
+                  for i, c in enumerate(step.chunks)]
+        new = Step(self._next_step, chunks)
+        self._next_step += 1
+        for c in chunks:
+            s = c.seq
+            s.table.ensure(c.start + 1)
+            if len(s.table.pages) > s.reserved_pages:
+                raise PageError(f"{s.request_id} grew past its reservation")
+            s.last_step = new.step_id
+        return new
+
     def complete(self, step: Step, tokens: list[int | None], now: float) -> list[tuple[Seq, int]]:
         """Record a retired step: computed positions and sampled tokens (one per chunk, None for
         chunks that do not sample). Finishes requests at max_tokens or EOS; returns new tokens."""
