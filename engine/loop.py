@@ -442,7 +442,10 @@ class Engine:
                     self._step_id = None
             if nxt is None:
                 # The last step of the run: the device goes idle, as in a synchronous step.
-                mx.eval(self.kvstore.arrays())
+                try:
+                    mx.eval(self.kvstore.arrays())
+                except Exception:  # noqa: BLE001 - never kill the thread; later steps fail rows
+                    log.exception("KV arrays failed to evaluate after step %d", cur.step.step_id)
                 mx.synchronize()
             cur.logits = cur.drawn = None
             self._finish_step(cur.step, tokens, t0)
