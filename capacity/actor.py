@@ -239,6 +239,12 @@ class CapacityClient:
         self._local: dict[str, set[str]] = {}     # model -> request ids admitted locally
         self._queue: list[tuple[tuple, asyncio.Future]] = []
         self._flushers: set[asyncio.Task] = set()
+        # Flushers running or about to run. Counted here, not as len(self._flushers): a task leaves
+        # that set in a done callback, which runs after the callers its last batch woke. A caller
+        # that queued its next call (release right after hold) in between used to see the finished
+        # flusher as in flight, start none, and wait for some unrelated later call to send it (or
+        # forever, with max_inflight=1 and no other traffic).
+        self._inflight = 0
 
     # ---- transport ------------------------------------------------------------------------
 
@@ -328,7 +334,8 @@ class CapacityClient:
     async def _report(self, op: tuple) -> Any:
         fut = asyncio.get_running_loop().create_future()
         self._queue.append((op, fut))
-        if len(self._flushers) < self.max_inflight:
+        if self._inflight < self.max_inflight:
+            self._inflight += 1
             task = asyncio.get_running_loop().create_task(self._flush_loop())
             self._flushers.add(task)
             task.add_done_callback(self._flushers.discard)
@@ -338,18 +345,23 @@ class CapacityClient:
         return result
 
     async def _flush_loop(self) -> None:
-        while self._queue:
-            batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
-            try:
-                results = await self._call("apply", [op for op, _ in batch])
-            except CapacityUnavailable as e:
-                for _, fut in batch:
+        try:
+            while self._queue:
+                batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+                try:
+                    results = await self._call("apply", [op for op, _ in batch])
+                except CapacityUnavailable as e:
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(e)
+                    continue
+                for (_, fut), res in zip(batch, results):
                     if not fut.done():
-                        fut.set_exception(e)
-                continue
-            for (_, fut), res in zip(batch, results):
-                if not fut.done():
-                    fut.set_result(res)
+                        fut.set_result(res)
+        finally:
+            # Same step as the empty-queue check above (no await between): a call queued after
+            # this point sees the slot free and starts its own flusher.
+            self._inflight -= 1
 
     async def flush(self) -> None:
         """Wait until every queued call has been sent and answered."""

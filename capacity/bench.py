@@ -2,13 +2,15 @@
 
 1. Actor round trip: N concurrent callers (asyncio tasks sharing one CapacityClient, as a router
    does) each repeat hold -> release against a live actor; latency per hold+release pair. Loads:
-   one sequential caller (the floor), closed loop (no think time, the worst case), and paced
-   (exponential think times for a target aggregate rate).
+   one sequential caller (the floor); closed loop (200 pairs always in flight, no think time: a
+   throughput test, whose latency is bounded below by callers / throughput, Little's law); and
+   paced (open loop: each caller has its own Poisson arrival schedule, aggregate rate R offered
+   over a fixed window of callers * rounds / R seconds; latency from the scheduled arrival).
 2. Memory per 10,000 execution identities (tracemalloc of the rate registry: 10,000 sparse ones
    measured; full windows measured on 1,000 and scaled) and the size of their JSON snapshot.
 
     python -m capacity.bench [--callers 200] [--rounds 25] [--paced-rate 200 1000] [--identities 10000]
-                             [--full-identities 1000] [--max-inflight 2] [--skip-actor]
+                             [--full-identities 1000] [--max-inflight 2] [--skip-actor] [--skip-memory]
 
 Starts its own Ray session (2 CPUs, no dashboard) in a private namespace and shuts it down.
 """
@@ -47,29 +49,87 @@ def _register(replicas: int, seq: int = 1) -> list[dict]:
             for i in range(replicas)]
 
 
-async def _round_trips(client, callers: int, rounds: int, think_s: float) -> dict:
+async def _round_trips(client, callers: int, rounds: int) -> dict:
+    """Closed loop: `callers` tasks, each issuing its next pair as soon as the previous one returns,
+    so exactly `callers` pairs are in flight at all times."""
     lat: list[float] = []
     refused = 0
 
     async def caller(c: int):
         nonlocal refused
-        await asyncio.sleep(random.random() * think_s)   # desynchronize paced callers
         for r in range(rounds):
             rid = f"{c}-{r}-{uuid.uuid4().hex[:6]}"
             t0 = time.perf_counter()
-            try:
-                await client.hold("bench-model", 256, rid)
-            except Exception:  # noqa: BLE001 - counted; a refusal is still a round trip
-                refused += 1
-            await client.release(rid)
+            refused += not await _pair(client, rid)
             lat.append(time.perf_counter() - t0)
-            if think_s:
-                await asyncio.sleep(random.expovariate(1 / think_s))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(caller(c) for c in range(callers)))
     out = _summary(lat, time.perf_counter() - t0)
     out["refused"] = refused
+    return out
+
+
+async def _pair(client, rid: str, holds: list[float] | None = None) -> bool:
+    t0 = time.perf_counter()
+    try:
+        await client.hold("bench-model", 256, rid)
+        ok = True
+    except Exception:  # noqa: BLE001 - counted; a refusal is still a round trip
+        ok = False
+    if holds is not None:   # what a router waits for before it can route (serve_app releases later)
+        holds.append(time.perf_counter() - t0)
+    await client.release(rid)
+    return ok
+
+
+async def _paced(client, callers: int, rate: float, duration_s: float) -> dict:
+    """Open loop: `callers` tasks, each with its own Poisson arrival schedule at rate/callers pairs/s
+    over a fixed window of duration_s (aggregate offered rate `rate`). Arrivals are absolute times
+    drawn in advance, so neither oversleeping nor a slow pair shifts later arrivals; a pair whose
+    arrival comes while the caller's previous pair is still running starts late, and that lateness
+    counts: latency is measured from the scheduled arrival (`*_ms`), and from the actual start
+    (`service_*`) separately. `late_*` is how late pairs started (the pacer's own accuracy);
+    `hold_only_*` is the hold alone (from the actual start), which is all a router waits for."""
+    lat: list[float] = []
+    service: list[float] = []
+    late: list[float] = []
+    holds: list[float] = []
+    refused = 0
+    t_base = time.perf_counter() + 0.05
+    per_caller = rate / callers
+
+    async def caller(c: int):
+        nonlocal refused
+        rng = random.Random(c * 7919 + int(rate))
+        due = t_base + rng.expovariate(per_caller)
+        r = 0
+        while due < t_base + duration_s:
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            start = time.perf_counter()
+            rid = f"{c}-{r}-{uuid.uuid4().hex[:6]}"
+            refused += not await _pair(client, rid, holds)
+            end = time.perf_counter()
+            lat.append(end - due)
+            service.append(end - start)
+            late.append(start - due)
+            r += 1
+            due += rng.expovariate(per_caller)
+
+    await asyncio.gather(*(caller(c) for c in range(callers)))
+    wall = time.perf_counter() - t_base
+    out = _summary(lat, wall)
+    sv = [v * 1000 for v in service]
+    lt = [v * 1000 for v in late]
+    hd = [v * 1000 for v in holds]
+    out.update({"target_pairs_per_s": rate, "window_s": duration_s,
+                "service_p50_ms": round(_pct(sv, 50), 3), "service_p99_ms": round(_pct(sv, 99), 3),
+                "late_p50_ms": round(_pct(lt, 50), 3), "late_p99_ms": round(_pct(lt, 99), 3),
+                "late_max_ms": round(max(lt), 3),
+                "hold_only_p50_ms": round(_pct(hd, 50), 3), "hold_only_p99_ms": round(_pct(hd, 99), 3),
+                "refused": refused})
     return out
 
 
@@ -82,25 +142,29 @@ async def _actor_bench(args) -> dict:
     try:
         client = CapacityClient(namespace=ns, name=name, snapshot_path="", call_timeout_s=30,
                                 max_inflight=args.max_inflight)
-        async def heartbeats():   # replicas report every second, as they would in serving
+        async def heartbeats(i: int):
+            # Each replica reports every second at its own phase, as independent replicas do
+            # (a loop awaiting all 8 back to back would hold one client batch slot for 8 round
+            # trips every second, which no real fleet does).
+            await asyncio.sleep(i / args.replicas)
             seq = 0
             while True:
                 seq += 1
-                for rep in _register(args.replicas, seq):
-                    await client.heartbeat(rep)
+                await client.heartbeat(_register(args.replicas, seq)[i])
                 await asyncio.sleep(1.0)
 
-        beating = asyncio.get_running_loop().create_task(heartbeats())
-        await asyncio.sleep(0.5)
-        await _round_trips(client, args.callers, 3, 0.0)                 # warm-up
-        out = {"sequential_1_caller": await _round_trips(client, 1, args.rounds * 4, 0.0),
+        beating = [asyncio.get_running_loop().create_task(heartbeats(i))
+                   for i in range(args.replicas)]
+        await asyncio.sleep(1.0)
+        await _round_trips(client, args.callers, 3)                 # warm-up
+        out = {"sequential_1_caller": await _round_trips(client, 1, args.rounds * 4),
                f"closed_loop_{args.callers}_callers": await _round_trips(
-                   client, args.callers, args.rounds, 0.0)}
+                   client, args.callers, args.rounds)}
         for rate in args.paced_rate:
-            res = await _round_trips(client, args.callers, args.rounds, args.callers / rate)
-            res["target_pairs_per_s"] = rate
-            out[f"paced_{args.callers}_callers_{rate:g}_per_s"] = res
-        beating.cancel()
+            out[f"paced_{args.callers}_callers_{rate:g}_per_s"] = await _paced(
+                client, args.callers, rate, args.callers * args.rounds / rate)
+        for task in beating:
+            task.cancel()
         snap = await client.snapshot()
         assert snap["outstanding_raw_tokens"] == 0, "every hold was released"
         assert not any(v["refused"] for v in out.values()), "the fleet never ran out of room"
@@ -155,6 +219,7 @@ def main(argv=None) -> None:
     p.add_argument("--full-identities", type=int, default=1_000,
                    help="identities measured with full windows (scaled to per-10k)")
     p.add_argument("--skip-actor", action="store_true")
+    p.add_argument("--skip-memory", action="store_true")
     args = p.parse_args(argv)
 
     result = {"host": {"python": platform.python_version(), "cpus": os.cpu_count(),
@@ -169,7 +234,8 @@ def main(argv=None) -> None:
             result["actor_round_trip"] = asyncio.run(_actor_bench(args))
         finally:
             ray.shutdown()
-    result["memory"] = _memory_bench(args.identities, args.full_identities)
+    if not args.skip_memory:
+        result["memory"] = _memory_bench(args.identities, args.full_identities)
     print(json.dumps(result, indent=2))
 
 
