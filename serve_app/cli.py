@@ -78,11 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "loadtest":
         # Locust must be imported before anything that imports requests/urllib3/ray.
         return _delegate("loadtest.runner", argv[1:])
-    args = _parser().parse_args(argv)
     from engine.platform import ensure_openblas_preloaded
 
     # MLX in this process (and its Ray workers) needs OpenBLAS preloaded on Linux CPUs.
     ensure_openblas_preloaded()
+    if argv and argv[0] == "quality":
+        # Every argument, --help included, belongs to the gate's own parser.
+        return _delegate("engine.quality", argv[1:])
+    args = _parser().parse_args(argv)
     from serve_app.config import ConfigError
 
     try:
@@ -92,8 +95,6 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_deploy(args)
         if args.command == "bench":
             return _delegate(BENCHES[args.what], args.rest)
-        if args.command == "quality":
-            return _delegate("engine.quality", args.rest)
         return cmd_status(args)
     except ConfigError as e:
         print(f"orchard: config error:\n{e}", file=sys.stderr)

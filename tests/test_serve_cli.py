@@ -19,7 +19,8 @@ def orchard(*args, **kw) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("args, expect", [
     ((), "serve"), (("serve",), "CONFIG"), (("deploy",), "--address"), (("status",), "--app"),
     (("loadtest",), "--scenario"), (("bench",), "serve-path"), (("bench", "capacity"), "--callers"),
-    (("bench", "kv"), "usage"), (("bench", "serve"), "usage"), (("bench", "engine"), "usage")])
+    (("bench", "kv"), "usage"), (("bench", "serve"), "usage"), (("bench", "engine"), "usage"),
+    (("quality",), "--retrieval-cases")])
 def test_help(args, expect):
     r = orchard(*args, "--help")
     assert r.returncode == 0 and expect in r.stdout
