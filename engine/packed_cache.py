@@ -28,15 +28,8 @@ class PackedLayerCache(PagedLayerCache):
                                 "hook; this model's attention does not (runner is in gather mode)")
         super().__init__(store, step, window, direct, in_place_decode)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        b, h, n, d = keys.shape
-        k = keys.transpose(0, 2, 1, 3).reshape(b * n, h, d)
-        v = values.transpose(0, 2, 1, 3).reshape(b * n, h, values.shape[-1])
-        if self.step.valid is not None:
-            k, v = k[self.step.valid], v[self.step.valid]
-        self.store.write(self.step.slots, k, v)
-        # The step's own rows go to attention unquantized; history is read packed in attend().
-        return keys, values
+    # update_and_fetch is the base class's direct path: the store packs the new rows on write,
+    # and the step's own rows go back to attention unquantized; history is read packed in attend().
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         self.step.attended += 1
