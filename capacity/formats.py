@@ -149,6 +149,12 @@ def validate_policy(default: str, overrides: dict[str, str] | None = None) -> No
             raise KVFormatError(f"KV format override for model {model_id!r}: {e}") from None
 
 
+def normalize_overrides(overrides: dict[str, str] | None) -> dict[str, str]:
+    """Validated exact-model overrides with every value trimmed and lower-cased."""
+    validate_policy("native", overrides)
+    return {model_id: normalize_format_name(name) for model_id, name in (overrides or {}).items()}
+
+
 def resolve_kv_format(model_id: str, default: str = "native",
                       overrides: dict[str, str] | None = None) -> str:
     """The format name for `model_id`: its exact-id override if present, else the default.

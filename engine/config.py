@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from capacity.formats import KVFormatError, normalize_format_name, validate_policy
+from capacity.formats import normalize_format_name, normalize_overrides
 from engine.pages import is_power_of_two
 
 # Chosen by measurement in engine/kvstore.py (its DEFAULT_PAGE_TOKENS; a test keeps the two equal):
@@ -48,19 +48,12 @@ class EngineConfig(BaseModel):
     @field_validator("kv_format")
     @classmethod
     def _format_known(cls, v: str) -> str:
-        try:
-            return normalize_format_name(v)
-        except KVFormatError as e:
-            raise ValueError(str(e)) from None
+        return normalize_format_name(v)  # KVFormatError is a ValueError: pydantic names the field
 
     @field_validator("kv_format_overrides")
     @classmethod
     def _overrides_known(cls, v: dict[str, str]) -> dict[str, str]:
-        try:
-            validate_policy("native", v)
-        except KVFormatError as e:
-            raise ValueError(str(e)) from None
-        return {model_id: normalize_format_name(name) for model_id, name in v.items()}
+        return normalize_overrides(v)
 
     @field_validator("dtype")
     @classmethod

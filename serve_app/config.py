@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from capacity.formats import KVFormatError, normalize_format_name
+from capacity.formats import normalize_format_name, normalize_overrides
 
 DEFAULT_MODEL_ID = "orchard-tiny"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -72,12 +72,7 @@ class ModelConfig(_Strict):
     @field_validator("kv_format")
     @classmethod
     def _format(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        try:
-            return normalize_format_name(v)
-        except KVFormatError as e:
-            raise ValueError(str(e)) from None
+        return v if v is None else normalize_format_name(v)
 
     @field_validator("engine")
     @classmethod
@@ -114,21 +109,12 @@ class KVDefaults(_Strict):
     @field_validator("default")
     @classmethod
     def _default(cls, v: str) -> str:
-        try:
-            return normalize_format_name(v)
-        except KVFormatError as e:
-            raise ValueError(str(e)) from None
+        return normalize_format_name(v)
 
     @field_validator("overrides")
     @classmethod
     def _overrides(cls, v: dict[str, str]) -> dict[str, str]:
-        out = {}
-        for model_id, name in v.items():
-            try:
-                out[model_id] = normalize_format_name(name)
-            except KVFormatError as e:
-                raise ValueError(f"{model_id}: {e}") from None
-        return out
+        return normalize_overrides(v)
 
 
 class CapacitySettings(_Strict):

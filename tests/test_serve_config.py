@@ -33,6 +33,8 @@ def test_kv_format_precedence_model_then_override_then_default():
     ({"models": [{"id": "m", "path": "/x"}, {"id": "m", "path": "/y"}]}, "models.1.id"),
     ({"models": [{"id": "m", "path": "/x"}], "kv": {"overrides": {"zz": "int8"}}}, "kv.overrides"),
     ({"models": [{"id": "a#b", "path": "/x"}]}, "models.0.id"),
+    ({"models": [{"id": "m", "path": "/x"}], "kv": {"overrides": {"m": "int3"}}}, "kv.overrides"),
+    ({"models": [{"id": "m", "path": "/x"}], "kv": {"default": "fp8"}}, "kv.default"),
     ({"models": [{"id": "m", "path": "/x", "engine": {"kv_format": "int8"}}]}, "models.0.engine"),
     ({"models": [{"id": "m", "path": "/x", "engine": {"max_step_tokn": 8}}]}, "models.0.engine"),
 ])
