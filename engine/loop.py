@@ -39,15 +39,16 @@ from capacity.formats import KVFormat, resolve_kv_format
 from capacity.pricing import CostModel
 from engine.bridge import Sink
 from engine.budget import ByteLedger, build_cost_model, resolve_budget_bytes
-from engine.checkpoint import (CheckpointError, check_compatible, read_manifest,
-                               restore_checkpoint, save_checkpoint)
+from engine.checkpoint import CheckpointError
 from engine.config import EngineConfig
 from engine.detok import TextStream
+from engine.engine_stats import collect_stats
 from engine.errors import (DeadlineUnmeetable, EngineError, EngineOverloaded, EngineShutdown,
                            InvalidRequest, RequestTooLarge)
 from engine.pages import PagePool, pages_for
 from engine.prefix import PrefixCache, chain_root
 from engine.request import Delta, GenerationRequest, Usage
+from engine.request_checkpoints import RequestCheckpoints
 from engine.runner import SeqChunk
 from engine.sampling import RowSpec, SamplingParams, sample
 from engine.scheduler import FINISHED, RUNNING, RateForecast, Scheduler, Seq, Step
@@ -56,11 +57,6 @@ __all__ = ["Engine", "GenerationRequest", "SamplingParams", "Delta", "Usage"]
 
 log = logging.getLogger("orchard.engine")
 _IDLE_POLL_S = 0.005   # wait for commands while requests exist but no step can run
-# Counters always present in stats() (zero until they happen), so dashboards see every series.
-_COUNTED = ("submitted", "admitted", "refused_too_large", "refused_deadline", "refused_overloaded",
-            "refused_invalid", "refused_shutdown", "finished_stop", "finished_length",
-            "finished_cancelled", "finished_deadline", "finished_error")
-_PATHS = ("direct", "fused", "budget_fallback", "ineligible_fallback")
 
 
 class _Live:
@@ -215,7 +211,7 @@ class Engine:
     def _start(self) -> None:
         from engine.kvstore import KVStore
         from engine.model import load_model
-        from engine.packed_store import counters_of, layer_report, storage_identity
+        from engine.packed_store import layer_report, storage_identity
 
         cfg = self.cfg
         # Policy before any weights are read: an unknown value refuses the load (no fallback).
@@ -252,7 +248,6 @@ class Engine:
         self.format_identity = KVFormat(self.kv_format, head_dim, loaded.dtype_name).identity
         self.storage_identity = storage_identity(self.kvstore)
         self._layer_report = layer_report(self.kvstore)
-        self._path_counters = lambda: {**dict.fromkeys(_PATHS, 0), **counters_of(self.kvstore)}
         eos = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
         pool = PagePool(num_pages, cfg.page_tokens)
         prefix = root_of = None
@@ -274,7 +269,10 @@ class Engine:
             max_waiting=cfg.max_waiting, eos_ids=eos,
             forecast=RateForecast(cfg.rate_ewma_alpha), prefix=prefix, root_of=root_of,
             on_admit=self._on_admit)
-        self._ckpt_key = cfg.checkpoint_key.encode() if cfg.checkpoint_key else None
+        self._checkpoints = RequestCheckpoints(
+            self.model_id, self.kvstore, loaded.fingerprint,
+            cfg.checkpoint_key.encode() if cfg.checkpoint_key else None, cfg.page_tokens,
+            has_recurrent_state=self.runner.recurrent is not None)
         self._live: dict[str, _Live] = {}
         self._outbox: list[tuple[Sink, Delta]] = []
         self._seq_ids = 0
@@ -312,7 +310,7 @@ class Engine:
                            retired_step=self._retired_step, workspace_bytes=ledger.workspace_bytes,
                            free_bytes=ledger.cost_model.free_bytes(ledger.used_bytes))
                 if seq.restore is not None:
-                    self._check_restorable(seq)
+                    self._checkpoints.check_restorable(seq)
                 self.scheduler.submit(seq, now)
             except EngineError as e:
                 if not isinstance(e, (RequestTooLarge, EngineOverloaded, DeadlineUnmeetable)):
@@ -524,25 +522,9 @@ class Engine:
         if seq.restore is not None:
             self._restore(seq)
 
-    def _check_restorable(self, seq: Seq) -> None:
-        """Refuse a bad checkpoint at submit, before anything is charged or allocated."""
-        if self.runner.recurrent is not None:
-            raise CheckpointError(f"{self.model_id}: recurrent layers keep state outside the "
-                                  "pages; their requests cannot be restored")
-        manifest = read_manifest(seq.restore, self._ckpt_key)
-        check_compatible(manifest, self.kvstore, self.loaded.fingerprint, seq.prompt_ids)
-        if manifest["num_tokens"] >= len(seq.prompt_ids):
-            raise CheckpointError("the checkpoint covers the whole prompt; append at least the "
-                                  "next token so there is one to compute")
-
     def _restore(self, seq: Seq) -> None:
-        """Write the checkpoint's rows into the admitted request's first pages (re-validated
-        first: nothing is allocated for a file that changed since submit)."""
         try:
-            _, n = restore_checkpoint(
-                seq.restore, self.kvstore, seq.prompt_ids,
-                model_fingerprint=self.loaded.fingerprint, key=self._ckpt_key,
-                allocate=lambda pages: seq.table.ensure(pages * self.cfg.page_tokens))
+            n = self._checkpoints.restore(seq)
         except Exception as e:  # noqa: BLE001 - fails this request only
             self.scheduler.finish(seq, "error")
             live = self._live.pop(seq.request_id, None)
@@ -557,19 +539,14 @@ class Engine:
         if seq is None or seq.num_computed == 0:
             raise CheckpointError(f"request {request_id!r} is not running with computed KV; "
                                   "only a running request's KV can be saved")
-        n = seq.num_computed
-        return save_checkpoint(path, self.kvstore, seq.table.pages,
-                               [seq.token_at(i) for i in range(n)],
-                               model_fingerprint=self.loaded.fingerprint, key=self._ckpt_key)
+        return self._checkpoints.save(seq, path)
 
     def _save_finished(self, seq: Seq) -> dict:
         """Save a finished request's KV before its pages are reclaimed (its steps retired)."""
         if seq.table is None or seq.num_computed == 0:
             return {"error": "the request finished before any of its KV was computed"}
         try:
-            return save_checkpoint(seq.checkpoint_to, self.kvstore, seq.table.pages,
-                                   [seq.token_at(i) for i in range(seq.num_computed)],
-                                   model_fingerprint=self.loaded.fingerprint, key=self._ckpt_key)
+            return self._checkpoints.save(seq, seq.checkpoint_to)
         except Exception as e:  # noqa: BLE001 - the request itself finished fine
             log.exception("checkpoint of %s failed", seq.request_id)
             return {"error": f"checkpoint failed: {e!r}"}
@@ -676,43 +653,7 @@ class Engine:
                 cmd[3].set_exception(exc)
 
     def _publish_stats(self) -> None:
-        sch, pool, ledger = self.scheduler, self.scheduler.pool, self.scheduler.ledger
-        page_bytes = self.kvstore.page_bytes
-        stats = {
-            "model_id": self.model_id, "format_identity": self.format_identity,
-            "kv_format": self.kv_format, "prefill_mode": self.cfg.prefill_mode,
-            "storage_identity": self.storage_identity, "kv_layers": self._layer_report,
-            "kv_path_counters": self._path_counters(),
-            "kv_workspace_bytes": ledger.workspace_bytes,
-            "kv_raw_tokens_reserved": ledger.raw_tokens_reserved,
-            "prefix_cache_enabled": sch.prefix is not None,
-            "prefix_cache_pages": len(sch.prefix) if sch.prefix is not None else 0,
-            "prefix_cache_bytes": ledger.cache_bytes,
-            "prefix_cache_evictable_pages": sch.evictable_pages,
-            "tenant": self.cfg.tenant,
-            "num_requests_running": len(sch.running),
-            "num_requests_waiting": len(sch.waiting),
-            "kv_cache_usage_perc": pool.num_used / pool.num_pages,
-            "kv_pages_used": pool.num_used, "kv_pages_total": pool.num_pages,
-            "kv_bytes_used": pool.num_used * page_bytes,
-            # What admission cannot use: cached pages no request holds are evicted on demand,
-            # so routing headroom (computed from this) does not count them.
-            "kv_bytes_reserved": ledger.used_bytes - sch.evictable_pages * ledger.page_charge,
-            "kv_bytes_total": ledger.budget_bytes,
-            "page_tokens": pool.page_tokens, "retired_step": self._retired_step,
-            "prefill_tokens_per_s": sch.forecast.prefill_tps,
-            "decode_step_s": sch.forecast.decode_step_s,
-            "prompt_tokens_total": self._counters["prompt_tokens"],
-            "generation_tokens_total": self._counters["generation_tokens"],
-            "steps_total": self._counters["steps"],
-        }
-        counts = Counter({k: 0 for k in _COUNTED})
-        counts.update({k: v for k, v in self._counters.items() if k.startswith("refused_")})
-        counts.update({k: v for k, v in sch.counters.items() if not k.startswith("prefix_")})
-        stats.update({f"{k}_total": sch.counters[k]
-                      for k in ("prefix_hits", "prefix_hit_tokens", "prefix_evicted_pages")})
-        stats.update({f"requests_{k}_total": counts[k] for k in sorted({*_COUNTED, *counts})})
-        self._stats = stats
+        self._stats = collect_stats(self)
 
 
 def _store_for(kv_format: str, prefill_mode: str, permit: Callable[[int], bool]):
