@@ -34,6 +34,7 @@ from collections import Counter
 from typing import AsyncIterator, Callable
 
 import mlx.core as mx
+import numpy as np
 
 from capacity.formats import KVFormat, resolve_kv_format
 from capacity.pricing import CostModel
@@ -80,9 +81,15 @@ class Engine:
     # Pipeline steady decode steps (native KV, no recurrent layers); tests may switch it off.
     pipeline_decode = True
 
-    def __init__(self, cfg: EngineConfig, trace: Callable[..., None] | None = None):
+    def __init__(self, cfg: EngineConfig, trace: Callable[..., None] | None = None,
+                 logits_tap: Callable[[str, int, np.ndarray], None] | None = None):
+        """`logits_tap` (optional, for tests and quality checks) is called on the engine thread,
+        once a step retired, with (request_id, token_index, logits) for every row that sampled
+        a token: `logits` is a float32 numpy copy of exactly what the sampler read for the
+        request's token number `token_index` (0 = first generated)."""
         self.cfg = cfg
         self._trace = trace
+        self._logits_tap = logits_tap
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
@@ -429,7 +436,9 @@ class Engine:
                     tokens = cur.drawn.tolist()   # waits for this step only; nxt stays queued
                 except Exception:  # noqa: BLE001
                     tokens = None
-            if tokens is None:   # drain, then retry this step row by row
+            if tokens is not None:
+                self._tap(cur.step.chunks, cur.logits)
+            else:   # drain, then retry this step row by row (the retry taps its own rows)
                 if nxt is not None:
                     self._discard(nxt)
                     nxt = _InFlight(nxt.step, None, None)
@@ -499,10 +508,22 @@ class Engine:
         mx.eval(drawn if drawn is not None else logits, self.kvstore.arrays())
         mx.synchronize()
         self._step_arrays.extend((logits, drawn))
+        if rows:
+            self._tap([chunks[i] for i in rows], picked)
         out: list[int | None] = [None] * len(chunks)
         for i, t in zip(rows, drawn.tolist() if drawn is not None else []):
             out[i] = t
         return out
+
+    def _tap(self, chunks, logits: mx.array) -> None:
+        """Hand each sampling row's logits to the tap (rows of `logits` follow `chunks`)."""
+        if self._logits_tap is None:
+            return
+        try:
+            for row, c in zip(np.array(logits, copy=True), chunks):
+                self._logits_tap(c.seq.request_id, len(c.seq.output_ids), row)
+        except Exception:  # noqa: BLE001 - an observer never changes what the engine does
+            log.exception("logits tap failed")
 
     def _isolate_failures(self, step: Step) -> list[int | None]:
         out: list[int | None] = [None] * len(step.chunks)
