@@ -50,7 +50,7 @@ from engine.pages import PagePool, pages_for
 from engine.prefix import PrefixCache, chain_root
 from engine.request import Delta, GenerationRequest, Usage
 from engine.request_checkpoints import RequestCheckpoints
-from engine.runner import SeqChunk
+from engine.runner import SeqChunk, check_supported_layers
 from engine.sampling import RowSpec, SamplingParams, sample
 from engine.scheduler import FINISHED, RUNNING, RateForecast, Scheduler, Seq, Step
 
@@ -224,6 +224,7 @@ class Engine:
         # Policy before any weights are read: an unknown value refuses the load (no fallback).
         self.kv_format = resolve_kv_format(cfg.model, cfg.kv_format, cfg.kv_format_overrides)
         loaded = load_model(cfg.model, dtype=cfg.dtype, allow_hub=cfg.allow_hub)
+        check_supported_layers(loaded)   # before any KV memory is sized or allocated
         self._step_id: int | None = None     # the step whose graph is being built
         self._step_arrays: list = []         # its device results, dropped when it is released
         factory, runner_cls = _store_for(self.kv_format, cfg.prefill_mode, self._permit)

@@ -29,7 +29,12 @@ import numpy as np
 
 from engine.attention import PagedLayerCache, Row, StepBatch, install_sdpa_hook
 from engine.kvstore import KVStore
-from engine.model import LoadedModel
+from engine.model import LoadedModel, ModelLoadError
+
+# Layer kinds (engine/model.py's probe) the runner can serve: attention it pages, and recurrent
+# state it batches per sequence. Anything else ("other": e.g. a chunked-attention cache, or a
+# rotating cache that pins leading tokens) would be attended wrongly, so the load is refused.
+SUPPORTED_KINDS = ("full", "sliding", "recurrent")
 
 
 @dataclass(frozen=True)
@@ -84,13 +89,29 @@ class RecurrentStates:
         self._states.pop(seq_id, None)
 
 
+def check_supported_layers(loaded: LoadedModel) -> None:
+    """Refuse (ModelLoadError) a model with a layer whose cache the runner can neither page nor
+    batch, naming each such layer, the mlx-lm cache class it uses and its probed kind."""
+    bad = [g for g in loaded.geometry.layers if g.kind not in SUPPORTED_KINDS]
+    if not bad:
+        return
+    from mlx_lm.models.cache import make_prompt_cache
+    native = make_prompt_cache(loaded.model)   # empty cache objects: only their class is read
+    by_cache: dict[tuple[str, str], list[int]] = {}
+    for g in bad:
+        by_cache.setdefault((type(native[g.index]).__name__, g.kind), []).append(g.index)
+    what = "; ".join(f"layer{'s' if len(ix) > 1 else ''} {', '.join(map(str, ix))} keep"
+                     f"{'' if len(ix) > 1 else 's'} a {cls} (cache kind {kind!r})"
+                     for (cls, kind), ix in by_cache.items())
+    raise ModelLoadError(
+        f"model {loaded.path} is not supported: {what}. The engine serves layers whose cache is "
+        "paged attention (full or sliding window) or per-sequence recurrent state only")
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, kvstore: KVStore, merge_pad_tokens: int = 16):
+        check_supported_layers(loaded)
         geometry = loaded.geometry
-        other = [g.index for g in geometry.layers if g.kind == "other"]
-        if other:
-            raise NotImplementedError(f"layers {other} keep a cache the runner cannot page or "
-                                      "batch (neither attention nor recurrent)")
         self.loaded = loaded
         self.kvstore = kvstore
         self.page_tokens = kvstore.page_tokens
