@@ -6,6 +6,11 @@ idempotent by request id or heartbeat sequence). It persists rate histories to a
 periodically and restores them in __init__ after a restart; reservations are not persisted, they
 come back from the replicas' next heartbeats (each lists its active requests). Each method runs
 Fleet code to completion without awaiting, so no lock is ever held across the fleet.
+
+Hot path: the actor also serves its batches over a direct TCP connection (capacity/fastpath.py),
+because a Ray call costs milliseconds on a busy box; `endpoint()` tells clients where, with a
+token that changes with every incarnation. Holds may wait for capacity in a per-model FIFO
+(capacity/waiting.py) instead of being refused at once.
 """
 from __future__ import annotations
 
@@ -13,16 +18,20 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import tempfile
 import time
+import weakref
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from capacity.errors import CapacityError, CapacityRefused
+from capacity.fastpath import FastConnection, FastFailed, FastServer
 from capacity.fleet import Fleet, FleetConfig, Hold
 from capacity.protocol import ActorInfo, HeartbeatReport, RequestTelemetry
+from capacity.waiting import WaitQueues
 
 log = logging.getLogger("orchard.capacity")
 
@@ -81,8 +90,12 @@ class CapacityActor:
         self.persist_interval_s = persist_interval_s
         self.reap_interval_s = reap_interval_s
         self.persisted_at: float | None = None
-        self.batches = 0      # apply() calls, so batching is observable
+        self.batches = 0      # batches applied (Ray and direct), so batching is observable
         self.ops = 0
+        self.waits = WaitQueues(self.fleet)
+        self.token = secrets.token_urlsafe(24)    # per incarnation: a restart invalidates it
+        self._fast: FastServer | None = None
+        self._fast_lock = asyncio.Lock()
         self._bg: asyncio.Task | None = None
 
     def _ensure_background(self) -> None:
@@ -94,7 +107,8 @@ class CapacityActor:
         last_persist = time.monotonic()
         while True:
             await asyncio.sleep(self.reap_interval_s)
-            self.fleet.expire(time.monotonic())
+            if self.fleet.expire(time.monotonic()) and len(self.waits):
+                self.waits.drain()
             if self.path and time.monotonic() - last_persist >= self.persist_interval_s:
                 last_persist = time.monotonic()
                 try:
@@ -116,51 +130,83 @@ class CapacityActor:
                 "reconstructed": self.reconstructed, "snapshot_path": self.path,
                 "persisted_at": self.persisted_at, "identities": len(self.fleet.rates),
                 "batches": self.batches, "ops": self.ops,
+                "waiting": len(self.waits), "waits": self.waits.stats.as_dict(),
+                "fast": dict(self._fast.stats) if self._fast else None,
+                "pid": os.getpid()}
+
+    async def endpoint(self) -> dict | None:
+        """Where the direct transport listens: {host, port, token, pid}; None if it could not
+        start (clients then stay on Ray calls)."""
+        self._ensure_background()
+        async with self._fast_lock:
+            if self._fast is None:
+                server = FastServer(self.token, self._apply_ops, self.waits.drop_owner)
+                try:
+                    await server.start(ray.util.get_node_ip_address())
+                except OSError:
+                    log.warning("capacity fast path could not listen; Ray calls only", exc_info=True)
+                    return None
+                self._fast = server
+        return {"host": self._fast.host, "port": self._fast.port, "token": self.token,
                 "pid": os.getpid()}
 
     async def hold(self, model_id: str, raw_tokens: int, request_id: str,
-                   prompt_tokens: int | None = None, exclude=()) -> dict:
+                   prompt_tokens: int | None = None, exclude=(), wait_s: float = 0.0) -> dict:
         return (await self.apply([("hold", model_id, raw_tokens, request_id, prompt_tokens,
-                                   exclude)]))[0]
+                                   exclude, wait_s)]))[0]
 
-    def _hold(self, model_id, raw_tokens, request_id, prompt_tokens=None, exclude=()) -> dict:
-        """Refusals come back as data, not exceptions: cheaper, and no RayTaskError unwrapping."""
-        try:
-            hold = self.fleet.hold(model_id, raw_tokens, request_id, time.monotonic(),
-                                   prompt_tokens, tuple(exclude))
-        except CapacityRefused as e:
-            return {"ok": False, "reason": e.reason, "retry_after_s": e.retry_after_s,
-                    "detail": e.detail}
-        return {"ok": True, "hold": hold}
+    def _hold(self, owner, model_id, raw_tokens, request_id, prompt_tokens=None, exclude=(),
+              wait_s=0.0):
+        """Refusals come back as data, not exceptions: cheaper, and no RayTaskError unwrapping.
+        With wait_s > 0 and no room, a future of the same data (capacity/waiting.py)."""
+        return self.waits.hold(model_id, raw_tokens, request_id, prompt_tokens, tuple(exclude),
+                               float(wait_s or 0.0), owner)
 
     async def apply(self, ops: list[tuple]) -> list:
-        """A batch applied in order: (op, args...), op in hold/commit/release/cancel/heartbeat."""
+        """A batch applied in order: (op, args...), op in hold/commit/release/cancel/heartbeat.
+        A hold that waits delays only this call's reply, not its batch-mates' effects."""
+        out = self._apply_ops(ops, None)
+        if any(isinstance(r, asyncio.Future) for r in out):
+            out = [await asyncio.shield(r) if isinstance(r, asyncio.Future) else r for r in out]
+        return out
+
+    def _apply_ops(self, ops: list, owner: object | None) -> list:
+        """The one batch path of both transports; a waiting hold's entry is a future."""
         self._ensure_background()
         self.batches += 1
         self.ops += len(ops)
         out = []
-        for op, *args in ops:
+        for op in ops:
             try:
-                out.append(self._apply_one(op, args))
+                name, *args = op
+                out.append(self._apply_one(name, args, owner))
             except CapacityError as e:       # one bad report must not fail its batch-mates
                 out.append({"error": type(e).__name__, "detail": str(e)})
             except ValueError as e:          # pydantic validation of a malformed report
                 out.append({"error": "ValidationError", "detail": str(e)[:500]})
+            except (TypeError, IndexError) as e:   # wrong arity or shape (direct clients)
+                out.append({"error": "MalformedOp", "detail": str(e)[:500]})
         return out
 
-    def _apply_one(self, op: str, args: list) -> Any:
+    def _apply_one(self, op: str, args: list, owner: object | None = None) -> Any:
         now = time.monotonic()
         if op == "hold":
-            return self._hold(*args)
+            return self._hold(owner, *args)
         if op == "commit":
-            return self.fleet.commit(args[0], args[1], now, *args[2:])
-        if op == "release":
-            return self.fleet.release(args[0], args[1])
-        if op == "cancel":
-            return self.fleet.cancel(args[0])
-        if op == "heartbeat":
-            return self.fleet.heartbeat(args[0], now)
-        raise CapacityError(f"unknown op {op!r}")
+            out = self.fleet.commit(args[0], args[1], now, *args[2:])
+        elif op == "release":
+            out = self.fleet.release(args[0], args[1] if len(args) > 1 else None)
+        elif op == "cancel":
+            out = self.fleet.cancel(args[0])
+            known = out or self.fleet.ledger.outcome(args[0]) is not None
+            out = self.waits.cancel(args[0], known) or out
+        elif op == "heartbeat":
+            out = self.fleet.heartbeat(args[0], now)
+        else:
+            raise CapacityError(f"unknown op {op!r}")
+        if len(self.waits):          # anything but a hold may have made room for a waiter
+            self.waits.drain()
+        return out
 
     async def heartbeat(self, report: dict) -> dict:
         return (await self.apply([("heartbeat", report)]))[0]
@@ -211,13 +257,24 @@ class CapacityClient:
     once, and whatever queues while `max_inflight` batches are in flight goes in the next one. So
     an idle client adds no latency and a busy one makes one actor call per batch (200 concurrent
     callers cost a handful of actor calls, not 200). Each batch is applied in order.
+
+    Transport (`transport="auto"`, the default): after its first Ray call the client asks the actor
+    for its direct endpoint in the background and from then on sends batches over one persistent
+    connection per event loop (capacity/fastpath.py). Any failure there (connection lost, timeout,
+    refused token) sends that batch through Ray instead and rediscovers the endpoint after a
+    backoff (the actor may have restarted on a new port with a new token). `transport="ray"`
+    never uses the direct connection. Heartbeats, commits and releases ride the same batches;
+    snapshot/info stay Ray calls.
     """
 
     def __init__(self, namespace: str = DEFAULT_NAMESPACE, name: str = DEFAULT_NAME, *,
                  create: bool = True, config: dict | None = None, snapshot_path: str | None = None,
                  call_timeout_s: float = 2.0, fallback_cap: int = 1, backoff_s: float = 0.5,
                  max_backoff_s: float = 10.0, max_batch: int = 512, max_inflight: int = 2,
-                 first_call_timeout_s: float = 30.0):
+                 first_call_timeout_s: float = 30.0, transport: str = "auto",
+                 fast_retry_s: float = 0.5):
+        if transport not in ("auto", "ray"):
+            raise ValueError(f"transport must be 'auto' or 'ray', got {transport!r}")
         self.namespace, self.name, self.create = namespace, name, create
         self.config, self.snapshot_path = config, snapshot_path
         self.call_timeout_s = call_timeout_s      # a hold slower than this counts as unreachable
@@ -245,6 +302,19 @@ class CapacityClient:
         # flusher as in flight, start none, and wait for some unrelated later call to send it (or
         # forever, with max_inflight=1 and no other traffic).
         self._inflight = 0
+        self.transport = transport
+        self.fast_retry_s = fast_retry_s          # first wait before rediscovering the endpoint
+        self.fast_batches = 0                     # batches answered over the direct connection
+        self.ray_batches = 0                      # batches sent as Ray calls
+        self.fast_faults = 0                      # direct-connection failures (each fell back)
+        self._fast_failures = 0                   # consecutive, for the rediscovery backoff
+        self._fast_retry_at = 0.0
+        self._endpoint: dict | None = None
+        # One connection per event loop: asyncio streams are bound to the loop that opened them
+        # (a Serve router and a replica may use one client from different loops).
+        self._conns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._connecting: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._tasks: set[asyncio.Task] = set()
 
     # ---- transport ------------------------------------------------------------------------
 
@@ -263,12 +333,14 @@ class CapacityClient:
         self._down_until = time.monotonic() + min(self.max_backoff_s,
                                                   self.backoff_s * 2 ** min(self.faults - 1, 16))
 
-    async def _call(self, method: str, *args) -> Any:
+    async def _call(self, method: str, *args, timeout: float | None = None) -> Any:
         if time.monotonic() < self._down_until:
             raise CapacityUnavailable("capacity actor marked unreachable (backing off)")
         try:
             handle = await self._get_handle()
-            timeout = self.call_timeout_s if self._answered else self.first_call_timeout_s
+            timeout = timeout or self.call_timeout_s
+            if not self._answered:
+                timeout = max(timeout, self.first_call_timeout_s)
             result = await asyncio.wait_for(getattr(handle, method).remote(*args), timeout)
         except (RayActorError, GetTimeoutError, asyncio.TimeoutError, ValueError) as e:
             # ValueError: ray.get_actor found no such actor.
@@ -278,19 +350,123 @@ class CapacityClient:
         self._answered = True
         return result
 
+    async def _send(self, ops: list, timeout: float | None = None, remake=None) -> list:
+        """One batch, applied in order: over the direct connection when it is up, else as a Ray
+        call. `remake()` -> (ops, timeout) rebuilds a waiting hold for the time it has left."""
+        if self.transport != "ray":
+            conn = self._fast_conn()
+            if conn is not None:
+                try:
+                    out = await conn.request(ops, timeout or self.call_timeout_s)
+                except FastFailed as e:
+                    self._fast_fault(conn, e)
+                    if remake is not None:
+                        ops, timeout = remake()
+                else:
+                    self.fast_batches += 1
+                    self._fast_failures = 0
+                    return out
+        self.ray_batches += 1
+        if timeout is None:
+            return await self._call("apply", ops)
+        return await self._call("apply", ops, timeout=timeout)
+
+    def _fast_conn(self) -> FastConnection | None:
+        """This loop's live connection, or None (then connect in the background; never wait)."""
+        if not self._answered or time.monotonic() < self._fast_retry_at:
+            return None       # the first call goes through Ray: it may create the actor
+        loop = asyncio.get_running_loop()
+        conn = self._conns.get(loop)
+        if conn is not None and not conn.closed:
+            return conn
+        if loop not in self._connecting:
+            self._connecting[loop] = self._spawn(self._connect(loop))
+        return None
+
+    async def _connect(self, loop) -> None:
+        try:
+            if self._endpoint is None:
+                self._endpoint = await self._call("endpoint")
+            ep = self._endpoint
+            if not ep:
+                raise FastFailed("the actor serves no direct endpoint")
+            self._conns[loop] = await FastConnection.open(ep["host"], ep["port"], ep["token"],
+                                                          self.call_timeout_s)
+        except Exception as e:  # noqa: BLE001 - any failure here only means "stay on Ray"
+            self._fast_fault(None, e)
+        finally:
+            self._connecting.pop(loop, None)
+
+    def _fast_fault(self, conn: FastConnection | None, why: Exception) -> None:
+        self.fast_faults += 1
+        self._fast_failures += 1
+        self._endpoint = None            # rediscover: a restarted actor has a new port and token
+        if conn is not None:
+            conn.close(f"fault: {why}")
+        self._fast_retry_at = time.monotonic() + min(
+            self.max_backoff_s, self.fast_retry_s * 2 ** min(self._fast_failures - 1, 16))
+        log.debug("capacity fast path unavailable (%s); Ray calls for now", why)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)            # asyncio keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        """Close this loop's direct connection (Ray handles need no closing)."""
+        conn = self._conns.pop(asyncio.get_running_loop(), None)
+        if conn is not None:
+            conn.close()
+
     # ---- routing path ---------------------------------------------------------------------
 
     async def hold(self, model_id: str, raw_tokens: int, request_id: str,
-                   prompt_tokens: int | None = None, exclude=()) -> Hold:
-        """Debit the best replica; raises CapacityRefused (nothing debited) when none fits."""
+                   prompt_tokens: int | None = None, exclude=(), wait_s: float = 0.0) -> Hold:
+        """Debit the best replica; raises CapacityRefused (nothing debited) when none fits.
+
+        wait_s > 0: when no replica fits, wait up to wait_s in the model's FIFO at the actor and
+        be granted in arrival order as capacity frees up; the same "no_capacity" refusal when the
+        wait runs out. Cancelling the awaiting task cancels the wait at the actor (never granted
+        later)."""
+        op = ("hold", model_id, raw_tokens, request_id, prompt_tokens, tuple(exclude))
         try:
-            out = await self._report(("hold", model_id, raw_tokens, request_id, prompt_tokens,
-                                      tuple(exclude)))
+            if wait_s and wait_s > 0:
+                out = await self._waiting_hold(op, float(wait_s))
+            else:
+                out = await self._report(op)
         except CapacityUnavailable:
             return self._local_hold(model_id, raw_tokens, request_id)
+        if isinstance(out, dict) and "error" in out:
+            raise CapacityError(f"hold rejected: {out['error']}: {out.get('detail', '')}")
         if not out["ok"]:
             raise CapacityRefused(out["reason"], out["retry_after_s"], out.get("detail", ""))
-        return out["hold"]
+        hold = out["hold"]
+        return Hold(**hold) if isinstance(hold, dict) else hold   # direct transport: a dict
+
+    async def _waiting_hold(self, op: tuple, wait_s: float) -> dict:
+        """A waiting hold goes alone (its reply may come late) and bypasses the batch queue."""
+        deadline = time.monotonic() + wait_s
+
+        def remake():
+            left = max(0.0, deadline - time.monotonic())
+            return [(*op, left)], left + self.call_timeout_s
+
+        ops, timeout = remake()
+        try:
+            return (await self._send(ops, timeout, remake))[0]
+        except (asyncio.CancelledError, CapacityUnavailable):
+            # The caller gave up, or we could not hear the answer: the hold may still be parked
+            # (or granted) at the actor. Cancel it there, on the same path, in order.
+            self._spawn(self._quietly(self._report(("cancel", op[3]))))
+            raise
+
+    @staticmethod
+    async def _quietly(coro) -> None:
+        try:
+            await coro
+        except Exception:  # noqa: BLE001 - best effort; the hold TTL is the backstop
+            pass
 
     def _local_hold(self, model_id: str, raw_tokens: int, request_id: str) -> Hold:
         held = self._local.setdefault(model_id, set())
@@ -349,7 +525,7 @@ class CapacityClient:
             while self._queue:
                 batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
                 try:
-                    results = await self._call("apply", [op for op, _ in batch])
+                    results = await self._send([op for op, _ in batch])
                 except CapacityUnavailable as e:
                     for _, fut in batch:
                         if not fut.done():

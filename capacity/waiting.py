@@ -1,0 +1,216 @@
+"""Holds that wait for capacity, per model, first come first served (no Ray; runs on one loop).
+
+`hold(..., wait_s > 0)` that finds no room is parked as a future instead of being refused; it is
+granted in arrival order as soon as room appears (the actor calls `drain()` after every release,
+cancel, commit, heartbeat and expiry), or answered with the usual "no_capacity" refusal when its
+wait runs out. While anyone waits for a model, a newcomer never overtakes: a waiting hold joins
+the back of the queue and a non-waiting one is refused. Nothing is debited until a grant, and a
+grant is an ordinary `Fleet.hold`, so the ledger's invariants are untouched.
+
+A waiter whose client gave up is never granted: a cancel of its request id removes it, and so
+does the end of the direct connection it came on (`drop_owner`). A cancel that arrives before its
+waiting hold (over another path) leaves a tombstone that refuses that hold.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from capacity.errors import CapacityRefused
+from capacity.fleet import Fleet
+
+TOMBSTONES = 10_000     # ids cancelled before their waiting hold arrived, remembered
+
+
+@dataclass(eq=False)
+class Waiter:
+    request_id: str
+    model: str
+    raw_tokens: int
+    prompt_tokens: int | None
+    exclude: tuple
+    owner: object | None
+    future: asyncio.Future
+    timer: asyncio.TimerHandle | None = None
+    since: float = 0.0
+
+
+@dataclass
+class WaitStats:
+    parked: int = 0
+    granted: int = 0
+    timed_out: int = 0
+    cancelled: int = 0
+    dropped: int = 0        # their connection ended
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def refusal(reason: str, retry_after_s: float, detail: str = "") -> dict:
+    return {"ok": False, "reason": reason, "retry_after_s": retry_after_s, "detail": detail}
+
+
+@dataclass
+class WaitQueues:
+    fleet: Fleet
+    clock: object = None                     # () -> monotonic seconds; time.monotonic by default
+    stats: WaitStats = field(default_factory=WaitStats)
+
+    def __post_init__(self):
+        import time
+
+        self.clock = self.clock or time.monotonic
+        self._queues: dict[str, deque[Waiter]] = {}
+        self._by_id: dict[str, Waiter] = {}
+        self._tombstones: OrderedDict[str, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def waiting(self, model: str | None = None) -> list[str]:
+        if model is None:
+            return list(self._by_id)
+        return [w.request_id for w in self._queues.get(model, ())]
+
+    # ---- entry -----------------------------------------------------------------------------
+
+    def hold(self, model: str, raw_tokens: int, request_id: str, prompt_tokens: int | None = None,
+             exclude=(), wait_s: float = 0.0, owner: object | None = None):
+        """A result dict now, or a future of one (the hold waits)."""
+        exclude = tuple(exclude)
+        waiting = wait_s > 0
+        if waiting and request_id in self._tombstones:
+            return refusal("cancelled", 0.0, request_id)
+        queued = self._queues.get(model)
+        if self.fleet.ledger.reservation(request_id) is not None or (
+                not queued and (not waiting or self._fits(model, raw_tokens, exclude))):
+            out = self._try(model, raw_tokens, request_id, prompt_tokens, exclude)
+            if out["ok"] or out["reason"] != "no_capacity" or not waiting:
+                return out
+        else:
+            waiter = self._by_id.get(request_id)
+            if waiter is not None:                  # a resend (e.g. through Ray after the
+                waiter.owner = owner                # direct connection dropped): same place
+                return waiter.future
+            early = self._precheck(model, raw_tokens, request_id)
+            if early is not None:
+                return early
+            if not waiting:
+                self.fleet.counters["refusals"] += 1
+                return refusal("no_capacity", self.fleet.cfg.ledger.retry_after_s,
+                               f"{model}: {len(queued)} waiting ahead")
+        return self._park(model, raw_tokens, request_id, prompt_tokens, exclude, wait_s, owner)
+
+    def cancel(self, request_id: str, known: bool) -> bool:
+        """Remove a waiter (True). `known`: the ledger had it; otherwise leave a tombstone."""
+        waiter = self._by_id.get(request_id)
+        if waiter is not None:
+            self.stats.cancelled += 1
+            self._finish(waiter, refusal("cancelled", 0.0, request_id))
+            self.drain(waiter.model)
+            return True
+        if not known:
+            self._tombstones[request_id] = None
+            while len(self._tombstones) > TOMBSTONES:
+                self._tombstones.popitem(last=False)
+        return False
+
+    def drop_owner(self, owner: object) -> None:
+        """The connection these waiters came on ended: nobody will read their grant."""
+        gone = [w for w in self._by_id.values() if w.owner is owner]
+        for w in gone:
+            self.stats.dropped += 1
+            self._finish(w, refusal("cancelled", 0.0, "connection closed"))
+        for model in {w.model for w in gone}:
+            self.drain(model)
+
+    # ---- grants ----------------------------------------------------------------------------
+
+    def drain(self, model: str | None = None) -> int:
+        """Grant waiters in arrival order while the head fits; returns how many were granted."""
+        granted = 0
+        for m in [model] if model is not None else list(self._queues):
+            queue = self._queues.get(m)
+            while queue:
+                w = queue[0]
+                if w.future.done():                 # its awaiter was cancelled: never grant
+                    self._finish(w, None)
+                    continue
+                if not self._fits(w.model, w.raw_tokens, w.exclude):
+                    break
+                out = self._try(w.model, w.raw_tokens, w.request_id, w.prompt_tokens, w.exclude)
+                if not out["ok"] and out["reason"] == "no_capacity":
+                    break
+                granted += out["ok"]
+                self.stats.granted += out["ok"]
+                self._finish(w, out)
+        return granted
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _try(self, model, raw_tokens, request_id, prompt_tokens, exclude) -> dict:
+        try:
+            hold = self.fleet.hold(model, raw_tokens, request_id, self.clock(), prompt_tokens,
+                                   exclude)
+        except CapacityRefused as e:
+            return refusal(e.reason, e.retry_after_s, e.detail)
+        return {"ok": True, "hold": hold}
+
+    def _fits(self, model: str, raw_tokens: int, exclude: tuple) -> bool:
+        """Would a hold fit now (Ledger.hold's own test), without counting a refusal."""
+        if not isinstance(raw_tokens, int) or isinstance(raw_tokens, bool):
+            return True                             # let Ledger.hold refuse it properly
+        ledger, now = self.fleet.ledger, self.clock()
+        return any(ledger.headroom(rep, now).max_request >= raw_tokens
+                   for rep in ledger.replicas(model) if rep.replica_id not in exclude)
+
+    def _precheck(self, model, raw_tokens, request_id) -> dict | None:
+        """Refusals that waiting cannot cure, answered at once (as Ledger.hold would)."""
+        ledger = self.fleet.ledger
+        if not isinstance(raw_tokens, int) or isinstance(raw_tokens, bool) or raw_tokens < 1:
+            return refusal("invalid_request", 0.0, f"raw_tokens must be >= 1, got {raw_tokens!r}")
+        if ledger.outcome(request_id) is not None:
+            return refusal("duplicate_request_id", 0.0, request_id)
+        reps = ledger.replicas(model)
+        if not reps:
+            return refusal("unknown_model", self.fleet.cfg.ledger.retry_after_s, model)
+        if all(raw_tokens > r.token_limit for r in reps):
+            return refusal("request_too_large", 0.0, model)
+        return None
+
+    def _park(self, model, raw_tokens, request_id, prompt_tokens, exclude, wait_s, owner):
+        loop = asyncio.get_running_loop()
+        w = Waiter(request_id, model, raw_tokens, prompt_tokens, exclude, owner,
+                   loop.create_future(), since=self.clock())
+        w.timer = loop.call_later(wait_s, self._timeout, w)
+        self._queues.setdefault(model, deque()).append(w)
+        self._by_id[request_id] = w
+        self.stats.parked += 1
+        return w.future
+
+    def _timeout(self, w: Waiter) -> None:
+        if self._by_id.get(w.request_id) is not w:
+            return
+        self.stats.timed_out += 1
+        self.fleet.counters["refusals"] += 1
+        self._finish(w, refusal("no_capacity", self.fleet.cfg.ledger.retry_after_s,
+                                f"{w.model}: waited {self.clock() - w.since:.3g} s"))
+        self.drain(w.model)                         # the head left: the next one may fit
+
+    def _finish(self, w: Waiter, result: dict | None) -> None:
+        if self._by_id.get(w.request_id) is w:
+            del self._by_id[w.request_id]
+        queue = self._queues.get(w.model)
+        if queue is not None:
+            if queue and queue[0] is w:
+                queue.popleft()
+            elif w in queue:
+                queue.remove(w)
+            if not queue:
+                del self._queues[w.model]
+        if w.timer is not None:
+            w.timer.cancel()
+        if result is not None and not w.future.done():
+            w.future.set_result(result)
