@@ -31,7 +31,7 @@ from capacity.errors import CapacityError, CapacityRefused
 from capacity.fastpath import FastConnection, FastFailed, FastServer
 from capacity.fleet import Fleet, FleetConfig, Hold
 from capacity.protocol import ActorInfo, HeartbeatReport, RequestTelemetry
-from capacity.waiting import WaitQueues
+from capacity.ops import BatchOps
 
 log = logging.getLogger("orchard.capacity")
 
@@ -90,9 +90,8 @@ class CapacityActor:
         self.persist_interval_s = persist_interval_s
         self.reap_interval_s = reap_interval_s
         self.persisted_at: float | None = None
-        self.batches = 0      # batches applied (Ray and direct), so batching is observable
-        self.ops = 0
-        self.waits = WaitQueues(self.fleet)
+        self.service = BatchOps(self.fleet)      # the batch path of both transports
+        self.waits = self.service.waits
         self.token = secrets.token_urlsafe(24)    # per incarnation: a restart invalidates it
         self._fast: FastServer | None = None
         self._fast_lock = asyncio.Lock()
@@ -107,8 +106,7 @@ class CapacityActor:
         last_persist = time.monotonic()
         while True:
             await asyncio.sleep(self.reap_interval_s)
-            if self.fleet.expire(time.monotonic()) and len(self.waits):
-                self.waits.drain()
+            self.service.expire()
             if self.path and time.monotonic() - last_persist >= self.persist_interval_s:
                 last_persist = time.monotonic()
                 try:
@@ -129,7 +127,7 @@ class CapacityActor:
         return {**ActorInfo().model_dump(), "restored": self.restored,
                 "reconstructed": self.reconstructed, "snapshot_path": self.path,
                 "persisted_at": self.persisted_at, "identities": len(self.fleet.rates),
-                "batches": self.batches, "ops": self.ops,
+                "batches": self.service.batches, "ops": self.service.ops,
                 "waiting": len(self.waits), "waits": self.waits.stats.as_dict(),
                 "fast": dict(self._fast.stats) if self._fast else None,
                 "pid": os.getpid()}
@@ -155,13 +153,6 @@ class CapacityActor:
         return (await self.apply([("hold", model_id, raw_tokens, request_id, prompt_tokens,
                                    exclude, wait_s)]))[0]
 
-    def _hold(self, owner, model_id, raw_tokens, request_id, prompt_tokens=None, exclude=(),
-              wait_s=0.0):
-        """Refusals come back as data, not exceptions: cheaper, and no RayTaskError unwrapping.
-        With wait_s > 0 and no room, a future of the same data (capacity/waiting.py)."""
-        return self.waits.hold(model_id, raw_tokens, request_id, prompt_tokens, tuple(exclude),
-                               float(wait_s or 0.0), owner)
-
     async def apply(self, ops: list[tuple]) -> list:
         """A batch applied in order: (op, args...), op in hold/commit/release/cancel/heartbeat.
         A hold that waits delays only this call's reply, not its batch-mates' effects."""
@@ -171,42 +162,9 @@ class CapacityActor:
         return out
 
     def _apply_ops(self, ops: list, owner: object | None) -> list:
-        """The one batch path of both transports; a waiting hold's entry is a future."""
+        """Both transports' batch path (capacity/ops.py); a waiting hold's entry is a future."""
         self._ensure_background()
-        self.batches += 1
-        self.ops += len(ops)
-        out = []
-        for op in ops:
-            try:
-                name, *args = op
-                out.append(self._apply_one(name, args, owner))
-            except CapacityError as e:       # one bad report must not fail its batch-mates
-                out.append({"error": type(e).__name__, "detail": str(e)})
-            except ValueError as e:          # pydantic validation of a malformed report
-                out.append({"error": "ValidationError", "detail": str(e)[:500]})
-            except (TypeError, IndexError) as e:   # wrong arity or shape (direct clients)
-                out.append({"error": "MalformedOp", "detail": str(e)[:500]})
-        return out
-
-    def _apply_one(self, op: str, args: list, owner: object | None = None) -> Any:
-        now = time.monotonic()
-        if op == "hold":
-            return self._hold(owner, *args)
-        if op == "commit":
-            out = self.fleet.commit(args[0], args[1], now, *args[2:])
-        elif op == "release":
-            out = self.fleet.release(args[0], args[1] if len(args) > 1 else None)
-        elif op == "cancel":
-            out = self.fleet.cancel(args[0])
-            known = out or self.fleet.ledger.outcome(args[0]) is not None
-            out = self.waits.cancel(args[0], known) or out
-        elif op == "heartbeat":
-            out = self.fleet.heartbeat(args[0], now)
-        else:
-            raise CapacityError(f"unknown op {op!r}")
-        if len(self.waits):          # anything but a hold may have made room for a waiter
-            self.waits.drain()
-        return out
+        return self.service.apply(ops, owner)
 
     async def heartbeat(self, report: dict) -> dict:
         return (await self.apply([("heartbeat", report)]))[0]

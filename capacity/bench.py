@@ -6,11 +6,15 @@
    throughput test, whose latency is bounded below by callers / throughput, Little's law); and
    paced (open loop: each caller has its own Poisson arrival schedule, aggregate rate R offered
    over a fixed window of callers * rounds / R seconds; latency from the scheduled arrival).
+   Each load runs once per transport (`--transport ray fast`, both by default, same actor):
+   `ray` sends every client batch as a Ray actor call; `fast` uses the direct connection
+   (capacity/fastpath.py) once the client has discovered it (the bench checks it did).
 2. Memory per 10,000 execution identities (tracemalloc of the rate registry: 10,000 sparse ones
    measured; full windows measured on 1,000 and scaled) and the size of their JSON snapshot.
 
     python -m capacity.bench [--callers 200] [--rounds 25] [--paced-rate 200 1000] [--identities 10000]
-                             [--full-identities 1000] [--max-inflight 2] [--skip-actor] [--skip-memory]
+                             [--full-identities 1000] [--max-inflight 2] [--transport ray fast]
+                             [--skip-actor] [--skip-memory]
 
 Starts its own Ray session (2 CPUs, no dashboard) in a private namespace and shuts it down.
 """
@@ -134,45 +138,73 @@ async def _paced(client, callers: int, rate: float, duration_s: float) -> dict:
 
 
 async def _actor_bench(args) -> dict:
-    from capacity.actor import CapacityClient, get_or_create_actor
+    from capacity.actor import get_or_create_actor
 
     ns, name = f"bench-{uuid.uuid4().hex[:8]}", "capacity"
     actor = get_or_create_actor(ns, name, config={"caps": {"native_seeds": {"bench-model": 400.0}}},
                                 snapshot_path="")
+    seqs = [0] * args.replicas       # heartbeat sequence per replica, across both clients
     try:
-        client = CapacityClient(namespace=ns, name=name, snapshot_path="", call_timeout_s=30,
-                                max_inflight=args.max_inflight)
-        async def heartbeats(i: int):
-            # Each replica reports every second at its own phase, as independent replicas do
-            # (a loop awaiting all 8 back to back would hold one client batch slot for 8 round
-            # trips every second, which no real fleet does).
-            await asyncio.sleep(i / args.replicas)
-            seq = 0
-            while True:
-                seq += 1
-                await client.heartbeat(_register(args.replicas, seq)[i])
-                await asyncio.sleep(1.0)
-
-        beating = [asyncio.get_running_loop().create_task(heartbeats(i))
-                   for i in range(args.replicas)]
-        await asyncio.sleep(1.0)
-        await _round_trips(client, args.callers, 3)                 # warm-up
-        out = {"sequential_1_caller": await _round_trips(client, 1, args.rounds * 4),
-               f"closed_loop_{args.callers}_callers": await _round_trips(
-                   client, args.callers, args.rounds)}
-        for rate in args.paced_rate:
-            out[f"paced_{args.callers}_callers_{rate:g}_per_s"] = await _paced(
-                client, args.callers, rate, args.callers * args.rounds / rate)
-        for task in beating:
-            task.cancel()
-        snap = await client.snapshot()
-        assert snap["outstanding_raw_tokens"] == 0, "every hold was released"
-        assert not any(v["refused"] for v in out.values()), "the fleet never ran out of room"
+        out = {}
+        for transport in args.transport:
+            out[transport] = await _transport_bench(args, ns, name, actor, transport, seqs)
         return out
     finally:
         import ray
 
         ray.kill(actor, no_restart=True)
+
+
+async def _transport_bench(args, ns: str, name: str, actor, transport: str, seqs: list) -> dict:
+    from capacity.actor import CapacityClient
+
+    client = CapacityClient(namespace=ns, name=name, snapshot_path="", call_timeout_s=30,
+                            max_inflight=args.max_inflight,
+                            transport="ray" if transport == "ray" else "auto")
+
+    async def heartbeats(i: int):
+        # Each replica reports every second at its own phase, as independent replicas do
+        # (a loop awaiting all 8 back to back would hold one client batch slot for 8 round
+        # trips every second, which no real fleet does).
+        await asyncio.sleep(i / args.replicas)
+        while True:
+            seqs[i] += 1
+            await client.heartbeat(_register(args.replicas, seqs[i])[i])
+            await asyncio.sleep(1.0)
+
+    beating = [asyncio.get_running_loop().create_task(heartbeats(i)) for i in range(args.replicas)]
+    try:
+        await asyncio.sleep(1.0)
+        await _round_trips(client, args.callers, 3)                 # warm-up
+        if transport == "fast":
+            deadline = time.monotonic() + 30
+            while not client._conns:                               # discovered in the background
+                assert time.monotonic() < deadline, "the direct connection never came up"
+                await _round_trips(client, 1, 1)
+                await asyncio.sleep(0.05)
+        counts = (client.fast_batches, client.ray_batches)
+        out = {"loadavg_start": [round(v, 2) for v in os.getloadavg()],
+               "sequential_1_caller": await _round_trips(client, 1, args.rounds * 4),
+               f"closed_loop_{args.callers}_callers": await _round_trips(
+                   client, args.callers, args.rounds)}
+        for rate in args.paced_rate:
+            out[f"paced_{args.callers}_callers_{rate:g}_per_s"] = await _paced(
+                client, args.callers, rate, args.callers * args.rounds / rate)
+        out["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
+        out["batches"] = {"fast": client.fast_batches - counts[0],
+                          "ray": client.ray_batches - counts[1], "fast_faults": client.fast_faults}
+    finally:
+        for task in beating:
+            task.cancel()
+        await asyncio.gather(*beating, return_exceptions=True)
+    snap = await client.snapshot()
+    await client.close()
+    assert snap["outstanding_raw_tokens"] == 0, "every hold was released"
+    assert not any(v.get("refused") for v in out.values() if isinstance(v, dict)), \
+        "the fleet never ran out of room"
+    if transport == "fast":
+        assert out["batches"]["fast"] > 0, "the fast transport was not used"
+    return out
 
 
 def _memory_bench(n: int, n_full: int) -> dict:
@@ -215,6 +247,8 @@ def main(argv=None) -> None:
                    help="aggregate pairs/s targets for the paced runs")
     p.add_argument("--max-inflight", type=int, default=2, help="client batches in flight")
     p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--transport", nargs="+", choices=("ray", "fast"), default=["ray", "fast"],
+                   help="client transports to measure, in this order, against one actor")
     p.add_argument("--identities", type=int, default=10_000, help="sparse identities measured")
     p.add_argument("--full-identities", type=int, default=1_000,
                    help="identities measured with full windows (scaled to per-10k)")

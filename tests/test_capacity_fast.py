@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from capacity.actor import CapacityClient, get_or_create_actor
-from capacity.fastpath import FastConnection, FastFailed, encode, read_frame
+from capacity.fastpath import FastConnection, FastFailed, encode
 
 NS = "orchard-test"
 

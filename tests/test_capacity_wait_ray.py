@@ -1,0 +1,88 @@
+"""Waiting holds end to end: CapacityClient.hold(..., wait_s=...) against a real actor, over the
+direct connection and over Ray calls. Session-wide Ray (tests/fixtures/ray_session.py)."""
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from capacity.actor import CapacityClient, get_or_create_actor
+from capacity.errors import CapacityRefused
+
+NS = "orchard-test"
+
+
+def beat(seq, model, replica, max_=1000):
+    return {"replica_id": replica, "node_id": replica, "chip_class": "M4|Max", "incarnation": 1,
+            "seq": seq, "slots": [{"model_id": model, "state": "running", "raw_budget_used": 0,
+                                  "raw_budget_max": max_, "max_concurrency": 64,
+                                  "kv_bytes_per_token": 1}]}
+
+
+async def until(pred, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not await pred():
+        assert time.monotonic() < deadline, "condition never became true"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("transport", ["auto", "ray"])
+def test_client_waits_in_fifo_and_gives_up_cleanly(ray_session, transport):
+    ray = ray_session
+    name = f"capacity-{uuid.uuid4().hex[:8]}"
+    actor = get_or_create_actor(NS, name, config={"caps": {"native_seeds": {"m": 400.0,
+                                                                           "m2": 400.0}}},
+                                snapshot_path="", reap_interval_s=0.05)
+
+    async def waiting():
+        return (await actor.info.remote())["waiting"]
+
+    async def scenario():
+        client = CapacityClient(namespace=NS, name=name, snapshot_path="", call_timeout_s=30,
+                                transport=transport)
+        await client.heartbeat(beat(1, "m", "r0"))
+        await client.heartbeat(beat(1, "m2", "r2"))
+        if transport == "auto":
+            await until(lambda: asyncio.sleep(0, bool(client._conns)))
+        assert (await client.hold("m", 1000, "a")).replica_id == "r0"
+        b = asyncio.ensure_future(client.hold("m", 600, "b", wait_s=20))
+        c = asyncio.ensure_future(client.hold("m", 600, "c", wait_s=20))
+        await until(lambda: waiting_is(2))
+        # Other traffic is not held up by the waiters.
+        t0 = time.monotonic()
+        for i in range(10):
+            h = await client.hold("m2", 10, f"x{i}")
+            assert h.replica_id == "r2" and await client.release(f"x{i}")
+        assert time.monotonic() - t0 < 5.0 and not b.done()
+        # Give up on "c" (the caller is cancelled): the actor forgets it, never grants it.
+        c.cancel()
+        await until(lambda: waiting_is(1))
+        assert await client.release("a")                    # frees room for "b", first in line
+        hold_b = await asyncio.wait_for(b, 10)
+        assert hold_b.replica_id == "r0" and not hold_b.fallback
+        snap = await client.snapshot()
+        assert snap["outstanding_raw_tokens"] == 600        # "b" only, never "c"
+        # A wait that runs out is today's refusal, with its Retry-After hint.
+        t0 = time.monotonic()
+        with pytest.raises(CapacityRefused) as e:
+            await client.hold("m", 600, "d", wait_s=0.3)
+        assert e.value.reason == "no_capacity" and e.value.retry_after_s > 0
+        assert 0.25 <= time.monotonic() - t0 < 5.0
+        assert await client.release("b")
+        assert (await client.snapshot())["outstanding_raw_tokens"] == 0
+        info = await actor.info.remote()
+        assert info["waits"]["granted"] == 1 and info["waits"]["timed_out"] == 1
+        assert info["waits"]["cancelled"] + info["waits"]["dropped"] == 1
+        if transport == "auto":
+            assert client.fast_batches > 0 and info["fast"]["fast_batches"] > 0
+        else:
+            assert client.fast_batches == 0 and info["fast"] is None
+        await client.close()
+
+    async def waiting_is(n):
+        return await waiting() == n
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        ray.kill(actor, no_restart=True)
