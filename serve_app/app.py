@@ -58,6 +58,14 @@ class OrchardIngress:
         return build_fastapi_app(self.core)
 
 
+def actor_options(cfg: OrchardConfig, resources) -> dict[str, Any]:
+    """Ray actor options of one replica: its resources plus the app's replica_env."""
+    opts = resources.ray_actor_options()
+    # Serve merges env_vars over the job's runtime_env (PYTHONPATH, LD_PRELOAD stay).
+    opts["runtime_env"] = {"env_vars": cfg.replica_env_vars()}
+    return opts
+
+
 def model_deployment_options(cfg: OrchardConfig, model) -> dict[str, Any]:
     extra = {"max_replicas_per_node": model.max_replicas_per_node} \
         if model.max_replicas_per_node else {}
@@ -65,7 +73,7 @@ def model_deployment_options(cfg: OrchardConfig, model) -> dict[str, Any]:
         name=deployment_name(model.id),
         num_replicas=model.replicas,
         **extra,
-        ray_actor_options=model.resources.ray_actor_options(),
+        ray_actor_options=actor_options(cfg, model.resources),
         # The capacity actor and the engine's byte ledger own the real cap; this is a ceiling.
         max_ongoing_requests=model.max_ongoing_requests or 2 * model.max_num_seqs,
         health_check_period_s=5.0,
@@ -92,7 +100,7 @@ def build_app(config: OrchardConfig | dict[str, Any]):
                                  capacity=cfg.capacity.model_dump(),
                                  drain_timeout_s=cfg.drain_timeout_s)
     ingress = serve.deployment(OrchardIngress, name=INGRESS_NAME, num_replicas=1,
-                               ray_actor_options=cfg.ingress_resources.ray_actor_options(),
+                               ray_actor_options=actor_options(cfg, cfg.ingress_resources),
                                max_ongoing_requests=10_000)
     return ingress.bind(cfg.model_dump(), handles)
 

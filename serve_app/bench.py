@@ -10,6 +10,13 @@ at a time (light load), interleaved round by round after a warm-up:
 For HTTP, TTFT is request sent -> first SSE event that carries content (iterating lines).
 Run with OpenBLAS preloaded (`python -m engine.platform exec ...`); set RAY_TMPDIR to keep the
 bench's Ray apart from other Ray users on the machine.
+
+  --trace                  per-hop timestamps (ORCHARD_TRACE=1 in every process): median time
+                           per stage of the HTTP paths (client -> ingress -> router -> replica ->
+                           engine -> back), from the x-orchard-trace header
+  --variant NAME:K=V,...   another Serve app on the same cluster whose replicas get these env
+                           vars (config replica_env), measured interleaved with the others
+  --cluster-env K=V        set for the whole local Ray cluster (proxy and controller too)
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import time
 
 import httpx
 
+from serve_app.calls import TRACE_ENV
 from serve_app.config import DEFAULT_MODEL_DIR, parse_config
 
 PROMPT = [{"role": "user", "content": "Write one short sentence about apple orchards."}]
@@ -49,7 +57,7 @@ class EnginePath:
         self.loop = asyncio.new_event_loop()
         self.i = 0
 
-    def ttft(self) -> float:
+    def ttft(self) -> tuple[float, None]:
         from engine.request import GenerationRequest
         from engine.sampling import SamplingParams
 
@@ -65,25 +73,48 @@ class EnginePath:
                     first = time.perf_counter() - t0
             return first
 
-        return self.loop.run_until_complete(run())
+        return self.loop.run_until_complete(run()), None
 
     def close(self) -> None:
         self.engine.shutdown(drain_timeout_s=5)
         self.loop.close()
 
 
-def http_ttft(client: httpx.Client, model_id: str, max_tokens: int) -> float:
+# Hops in path order, as stamped by serve_app (ingress, router, replica) and the bench client.
+STAGES = ("client_send", "ingress_in", "ingress_call_built", "router_in", "router_held",
+          "router_chosen", "replica_in", "replica_first_delta", "ingress_first_item",
+          "client_first")
+
+
+def http_ttft(client: httpx.Client, model_id: str, max_tokens: int,
+              prefix: str = "") -> tuple[float, dict | None]:
     body = {"model": model_id, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
+    wall0 = time.time()
     t0 = time.perf_counter()
-    first = None
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+    first, trace = None, None
+    with client.stream("POST", prefix + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if first is None and line.startswith("data: {") and '"content":"' in line \
                     and '"content":""' not in line:
                 first = time.perf_counter() - t0
-    return first
+                if "x-orchard-trace" in r.headers:
+                    trace = {**json.loads(r.headers["x-orchard-trace"]), "client_send": wall0,
+                             "client_first": wall0 + first}
+    return first, trace
+
+
+def stage_summary(traces: list[dict]) -> dict:
+    """Median ms per stage (consecutive hops present in every trace of the path)."""
+    present = [k for k in STAGES if traces and all(k in t for t in traces)]
+    out = {}
+    for a, b in zip(present, present[1:]):
+        out[f"{a}->{b}"] = round(1000 * statistics.median(t[b] - t[a] for t in traces), 2)
+    engine = [t["engine_ttft_s"] for t in traces if t.get("engine_ttft_s") is not None]
+    if engine:   # the engine's own TTFT inside replica_in->replica_first_delta
+        out["engine_ttft (replica's engine)"] = round(1000 * statistics.median(engine), 2)
+    return out
 
 
 def _free_port() -> int:
@@ -114,7 +145,7 @@ class HTTPInProcessPath:
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
         self.max_tokens = max_tokens
 
-    def ttft(self) -> float:
+    def ttft(self) -> tuple[float, dict | None]:
         return http_ttft(self.client, "bench", self.max_tokens)
 
     def close(self) -> None:
@@ -125,33 +156,72 @@ class HTTPInProcessPath:
             s.shutdown()
 
 
-class ServePath:
-    """HTTP -> Serve proxy -> ingress -> capacity hold -> replica -> engine (a local Ray)."""
+def _app_config(port: int, model: str, model_id: str, replica_env: dict[str, str]):
+    return parse_config({"app_name": "bench", "http": {"port": port},
+                         "capacity": {"namespace": "orchard-bench", "snapshot_path": ""},
+                         "replica_env": replica_env,
+                         "models": [{"id": model_id, "path": model,
+                                     "resources": {"num_cpus": 0}}]})
 
-    def __init__(self, model: str, max_tokens: int):
+
+class ServeCluster:
+    """One local Ray with Serve: the base app at / and one app per variant at /<name>.
+
+    With direct ingress each app's ingress replica serves HTTP itself on a port of its own
+    (from `direct_port` up); requests then skip the Serve proxy.
+    """
+
+    def __init__(self, model: str, cluster_env: dict[str, str], direct_ingress: bool = False):
         import ray
         from ray import serve
 
         from capacity.actor import get_or_create_actor
         from engine.platform import openblas_env
-        from serve_app.app import build_app
 
-        port = _free_port()
-        cfg = parse_config({"app_name": "bench", "http": {"port": port},
-                            "capacity": {"namespace": "orchard-bench", "snapshot_path": ""},
-                            "models": [{"id": "bench", "path": model,
-                                        "resources": {"num_cpus": 0}}]})
+        self.port = _free_port()
+        self.model = model
+        self.direct_port = None
+        if direct_ingress:
+            from serve_app.cli import direct_ingress_env
+
+            self.direct_port = _free_port()
+            cluster_env = {**direct_ingress_env(self.direct_port, span=16), **cluster_env}
+        # The raylet (and so the proxy and controller) inherits the driver's environment.
+        os.environ.update(cluster_env)
         ray.init(num_cpus=2, include_dashboard=False, namespace="orchard-bench",
                  log_to_driver=False,
-                 runtime_env={"env_vars": {**openblas_env(), "PYTHONPATH": os.getcwd()}})
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+                 runtime_env={"env_vars": {**openblas_env(), "PYTHONPATH": os.getcwd(),
+                                           **cluster_env}})
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         self.actor = get_or_create_actor(namespace="orchard-bench", snapshot_path="")
-        serve.run(build_app(cfg), name="bench", route_prefix="/")
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-        self.max_tokens = max_tokens
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
 
-    def ttft(self) -> float:
-        return http_ttft(self.client, "bench", self.max_tokens)
+    def deploy(self, name: str, replica_env: dict[str, str]) -> None:
+        from ray import serve
+
+        from serve_app.app import build_app
+
+        model_id = "bench" if name == "serve" else f"bench-{name}"
+        prefix = "/" if name == "serve" else f"/{name}"
+        serve.run(build_app(_app_config(self.port, self.model, model_id, replica_env)),
+                  name=model_id, route_prefix=prefix)
+        if self.direct_port is None:
+            return self.client, prefix.rstrip("/")
+        # Each ingress replica listens on its own port: find the one serving this app.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for port in range(self.direct_port, self.direct_port + 16):
+                for path_prefix in ("", prefix.rstrip("/")):
+                    try:
+                        r = httpx.get(f"http://127.0.0.1:{port}{path_prefix}/v1/models",
+                                      timeout=5)
+                        if model_id in {m["id"] for m in r.json().get("data", [])}:
+                            return (httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                                                 timeout=60), path_prefix)
+                    except (httpx.HTTPError, ValueError, AttributeError):
+                        pass
+            time.sleep(0.5)
+        raise RuntimeError(f"no direct-ingress port serves {model_id}")
 
     def close(self) -> None:
         import ray
@@ -163,6 +233,34 @@ class ServePath:
         ray.shutdown()
 
 
+class ServePath:
+    """HTTP -> Serve proxy -> ingress -> capacity hold -> replica -> engine (a local Ray)."""
+
+    def __init__(self, cluster: ServeCluster, name: str, replica_env: dict[str, str],
+                 max_tokens: int):
+        self.client, self.prefix = cluster.deploy(name, replica_env)
+        self.cluster, self.max_tokens = cluster, max_tokens
+        self.model_id = "bench" if name == "serve" else f"bench-{name}"
+
+    def ttft(self) -> tuple[float, dict | None]:
+        return http_ttft(self.client, self.model_id, self.max_tokens, self.prefix)
+
+    def close(self) -> None:
+        if self.client is not self.cluster.client:
+            self.client.close()
+
+
+def _env_pairs(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        for pair in filter(None, item.split(",")):
+            k, sep, v = pair.partition("=")
+            if not sep:
+                raise SystemExit(f"expected K=V, got {pair!r}")
+            out[k.strip()] = v.strip()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m serve_app.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,26 +269,53 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--trace", action="store_true", help="per-hop stage timings (debug)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,...",
+                   help="another Serve app whose replicas get these env vars (repeatable)")
+    p.add_argument("--cluster-env", action="append", default=[], metavar="K=V",
+                   help="env var for the whole local Ray cluster (repeatable)")
+    p.add_argument("--proxy", action="store_true",
+                   help="through Serve's HTTP proxy, as before (default: direct ingress, "
+                   "as `orchard serve` runs)")
     args = p.parse_args(argv)
+    if args.trace:
+        os.environ[TRACE_ENV] = "1"
+    cluster_env = _env_pairs(args.cluster_env)
+    if args.trace:
+        cluster_env[TRACE_ENV] = "1"
+    variants = {"serve": {}}
+    for v in args.variant:
+        name, _, pairs = v.partition(":")
+        variants[f"serve-{name}"] = _env_pairs([pairs])
     result = {"model": args.model, "requests": args.requests, "max_tokens": args.max_tokens,
+              "cluster_env": cluster_env, "variants": variants,
+              "ingress": "proxy" if args.proxy else "direct",
               "load_avg_before": os.getloadavg()[0]}
-    paths = {}
+    paths, cluster = {}, None
     try:
-        for name, cls in (("serve", ServePath), ("http", HTTPInProcessPath),
-                          ("engine", EnginePath)):
-            paths[name] = cls(args.model, args.max_tokens)
+        cluster = ServeCluster(args.model, cluster_env, direct_ingress=not args.proxy)
+        for name, env in variants.items():
+            paths[name] = ServePath(cluster, name, env, args.max_tokens)
+        paths["http"] = HTTPInProcessPath(args.model, args.max_tokens)
+        paths["engine"] = EnginePath(args.model, args.max_tokens)
         samples: dict[str, list[float]] = {name: [] for name in paths}
+        traces: dict[str, list[dict]] = {name: [] for name in paths}
         names = list(paths)
         # Interleaved, rotating order: every path sees the same (shared, noisy) machine.
         for i in range(args.warmup + args.requests):
-            for name in names[i % 3:] + names[:i % 3]:
-                t = paths[name].ttft()
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                t, trace = paths[name].ttft()
                 if i >= args.warmup:
                     samples[name].append(t)
+                    if trace:
+                        traces[name].append(trace)
     finally:
         for path in paths.values():
             path.close()
-    for name in ("engine", "http", "serve"):
+        if cluster is not None:
+            cluster.close()
+    for name in names:
         result[name] = summary(samples[name])
     result["load_avg_after"] = os.getloadavg()[0]
     # Paired differences (same round) are robust to load drift between rounds.
@@ -200,7 +325,14 @@ def main(argv: list[str] | None = None) -> int:
                 a - b for a, b in zip(samples[name], samples["engine"])), 2),
             "p50_difference": round(result[name]["p50_ms"] - result["engine"]["p50_ms"], 2),
             "min_difference": round(result[name]["min_ms"] - result["engine"]["min_ms"], 2)}
-        for name in ("http", "serve")}
+        for name in names if name != "engine"}
+    for name in names:
+        if name.startswith("serve-"):
+            result["overhead_ms"][f"{name}_over_serve"] = {"p50_of_paired": round(
+                1000 * statistics.median(a - b for a, b in zip(samples[name],
+                                                               samples["serve"])), 2)}
+    if args.trace:
+        result["stages_ms"] = {name: stage_summary(t) for name, t in traces.items() if t}
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -19,6 +19,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "orchard-tiny"
 
 
+# Ray Serve per-process settings every replica of the app starts with (`replica_env` entries
+# win): user code and the request router on the replica's own event loop instead of a thread
+# and loop of their own, and gRPC instead of Ray object refs between the ingress and the model
+# replicas. Paired bench: -12 ms p50 on the first token (docs/benchmarks-serve.md).
+SERVE_FAST_PATH_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                       "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+                       "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+
+
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the field."""
 
@@ -133,6 +142,9 @@ class HTTPSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     first_token_deadline_header: str = "x-orchard-first-token-deadline-ms"
+    direct_ingress: bool = Field(True, description="when `orchard serve` starts Ray itself, "
+                                 "the ingress replica serves HTTP on `port` directly (Serve's "
+                                 "direct ingress) instead of behind Serve's proxy")
 
 
 class OrchardConfig(_Strict):
@@ -148,6 +160,10 @@ class OrchardConfig(_Strict):
         default_factory=lambda: ReplicaResources(num_cpus=0),
         description="the ingress replica; e.g. {resources: {head: 0.01}} keeps it off the Macs")
     drain_timeout_s: float = Field(30.0, ge=0)
+    replica_env: dict[str, str] = Field(
+        default_factory=dict, description="environment variables for every replica of this "
+        "application (ingress and models), over SERVE_FAST_PATH_ENV and the job's; e.g. "
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD: '1' restores Serve's default")
 
     @model_validator(mode="after")
     def _unique_ids(self):
@@ -160,6 +176,9 @@ class OrchardConfig(_Strict):
         if unknown:
             raise ValueError(f"kv.overrides: no model with id {sorted(unknown)[0]!r}")
         return self
+
+    def replica_env_vars(self) -> dict[str, str]:
+        return {**SERVE_FAST_PATH_ENV, **self.replica_env}
 
     def kv_format_for(self, model: ModelConfig) -> str:
         return model.kv_format or self.kv.overrides.get(model.id) or self.kv.default

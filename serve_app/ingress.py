@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import protocol as P
 from serve_app.backends import unwrap
-from serve_app.calls import GenerateCall
+from serve_app.calls import GenerateCall, stamp, tracing
 from serve_app.config import OrchardConfig
 from serve_app.errors import (APIError, bad_request, context_exceeded, from_exception,
                               invalid_json, model_not_found, unauthorized, unprocessable)
@@ -117,7 +117,8 @@ class IngressCore:
 
     # --- the request path ---------------------------------------------------------------
 
-    async def build_call(self, kind: str, req, request: Request) -> tuple[GenerateCall, ModelEntry]:
+    async def build_call(self, kind: str, req, request: Request,
+                         trace: dict | None = None) -> tuple[GenerateCall, ModelEntry]:
         entry = self.models.get(req.model)
         if entry is None:
             raise model_not_found(req.model)
@@ -149,7 +150,8 @@ class IngressCore:
             temperature=1.0 if req.temperature is None else float(req.temperature),
             top_p=1.0 if req.top_p is None else float(req.top_p), top_k=req.top_k or 0,
             seed=req.seed, stop=req.stop_list(), ignore_eos=req.ignore_eos,
-            first_token_deadline_unix=self.deadline_unix(request))
+            first_token_deadline_unix=self.deadline_unix(request), trace=trace)
+        stamp(trace, "ingress_call_built")
         return call, entry
 
     async def open_stream(self, call: GenerateCall, entry: ModelEntry):
@@ -178,13 +180,14 @@ class IngressCore:
 
     async def complete(self, kind: str, request: Request) -> Response:
         t0 = time.monotonic()
+        trace = {"ingress_in": time.time()} if tracing() else None
         model = "?"
         try:
             self.authenticate(request)
             req = await self.parse(request, P.ChatCompletionRequest if kind == "chat"
                                    else P.CompletionRequest)
             model = req.model
-            call, entry = await self.build_call(kind, req, request)
+            call, entry = await self.build_call(kind, req, request, trace)
             first, rest = await self.open_stream(call, entry)
         except APIError as e:
             self.metrics.refusals.labels(model if model in self.models else "?", e.reason,
@@ -193,6 +196,11 @@ class IngressCore:
         self.metrics.admissions.labels(model).inc()
         headers = {"x-orchard-replica": first.get("replica_id", "?"),
                    "x-orchard-request-id": call.request_id}
+        if trace is not None:
+            # Hops after the ingress stamped their copy of the call (it was pickled to them).
+            trace.update(first.get("trace") or {})
+            stamp(trace, "ingress_first_item")
+            headers["x-orchard-trace"] = json.dumps(trace)
         builder = P.ResponseBuilder(kind, call.request_id, model)
         tracker = _Tracker(self.metrics, model, entry.format_identity, t0)
         if req.stream:

@@ -18,7 +18,7 @@ from typing import Any
 from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRouter, RunningReplica
 
 from serve_app import router_registry
-from serve_app.calls import GenerateCall
+from serve_app.calls import GenerateCall, stamp
 
 log = logging.getLogger("ray.serve")
 
@@ -77,7 +77,9 @@ class CapacityRouter(LocalityMixin, RequestRouter):
             return await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
         key = pending_request.metadata.internal_request_id
         if key not in self.holds:
+            stamp(call.trace, "router_in")
             hold = await self._hold(call)
+            stamp(call.trace, "router_held")
             if hold is None:
                 self.stats["fallback_routes"] += 1
                 return await super()._choose_replica_for_request(pending_request,
@@ -85,6 +87,7 @@ class CapacityRouter(LocalityMixin, RequestRouter):
             self.holds[key] = (call.request_id, hold)
         replica = self._ranked_replica(self.holds[key][1], is_retry)
         if replica is not None:
+            stamp(call.trace, "router_chosen")
             return replica
         # A fallback hold (actor unreachable) ranks nothing, or the actor ranks replicas this
         # router has not seen yet: choose locally.

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import asdict
 from typing import Any, AsyncIterator
 
-from serve_app.calls import GenerateCall
+from serve_app.calls import GenerateCall, stamp
 from serve_app.errors import from_exception
 from serve_app.heartbeat import chip_class
 
@@ -86,6 +86,7 @@ class ModelServer:
         from engine.request import GenerationRequest
         from engine.sampling import SamplingParams
 
+        stamp(call.trace, "replica_in")
         await self.start()
         started = time.monotonic()
         self._inflight[call.request_id] = call.raw_tokens
@@ -115,6 +116,10 @@ class ModelServer:
                             "ttft_s": d.ttft_s}
                     if n_deltas == 1:
                         item["replica_id"] = self.replica_id
+                        if call.trace is not None:
+                            stamp(call.trace, "replica_first_delta")
+                            call.trace["engine_ttft_s"] = d.ttft_s
+                            item["trace"] = call.trace
                     yield item
             except Exception as e:  # noqa: BLE001 - mapped once to an HTTP error
                 if n_deltas:
