@@ -9,8 +9,9 @@ own event loop, and clients send their batches over one persistent TCP connectio
     request  = [id, ops]            ops exactly as `CapacityActor.apply` takes them, applied in order
     reply    = [id, results]        or [id, null, "<error>"]; replies may come out of order
 
-Only the first frame may be a hello; a bad token, an oversized or undecodable frame, or a
-request of the wrong shape closes that connection and nothing else. Every failure on the client
+The first frame must be the hello (at most MAX_HELLO bytes, within HELLO_TIMEOUT_S); a bad token,
+an oversized or undecodable frame, or a request of the wrong shape closes that connection and
+nothing else. Every failure on the client
 side raises FastFailed, and the client sends that batch through Ray instead.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ log = logging.getLogger("orchard.capacity.fastpath")
 WIRE_VERSION = 1
 MAX_FRAME = 8 * 2**20          # a batch of 512 heartbeats with short active lists fits easily
 HELLO_TIMEOUT_S = 5.0          # an unauthenticated connection may not idle longer than this
+MAX_HELLO = 1024               # nor make the actor buffer more than this
 _HEADER = struct.Struct(">I")
 
 
@@ -55,10 +57,10 @@ def encode(obj: Any) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Any:
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME) -> Any:
     """Raises asyncio.IncompleteReadError on EOF, FrameError on a bad frame."""
     (n,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    if n == 0 or n > MAX_FRAME:
+    if n == 0 or n > max_bytes:
         raise FrameError(f"frame length {n} out of bounds")
     body = await reader.readexactly(n)
     try:
@@ -134,7 +136,7 @@ class FastServer:
 
     async def _authenticate(self, reader, writer) -> bool:
         try:
-            hello = await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S)
+            hello = await asyncio.wait_for(read_frame(reader, MAX_HELLO), HELLO_TIMEOUT_S)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError):
             self.stats["fast_auth_failures"] += 1
             return False
