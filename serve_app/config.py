@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from capacity.formats import normalize_format_name, normalize_overrides
 
@@ -134,8 +135,13 @@ class CapacitySettings(_Strict):
     max_fault_retries: int = Field(3, ge=1, description="actor faults before power-of-two")
     fallback_cooldown_s: float = Field(10.0, ge=0, description="power-of-two period after faults")
     routing_stats_period_s: float = Field(1.0, gt=0)
-    hold_wait_s: float = Field(2.0, ge=0, description="how long a burst may wait for capacity "
-                               "before 429 (bounded by the first-token deadline)")
+    queue_timeout_s: float = Field(
+        30.0, ge=0, validation_alias=AliasChoices("queue_timeout_s", "hold_wait_s"),
+        description="how long a request may wait in the capacity queue (FIFO per model at the "
+        "actor) before 429; bounded by the first-token deadline; 0 = refuse at once. "
+        "`hold_wait_s` is the old name")
+    max_queued: int = Field(64, ge=0, description="requests per model one ingress lets wait "
+                            "for capacity; beyond that a request is refused (429) at once")
 
 
 class HTTPSettings(_Strict):

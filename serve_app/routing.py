@@ -2,7 +2,8 @@
 
 Runs inside every caller of a model deployment (the ingress replicas). Per request it makes one
 actor round trip (`hold`), which debits routing headroom and the public feed together and ranks
-replicas by headroom and learned rates; a refusal propagates to the ingress as 429/503. The
+replicas by headroom and learned rates; without room it queues at the actor (FIFO, up to
+`queue_timeout_s`), and a refusal propagates to the ingress as 429/503. The
 replica commits the hold on arrival and releases it with telemetry at the end. After repeated
 actor faults the router routes by power-of-two choices (ranked by reported headroom) for a
 cool-down period, so an actor outage degrades routing quality, not availability.
@@ -51,11 +52,14 @@ class CapacityRouter(LocalityMixin, RequestRouter):
             self.client = None
         self.max_fault_retries = int(settings.get("max_fault_retries", 3))
         self.fallback_cooldown_s = float(settings.get("fallback_cooldown_s", 10.0))
-        self.hold_wait_s = float(settings.get("hold_wait_s", 2.0))
+        self.queue_timeout_s = float(settings.get("queue_timeout_s", 30.0))
+        self.max_queued = int(settings.get("max_queued", 64))
+        self.waiting: dict[str, int] = {}   # model -> holds of this router now in the call
         self.fallback_until = 0.0
         self.consecutive_faults = 0
         self.holds: dict[str, tuple[str, Any]] = {}   # internal request id -> (request id, hold)
-        self.stats = {"holds": 0, "refusals": 0, "faults": 0, "fallback_routes": 0}
+        self.stats = {"holds": 0, "refusals": 0, "faults": 0, "fallback_routes": 0,
+                      "queue_full": 0}
         self._tasks: set[asyncio.Task] = set()
         router_registry.register(self)
 
@@ -97,19 +101,26 @@ class CapacityRouter(LocalityMixin, RequestRouter):
     async def _hold(self, call: GenerateCall) -> Any | None:
         """The actor's hold, or None after repeated faults (then power-of-two for a while).
 
-        A "no_capacity" refusal is retried with backoff for up to hold_wait_s (never past the
-        request's first-token deadline), so a burst queues briefly instead of bouncing with 429.
+        When no replica has room the hold waits in the actor's per-model FIFO for up to
+        queue_timeout_s (never past the request's first-token deadline) and is granted in
+        arrival order as capacity frees; "no_capacity" then means the wait ran out. While
+        max_queued holds of this router already wait for the model, a newcomer does not queue:
+        it is refused at once (a full queue refuses rather than grows without bound).
         """
         from capacity.errors import CapacityRefused
 
-        wait_until = time.monotonic() + self.hold_wait_s
+        budget = self.queue_timeout_s
         if call.first_token_deadline_unix is not None:
-            wait_until = min(wait_until, call.deadline_monotonic())
-        refusals = 0
+            budget = min(budget, call.deadline_monotonic() - time.monotonic())
+        budget = max(0.0, budget)
+        if budget and self.waiting.get(call.model, 0) >= self.max_queued:
+            self.stats["queue_full"] += 1
+            budget = 0.0
         while True:
+            self.waiting[call.model] = self.waiting.get(call.model, 0) + 1
             try:
                 hold = await self.client.hold(call.model, call.raw_tokens, call.request_id,
-                                              prompt_tokens=len(call.prompt_ids))
+                                              prompt_tokens=len(call.prompt_ids), wait_s=budget)
                 if not hold.fallback:
                     self.consecutive_faults = 0
                     self.stats["holds"] += 1
@@ -126,12 +137,8 @@ class CapacityRouter(LocalityMixin, RequestRouter):
                     # heartbeats yet. Route without it rather than refuse.
                     self.stats["faults"] += 1
                     return None
-                delay = self._compute_backoff_s(refusals)
-                refusals += 1
-                if e.reason != "no_capacity" or time.monotonic() + delay > wait_until:
-                    self.stats["refusals"] += 1
-                    raise
-                await asyncio.sleep(delay)
+                self.stats["refusals"] += 1
+                raise
             except asyncio.CancelledError:
                 self._cancel_soon(call.request_id, 0.0)
                 raise
@@ -144,6 +151,8 @@ class CapacityRouter(LocalityMixin, RequestRouter):
                     self._enter_fallback()
                     return None
                 await self._backoff(self.consecutive_faults - 1)
+            finally:
+                self.waiting[call.model] -= 1
 
     def _enter_fallback(self) -> None:
         self.fallback_until = time.monotonic() + self.fallback_cooldown_s

@@ -1,5 +1,6 @@
 """Capacity feed, disconnect-frees-reservation, refusals with Retry-After, and /metrics."""
 import re
+import threading
 import time
 
 import httpx
@@ -97,19 +98,22 @@ def test_disconnect_mid_stream_frees_the_reservation(http, orchard_url):
 
 
 def test_saturated_fleet_refuses_with_429_and_retry_after(http, orchard_url):
-    """Open long streams until the actor's cap is reached: the next one is refused cleanly."""
+    """Open long streams until the actor's cap is reached: the next one waits in the capacity
+    queue for queue_timeout_s (3 s in the fixture), then is refused cleanly."""
     wait_for(lambda: idle(http), what="idle before the test")
     streams, refused = [], None
     try:
         for _ in range(12):
+            t0 = time.monotonic()
             stream = Stream(orchard_url, max_tokens=3000)
             streams.append(stream)
             if stream.status != 200:
-                refused = stream.resp
+                refused, waited = stream.resp, time.monotonic() - t0
                 break
             assert stream.read_content_events(1) == 1
         assert refused is not None, "12 long streams admitted on one replica of max_num_seqs 8"
         assert len(streams) - 1 <= 8
+        assert waited >= 2.5, f"refused after {waited:.2f} s: it did not queue"
         assert refused.status_code == 429
         assert int(refused.headers["retry-after"]) >= 1
         refused.read()
@@ -128,6 +132,46 @@ def test_saturated_fleet_refuses_with_429_and_retry_after(http, orchard_url):
     wait_for(lambda: idle(http), timeout_s=30, what="all reservations freed")
     text = http.get("/metrics").text
     assert re.search(r'^orchard:refusals_total\{[^}]*reason="no_capacity"', text, re.M)
+
+
+def test_queued_requests_are_served_in_turn_and_a_full_queue_refuses(http, orchard_url):
+    """Saturate, then send max_queued + 1 (3) requests at once: one is refused at once (the queue
+    holds 2), the two queued ones are served as soon as streams end, without a 429."""
+    wait_for(lambda: idle(http), what="idle before the test")
+    streams = []
+    results: list[tuple[int, float]] = []
+
+    def one() -> None:
+        t0 = time.monotonic()
+        r = httpx.post(orchard_url + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+            "model": TEST_MODEL, "max_tokens": 2, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}]})
+        results.append((r.status_code, time.monotonic() - t0))
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "no_capacity"
+
+    try:
+        while model_feed(http)["headroom_requests"] > 0 and len(streams) < 12:
+            stream = Stream(orchard_url, max_tokens=3000)
+            streams.append(stream)
+            assert stream.status == 200 and stream.read_content_events(1) == 1
+        assert model_feed(http)["headroom_requests"] == 0
+        threads = [threading.Thread(target=one) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        fast = [r for r in results if r[0] == 429]
+        assert len(fast) == 1 and fast[0][1] < 1.0, results
+        for stream in streams[:2]:   # room for both queued requests
+            stream.close()
+        for t in threads:
+            t.join(timeout=30)
+        served = sorted(r for r in results if r[0] == 200)
+        assert len(served) == 2 and all(wait >= 0.9 for _, wait in served), results
+    finally:
+        for stream in streams:
+            stream.close()
+    wait_for(lambda: idle(http), timeout_s=30, what="all reservations freed")
 
 
 def test_metrics_use_vllm_names_with_identity_labels(http):

@@ -16,6 +16,30 @@ def test_minimal_config_gets_defaults():
     assert cfg.kv_format_for(m) == "native"
 
 
+def test_queue_and_serve_defaults():
+    cfg = parse_config({"models": [{"id": "m", "path": "/x"}]})
+    assert (cfg.capacity.queue_timeout_s, cfg.capacity.max_queued) == (30.0, 64)
+    assert cfg.http.direct_ingress
+    assert cfg.replica_env_vars()["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    # replica_env wins over the fast-path defaults; hold_wait_s is the queue timeout's old name.
+    cfg = parse_config({"models": [{"id": "m", "path": "/x"}], "capacity": {"hold_wait_s": 5},
+                        "replica_env": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}})
+    assert cfg.capacity.queue_timeout_s == 5.0
+    assert cfg.replica_env_vars()["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
+    # What the ingress and routers receive round-trips through the schema.
+    assert OrchardConfig.model_validate(cfg.model_dump()).capacity.queue_timeout_s == 5.0
+
+
+def test_direct_ingress_env_pins_the_public_port():
+    from serve_app.cli import direct_ingress_env
+
+    env = direct_ingress_env(8000)
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    # Serve's port range is [min, max): exactly the configured port.
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"],
+            env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8000", "8001")
+
+
 def test_kv_format_precedence_model_then_override_then_default():
     cfg = parse_config({
         "kv": {"default": "int8", "overrides": {"b": "k8v4"}},
@@ -37,6 +61,10 @@ def test_kv_format_precedence_model_then_override_then_default():
     ({"models": [{"id": "m", "path": "/x"}], "kv": {"default": "fp8"}}, "kv.default"),
     ({"models": [{"id": "m", "path": "/x", "engine": {"kv_format": "int8"}}]}, "models.0.engine"),
     ({"models": [{"id": "m", "path": "/x", "engine": {"max_step_tokn": 8}}]}, "models.0.engine"),
+    ({"models": [{"id": "m", "path": "/x"}], "capacity": {"queue_timeout_s": -1}},
+     "capacity.queue_timeout_s"),
+    ({"models": [{"id": "m", "path": "/x"}], "capacity": {"max_queued": -1}},
+     "capacity.max_queued"),
 ])
 def test_invalid_config_names_the_field(data, field):
     with pytest.raises(ConfigError) as e:
