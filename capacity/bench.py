@@ -9,6 +9,8 @@
    Each load runs once per transport (`--transport ray fast`, both by default, same actor):
    `ray` sends every client batch as a Ray actor call; `fast` uses the direct connection
    (capacity/fastpath.py) once the client has discovered it (the bench checks it did).
+   `pacer_floor` runs the paced loads against a client that answers at once: the latency the
+   driver process alone adds (late wake-ups on a shared box), a floor under every paced row.
 2. Memory per 10,000 execution identities (tracemalloc of the rate registry: 10,000 sparse ones
    measured; full windows measured on 1,000 and scaled) and the size of their JSON snapshot.
 
@@ -137,6 +139,14 @@ async def _paced(client, callers: int, rate: float, duration_s: float) -> dict:
     return out
 
 
+class _NullClient:
+    async def hold(self, model_id, raw_tokens, request_id):
+        return None
+
+    async def release(self, request_id):
+        return True
+
+
 async def _actor_bench(args) -> dict:
     from capacity.actor import get_or_create_actor
 
@@ -145,7 +155,12 @@ async def _actor_bench(args) -> dict:
                                 snapshot_path="")
     seqs = [0] * args.replicas       # heartbeat sequence per replica, across both clients
     try:
-        out = {}
+        out = {"pacer_floor": {}}
+        for rate in args.paced_rate:
+            # The same pacer with a client that answers at once: what the driver process alone
+            # (wake-ups on a shared box) adds to every paced row below.
+            out["pacer_floor"][f"paced_{args.callers}_callers_{rate:g}_per_s"] = await _paced(
+                _NullClient(), args.callers, rate, args.callers * args.rounds / rate)
         for transport in args.transport:
             out[transport] = await _transport_bench(args, ns, name, actor, transport, seqs)
         return out

@@ -211,3 +211,22 @@ def test_kill_mid_stream_falls_back_then_reconnects(ray_session):
         asyncio.run(scenario())
     finally:
         ray.kill(actor, no_restart=True)
+
+
+def test_one_client_from_two_event_loops(actor_name):
+    # A Serve router and a replica's own loop may share a client: one connection per loop.
+    name, _ = actor_name
+    client = CapacityClient(namespace=NS, name=name, snapshot_path="", call_timeout_s=30)
+
+    async def use(rid, seq0):
+        await until_fast(client, seq0)
+        conn = client._conns[asyncio.get_running_loop()]
+        assert (await client.hold("m", 10, rid)).replica_id == "r0"
+        assert await client.release(rid)
+        assert not conn.closed and client._conns[asyncio.get_running_loop()] is conn
+        return conn
+
+    first = asyncio.run(use("loop1", 100))
+    second = asyncio.run(use("loop2", 200))
+    # Each loop had its own connection; it closed with its loop, which is no fault.
+    assert first is not second and first.closed and client.fast_faults == 0
