@@ -331,8 +331,10 @@ class CapacityClient:
 
     def _fast_conn(self) -> FastConnection | None:
         """This loop's live connection, or None (then connect in the background; never wait)."""
-        if not self._answered or time.monotonic() < self._fast_retry_at:
-            return None       # the first call goes through Ray: it may create the actor
+        now = time.monotonic()
+        if not self._answered or now < self._fast_retry_at or self.faults or now < self._down_until:
+            return None       # the first call goes through Ray (it may create the actor), and
+                              # while Ray calls fail, discovery would only fail with them
         loop = asyncio.get_running_loop()
         conn = self._conns.get(loop)
         if conn is not None and not conn.closed:
@@ -344,7 +346,11 @@ class CapacityClient:
     async def _connect(self, loop) -> None:
         try:
             if self._endpoint is None:
-                self._endpoint = await self._call("endpoint")
+                # Not through _call: a failed discovery must not count as a Ray fault (that
+                # would back off, or send to the local fallback, calls that Ray can still carry).
+                handle = await self._get_handle()
+                self._endpoint = await asyncio.wait_for(handle.endpoint.remote(),
+                                                        self.call_timeout_s)
             ep = self._endpoint
             if not ep:
                 raise FastFailed("the actor serves no direct endpoint")
