@@ -34,6 +34,8 @@ from capacity.formats import FORMAT_BITS, KVFormat
 from capacity.pricing import CostModel
 from engine.kvstore import KVStore, Slots
 from engine.model import load_model
+from engine import packed_attention
+from engine.packed_attention import DIRECT_PREFILL_STRATEGIES
 from engine.packed_cache import PackedModelRunner
 from engine.packed_store import counters_of, packed_layer_factory
 from engine.runner import ModelRunner, SeqChunk
@@ -280,6 +282,11 @@ def main(argv=None):
     ap.add_argument("--budget-gib", type=float, default=8.0)
     ap.add_argument("--prefill", type=_ints, default=[512, 4096, 16384])
     ap.add_argument("--prefill-formats", default="int8,int4")
+    ap.add_argument("--direct-prefill", default="auto", choices=DIRECT_PREFILL_STRATEGIES,
+                    help="how direct prefill reads packed history (engine.packed_attention)")
+    ap.add_argument("--gpu-qmm", action="store_true",
+                    help="let direct attention call quantized_matmul on a GPU (off by default: "
+                         "it crashed on MLX 0.32.4 CUDA; see engine.packed_attention.gpu_qmm)")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--decode", type=_ints, default=[1024, 4096, 16384])
     ap.add_argument("--batches", type=_ints, default=[1, 4])
@@ -294,6 +301,8 @@ def main(argv=None):
     ap.add_argument("--quality-tokens", type=int, default=1024)
     ap.add_argument("--quality-chunk", type=int, default=32)
     args = ap.parse_args(argv)
+    packed_attention.direct_prefill = args.direct_prefill
+    packed_attention.gpu_qmm = args.gpu_qmm
 
     if args.model:
         model_dir = args.model

@@ -33,6 +33,25 @@ MIN_FUSED_QUERIES = 9
 # MLX's quantized_matmul was 2-3x slower than the tiled path already at 4-16 queries and ~10x at
 # 512 (measured on the 2-core dev box; see docs/benchmarks-kv.md).
 QMM_MAX_QUERIES = 1
+# How direct prefill chunks (more than QMM_MAX_QUERIES queries) read history: "tiled", "qmm"
+# (quantized_matmul for every chunk), or "auto" (the measured best per device, below).
+DIRECT_PREFILL_STRATEGIES = ("auto", "tiled", "qmm")
+direct_prefill = "auto"
+# quantized_matmul on non-CPU devices. Off: on the H200 (MLX 0.32.4 CUDA) it crashed the process
+# with an illegal memory access in int4 decode (4 sequences x 4 KV heads, 4K context), which no
+# probe can guard against. Direct attention unpacks tiles there instead (exact FP32, slower).
+# Re-measure with `python -m engine.bench_kv --gpu-qmm` after an MLX upgrade.
+gpu_qmm = False
+
+
+def _qmm_query_limit() -> int:
+    strategy = direct_prefill
+    if strategy not in DIRECT_PREFILL_STRATEGIES:
+        raise ValueError(f"direct prefill strategy must be one of {DIRECT_PREFILL_STRATEGIES}, "
+                         f"got {strategy!r}")
+    if strategy == "auto":
+        strategy = "tiled"
+    return 1 << 30 if strategy == "qmm" else QMM_MAX_QUERIES
 FUSED_HEAD_DIMS = (64, 128, 256)
 
 
@@ -49,31 +68,50 @@ class PackedKV(NamedTuple):
 
 def _qmm(x, p: Packed, bits: int, transpose: bool, dtype: mx.Dtype):
     x = x.astype(dtype)
-    return mx.quantized_matmul(x, *p, transpose=transpose, group_size=GROUP_SIZE, bits=bits)
+    codes, scales, offsets = p
+    if mx.default_device() != mx.cpu:
+        # MLX's CUDA kernels want row-contiguous packed rows (gathered pages are a transposed
+        # view) and metadata in the activation dtype; see _qmm_activation_dtype.
+        codes = mx.contiguous(codes)
+        scales, offsets = mx.contiguous(scales.astype(dtype)), mx.contiguous(offsets.astype(dtype))
+    return mx.quantized_matmul(x, codes, scales, offsets, transpose=transpose,
+                               group_size=GROUP_SIZE, bits=bits)
+
+
+def _qmm_activation_dtype(bits: int, compute: mx.Dtype, rows: int, dim: int) -> mx.Dtype | None:
+    """The activation dtype direct attention gives quantized_matmul, or None to unpack tiles.
+
+    CPU: float32 (exact against the FP32 metadata), else the compute dtype. GPUs: None unless
+    `gpu_qmm` is set, then the compute dtype if it is a 16-bit float. What the H200 (MLX 0.32.4
+    CUDA) did: float32 and bf16 activations both failed at run time on gathered history (a
+    transposed view of the page pool: "No implementation for problem shape") though contiguous
+    probes passed; with contiguous rows and metadata cast to bf16 (`_qmm`; at most 2^-9 relative
+    error on scale/offset) decode ran, until one int4 shape crashed the process with an illegal
+    memory access (docs/benchmarks-kv.md). A missing kernel only shows when a graph is
+    evaluated, so each (bits, dtype, rows, head dim) is probed once, in both directions.
+    """
+    on_gpu_enabled = mx.default_device() != mx.cpu and gpu_qmm
+    return _probe_qmm(bits, compute, rows, dim, mx.default_device() == mx.cpu, on_gpu_enabled)
 
 
 @lru_cache(maxsize=None)
-def _qmm_activation_dtype(bits: int, fallback: mx.Dtype, rows: int, dim: int) -> mx.Dtype | None:
-    """float32 activations on the CPU (else `fallback`), the compute dtype first elsewhere;
-    None if neither works (the caller then unpacks tiles instead).
-
-    MLX's CUDA backend lacks float32 kernels for some shapes (e.g. batched 4-row 8-bit scores)
-    and has bf16 ones; its kernels accumulate in float32 either way. A missing kernel only shows
-    when a graph is evaluated, so each (bits, dtype, rows, head dim) is probed once, batched
-    like the real call, in both directions (scores and values).
-    """
+def _probe_qmm(bits: int, compute: mx.Dtype, rows: int, dim: int, cpu: bool,
+               gpu_enabled: bool) -> mx.Dtype | None:
+    if cpu:
+        candidates = (mx.float32, compute)
+    elif gpu_enabled and compute in (mx.bfloat16, mx.float16):
+        candidates = (compute,)
+    else:
+        candidates = ()
     n = 256
-    w = mx.zeros((2, n, dim * bits // 32), mx.uint32)
-    meta = mx.zeros((2, n, dim // GROUP_SIZE), mx.float32)
-    # On the GPU the compute dtype goes first: CUDA has bf16 kernels for every shape, and float32
-    # passed this probe yet failed at 4x1024x128x4 on the H200 (strided gathered rows, likely).
-    order = (mx.float32, fallback) if mx.default_device() == mx.cpu else (fallback, mx.float32)
-    for dtype in order:
+    w = mx.zeros((1, 2, n, dim * bits // 32), mx.uint32)
+    meta = mx.zeros((1, 2, n, dim // GROUP_SIZE), mx.float32)
+    for dtype in candidates:
         try:
-            mx.eval(mx.quantized_matmul(mx.zeros((2, rows, dim), dtype), w, meta, meta,
-                                        transpose=True, group_size=GROUP_SIZE, bits=bits),
-                    mx.quantized_matmul(mx.zeros((2, rows, n), dtype), w, meta, meta,
-                                        transpose=False, group_size=GROUP_SIZE, bits=bits))
+            mx.eval(_qmm(mx.zeros((1, 2, rows, dim), dtype), Packed(w, meta, meta), bits, True,
+                         dtype),
+                    _qmm(mx.zeros((1, 2, rows, n), dtype), Packed(w, meta, meta), bits, False,
+                         dtype))
             return dtype
         except (RuntimeError, ValueError):
             continue
@@ -118,7 +156,7 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     s_new = qn @ mx.expand_dims(k_new.astype(mx.float32), 2).swapaxes(-1, -2)  # (B,Hkv,rep,L,L)
     v_new = mx.expand_dims(v_new.astype(mx.float32), 2)
     act_k = act_v = None
-    if L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries):
+    if L <= (_qmm_query_limit() if qmm_max_queries is None else qmm_max_queries):
         act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype, rep * L, D)
         act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D)
     if act_k is None or act_v is None:
