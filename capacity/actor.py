@@ -28,7 +28,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from capacity.errors import CapacityError, CapacityRefused
-from capacity.fastpath import FastConnection, FastFailed, FastServer
+from capacity.fastpath import FastConnection, FastFailed, FastServer, FastUnsendable
 from capacity.fleet import Fleet, FleetConfig, Hold
 from capacity.protocol import ActorInfo, HeartbeatReport, RequestTelemetry
 from capacity.ops import BatchOps
@@ -316,6 +316,8 @@ class CapacityClient:
             if conn is not None:
                 try:
                     out = await conn.request(ops, timeout or self.call_timeout_s)
+                except FastUnsendable:
+                    pass                         # this batch only; the connection is fine
                 except FastFailed as e:
                     self._fast_fault(conn, e)
                     if remake is not None:

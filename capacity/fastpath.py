@@ -42,6 +42,11 @@ class FastFailed(Exception):
     """The direct connection could not carry this batch; send it through Ray instead."""
 
 
+class FastUnsendable(FastFailed):
+    """This batch could not go over the direct connection (too large or unencodable to frame, or
+    the actor could not answer it), but the connection itself is fine."""
+
+
 def _default(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
@@ -116,7 +121,12 @@ class FastServer:
                 rid, ops = msg
                 self.stats["fast_batches"] += 1
                 self.stats["fast_ops"] += len(ops)
-                results = self.apply(ops, owner)
+                try:
+                    results = self.apply(ops, owner)
+                except Exception as e:  # noqa: BLE001 - a bug in one batch must not drop the
+                    log.exception("capacity fast path: batch failed")   # connection's waiters
+                    writer.write(encode([rid, None, f"{type(e).__name__}: {e}"[:500]]))
+                    continue
                 if any(isinstance(r, asyncio.Future) for r in results):
                     task = asyncio.get_running_loop().create_task(self._reply_later(writer, rid, results))
                     self._tasks.add(task)
@@ -198,15 +208,19 @@ class FastConnection:
             raise FastFailed("connection closed")
         self._next += 1
         rid = self._next
+        try:
+            frame = encode([rid, ops])
+        except (FrameError, TypeError, ValueError, OverflowError) as e:
+            raise FastUnsendable(f"{type(e).__name__}: {e}"[:300]) from e
         fut = self.loop.create_future()
         self.pending[rid] = fut
         try:
-            self.writer.write(encode([rid, ops]))
+            self.writer.write(frame)
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError as e:
             self.close(f"request timed out after {timeout_s:.3g} s")
             raise FastFailed("timeout") from e
-        except (FrameError, TypeError, ValueError, OverflowError, OSError) as e:
+        except OSError as e:
             raise FastFailed(f"send: {type(e).__name__}: {e}") from e
         finally:
             self.pending.pop(rid, None)
@@ -222,7 +236,7 @@ class FastConnection:
                 if len(msg) == 2 and isinstance(msg[1], list):
                     fut.set_result(msg[1])
                 else:
-                    fut.set_exception(FastFailed(f"actor could not answer: {msg[2:]!r}"[:300]))
+                    fut.set_exception(FastUnsendable(f"actor could not answer: {msg[2:]!r}"[:300]))
         except (asyncio.IncompleteReadError, FrameError, OSError) as e:
             why = f"{type(e).__name__}: {e}"
         except asyncio.CancelledError:

@@ -230,3 +230,23 @@ def test_one_client_from_two_event_loops(actor_name):
     second = asyncio.run(use("loop2", 200))
     # Each loop had its own connection; it closed with its loop, which is no fault.
     assert first is not second and first.closed and client.fast_faults == 0
+
+
+def test_an_unframeable_batch_goes_through_ray_and_keeps_the_connection(actor_name, monkeypatch):
+    name, _ = actor_name
+    import capacity.fastpath as fastpath
+
+    async def scenario():
+        client = CapacityClient(namespace=NS, name=name, snapshot_path="", call_timeout_s=30)
+        await until_fast(client)
+        conn = next(iter(client._conns.values()))
+        monkeypatch.setattr(fastpath, "MAX_FRAME", 64)     # client side only: this process
+        ray_before = client.ray_batches
+        assert (await client.hold("m", 10, "x" * 100)).replica_id == "r0"   # > 64 bytes: Ray
+        assert client.ray_batches == ray_before + 1 and not conn.closed and client.fast_faults == 0
+        monkeypatch.setattr(fastpath, "MAX_FRAME", 8 * 2**20)
+        assert await client.release("x" * 100)
+        assert client.ray_batches == ray_before + 1              # back on the direct connection
+        await client.close()
+
+    asyncio.run(scenario())
