@@ -3,7 +3,7 @@ ledger: no leaks, no double frees (the pool raises on one), ledger back at zero 
 
 25 examples x at least 50 operations = 1,250+ operations per run.
 """
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from engine.errors import DeadlineUnmeetable, EngineOverloaded, RequestTooLarge
 from engine.scheduler import RUNNING
@@ -34,6 +34,10 @@ def check_invariants(sch):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(op, min_size=50, max_size=90))
+# The drain's last schedule() expires r1 mid-prefill with nothing left to run; r2 (waiting) fits
+# only once r1's seat is reclaimed, and is admitted by the next schedule(), as in the engine loop.
+@example(ops=[("submit", 1, 2, None), ("submit", 34, 3, 1.0), ("submit", 34, 23, None),
+              ("step", False, False), ("stop_string", 0), ("clock", 1.0)])
 def test_random_operations_never_leak(ops):
     sch = make_scheduler(pages=24, max_num_seqs=4, max_step_tokens=12, max_waiting=8)
     now, n, ids, retired = 0.0, 0, [], -1
@@ -70,18 +74,31 @@ def test_random_operations_never_leak(ops):
             sch.reclaim(retired)   # the loop reclaims after every (possibly empty) iteration
         check_invariants(sch)
         sch.pop_finished()
-    # Drain: everything finishes (max_tokens bounds it), then nothing is held.
+    # Drain as the engine loop does (engine/loop.py _serve): keep iterating while the scheduler is
+    # not idle, reclaiming before and after every (possibly empty) schedule(). An empty schedule()
+    # does not mean done: it may just have expired a request's deadline mid-prefill, its seat
+    # frees at the next reclaim, and the engine polls and schedules again (admitting the head of
+    # the queue). Empty schedules in a row, with every retired step reclaimed in between, mean a
+    # request is stuck (waiting while nothing runs or holds memory): the loop stops and it fails.
+    empty = 0
     for _ in range(10_000):
-        sch.reclaim(retired)      # as the loop does before scheduling: frees seats for admission
+        if sch.idle:
+            break
+        sch.reclaim(retired)
         step = sch.schedule(now)
         if step is None:
-            break
-        sch.complete(step, [5 if c.samples else None for c in step.chunks], now)
-        retired = step.step_id
+            empty += 1
+            if empty >= 3:
+                break
+        else:
+            empty = 0
+            sch.complete(step, [5 if c.samples else None for c in step.chunks], now)
+            retired = step.step_id
         sch.reclaim(retired)
         check_invariants(sch)
-    sch.reclaim(retired)   # a last schedule() may expire a deadline with nothing to run after
-    assert sch.idle
+    assert sch.idle, (f"stuck: waiting {[s.request_id for s in sch.waiting]}, running "
+                      f"{[s.request_id for s in sch.running]}, unreclaimed "
+                      f"{[s.request_id for s in sch.unreclaimed]}")
     assert sch.ledger.used_bytes == 0 and sch.ledger.running == 0
     assert sch.pool.num_free == sch.pool.num_pages
     assert all(s.status != RUNNING for s in sch.pop_finished())
