@@ -30,8 +30,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from capacity.errors import CapacityError, CapacityRefused
 from capacity.fastpath import FastConnection, FastFailed, FastServer, FastUnsendable
 from capacity.fleet import Fleet, FleetConfig, Hold
-from capacity.protocol import ActorInfo, HeartbeatReport, RequestTelemetry
 from capacity.ops import BatchOps
+from capacity.protocol import ActorInfo, HeartbeatReport, RequestTelemetry
 
 log = logging.getLogger("orchard.capacity")
 
