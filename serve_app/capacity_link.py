@@ -17,8 +17,10 @@ def make_client(settings: dict[str, Any]) -> Any:
     """A CapacityClient for these settings; it creates the actor the same way if it is gone."""
     from capacity.actor import CapacityClient
 
+    floor = settings.get("decode_floor_tps")
     return CapacityClient(namespace=settings.get("namespace", "orchard"),
-                          snapshot_path=settings.get("snapshot_path"))
+                          snapshot_path=settings.get("snapshot_path"),
+                          config={"caps": {"floor_tps": floor}} if floor else None)
 
 
 class CapacityLink:

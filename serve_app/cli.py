@@ -196,7 +196,7 @@ def _ensure_capacity_actor(cfg) -> None:
     except ImportError:
         _say("capacity actor not available in this build; routing by power-of-two")
         return
-    get_or_create_actor(namespace=cfg.capacity.namespace,
+    get_or_create_actor(namespace=cfg.capacity.namespace, config=cfg.capacity.actor_config(),
                         snapshot_path=cfg.capacity.snapshot_path)
 
 

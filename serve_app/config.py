@@ -142,6 +142,17 @@ class CapacitySettings(_Strict):
         "`hold_wait_s` is the old name")
     max_queued: int = Field(64, ge=0, description="requests per model one ingress lets wait "
                             "for capacity; beyond that a request is refused (429) at once")
+    decode_floor_tps: float | None = Field(
+        None, gt=0, description="per-request decode tok/s a user must still see at the "
+        "concurrency cap (the actor's caps.floor_tps; None = its default, 15). Lower it where "
+        "throughput matters more than each stream's speed, e.g. a CPU host. Applies when the "
+        "actor is created")
+
+    def actor_config(self) -> dict | None:
+        """The capacity actor's FleetConfig sections these settings set (None: defaults)."""
+        if self.decode_floor_tps is None:
+            return None
+        return {"caps": {"floor_tps": self.decode_floor_tps}}
 
 
 class HTTPSettings(_Strict):

@@ -26,6 +26,10 @@ def test_queue_and_serve_defaults():
                         "replica_env": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}})
     assert cfg.capacity.queue_timeout_s == 5.0
     assert cfg.replica_env_vars()["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
+    assert cfg.capacity.actor_config() is None
+    assert parse_config({"models": [{"id": "m", "path": "/x"}],
+                         "capacity": {"decode_floor_tps": 5}}).capacity.actor_config() == {
+        "caps": {"floor_tps": 5.0}}
     # What the ingress and routers receive round-trips through the schema.
     assert OrchardConfig.model_validate(cfg.model_dump()).capacity.queue_timeout_s == 5.0
 
@@ -65,6 +69,8 @@ def test_kv_format_precedence_model_then_override_then_default():
      "capacity.queue_timeout_s"),
     ({"models": [{"id": "m", "path": "/x"}], "capacity": {"max_queued": -1}},
      "capacity.max_queued"),
+    ({"models": [{"id": "m", "path": "/x"}], "capacity": {"decode_floor_tps": 0}},
+     "capacity.decode_floor_tps"),
 ])
 def test_invalid_config_names_the_field(data, field):
     with pytest.raises(ConfigError) as e:
