@@ -150,6 +150,25 @@ def _connect(address: str | None, namespace: str, start_local: bool,
              include_dashboard=False if start_local else None, log_to_driver=False)
 
 
+def _wait_port_free(host: str, port: int, timeout_s: float = 30.0) -> None:
+    """Direct ingress gets exactly one port, and Serve blocks a port it once failed to bind: wait
+    out a previous server's lingering workers rather than deploy an ingress with no port."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                return
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"HTTP port {host}:{port} is in use ({e.strerror}); "
+                                       "stop what holds it or pass --port") from None
+        time.sleep(0.5)
+
+
 def _free_port() -> int:
     import socket
 
@@ -251,6 +270,8 @@ def cmd_serve(args) -> int:
     # Direct ingress is a cluster-wide Serve setting: only where we start Ray ourselves.
     direct = start_local and cfg.http.direct_ingress
     port = args.port or cfg.http.port
+    if direct:
+        _wait_port_free(args.host or cfg.http.host, port)
     _connect(args.address, cfg.capacity.namespace, start_local=start_local,
              cluster_env=direct_ingress_env(port) if direct else None)
     url = deploy(cfg, args.timeout, args.host, args.port,
