@@ -1,0 +1,79 @@
+"""`orchard serve CONFIG` end to end: a local Ray of its own, Serve direct ingress on http.port
+(the ingress replica serves HTTP itself; Serve's proxy moves to a spare port), a streamed chat
+with the per-hop trace off, and a clean SIGTERM drain.
+
+Runs the real CLI in a subprocess with its own RAY_TMPDIR, so nothing else on the machine
+auto-connects to its Ray, and stops only the process group it started.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from engine.platform import openblas_env
+from tests.fixtures.serve import TEST_API_KEY, free_port, make_config
+
+REPO = Path(__file__).resolve().parent.parent
+AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
+
+
+def _listener_is_serve_replica(port: int) -> bool:
+    """The public port is held by the ingress replica, not by Serve's proxy actor."""
+    out = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout
+    lines = [l for l in out.splitlines() if f":{port} " in l]
+    return bool(lines) and all("ServeRepli" in l for l in lines)
+
+
+def test_orchard_serve_uses_direct_ingress_and_drains_on_sigterm(tiny_llama, tmp_path):
+    port = free_port()
+    cfg = make_config(tiny_llama, port, f"orchard-cli-{os.getpid()}")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    ray_tmp = tempfile.mkdtemp(prefix="orc", dir="/tmp")   # short: Unix socket paths
+    env = {**os.environ, **openblas_env(), "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp,
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    env.pop("ORCHARD_TRACE", None)
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "serve_app.cli", "serve", str(path)],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "ready:" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(1)
+        base = f"http://127.0.0.1:{port}"
+        assert _listener_is_serve_replica(port)
+        with httpx.Client(base_url=base, timeout=120) as c:
+            assert c.get("/health").status_code == 200
+            body = {"model": "tiny", "stream": True, "max_tokens": 3, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "hi"}]}
+            with c.stream("POST", "/v1/chat/completions", headers=AUTH, json=body) as r:
+                assert r.status_code == 200
+                assert r.headers["x-orchard-replica"] and "x-orchard-trace" not in r.headers
+                events = [l for l in r.iter_lines() if l.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and any('"content"' in e for e in events)
+            bad = c.post("/v1/chat/completions", headers=AUTH, json={**body, "max_tokens": 0})
+            assert bad.status_code == 400
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) in (0, 130), log.read_text()[-4000:]
+        assert time.monotonic() - t0 < 60, "direct ingress held the shutdown"
+        # The port is free again: the next `orchard serve` can take it.
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
