@@ -6,7 +6,8 @@ Three paths serve the same request (chat template, greedy, `--max-tokens` tokens
 at a time (light load), interleaved round by round after a warm-up:
   engine   Engine.generate in this process: submit -> first delta with a token
   http     the same FastAPI ingress and ModelServer in this process (uvicorn, no Ray)
-  serve    the full path: HTTP -> Serve proxy -> ingress -> capacity hold -> replica -> engine
+  serve    the full path: HTTP -> ingress replica (Serve direct ingress, as `orchard serve` runs
+           it; --proxy: through Serve's HTTP proxy first) -> capacity hold -> replica -> engine
 For HTTP, TTFT is request sent -> first SSE event that carries content (iterating lines).
 Run with OpenBLAS preloaded (`python -m engine.platform exec ...`); set RAY_TMPDIR to keep the
 bench's Ray apart from other Ray users on the machine.
