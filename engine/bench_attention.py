@@ -7,6 +7,7 @@ shape every chunk after the first has. Variants, all from engine.packed_attentio
   direct_qmm    history scored and summed with quantized_matmul (FP32 accumulation in-kernel)
   fused         history dequantized to an FP32 scratch, one SDPA call
   scratch_compute_dtype  (reference, not an engine path) the same in the compute dtype
+  direct_cuda   (GPU only, experiment) engine.cuda_packed_attention: unpack inside the tile
 Times are medians over --repeats after a warm-up, interleaved variant by variant so load drift
 hits all of them; ratios are to native in the same run. `max_err` is the largest absolute
 difference from an FP32 reference computed on the dequantized history (so it measures the path's
@@ -52,7 +53,8 @@ def _time(fn, repeats: int) -> list[float]:
     return out
 
 
-def run_case(fmt_name: str, B, Hq, Hkv, L, S, D, dtype, repeats: int) -> dict:
+def run_case(fmt_name: str, B, Hq, Hkv, L, S, D, dtype, repeats: int,
+             only: set[str] | None = None) -> dict:
     fmt = KVFormat(fmt_name, D)
     scale = D ** -0.5
     q, k_hist, v_hist, k_new, v_new = _inputs(B, Hq, Hkv, L, S, D, dtype)
@@ -79,6 +81,12 @@ def run_case(fmt_name: str, B, Hq, Hkv, L, S, D, dtype, repeats: int) -> dict:
             mx.concatenate([dequantize(hist.v, fmt.v_bits, dtype), v_new], axis=2),
             scale=scale, mask="causal"),
     }
+    if mx.default_device() != mx.cpu:   # the experimental in-tile kernel (CUDA only)
+        from engine.cuda_packed_attention import packed_prefill_attention
+        variants["direct_cuda"] = lambda: packed_prefill_attention(q, hist, k_new, v_new,
+                                                                   fmt=fmt, scale=scale)
+    if only:
+        variants = {k: v for k, v in variants.items() if k == "native" or k in only}
     ref = mx.fast.scaled_dot_product_attention(
         q_rot.astype(mx.float32), k_nat.astype(mx.float32), v_nat.astype(mx.float32),
         scale=scale, mask="causal")
@@ -116,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--variants", default="",
+                    help="comma-separated subset to time (native always runs); default all")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     hq, hkv = (int(x) for x in args.heads.split(","))
@@ -123,7 +133,8 @@ def main(argv=None) -> int:
     for fmt in args.formats.split(","):
         for S in (int(x) for x in args.history.split(",")):
             case = run_case(fmt, args.batch, hq, hkv, args.chunk, S, args.head_dim,
-                            DTYPES[args.dtype], args.repeats)
+                            DTYPES[args.dtype], args.repeats,
+                            {v for v in args.variants.split(",") if v})
             print(json.dumps(case), file=sys.stderr, flush=True)
             cases.append(case)
     doc = {"device": str(mx.default_device()), "mlx": mx.__version__, "dtype": args.dtype,
