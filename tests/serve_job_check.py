@@ -5,7 +5,8 @@ Starts a head node with the dashboard (the Jobs API lives there) through
 would kill every Ray on the machine). Then, exactly as docs/serving.md says, submits
 `--working-dir . -- <deploy CONFIG>` from the repository root, waits for the job, and checks
 that the deployed app answers after the job has exited (Serve apps outlive their driver).
-Prints one JSON line of facts.
+Then `serve run serve_app.app:app_builder config=PATH` deploys a second app on the same
+cluster (route prefix /run), as docs/serving.md says. Prints one JSON line of facts.
 
     RAY_TMPDIR=/tmp/x python -m tests.serve_job_check MODEL_DIR CONFIG_DIR
 """
@@ -70,9 +71,40 @@ def main(model_dir: str, config_dir: str) -> dict:
             env=env, capture_output=True, text=True, timeout=120)
         facts["status_rc"] = status.returncode
         facts["status_out"] = status.stdout[-2000:] + status.stderr[-2000:]
+        serve_run(model_dir, config_dir, cluster.address, url, env, facts)
         return facts
     finally:
         cluster.shutdown()
+
+
+def serve_run(model_dir: str, config_dir: str, address: str, url: str, env: dict,
+              facts: dict) -> None:
+    """`serve run serve_app.app:app_builder config=PATH` (docs/serving.md) as a second app on the
+    same cluster, under its own route prefix, model id and capacity namespace."""
+    from tests.fixtures.serve import TEST_API_KEY, make_config, wait_http_ok
+
+    # Serve is already running on this cluster; its proxy keeps the port it has.
+    cfg = make_config(model_dir, int(url.rsplit(":", 1)[1]), "orchard-run")
+    cfg["models"][0]["id"] = "tiny-run"
+    path = os.path.join(config_dir, "serve-run.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    proc = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "serve"), "run", "--address", address,
+         "--non-blocking", "--name", "orchard-run", "--route-prefix", "/run",
+         "serve_app.app:app_builder", f"config={path}"],
+        env=env, capture_output=True, text=True, timeout=300)
+    facts["serve_run_rc"] = proc.returncode
+    facts["serve_run_tail"] = proc.stdout[-2000:] + proc.stderr[-2000:]
+    if proc.returncode != 0:
+        return
+    wait_http_ok(url + "/run/health", timeout_s=120)
+    r = httpx.post(url + "/run/v1/chat/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {TEST_API_KEY}"},
+                   json={"model": "tiny-run", "max_tokens": 2,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    facts["serve_run_chat_status"] = r.status_code
+    facts["serve_run_completion_tokens"] = r.json().get("usage", {}).get("completion_tokens")
 
 
 if __name__ == "__main__":

@@ -37,3 +37,7 @@ def test_job_submit_deploys_a_serving_app(tiny_llama, tmp_path_factory):
     assert facts["status_rc"] == 0, out
     assert "application orchard-test: running" in out and "model-tiny: healthy (1 running)" in out
     assert "model_id=tiny" in out and "identity=native" in out, out
+    # `serve run serve_app.app:app_builder config=PATH` on the same cluster, second app.
+    assert facts.get("serve_run_rc") == 0, facts.get("serve_run_tail")
+    assert facts["serve_run_chat_status"] == 200, facts
+    assert facts["serve_run_completion_tokens"] == 2, facts
