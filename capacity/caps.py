@@ -8,10 +8,7 @@ configured default.
 
 A quantized identity with fewer than `min_solo_samples` solo samples for the same identity AND chip
 class is uncalibrated: cap 1, and it never borrows native rates, other chip classes or seeds. Native
-identities without enough solo samples use, in order: the batch fit of their own per-request samples
-(solo rate = its B -> 0 intercept; a busy box rarely runs one request alone, so under sustained load
-this is the only measurement it gets), configured seeds, the few solo samples they have, and
-finally `fallback_concurrency`. Quarantined identities stay at 1. Pure Python.
+identities may bootstrap from configured seeds. Quarantined identities stay at 1. Pure Python.
 """
 from __future__ import annotations
 
@@ -41,7 +38,7 @@ class CapConfig:
 @dataclass(frozen=True)
 class CapDecision:
     cap: int
-    source: str               # solo | fitted | seed | undersampled | fallback | uncalibrated | invalid
+    source: str               # solo | seed | undersampled | fallback | uncalibrated | invalid
     solo_tps: float | None
     k: float
 
@@ -77,9 +74,6 @@ def resolve_cap(rates: RateRegistry, key: ExecutionKey, ceiling: int,
                            "solo", solo, k)
     if key.is_quantized:
         return CapDecision(1, "uncalibrated", None, k)
-    if fit is not None:
-        return CapDecision(concurrency_cap(fit.solo_tps, fit.k, ceiling, cfg.floor_tps,
-                                           cfg.overcommit), "fitted", fit.solo_tps, fit.k)
     seed = cfg.native_seeds.get(f"{key.model}@{key.chip_class}", cfg.native_seeds.get(key.model))
     if seed:
         return CapDecision(concurrency_cap(seed, k, ceiling, cfg.floor_tps, cfg.overcommit),

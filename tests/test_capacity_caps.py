@@ -77,25 +77,3 @@ def test_fitted_k_replaces_the_default():
     d = resolve_cap(reg, NATIVE_KEY, 24)
     assert d.k == pytest.approx(1.0)
     assert d.cap == 4                                       # qc = floor((4 - 1)/1) = 3; ceil(3.6) = 4
-
-
-def test_native_under_sustained_load_uses_its_batch_fit_but_quantized_does_not():
-    """A busy box rarely runs one request alone, so solo samples never arrive; native then caps
-    from the fit of its own per-request samples (solo = the B -> 0 intercept), ahead of seeds.
-    A quantized identity with the same evidence stays uncalibrated at 1."""
-    reg = RateRegistry()
-    cfg = CapConfig(native_seeds={"m": 20.0})
-    for b in [2, 4, 6, 8] * 5:                              # tpot = (1 + 0.05 b) / 60: k = 0.05
-        for key in (NATIVE_KEY, INT4_KEY):
-            reg.record_request(key, RequestSample(10, b, 0.1, (1 + 0.05 * b) / 60))
-    d = resolve_cap(reg, NATIVE_KEY, 24, cfg)
-    assert d.source == "fitted"
-    assert d.solo_tps == pytest.approx(60.0) and d.k == pytest.approx(0.05)
-    assert d.cap == 24    # qc = floor((60/15 - 1)/0.05) = 60 -> ceiling 24 (the seed would give 2)
-    assert resolve_cap(reg, NATIVE_KEY, 8, cfg).cap == 8
-    q = resolve_cap(reg, INT4_KEY, 24, cfg)
-    assert (q.cap, q.source) == (1, "uncalibrated")
-    _solo(reg, NATIVE_KEY, 5, 30.0)                         # enough solo samples win over the fit
-    d = resolve_cap(reg, NATIVE_KEY, 24, cfg)
-    assert (d.source, d.solo_tps) == ("solo", 30.0)
-    assert d.cap == 24    # qc = floor((2 - 1)/0.05) = 20; ceil(24.0) = 24
