@@ -15,11 +15,9 @@ token that changes with every incarnation. Holds may wait for capacity in a per-
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
-import tempfile
 import time
 import weakref
 from typing import Any
@@ -30,50 +28,22 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from capacity.errors import CapacityError, CapacityRefused
 from capacity.fastpath import FastConnection, FastFailed, FastServer, FastUnsendable
 from capacity.fleet import Fleet, FleetConfig, Hold
+from capacity.local_admissions import LocalAdmissions
 from capacity.ops import BatchOps
 from capacity.protocol import ActorInfo, HeartbeatReport, RequestTelemetry
+from capacity.report_batcher import ReportBatcher
+from capacity.snapshot_file import default_snapshot_path, read_snapshot, write_snapshot
 
 log = logging.getLogger("orchard.capacity")
 
 DEFAULT_NAME = "capacity"
 DEFAULT_NAMESPACE = "orchard"
-SNAPSHOT_ENV = "ORCHARD_CAPACITY_SNAPSHOT"   # overrides the snapshot path; "" disables persistence
-DEFAULT_SNAPSHOT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "orchard", "capacity-rates.json")
 PERSIST_INTERVAL_S = 10.0    # how much learning a crash may lose
 REAP_INTERVAL_S = 1.0        # TTL reaper period (hold TTL is 30 s by default, so 1 s is plenty)
 
 
 class CapacityUnavailable(CapacityError):
     """The actor could not be reached (dead, restarting past the timeout, or never created)."""
-
-
-def default_snapshot_path() -> str:
-    return os.environ.get(SNAPSHOT_ENV, DEFAULT_SNAPSHOT_PATH)
-
-
-def _read_snapshot(path: str | None) -> dict | None:
-    if not path or not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        log.warning("capacity snapshot %s unreadable; starting with empty histories", path)
-        return None
-
-
-def _write_snapshot(path: str, state: dict) -> None:
-    """Atomic: write a temp file in the same directory, then rename over the old snapshot."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".capacity-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(state, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -83,7 +53,7 @@ class CapacityActor:
                  reap_interval_s: float = REAP_INTERVAL_S):
         self.cfg = FleetConfig.from_dict(config)
         self.path = default_snapshot_path() if snapshot_path is None else snapshot_path
-        state = _read_snapshot(self.path)
+        state = read_snapshot(self.path)
         self.fleet = Fleet.restore(state, self.cfg)
         self.restored = state is not None
         self.reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
@@ -116,7 +86,7 @@ class CapacityActor:
 
     async def _persist(self) -> str:
         state = self.fleet.persist_state()       # built on the loop: consistent, no lock needed
-        await asyncio.to_thread(_write_snapshot, self.path, state)
+        await asyncio.to_thread(write_snapshot, self.path, state)
         self.persisted_at = time.time()
         return self.path
 
@@ -207,14 +177,19 @@ def _dump(value: Any) -> Any:
     return value.model_dump() if hasattr(value, "model_dump") else value
 
 
+def _checked(op: tuple, result: Any) -> Any:
+    """An op the actor rejected as malformed comes back as {"error": ...}: raise it here."""
+    if isinstance(result, dict) and "error" in result:
+        raise CapacityError(f"{op[0]} rejected: {result['error']}: {result.get('detail', '')}")
+    return result
+
+
 class CapacityClient:
     """Caches the actor handle and the last caps, batches reports, and falls back to a conservative
     local cap when the actor is unreachable (so an actor outage degrades admission, not serving).
 
-    Calls (hold/commit/release/cancel/heartbeat) are batched without a timer: the first is sent at
-    once, and whatever queues while `max_inflight` batches are in flight goes in the next one. So
-    an idle client adds no latency and a busy one makes one actor call per batch (200 concurrent
-    callers cost a handful of actor calls, not 200). Each batch is applied in order.
+    Calls (hold/commit/release/cancel/heartbeat) are batched without a timer
+    (capacity/report_batcher.py); each batch is applied in order.
 
     Transport (`transport="auto"`, the default): after its first Ray call the client asks the actor
     for its direct endpoint in the background and from then on sends batches over one persistent
@@ -240,26 +215,15 @@ class CapacityClient:
         # busy 2-core box); only that call gets the longer timeout.
         self.first_call_timeout_s = max(first_call_timeout_s, call_timeout_s)
         self._answered = False
-        self.fallback_cap = fallback_cap          # in-flight requests per model while unreachable
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self.max_batch = max_batch
-        # Batches in flight at once. >1 overlaps one batch's actor time with the next one's
-        # transport; safe because callers issue dependent calls (hold -> commit -> release of one
-        # request) only after the previous one returned, and heartbeats carry sequence numbers.
-        self.max_inflight = max(1, max_inflight)
         self.caps: dict[str, int] = {}            # model -> last cap the actor returned
         self.faults = 0
         self._handle = None
         self._down_until = 0.0
-        self._local: dict[str, set[str]] = {}     # model -> request ids admitted locally
-        self._queue: list[tuple[tuple, asyncio.Future]] = []
-        self._flushers: set[asyncio.Task] = set()
-        # Flushers running or about to run. Counted here, not as len(self._flushers): a task leaves
-        # that set in a done callback, which runs after the callers its last batch woke. A caller
-        # that queued its next call (release right after hold) in between used to see the finished
-        # flusher as in flight, start none, and wait for some unrelated later call to send it (or
-        # forever, with max_inflight=1 and no other traffic).
-        self._inflight = 0
+        # In-flight requests per model (fallback_cap) while the actor is unreachable.
+        self._local = LocalAdmissions(fallback_cap, backoff_s)
+        self._batcher = ReportBatcher(self._send, max_batch=max_batch, max_inflight=max_inflight,
+                                      failure=CapacityUnavailable)
         self.transport = transport
         self.fast_retry_s = fast_retry_s          # first wait before rediscovering the endpoint
         self.fast_batches = 0                     # batches answered over the direct connection
@@ -327,8 +291,6 @@ class CapacityClient:
                     self._fast_failures = 0
                     return out
         self.ray_batches += 1
-        if timeout is None:
-            return await self._call("apply", ops)
         return await self._call("apply", ops, timeout=timeout)
 
     def _fast_conn(self) -> FastConnection | None:
@@ -402,9 +364,7 @@ class CapacityClient:
             else:
                 out = await self._report(op)
         except CapacityUnavailable:
-            return self._local_hold(model_id, raw_tokens, request_id)
-        if isinstance(out, dict) and "error" in out:
-            raise CapacityError(f"hold rejected: {out['error']}: {out.get('detail', '')}")
+            return self._local.hold(model_id, raw_tokens, request_id)
         if not out["ok"]:
             raise CapacityRefused(out["reason"], out["retry_after_s"], out.get("detail", ""))
         hold = out["hold"]
@@ -420,7 +380,7 @@ class CapacityClient:
 
         ops, timeout = remake()
         try:
-            return (await self._send(ops, timeout, remake))[0]
+            return _checked(op, (await self._send(ops, timeout, remake))[0])
         except (asyncio.CancelledError, CapacityUnavailable):
             # The caller gave up, or we could not hear the answer: the hold may still be parked
             # (or granted) at the actor. Cancel it there, on the same path, in order.
@@ -434,36 +394,21 @@ class CapacityClient:
         except Exception:  # noqa: BLE001 - best effort; the hold TTL is the backstop
             pass
 
-    def _local_hold(self, model_id: str, raw_tokens: int, request_id: str) -> Hold:
-        held = self._local.setdefault(model_id, set())
-        if request_id not in held and len(held) >= self.fallback_cap:
-            raise CapacityRefused("capacity_unavailable", self.backoff_s,
-                                  f"actor unreachable; local cap {self.fallback_cap} reached")
-        held.add(request_id)
-        return Hold(request_id, model_id, "", [], raw_tokens, 0.0, fallback=True)
-
-    def _settle_local(self, request_id: str) -> bool:
-        for held in self._local.values():
-            if request_id in held:
-                held.discard(request_id)
-                return True
-        return False
-
     # ---- reports (batched) ----------------------------------------------------------------
 
     async def commit(self, request_id: str, replica_id: str, raw_tokens: int | None = None,
                      model_id: str | None = None) -> bool:
-        if any(request_id in held for held in self._local.values()):
+        if self._local.holds(request_id):
             return True
         return await self._report(("commit", request_id, replica_id, raw_tokens, model_id))
 
     async def release(self, request_id: str, telemetry: RequestTelemetry | dict | None = None) -> bool:
-        if self._settle_local(request_id):
+        if self._local.settle(request_id):
             return True
         return await self._report(("release", request_id, _dump(telemetry)))
 
     async def cancel(self, request_id: str) -> bool:
-        if self._settle_local(request_id):
+        if self._local.settle(request_id):
             return True
         return await self._report(("cancel", request_id))
 
@@ -474,41 +419,11 @@ class CapacityClient:
         return out
 
     async def _report(self, op: tuple) -> Any:
-        fut = asyncio.get_running_loop().create_future()
-        self._queue.append((op, fut))
-        if self._inflight < self.max_inflight:
-            self._inflight += 1
-            task = asyncio.get_running_loop().create_task(self._flush_loop())
-            self._flushers.add(task)
-            task.add_done_callback(self._flushers.discard)
-        result = await fut
-        if isinstance(result, dict) and "error" in result:
-            raise CapacityError(f"{op[0]} rejected: {result['error']}: {result.get('detail', '')}")
-        return result
-
-    async def _flush_loop(self) -> None:
-        try:
-            while self._queue:
-                batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
-                try:
-                    results = await self._send([op for op, _ in batch])
-                except CapacityUnavailable as e:
-                    for _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(e)
-                    continue
-                for (_, fut), res in zip(batch, results):
-                    if not fut.done():
-                        fut.set_result(res)
-        finally:
-            # Same step as the empty-queue check above (no await between): a call queued after
-            # this point sees the slot free and starts its own flusher.
-            self._inflight -= 1
+        return _checked(op, await self._batcher.submit(op))
 
     async def flush(self) -> None:
         """Wait until every queued call has been sent and answered."""
-        while self._flushers:
-            await asyncio.gather(*list(self._flushers), return_exceptions=True)
+        await self._batcher.flush()
 
     # ---- feed -----------------------------------------------------------------------------
 

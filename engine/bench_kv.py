@@ -35,7 +35,6 @@ from capacity.pricing import CostModel
 from engine.kvstore import KVStore, Slots
 from engine.model import load_model
 from engine import packed_attention
-from engine.packed_attention import DIRECT_PREFILL_STRATEGIES
 from engine.packed_cache import PackedModelRunner
 from engine.packed_store import counters_of, packed_layer_factory
 from engine.runner import ModelRunner, SeqChunk
@@ -282,8 +281,6 @@ def main(argv=None):
     ap.add_argument("--budget-gib", type=float, default=8.0)
     ap.add_argument("--prefill", type=_ints, default=[512, 4096, 16384])
     ap.add_argument("--prefill-formats", default="int8,int4")
-    ap.add_argument("--direct-prefill", default="auto", choices=DIRECT_PREFILL_STRATEGIES,
-                    help="how direct prefill reads packed history (engine.packed_attention)")
     ap.add_argument("--gpu-qmm", action="store_true",
                     help="let direct attention call quantized_matmul on a GPU (off by default: "
                          "it crashed on MLX 0.32.4 CUDA; see engine.packed_attention.gpu_qmm)")
@@ -301,7 +298,6 @@ def main(argv=None):
     ap.add_argument("--quality-tokens", type=int, default=1024)
     ap.add_argument("--quality-chunk", type=int, default=32)
     args = ap.parse_args(argv)
-    packed_attention.direct_prefill = args.direct_prefill
     packed_attention.gpu_qmm = args.gpu_qmm
 
     if args.model:

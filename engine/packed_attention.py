@@ -33,26 +33,12 @@ MIN_FUSED_QUERIES = 9
 # MLX's quantized_matmul was 2-3x slower than the tiled path already at 4-16 queries and ~10x at
 # 512 (measured on the 2-core dev box; see docs/benchmarks-kv.md).
 QMM_MAX_QUERIES = 1
-# How direct prefill chunks (more than QMM_MAX_QUERIES queries) read history: "tiled", "qmm"
-# (quantized_matmul for every chunk), or "auto" (the measured best per device, below).
-DIRECT_PREFILL_STRATEGIES = ("auto", "tiled", "qmm")
-direct_prefill = "auto"
+FUSED_HEAD_DIMS = (64, 128, 256)
 # quantized_matmul on non-CPU devices. Off: on the H200 (MLX 0.32.4 CUDA) it crashed the process
 # with an illegal memory access in int4 decode (4 sequences x 4 KV heads, 4K context), which no
 # probe can guard against. Direct attention unpacks tiles there instead (exact FP32, slower).
 # Re-measure with `python -m engine.bench_kv --gpu-qmm` after an MLX upgrade.
 gpu_qmm = False
-
-
-def _qmm_query_limit() -> int:
-    strategy = direct_prefill
-    if strategy not in DIRECT_PREFILL_STRATEGIES:
-        raise ValueError(f"direct prefill strategy must be one of {DIRECT_PREFILL_STRATEGIES}, "
-                         f"got {strategy!r}")
-    if strategy == "auto":
-        strategy = "tiled"
-    return 1 << 30 if strategy == "qmm" else QMM_MAX_QUERIES
-FUSED_HEAD_DIMS = (64, 128, 256)
 
 
 class PackedKV(NamedTuple):
@@ -90,19 +76,17 @@ def _qmm_activation_dtype(bits: int, compute: mx.Dtype, rows: int, dim: int) -> 
     memory access (docs/benchmarks-kv.md). A missing kernel only shows when a graph is
     evaluated, so each (bits, dtype, rows, head dim) is probed once, in both directions.
     """
-    on_gpu_enabled = mx.default_device() != mx.cpu and gpu_qmm
-    return _probe_qmm(bits, compute, rows, dim, mx.default_device() == mx.cpu, on_gpu_enabled)
+    if mx.default_device() == mx.cpu:
+        candidates = (mx.float32, compute)
+    elif gpu_qmm and compute in (mx.bfloat16, mx.float16):
+        candidates = (compute,)
+    else:
+        return None
+    return _first_working_dtype(bits, candidates, rows, dim)
 
 
 @lru_cache(maxsize=None)
-def _probe_qmm(bits: int, compute: mx.Dtype, rows: int, dim: int, cpu: bool,
-               gpu_enabled: bool) -> mx.Dtype | None:
-    if cpu:
-        candidates = (mx.float32, compute)
-    elif gpu_enabled and compute in (mx.bfloat16, mx.float16):
-        candidates = (compute,)
-    else:
-        candidates = ()
+def _first_working_dtype(bits: int, candidates: tuple, rows: int, dim: int) -> mx.Dtype | None:
     n = 256
     w = mx.zeros((1, 2, n, dim * bits // 32), mx.uint32)
     meta = mx.zeros((1, 2, n, dim // GROUP_SIZE), mx.float32)
@@ -156,7 +140,7 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     s_new = qn @ mx.expand_dims(k_new.astype(mx.float32), 2).swapaxes(-1, -2)  # (B,Hkv,rep,L,L)
     v_new = mx.expand_dims(v_new.astype(mx.float32), 2)
     act_k = act_v = None
-    if L <= (_qmm_query_limit() if qmm_max_queries is None else qmm_max_queries):
+    if L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries):
         act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype, rep * L, D)
         act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D)
     if act_k is None or act_v is None:

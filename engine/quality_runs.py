@@ -13,10 +13,8 @@ k_new R^T. Because R is orthogonal, the path's own rotation of q then yields q a
 unrotated stored keys, and fresh scores stay q k^T (float32, error ~1e-7 relative). Its format
 identity string is int4's; it never persists anything, so that never matters.
 
-Off the CPU, decode steps (one query row) of every packed format go through the direct path's
-tiled FP32 unpack instead of quantized_matmul (`_qmm_limit`): on the H200 the latter raised
-"No implementation for problem shape" for a float32-activation 8-bit shape the engine's kernel
-probe had accepted. Prefill chunks use the tiled path on every backend anyway.
+Runners are built exactly as serving builds them, so off the CPU decode goes through the
+direct path's tiled FP32 unpack, as the engine does there (`engine.packed_attention.gpu_qmm`).
 """
 from __future__ import annotations
 
@@ -44,24 +42,7 @@ REF = "__reference__"
 
 def decode_path() -> str:
     return ("quantized_matmul over packed rows (production)" if mx.default_device() == mx.cpu
-            else "tiled FP32 unpack (CUDA workaround, see module docstring)")
-
-
-def _qmm_limit() -> int | None:
-    # On CUDA, decode through quantized_matmul failed in the gate's ragged batches ("No
-    # implementation for problem shape: 3x505x64x120, activation: float32, bits: 8"): the
-    # engine's kernel probe accepts float32 for a shape the real call lacks. Off the CPU the
-    # gate decodes through the tiled unpack path instead (exact FP32, same stored codes).
-    return None if mx.default_device() == mx.cpu else 0
-
-
-class _TiledDecodeAttention(PackedAttention):
-    def __call__(self, q, hist, k_new, v_new, *, scale, new_mask="causal", hist_mask=None,
-                 sinks=None):
-        self.counters.direct += 1
-        return direct_attention(q, hist, k_new, v_new, fmt=self.fmt, scale=scale,
-                                new_mask=new_mask, hist_mask=hist_mask, sinks=sinks,
-                                qmm_max_queries=_qmm_limit())
+            else "tiled FP32 unpack (production off the CPU: engine.packed_attention.gpu_qmm)")
 
 
 class _UnrotatedAttention(PackedAttention):
@@ -74,7 +55,7 @@ class _UnrotatedAttention(PackedAttention):
         r_t = rotation_matrix(q.shape[-1]).T
         out = direct_attention(q.astype(mx.float32) @ r_t, hist, k_new.astype(mx.float32) @ r_t,
                                v_new, fmt=self.fmt, scale=scale, new_mask=new_mask,
-                               hist_mask=hist_mask, sinks=sinks, qmm_max_queries=_qmm_limit())
+                               hist_mask=hist_mask, sinks=sinks)
         return out.astype(q.dtype)
 
 
@@ -94,22 +75,9 @@ def _unrotated_int4_factory(geometry, num_pages, page_tokens, dtype):
     return _UnrotatedStore(geometry, fmt, num_pages, page_tokens, _UnrotatedAttention(fmt))
 
 
-def _tiled_decode_factory(name: str):
-    def make(geometry, num_pages, page_tokens, dtype):
-        fmt = KVFormat(name, geometry.head_dim, str(dtype).removeprefix("mlx.core."))
-        if not fmt.packed or geometry.kind != "full":
-            return NativeLayerStore(geometry, num_pages, page_tokens, dtype)
-        return PackedLayerStore(geometry, fmt, num_pages, page_tokens, _TiledDecodeAttention(fmt))
-    return make
-
-
 def make_runner(loaded, fmt: str, num_pages: int) -> PackedModelRunner:
-    if fmt == "int4-norot":
-        factory = _unrotated_int4_factory
-    elif mx.default_device() == mx.cpu:
-        factory = packed_layer_factory(fmt)      # exactly what serving builds
-    else:
-        factory = _tiled_decode_factory(fmt)
+    # Every other format: exactly what serving builds.
+    factory = _unrotated_int4_factory if fmt == "int4-norot" else packed_layer_factory(fmt)
     store = KVStore(loaded.geometry, num_pages, PAGE_TOKENS, loaded.dtype, layer_factory=factory)
     return PackedModelRunner(loaded, store)
 

@@ -16,11 +16,11 @@ log = logging.getLogger("orchard.capacity_link")
 def make_client(settings: dict[str, Any]) -> Any:
     """A CapacityClient for these settings; it creates the actor the same way if it is gone."""
     from capacity.actor import CapacityClient
+    from serve_app.config import CapacitySettings
 
-    floor = settings.get("decode_floor_tps")
-    return CapacityClient(namespace=settings.get("namespace", "orchard"),
-                          snapshot_path=settings.get("snapshot_path"),
-                          config={"caps": {"floor_tps": floor}} if floor else None)
+    cfg = CapacitySettings.model_validate(settings)
+    return CapacityClient(namespace=cfg.namespace, snapshot_path=cfg.snapshot_path,
+                          config=cfg.actor_config())
 
 
 class CapacityLink:

@@ -25,7 +25,7 @@ import yaml
 def main(model_dir: str, config_dir: str) -> dict:
     from ray.cluster_utils import Cluster
 
-    from tests.fixtures.serve import TEST_API_KEY, free_port, make_config, wait_http_ok
+    from tests.fixtures.serve import free_port, make_config, wait_http_ok
 
     facts: dict = {}
     dash_port = free_port()
@@ -59,12 +59,7 @@ def main(model_dir: str, config_dir: str) -> dict:
         if proc.returncode != 0:
             return facts
         wait_http_ok(url + "/health", timeout_s=60)
-        r = httpx.post(url + "/v1/chat/completions", timeout=60,
-                       headers={"Authorization": f"Bearer {TEST_API_KEY}"},
-                       json={"model": "tiny", "max_tokens": 3,
-                             "messages": [{"role": "user", "content": "hi"}]})
-        facts["chat_status"] = r.status_code
-        facts["completion_tokens"] = r.json().get("usage", {}).get("completion_tokens")
+        facts["chat_status"], facts["completion_tokens"] = chat(url, "tiny", 3)
         status = subprocess.run(
             [sys.executable, "-m", "serve_app.cli", "status", "--app", "orchard-test",
              "--namespace", "orchard-job", "--address", cluster.address],
@@ -81,7 +76,7 @@ def serve_run(model_dir: str, config_dir: str, address: str, url: str, env: dict
               facts: dict) -> None:
     """`serve run serve_app.app:app_builder config=PATH` (docs/serving.md) as a second app on the
     same cluster, under its own route prefix, model id and capacity namespace."""
-    from tests.fixtures.serve import TEST_API_KEY, make_config, wait_http_ok
+    from tests.fixtures.serve import make_config, wait_http_ok
 
     # Serve is already running on this cluster; its proxy keeps the port it has.
     cfg = make_config(model_dir, int(url.rsplit(":", 1)[1]), "orchard-run")
@@ -99,12 +94,19 @@ def serve_run(model_dir: str, config_dir: str, address: str, url: str, env: dict
     if proc.returncode != 0:
         return
     wait_http_ok(url + "/run/health", timeout_s=120)
-    r = httpx.post(url + "/run/v1/chat/completions", timeout=60,
+    facts["serve_run_chat_status"], facts["serve_run_completion_tokens"] = chat(
+        url + "/run", "tiny-run", 2)
+
+
+def chat(base_url: str, model: str, max_tokens: int) -> tuple[int, int | None]:
+    """One chat completion: (HTTP status, completion tokens from usage)."""
+    from tests.fixtures.serve import TEST_API_KEY
+
+    r = httpx.post(base_url + "/v1/chat/completions", timeout=60,
                    headers={"Authorization": f"Bearer {TEST_API_KEY}"},
-                   json={"model": "tiny-run", "max_tokens": 2,
+                   json={"model": model, "max_tokens": max_tokens,
                          "messages": [{"role": "user", "content": "hi"}]})
-    facts["serve_run_chat_status"] = r.status_code
-    facts["serve_run_completion_tokens"] = r.json().get("usage", {}).get("completion_tokens")
+    return r.status_code, r.json().get("usage", {}).get("completion_tokens")
 
 
 if __name__ == "__main__":

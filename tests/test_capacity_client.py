@@ -11,7 +11,7 @@ class StubClient(CapacityClient):
         super().__init__(create=False, **kw)
         self.calls: list[list] = []
 
-    async def _call(self, method, *args):
+    async def _call(self, method, *args, timeout=None):
         assert method == "apply"
         ops = args[0]
         self.calls.append(ops)
@@ -31,7 +31,7 @@ def test_next_call_after_a_batch_is_sent_without_other_traffic(max_inflight):
         return c
 
     c = asyncio.run(asyncio.wait_for(run(), 5.0))
-    assert len(c.calls) == 40 and c._inflight == 0
+    assert len(c.calls) == 40 and c._batcher.inflight == 0
 
 
 def test_concurrent_calls_are_batched():
@@ -41,4 +41,4 @@ def test_concurrent_calls_are_batched():
         return c
 
     c = asyncio.run(asyncio.wait_for(run(), 5.0))
-    assert sum(len(b) for b in c.calls) == 50 and len(c.calls) <= 3 and c._inflight == 0
+    assert sum(len(b) for b in c.calls) == 50 and len(c.calls) <= 3 and c._batcher.inflight == 0
