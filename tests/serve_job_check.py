@@ -104,7 +104,7 @@ def chat(base_url: str, model: str, max_tokens: int) -> tuple[int, int | None]:
 
     r = httpx.post(base_url + "/v1/chat/completions", timeout=60,
                    headers={"Authorization": f"Bearer {TEST_API_KEY}"},
-                   json={"model": model, "max_tokens": max_tokens,
+                   json={"model": model, "max_tokens": max_tokens, "ignore_eos": True,
                          "messages": [{"role": "user", "content": "hi"}]})
     return r.status_code, r.json().get("usage", {}).get("completion_tokens")
 

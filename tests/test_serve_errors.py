@@ -84,7 +84,8 @@ def test_service_healthy_after_bad_inputs(http):
         http.post("/v1/chat/completions", **kwargs)
     assert http.get("/health").status_code == 200
     r = http.post("/v1/chat/completions", headers=AUTH,
-                  json={"model": TEST_MODEL, "messages": OK_MSG, "max_tokens": 3})
+                  json={"model": TEST_MODEL, "messages": OK_MSG, "max_tokens": 3,
+                        "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
