@@ -144,7 +144,7 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
         act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype, rep * L, D)
         act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D)
     if act_k is None or act_v is None:
-        tile = tile or (1024 if mx.default_device() == mx.cpu else 4096)
+        tile = tile or (512 if mx.default_device() == mx.cpu else 4096)
         return _tiled(qh, s_new, v_new, nmask, hist, hmask, fmt, sinks, tile).reshape(
             B, Hq, L, D).astype(q.dtype)
     # One (rep*L)-row matmul per KV head: broadcasting packed rows over a repeat axis instead
@@ -171,31 +171,67 @@ def _tiled(qh, s_new, v_new, nmask, hist: PackedKV, hmask, fmt: KVFormat, sinks,
     The fresh chunk goes first (every query sees at least its own key, so the running max is
     finite from the start); each history tile is dequantized into a bounded FP32 scratch, used
     by a BLAS matmul and dropped. Nothing the size of the whole history is ever materialized.
+    Scores are (B, Hkv, rep*L, T): one GEMM per KV head for all its query heads, not a matmul
+    broadcast over a repeat axis.
     """
+    B, Hkv, rep, L, D = qh.shape
+    rows = (B, Hkv, rep * L)
+    q_flat = qh.reshape(*rows, D)
     s_new = s_new if nmask is None else mx.where(nmask, s_new, -mx.inf)
+    s_new = s_new.reshape(*rows, L)
     m = s_new.max(axis=-1, keepdims=True)
-    p = mx.exp(s_new - m)
+    p = _exp_shifted(s_new, m)
     denom = p.sum(axis=-1, keepdims=True)
-    acc = p @ v_new
+    acc = p @ v_new.reshape(B, Hkv, L, D)
     for start in range(0, hist.length, tile):
         cut = lambda pk: Packed(*(a[..., start:start + tile, :] for a in pk))  # noqa: E731
-        kt = mx.expand_dims(dequantize(cut(hist.k), fmt.k_bits), 2)
-        vt = mx.expand_dims(dequantize(cut(hist.v), fmt.v_bits), 2)
-        s = qh @ kt.swapaxes(-1, -2)
+        kt = dequantize(cut(hist.k), fmt.k_bits)
+        vt = dequantize(cut(hist.v), fmt.v_bits)
+        vt = mx.concatenate([vt, mx.ones((*vt.shape[:-1], 1), vt.dtype)], axis=-1)
+        s = q_flat @ kt.swapaxes(-1, -2)
         if hmask is not None:
-            s = mx.where(hmask[..., start:start + tile], s, -mx.inf)
+            n = kt.shape[-2]
+            s = mx.where(hmask[..., start:start + tile], s.reshape(B, Hkv, rep, L, n),
+                         -mx.inf).reshape(*rows, n)
         m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
-        c, p = mx.exp(m - m_new), mx.exp(s - m_new)
-        denom = denom * c + p.sum(axis=-1, keepdims=True)
-        acc = acc * c + p @ vt
+        c, p = mx.exp(m - m_new), _exp_shifted(s, m_new)
+        pv = p @ vt
+        denom = denom * c + pv[..., D:]
+        acc = acc * c + pv[..., :D]
         m = m_new
     if sinks is not None:   # a sink adds probability mass but no value
-        sink = sinks.astype(mx.float32).reshape(1, qh.shape[1], qh.shape[2], 1, 1)
+        sink = mx.repeat(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1), L, axis=3)
+        sink = sink.reshape(1, Hkv, rep * L, 1)
         m_new = mx.maximum(m, sink)
         c = mx.exp(m - m_new)
         denom = denom * c + mx.exp(sink - m_new)
         acc = acc * c
     return acc / denom
+
+
+def _exp_plain(s, m):
+    return mx.exp(s - m)
+
+
+@lru_cache(maxsize=None)
+def _exp_kernel():
+    """exp(s - m) as one fused elementwise kernel (mx.compile), or the plain two-op form.
+
+    On the CPU the score tile's exp is most of attention's time and a separate subtract pass
+    streams the whole tile through memory once more; fusing removes that pass. Compiling on the
+    CPU needs a C++ compiler at run time: if compiling fails we keep the plain form (same math).
+    """
+    fused = mx.compile(_exp_plain, shapeless=True)
+    try:
+        probe = mx.array([[0.0, -1.0, -mx.inf]])
+        mx.eval(fused(probe, mx.zeros((1, 1))))
+        return fused
+    except Exception:  # noqa: BLE001 - no JIT toolchain: the plain ops compute the same values
+        return _exp_plain
+
+
+def _exp_shifted(s, m):
+    return _exp_kernel()(s, m)
 
 
 def _group(mask, Hkv, rep):

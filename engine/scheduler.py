@@ -12,8 +12,8 @@ step are returned only by `reclaim(retired_step)` once the loop has retired that
 
 Prefix reuse (optional `prefix` cache + `root_of(seq)` chain root): at admission the prompt's
 cached full pages are shared into the request's table and prefill starts after them; those pages
-are not charged again. A request's prompt pages are inserted when its prefill step retired
-(`complete`); when it is reclaimed, its pages the cache still holds move their charge to the
+are not charged again. A request's full prompt pages are inserted as each prefill chunk's step
+retires (`complete`), so a long prompt shares what it has written before it finishes; when it is reclaimed, its pages the cache still holds move their charge to the
 cache. A request that does not fit makes the cache evict unshared pages first.
 """
 from __future__ import annotations
@@ -256,11 +256,14 @@ class Scheduler:
             if s.status != RUNNING:
                 continue
             s.num_computed = c.start + len(c.token_ids)
+            if self.prefix is not None and s.prefilling:
+                # This retired step wrote prompt rows up to num_computed: every full page below
+                # that is final, so publish it now. A request with the same prefix arriving
+                # while this long prompt is still prefilling shares the pages already written.
+                self.prefix.insert(self.root_of(s), s.prompt_ids[:s.num_computed],
+                                   s.table.pages)
             if not c.samples:
                 continue
-            if self.prefix is not None and s.prefilling:
-                # This retired step wrote the last prompt rows: the prompt's full pages are final.
-                self.prefix.insert(self.root_of(s), s.prompt_ids, s.table.pages)
             s.output_ids.append(tok)
             if s.first_token_time is None:
                 s.first_token_time = now

@@ -106,3 +106,21 @@ def test_only_cache_only_pages_are_evictable():
     sch.reclaim(step.step_id)
     assert sch.evictable_pages == 3 == sch.ledger.cache_pages
     assert sch.evict_cache(10) == 3 and sch.ledger.used_bytes == 0
+
+
+def test_prompt_pages_are_shared_chunk_by_chunk_while_prefill_runs():
+    # 4-token steps: the 13-token prompt takes four prefill chunks. After the first chunk retires,
+    # its page is already in the cache and a second request with the same prompt shares it.
+    sch = with_cache(make_scheduler(pages=12, max_num_seqs=2, max_step_tokens=4))
+    a = Seq("a", PREFIXES[0] + [1], SamplingParams(max_tokens=2, ignore_eos=True))
+    sch.submit(a, 0.0)
+    step = sch.schedule(0.0)
+    assert [len(c.token_ids) for c in step.chunks] == [4] and not step.chunks[0].samples
+    sch.complete(step, [None], 0.0)
+    sch.reclaim(step.step_id)
+    assert len(sch.prefix) == 1 and a.num_computed == 4
+    b = Seq("b", PREFIXES[0] + [2], SamplingParams(max_tokens=2, ignore_eos=True))
+    sch.submit(b, 0.0)
+    sch.schedule(0.0)
+    assert b.cached_tokens == 4 and b.shared_pages == 1
+    assert b.table.pages[0] == a.table.pages[0]
