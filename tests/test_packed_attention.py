@@ -6,7 +6,13 @@ Stated tolerances (max abs error of outputs, unit-variance K/V/Q):
 - direct vs native (quantization error), max / mean abs: int8 0.02 / 0.004, k8v4 0.25 / 0.06,
   int4 0.35 / 0.07. The max is set by one-row histories, where one quantized V row is not averaged.
 """
+import os
+import shutil
+import subprocess
+import sys
+
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from capacity.formats import KVFormat
@@ -168,3 +174,38 @@ def test_router_counts_paths_and_takes_one_permit_per_fused_call():
     assert no_hook.counters.budget_fallback == 1 and no_hook.counters.fused == 0
     with pytest.raises(ValueError):
         PackedAttention(fmt, prefill_mode="opportunistic")
+
+
+_NO_TOOLCHAIN_SCRIPT = """
+import mlx.core as mx, numpy as np, sys
+from capacity.formats import KVFormat
+from engine.packed_attention import PackedKV, direct_attention
+from engine.quant import quantize
+from engine.rotation import rotate
+keys = mx.random.split(mx.random.key(3), 5)
+q = mx.random.normal((1, 4, 40, 64), key=keys[0])
+kh, vh = (mx.random.normal((1, 2, 70, 64), key=k) for k in keys[1:3])
+kn, vn = (mx.random.normal((1, 2, 40, 64), key=k) for k in keys[3:5])
+fmt = KVFormat("int8", 64)
+hist = PackedKV(quantize(rotate(kh), 8), quantize(vh, 8))
+out = direct_attention(q, hist, kn, vn, fmt=fmt, scale=0.125, qmm_max_queries=0, tile=32)
+np.save(sys.argv[1], np.array(out))
+"""
+
+
+def test_tiled_prefill_needs_no_cpu_toolchain(tmp_path):
+    # The fused exp(s - m) kernel is JIT-compiled by g++ on the CPU. Run the same tiled prefill
+    # in a child whose PATH has no compiler at all (a real missing toolchain, not a fake) and
+    # check it computes what the compiled kernel computes here.
+    child_bin = tmp_path / "bin"
+    child_bin.mkdir()
+    (child_bin / "python").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": str(child_bin)}
+    assert shutil.which("g++", path=env["PATH"]) is None
+    outs = []
+    for name, run_env in (("with", os.environ), ("without", env)):
+        path = tmp_path / f"{name}.npy"
+        subprocess.run([sys.executable, "-c", _NO_TOOLCHAIN_SCRIPT, str(path)], env=run_env,
+                       check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+        outs.append(np.load(path))
+    assert np.allclose(outs[0], outs[1], atol=1e-6, rtol=0)
