@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import sysconfig
 import tempfile
 import time
@@ -109,6 +110,12 @@ def prefill_once(runner, tokens, chunk) -> float:
     return time.perf_counter() - t0
 
 
+def progress(message: str) -> None:
+    """One line per measured variant on stderr (a 16K CPU prefill takes minutes per variant);
+    stdout stays the JSON document."""
+    print(f"[bench_kv {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save) -> dict:
     rng = np.random.default_rng(0)
     vocab = loaded.geometry.vocab_size
@@ -124,10 +131,12 @@ def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save) 
                 prefill_once(r, tokens[:2 * min(chunk, 64)], min(chunk, 64))
             except Exception as e:  # a backend missing a kernel: record it, bench the rest
                 errors[name] = f"{type(e).__name__}: {e}"[:300]
-        for _ in range(repeats):          # interleaved, so drift hits every variant alike
+        for rep in range(repeats):        # interleaved, so drift hits every variant alike
             for name, r in runners.items():
                 if name not in errors:
                     times[name].append(prefill_once(r, tokens, chunk))
+                    progress(f"prefill {n} {name} repeat {rep + 1}/{repeats}: "
+                             f"{times[name][-1]:.2f} s")
         row = {name: {"error": err} for name, err in errors.items()}
         for name, r in runners.items():
             if name not in errors:
@@ -191,6 +200,7 @@ def decode_section(loaded, contexts, batches, formats, steps, repeats, out: dict
                 try:
                     row[fmt] = {"tok_s": round(b * steps / _decode_time(
                         loaded, fmt, pages, b, n, room, steps, repeats), 2)}
+                    progress(f"decode ctx {n} batch {b} {fmt}: {row[fmt]['tok_s']} tok/s")
                 except Exception as e:  # a backend missing a kernel: record it, bench the rest
                     row[fmt] = {"error": f"{type(e).__name__}: {e}"[:300]}
             for fmt in row:

@@ -34,6 +34,9 @@ MIN_FUSED_QUERIES = 9
 # 512 (measured on the 2-core dev box; see docs/benchmarks-kv.md).
 QMM_MAX_QUERIES = 1
 FUSED_HEAD_DIMS = (64, 128, 256)
+# Causal prefill scores the chunk's own keys this many queries at a time (see
+# _fresh_causal_blocks); shorter chunks take one block.
+CAUSAL_BLOCK = 128
 # quantized_matmul on non-CPU devices. Off: on the H200 (MLX 0.32.4 CUDA) it crashed the process
 # with an illegal memory access in int4 decode (4 sequences x 4 KV heads, 4K context), which no
 # probe can guard against. Direct attention unpacks tiles there instead (exact FP32, slower).
@@ -114,7 +117,7 @@ def _bool_mask(mask, shape_lq, n_keys):
 
 def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat, scale: float,
                      new_mask="causal", hist_mask=None, sinks=None, tile: int | None = None,
-                     qmm_max_queries: int | None = None):
+                     qmm_max_queries: int | None = None, causal_block: int = CAUSAL_BLOCK):
     """Packed-history attention with FP32 accumulation; see the module docstring.
 
     new_mask: "causal", None or a bool array broadcastable to (B, Hq, L, L) over the fresh keys.
@@ -137,7 +140,7 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     neg = mx.finfo(mx.float32).min
     hmask = None if hist_mask is None else _group(hist_mask, Hkv, rep)
     nmask = None if new_mask is None else _group(_bool_mask(new_mask, L, L), Hkv, rep)
-    s_new = qn @ mx.expand_dims(k_new.astype(mx.float32), 2).swapaxes(-1, -2)  # (B,Hkv,rep,L,L)
+    k_new = mx.expand_dims(k_new.astype(mx.float32), 2)
     v_new = mx.expand_dims(v_new.astype(mx.float32), 2)
     act_k = act_v = None
     if L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries):
@@ -145,8 +148,13 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
         act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D)
     if act_k is None or act_v is None:
         tile = tile or (512 if mx.default_device() == mx.cpu else 4096)
-        return _tiled(qh, s_new, v_new, nmask, hist, hmask, fmt, sinks, tile).reshape(
+        if isinstance(new_mask, str) and L > causal_block:
+            state = _fresh_causal_blocks(qn, k_new, v_new, causal_block)
+        else:
+            state = _fresh_full(qn, k_new, v_new, nmask)
+        return _tiled(qh, state, hist, hmask, fmt, sinks, tile).reshape(
             B, Hq, L, D).astype(q.dtype)
+    s_new = qn @ k_new.swapaxes(-1, -2)  # (B, Hkv, rep, L, L)
     # One (rep*L)-row matmul per KV head: broadcasting packed rows over a repeat axis instead
     # was ~1.7x slower on the CPU at batch 4 (measured).
     s_hist = _qmm(qh.reshape(B, Hkv, rep * L, D), hist.k, fmt.k_bits, True, act_k)
@@ -165,24 +173,61 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     return out.reshape(B, Hq, L, D).astype(q.dtype)
 
 
-def _tiled(qh, s_new, v_new, nmask, hist: PackedKV, hmask, fmt: KVFormat, sinks, tile: int):
+class _Online(NamedTuple):
+    """Online-softmax state over query rows (B, Hkv, rep*L): running max, sum and output."""
+
+    m: mx.array
+    denom: mx.array
+    acc: mx.array
+
+
+def _fresh_full(qn, k_new, v_new, nmask) -> _Online:
+    """The chunk's own keys in one block, under any mask (every query sees its own key)."""
+    B, Hkv, rep, L, D = qn.shape
+    s = qn @ k_new.swapaxes(-1, -2)                       # (B, Hkv, rep, L, L)
+    s = (s if nmask is None else mx.where(nmask, s, -mx.inf)).reshape(B, Hkv, rep * L, L)
+    m = s.max(axis=-1, keepdims=True)
+    p = _exp_shifted(s, m)
+    return _Online(m, p.sum(axis=-1, keepdims=True), p @ v_new.reshape(B, Hkv, L, D))
+
+
+def _fresh_causal_blocks(qn, k_new, v_new, block: int) -> _Online:
+    """The chunk's own keys under the causal rule, `block` queries at a time.
+
+    Query block i only scores keys [0, end of block i): the fully masked upper-right blocks are
+    never computed, which removes about 3/8 of the chunk's own exps at 4 blocks (native SDPA on
+    the CPU computes and masks them). Exp is most of attention's time on the CPU.
+    """
+    B, Hkv, rep, L, D = qn.shape
+    ms, sums, accs = [], [], []
+    for a in range(0, L, block):
+        b = min(L, a + block)
+        s = qn[..., a:b, :] @ k_new[..., :b, :].swapaxes(-1, -2)     # (B, Hkv, rep, b-a, b)
+        diag = mx.arange(a, b)[:, None] >= mx.arange(b)[None]
+        s = mx.where(diag, s, -mx.inf)
+        m = s.max(axis=-1, keepdims=True)
+        p = _exp_shifted(s, m)
+        ms.append(m)
+        sums.append(p.sum(axis=-1, keepdims=True))
+        accs.append(p @ v_new[..., :b, :])
+    rows = (B, Hkv, rep * L)
+    return _Online(*(mx.concatenate(x, axis=3).reshape(*rows, x[0].shape[-1])
+                     for x in (ms, sums, accs)))
+
+
+def _tiled(qh, state: _Online, hist: PackedKV, hmask, fmt: KVFormat, sinks, tile: int):
     """Prefill over packed history: unpack `tile` rows at a time, one online softmax.
 
-    The fresh chunk goes first (every query sees at least its own key, so the running max is
-    finite from the start); each history tile is dequantized into a bounded FP32 scratch, used
-    by a BLAS matmul and dropped. Nothing the size of the whole history is ever materialized.
-    Scores are (B, Hkv, rep*L, T): one GEMM per KV head for all its query heads, not a matmul
-    broadcast over a repeat axis.
+    `state` already holds the chunk's own keys (every query sees at least its own key, so the
+    running max is finite from the start); each history tile is dequantized into a bounded FP32
+    scratch, used by a BLAS matmul and dropped. Nothing the size of the whole history is ever
+    materialized. Scores are (B, Hkv, rep*L, T): one GEMM per KV head for all its query heads,
+    not a matmul broadcast over a repeat axis.
     """
     B, Hkv, rep, L, D = qh.shape
     rows = (B, Hkv, rep * L)
     q_flat = qh.reshape(*rows, D)
-    s_new = s_new if nmask is None else mx.where(nmask, s_new, -mx.inf)
-    s_new = s_new.reshape(*rows, L)
-    m = s_new.max(axis=-1, keepdims=True)
-    p = _exp_shifted(s_new, m)
-    denom = p.sum(axis=-1, keepdims=True)
-    acc = p @ v_new.reshape(B, Hkv, L, D)
+    m, denom, acc = state
     for start in range(0, hist.length, tile):
         cut = lambda pk: Packed(*(a[..., start:start + tile, :] for a in pk))  # noqa: E731
         kt = dequantize(cut(hist.k), fmt.k_bits)

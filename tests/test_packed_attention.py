@@ -70,6 +70,9 @@ def test_direct_fused_native_agree(name, D, Hq, Hkv, S, L):
                            qmm_max_queries=10**6)
     tiled = direct_attention(q, hist, kn, vn, fmt=fmt, scale=scale, new_mask=mask,
                              qmm_max_queries=0, tile=32)
+    # ...and the chunk's own causal keys scored 4 queries at a time (uneven last block at 9).
+    blocks = direct_attention(q, hist, kn, vn, fmt=fmt, scale=scale, new_mask=mask,
+                              qmm_max_queries=0, tile=32, causal_block=4)
     fused = fused_attention(q, hist, kn, vn, fmt=fmt, scale=scale, new_mask=mask)
     # Exact reference: rotated q against the dequantized rotated keys = what was stored.
     k_deq = mx.concatenate([dequantize(hist.k, fmt.k_bits), rotate(kn)], axis=2)
@@ -77,7 +80,7 @@ def test_direct_fused_native_agree(name, D, Hq, Hkv, S, L):
     exact = _reference(rotate(q), k_deq, v_deq, scale, _causal(L, S))
     native = mx.fast.scaled_dot_product_attention(
         q, mx.concatenate([kh, kn], 2), mx.concatenate([vh, vn], 2), scale=scale, mask=mask)
-    for out in (direct, qmm, tiled):
+    for out in (direct, qmm, tiled, blocks):
         assert mx.abs(out - exact).max().item() < EXACT_TOL
     assert mx.abs(fused - direct).max().item() < EXACT_TOL
     err = mx.abs(direct - native)
@@ -117,13 +120,14 @@ def test_sinks_and_ragged_history_masks(name):
     direct = direct_attention(q, hist, kn, vn, **kw)
     qmm = direct_attention(q, hist, kn, vn, **kw, qmm_max_queries=10**6)
     tiled = direct_attention(q, hist, kn, vn, **kw, qmm_max_queries=0, tile=16)
+    blocks = direct_attention(q, hist, kn, vn, **kw, qmm_max_queries=0, tile=16, causal_block=4)
     fused = fused_attention(q, hist, kn, vn, **kw)
     mask = mx.concatenate([mx.broadcast_to(hist_mask, (2, 1, L, S)),
                            mx.broadcast_to(_causal(L, 0)[None, None], (2, 1, L, L))], -1)
     k_deq = mx.concatenate([dequantize(hist.k, fmt.k_bits), rotate(kn)], axis=2)
     v_deq = mx.concatenate([dequantize(hist.v, fmt.v_bits), vn], axis=2)
     exact = _reference(rotate(q), k_deq, v_deq, D ** -0.5, mask, sinks)
-    for out in (direct, qmm, tiled):
+    for out in (direct, qmm, tiled, blocks):
         assert mx.abs(out - exact).max().item() < EXACT_TOL
     assert mx.abs(fused - direct).max().item() < EXACT_TOL
     # Masked-out history really is ignored: changing it does not move row 1.
