@@ -34,9 +34,10 @@ MIN_FUSED_QUERIES = 9
 # 512 (measured on the 2-core dev box; see docs/benchmarks-kv.md).
 QMM_MAX_QUERIES = 1
 FUSED_HEAD_DIMS = (64, 128, 256)
-# Causal prefill scores the chunk's own keys this many queries at a time (see
-# _fresh_causal_blocks); shorter chunks take one block.
-CAUSAL_BLOCK = 128
+# On the CPU, causal prefill scores the chunk's own keys this many queries at a time (see
+# _fresh_causal_blocks); shorter chunks take one block. Not on GPUs: there the tiled path is
+# bound by kernel launches, not by exp, and the blocks add launches (unmeasured there).
+CAUSAL_BLOCK_CPU = 128
 # quantized_matmul on non-CPU devices. Off: on the H200 (MLX 0.32.4 CUDA) it crashed the process
 # with an illegal memory access in int4 decode (4 sequences x 4 KV heads, 4K context), which no
 # probe can guard against. Direct attention unpacks tiles there instead (exact FP32, slower).
@@ -117,12 +118,15 @@ def _bool_mask(mask, shape_lq, n_keys):
 
 def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat, scale: float,
                      new_mask="causal", hist_mask=None, sinks=None, tile: int | None = None,
-                     qmm_max_queries: int | None = None, causal_block: int = CAUSAL_BLOCK):
+                     qmm_max_queries: int | None = None, causal_block: int | None = None):
     """Packed-history attention with FP32 accumulation; see the module docstring.
 
     new_mask: "causal", None or a bool array broadcastable to (B, Hq, L, L) over the fresh keys.
     hist_mask: None (all history visible) or a bool array broadcastable to (B, Hq, L, S); ragged
     batches use it to hide padding rows.
+    tile / qmm_max_queries / causal_block: None picks the device default (tests pin them to
+    exercise every path): history rows unpacked per tile, the longest step scored with
+    quantized_matmul, queries per block of the chunk's own causal keys (0 = one block).
     """
     B, Hq, L, D = q.shape
     if hist is None or hist.length == 0:
@@ -147,8 +151,11 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
         act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype, rep * L, D)
         act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D)
     if act_k is None or act_v is None:
-        tile = tile or (512 if mx.default_device() == mx.cpu else 4096)
-        if isinstance(new_mask, str) and L > causal_block:
+        on_cpu = mx.default_device() == mx.cpu
+        tile = tile or (512 if on_cpu else 4096)
+        if causal_block is None:
+            causal_block = CAUSAL_BLOCK_CPU if on_cpu else 0
+        if isinstance(new_mask, str) and 0 < causal_block < L:
             state = _fresh_causal_blocks(qn, k_new, v_new, causal_block)
         else:
             state = _fresh_full(qn, k_new, v_new, nmask)
