@@ -14,7 +14,12 @@ from capacity.protocol import (ACTOR_CAPABILITIES, MAX_ACTIVE_LISTED, ActiveRequ
 
 
 def chip_class() -> str:
-    """'M3|Max' on Apple Silicon (wire grammar has no spaces), else e.g. 'linux-x86_64'."""
+    """The chip class rate histories are keyed by (wire grammar: no spaces, at most 64 chars).
+
+    'M3|Max' on Apple Silicon; 'cuda|NVIDIA|H200' when MLX computes on another GPU; else the
+    host platform, e.g. 'linux-x86_64' (CPU). A CUDA box and a CPU box of the same platform
+    must not share learned rates: their decode speeds differ by orders of magnitude.
+    """
     import platform
 
     try:
@@ -24,9 +29,17 @@ def chip_class() -> str:
         name = str(info.get("device_name") or "")
         if name.startswith("Apple "):
             return name.removeprefix("Apple ").replace(" ", "|")
+        if mx.default_device().type == mx.gpu:
+            return _wire_chip("cuda|" + (name or "gpu"))
     except Exception:  # noqa: BLE001 - metadata only
         pass
     return f"{platform.system().lower()}-{platform.machine()}"
+
+
+def _wire_chip(text: str) -> str:
+    """Spaces become '|', characters outside the chip-class grammar are dropped, 64 chars."""
+    text = "|".join(text.split())
+    return "".join(c for c in text if c.isascii() and (c.isalnum() or c in "._|+-"))[:64]
 
 
 def slot_report(server: Any, state: str | None = None) -> SlotReport:
