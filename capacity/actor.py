@@ -40,6 +40,7 @@ DEFAULT_NAME = "capacity"
 DEFAULT_NAMESPACE = "orchard"
 PERSIST_INTERVAL_S = 10.0    # how much learning a crash may lose
 REAP_INTERVAL_S = 1.0        # TTL reaper period (hold TTL is 30 s by default, so 1 s is plenty)
+FAST_WARN_AFTER = 3          # consecutive direct-transport failures before a warning (per streak)
 
 
 class CapacityUnavailable(CapacityError):
@@ -288,6 +289,9 @@ class CapacityClient:
                         ops, timeout = remake()
                 else:
                     self.fast_batches += 1
+                    if self._fast_failures >= FAST_WARN_AFTER:
+                        log.warning("capacity fast path restored after %d failed attempts",
+                                    self._fast_failures)
                     self._fast_failures = 0
                     return out
         self.ray_batches += 1
@@ -334,6 +338,12 @@ class CapacityClient:
         self._fast_retry_at = time.monotonic() + min(
             self.max_backoff_s, self.fast_retry_s * 2 ** min(self._fast_failures - 1, 16))
         log.debug("capacity fast path unavailable (%s); Ray calls for now", why)
+        if self._fast_failures == FAST_WARN_AFTER:   # once per streak: say it, do not spam
+            log.warning(
+                "capacity fast path failed %d times in a row (last: %s); capacity calls go "
+                "through Ray meanwhile (slower: p99 ~25 ms instead of ~4 ms per hold). If this "
+                "persists, check that this node can open TCP connections to the capacity "
+                "actor's node on ephemeral ports (firewall).", self._fast_failures, why)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)

@@ -4,6 +4,8 @@ actor mid-stream falls back to Ray calls, then reconnects to the restarted actor
 token) and reservations come back from heartbeats as before. Session-wide Ray
 (tests/fixtures/ray_session.py)."""
 import asyncio
+import logging
+import socket
 import time
 import uuid
 
@@ -250,3 +252,26 @@ def test_an_unframeable_batch_goes_through_ray_and_keeps_the_connection(actor_na
         await client.close()
 
     asyncio.run(scenario())
+
+
+def test_repeated_direct_failures_warn_once_per_streak(caplog):
+    # Real refusals: the endpoint is a local port nothing listens on (what a firewall that
+    # rejects the actor's ephemeral port looks like to the client). No Ray needed: discovery is
+    # skipped by handing the client that endpoint before each attempt.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    client = CapacityClient(namespace=NS, name="no-such-actor", call_timeout_s=2.0)
+
+    async def attempts(n):
+        loop = asyncio.get_running_loop()
+        for _ in range(n):
+            client._endpoint = {"host": "127.0.0.1", "port": closed_port, "token": "t"}
+            await client._connect(loop)
+
+    with caplog.at_level(logging.WARNING, logger="orchard.capacity"):
+        asyncio.run(attempts(6))
+    warnings = [r for r in caplog.records if "fast path failed" in r.getMessage()]
+    assert client.fast_faults == 6 and len(warnings) == 1
+    assert "3 times in a row" in warnings[0].getMessage()
+    assert "firewall" in warnings[0].getMessage()
