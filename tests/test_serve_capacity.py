@@ -176,7 +176,7 @@ def test_queued_requests_are_served_in_turn_and_a_full_queue_refuses(http, orcha
 
 def test_metrics_use_vllm_names_with_identity_labels(http):
     r = http.post("/v1/chat/completions", headers=AUTH, json={
-        "model": TEST_MODEL, "max_tokens": 4, "stream": True,
+        "model": TEST_MODEL, "max_tokens": 4, "stream": True, "ignore_eos": True,
         "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200
     text = http.get("/metrics").text
