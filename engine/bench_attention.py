@@ -4,7 +4,9 @@ One prefill chunk of L queries over S tokens of packed history plus its own L fr
 shape every chunk after the first has. Variants, all from engine.packed_attention:
   native        mx.fast SDPA over compute-dtype K/V of length S+L (what a native layer runs)
   direct_tiled  history unpacked tile by tile under one online softmax (FP32)
-  direct_qmm    history scored and summed with quantized_matmul (FP32 accumulation in-kernel)
+  direct_qmm    history scored and summed with quantized_matmul (FP32 accumulation in-kernel);
+                on the CPU the scores are a GEMM on the codes (engine.cpu_packed_gemm)
+  direct_qmm_mlx  (CPU A/B) direct_qmm with MLX's quantized_matmul for the scores as well
   fused         history dequantized to an FP32 scratch, one SDPA call
   scratch_compute_dtype  (reference, not an engine path) the same in the compute dtype
   direct_cuda   (GPU only, experiment) engine.cuda_packed_attention: unpack inside the tile
@@ -26,6 +28,7 @@ import time
 import mlx.core as mx
 
 from capacity.formats import KVFormat
+from engine import packed_attention
 from engine.packed_attention import PackedKV, direct_attention, fused_attention
 from engine.quant import dequantize, quantize
 from engine.rotation import rotate
@@ -53,6 +56,15 @@ def _time(fn, repeats: int) -> list[float]:
     return out
 
 
+def _without_code_gemm(fn):
+    saved = packed_attention.cpu_code_gemm
+    packed_attention.cpu_code_gemm = False
+    try:
+        return fn()
+    finally:
+        packed_attention.cpu_code_gemm = saved
+
+
 def run_case(fmt_name: str, B, Hq, Hkv, L, S, D, dtype, repeats: int,
              only: set[str] | None = None) -> dict:
     fmt = KVFormat(fmt_name, D)
@@ -74,6 +86,11 @@ def run_case(fmt_name: str, B, Hq, Hkv, L, S, D, dtype, repeats: int,
         "direct_qmm": lambda: direct_attention(q, hist, k_new, v_new, fmt=fmt, scale=scale,
                                                qmm_max_queries=1 << 30),
         "fused": lambda: fused_attention(q, hist, k_new, v_new, fmt=fmt, scale=scale),
+        # CPU: the same qmm path with MLX's quantized_matmul for the scores too (the engine
+        # scores decode rows with a GEMM on the codes there, engine.cpu_packed_gemm).
+        "direct_qmm_mlx": lambda: _without_code_gemm(
+            lambda: direct_attention(q, hist, k_new, v_new, fmt=fmt, scale=scale,
+                                     qmm_max_queries=1 << 30)),
         # Reference only (not an engine path): the history dequantized to the compute dtype.
         "scratch_compute_dtype": lambda: mx.fast.scaled_dot_product_attention(
             q_rot, mx.concatenate([dequantize(hist.k, fmt.k_bits, dtype),

@@ -16,6 +16,7 @@ Shapes: q (B, Hq, L, D); fresh k/v (B, Hkv, L, D); history (B, Hkv, S, ...) pack
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, NamedTuple, Optional
@@ -23,6 +24,7 @@ from typing import Callable, NamedTuple, Optional
 import mlx.core as mx
 
 from capacity.formats import GROUP_SIZE, KVFormat
+from engine import cpu_packed_gemm
 from engine.quant import Packed, dequantize
 from engine.rotation import rotate
 
@@ -43,6 +45,9 @@ CAUSAL_BLOCK_CPU = 128
 # probe can guard against. Direct attention unpacks tiles there instead (exact FP32, slower).
 # Re-measure with `python -m engine.bench_kv --gpu-qmm` after an MLX upgrade.
 gpu_qmm = False
+# Decode scores on the CPU as a BLAS GEMM on the codes (engine.cpu_packed_gemm) instead of MLX's
+# scalar CPU quantized_matmul: 2-3x faster there. Off only to compare (bench_attention).
+cpu_code_gemm = sys.byteorder == "little"
 
 
 class PackedKV(NamedTuple):
@@ -66,6 +71,13 @@ def _qmm(x, p: Packed, bits: int, transpose: bool, dtype: mx.Dtype):
         scales, offsets = mx.contiguous(scales.astype(dtype)), mx.contiguous(offsets.astype(dtype))
     return mx.quantized_matmul(x, codes, scales, offsets, transpose=transpose,
                                group_size=GROUP_SIZE, bits=bits)
+
+
+def _history_scores(rows, keys: Packed, bits: int, dtype: mx.Dtype):
+    """Scores of query rows against packed history keys (B, Hkv, R, S)."""
+    if cpu_code_gemm and dtype == mx.float32 and mx.default_device() == mx.cpu:
+        return cpu_packed_gemm.scores(rows.astype(mx.float32), keys, bits)
+    return _qmm(rows, keys, bits, True, dtype)
 
 
 def _qmm_activation_dtype(bits: int, compute: mx.Dtype, rows: int, dim: int) -> mx.Dtype | None:
@@ -164,7 +176,7 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     s_new = qn @ k_new.swapaxes(-1, -2)  # (B, Hkv, rep, L, L)
     # One (rep*L)-row matmul per KV head: broadcasting packed rows over a repeat axis instead
     # was ~1.7x slower on the CPU at batch 4 (measured).
-    s_hist = _qmm(qh.reshape(B, Hkv, rep * L, D), hist.k, fmt.k_bits, True, act_k)
+    s_hist = _history_scores(qh.reshape(B, Hkv, rep * L, D), hist.k, fmt.k_bits, act_k)
     s_hist = s_hist.reshape(B, Hkv, rep, L, S)
     if hmask is not None:
         s_hist = mx.where(hmask, s_hist, neg)

@@ -8,7 +8,7 @@ import json
 
 from engine import bench_attention
 
-VARIANTS = ("native", "direct_tiled", "direct_qmm", "fused", "scratch_compute_dtype")
+VARIANTS = ("native", "direct_tiled", "direct_qmm", "direct_qmm_mlx", "fused", "scratch_compute_dtype")
 
 
 def test_bench_prints_every_variant_with_agreeing_outputs(capsys, tmp_path):
