@@ -11,7 +11,8 @@ out of the inner product:
 with c the codes as float32 and g the groups of 64 channels. All groups go through one GEMM
 against a block-diagonal query matrix (D x G*R), then the per-group scales and the offset term
 (rows x S x groups, small) finish it. FP32 throughout: equal to the dequantized math up to
-rounding. Measured there: int8 7.1 ms, int4 9.2 ms (quantized_matmul 18-28 ms).
+rounding. Measured there: int8 7.1 ms, int4 9.2 ms (quantized_matmul 18-28 ms). The float32
+codes are a bounded scratch (SCRATCH_ELEMENTS): long histories are scored slice by slice.
 
 The value side stays on quantized_matmul: without the transpose MLX's CPU kernel is already fast
 (5-7 ms, against 9.4 ms for the GEMM form of it).
@@ -36,8 +37,25 @@ def codes_as_float(p: Packed, bits: int) -> mx.array:
     return u.astype(mx.float32)
 
 
-def scores(rows: mx.array, p: Packed, bits: int) -> mx.array:
+# The float32 codes are a scratch of B*Hkv*rows*D elements; history is scored in slices of rows
+# so it never exceeds this (16 MiB), whatever the context: the direct path's promise is no
+# float32 copy of the whole history (a long packed context is the point of packing).
+SCRATCH_ELEMENTS = 1 << 22
+
+
+def scores(rows: mx.array, p: Packed, bits: int, scratch_elements: int = SCRATCH_ELEMENTS
+           ) -> mx.array:
     """rows (B, Hkv, R, D) float32 against packed keys (B, Hkv, S): (B, Hkv, R, S)."""
+    B, H, R, D = rows.shape
+    S = p.codes.shape[-2]
+    step = max(GROUP_SIZE, scratch_elements // (B * H * D))
+    if S <= step:
+        return _scores(rows, p, bits)
+    return mx.concatenate([_scores(rows, Packed(*(a[..., i:i + step, :] for a in p)), bits)
+                           for i in range(0, S, step)], axis=-1)
+
+
+def _scores(rows: mx.array, p: Packed, bits: int) -> mx.array:
     B, H, R, D = rows.shape
     g = D // GROUP_SIZE
     q = rows.reshape(B, H, R, g, GROUP_SIZE).transpose(0, 1, 3, 4, 2)      # (B, H, G, 64, R)

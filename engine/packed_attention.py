@@ -2,7 +2,8 @@
 
 Two paths, one contract (same inputs, outputs agree within the quantization error):
 - direct (production): FP32 accumulation and never a dequantized copy of the whole history.
-  Decode and short chunks score packed rows with `quantized_matmul`; long prefill chunks unpack
+  Decode rows score packed keys with `quantized_matmul` (on the CPU: a BLAS GEMM on the codes,
+  engine.cpu_packed_gemm) and sum packed values with it; longer prefill chunks unpack
   history one bounded tile at a time (the paged-attention-tile idea, in MLX ops) under one online
   softmax. The step's own tokens attend each other in full precision; one softmax spans history,
   fresh tokens and an optional sink. A step with no history is plain native SDPA, so a

@@ -33,6 +33,9 @@ def test_scores_match_the_dequantized_keys(bits, D, R, S):
     ref = rows @ dequantize(p, bits).swapaxes(-1, -2)
     assert scores(rows, p, bits).shape == (2, 2, R, S)
     assert mx.abs(scores(rows, p, bits) - ref).max().item() < 2e-5
+    # A scratch of 64 rows per slice: the history is scored in slices (last one partial).
+    sliced = scores(rows, p, bits, scratch_elements=2 * 2 * D * 64)
+    assert mx.abs(sliced - ref).max().item() < 2e-5
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
