@@ -4,7 +4,7 @@ import pytest
 
 import engine.packed_attention as pa
 from capacity.formats import KVFormat
-from engine.cpu_packed_gemm import codes_as_float, scores
+from engine.cpu_packed_gemm import code_planes, scores
 from engine.quant import Packed, dequantize, quantize
 
 
@@ -14,14 +14,15 @@ def _gathered(p: Packed) -> Packed:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_codes_unpack_in_channel_order(bits):
+def test_code_planes_rebuild_the_dequantized_rows(bits):
     x = mx.random.normal((2, 3, 5, 128), key=mx.random.key(1))
     p = quantize(x, bits)
-    deq = dequantize(p, bits)
-    d = p.scales.shape[-1]
-    rebuilt = (codes_as_float(p, bits).reshape(2, 3, 5, d, 64) * p.scales[..., None]
+    codes = mx.zeros((2, 3, 5, 128))
+    for plane, channels in code_planes(p, bits):
+        codes[..., channels] = plane
+    rebuilt = (codes.reshape(2, 3, 5, 2, 64) * p.scales[..., None]
                + p.offsets[..., None]).reshape(2, 3, 5, 128)
-    assert mx.allclose(rebuilt, deq, atol=1e-5).item()
+    assert mx.allclose(rebuilt, dequantize(p, bits), atol=1e-5).item()
 
 
 @pytest.mark.parametrize("bits", [8, 4])
