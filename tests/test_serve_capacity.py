@@ -48,6 +48,26 @@ def idle(http) -> bool:
     return feed(http)["outstanding_raw_tokens"] == 0 and running(http) == 0
 
 
+def wait_for_settled_caps(http, settle_s=1.5, timeout_s=20.0) -> None:
+    """Idle, and the per-identity caps unchanged for settle_s (3 heartbeats of the fixture).
+
+    Caps are learned: the last releases' telemetry (solo samples) can raise the cap on the next
+    heartbeat after the fleet went idle. A test that saturates the cap must start after that,
+    or a cap rising mid-test admits requests it expects to queue or refuse.
+    """
+    wait_for(lambda: idle(http), what="idle before the test")
+    deadline = time.monotonic() + timeout_s
+    caps, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        now = [(i["identity"], i["cap"], i["cap_source"]) for i in model_feed(http)["identities"]]
+        if now != caps:
+            caps, since = now, time.monotonic()
+        elif time.monotonic() - since >= settle_s:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"caps never settled: {caps}")
+
+
 class Stream:
     """One streaming request held open; reads SSE events without closing the connection."""
 
@@ -100,7 +120,7 @@ def test_disconnect_mid_stream_frees_the_reservation(http, orchard_url):
 def test_saturated_fleet_refuses_with_429_and_retry_after(http, orchard_url):
     """Open long streams until the actor's cap is reached: the next one waits in the capacity
     queue for queue_timeout_s (3 s in the fixture), then is refused cleanly."""
-    wait_for(lambda: idle(http), what="idle before the test")
+    wait_for_settled_caps(http)
     streams, refused = [], None
     try:
         for _ in range(12):
@@ -137,7 +157,7 @@ def test_saturated_fleet_refuses_with_429_and_retry_after(http, orchard_url):
 def test_queued_requests_are_served_in_turn_and_a_full_queue_refuses(http, orchard_url):
     """Saturate, then send max_queued + 1 (3) requests at once: one is refused at once (the queue
     holds 2), the two queued ones are served as soon as streams end, without a 429."""
-    wait_for(lambda: idle(http), what="idle before the test")
+    wait_for_settled_caps(http)
     streams = []
     results: list[tuple[int, float]] = []
 
