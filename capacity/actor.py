@@ -19,13 +19,13 @@ import logging
 import os
 import secrets
 import time
-import weakref
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from capacity.errors import CapacityError, CapacityRefused
+from capacity.fast_link import FastLink
 from capacity.fastpath import FastConnection, FastFailed, FastServer, FastUnsendable
 from capacity.fleet import Fleet, FleetConfig, Hold
 from capacity.local_admissions import LocalAdmissions
@@ -40,7 +40,6 @@ DEFAULT_NAME = "capacity"
 DEFAULT_NAMESPACE = "orchard"
 PERSIST_INTERVAL_S = 10.0    # how much learning a crash may lose
 REAP_INTERVAL_S = 1.0        # TTL reaper period (hold TTL is 30 s by default, so 1 s is plenty)
-FAST_WARN_AFTER = 3          # consecutive direct-transport failures before a warning (per streak)
 
 
 class CapacityUnavailable(CapacityError):
@@ -226,17 +225,10 @@ class CapacityClient:
         self._batcher = ReportBatcher(self._send, max_batch=max_batch, max_inflight=max_inflight,
                                       failure=CapacityUnavailable)
         self.transport = transport
-        self.fast_retry_s = fast_retry_s          # first wait before rediscovering the endpoint
-        self.fast_batches = 0                     # batches answered over the direct connection
         self.ray_batches = 0                      # batches sent as Ray calls
-        self.fast_faults = 0                      # direct-connection failures (each fell back)
-        self._fast_failures = 0                   # consecutive, for the rediscovery backoff
-        self._fast_retry_at = 0.0
-        self._endpoint: dict | None = None
-        # One connection per event loop: asyncio streams are bound to the loop that opened them
-        # (a Serve router and a replica may use one client from different loops).
-        self._conns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._connecting: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.fast_link = FastLink(self._discover_endpoint, timeout_s=call_timeout_s,
+                                  retry_s=fast_retry_s, max_backoff_s=max_backoff_s,
+                                  spawn=self._spawn)
         self._tasks: set[asyncio.Task] = set()
 
     # ---- transport ------------------------------------------------------------------------
@@ -284,66 +276,35 @@ class CapacityClient:
                 except FastUnsendable:
                     pass                         # this batch only; the connection is fine
                 except FastFailed as e:
-                    self._fast_fault(conn, e)
+                    self.fast_link.fault(conn, e)
                     if remake is not None:
                         ops, timeout = remake()
                 else:
-                    self.fast_batches += 1
-                    if self._fast_failures >= FAST_WARN_AFTER:
-                        log.warning("capacity fast path restored after %d failed attempts",
-                                    self._fast_failures)
-                    self._fast_failures = 0
+                    self.fast_link.answered()
                     return out
         self.ray_batches += 1
         return await self._call("apply", ops, timeout=timeout)
 
+    @property
+    def fast_batches(self) -> int:
+        return self.fast_link.batches
+
+    @property
+    def fast_faults(self) -> int:
+        return self.fast_link.faults
+
     def _fast_conn(self) -> FastConnection | None:
-        """This loop's live connection, or None (then connect in the background; never wait)."""
-        now = time.monotonic()
-        if not self._answered or now < self._fast_retry_at or self.faults or now < self._down_until:
+        """The direct connection for this batch, if one is up (see capacity/fast_link.py)."""
+        if not self._answered or self.faults or time.monotonic() < self._down_until:
             return None       # the first call goes through Ray (it may create the actor), and
                               # while Ray calls fail, discovery would only fail with them
-        loop = asyncio.get_running_loop()
-        conn = self._conns.get(loop)
-        if conn is not None and not conn.closed:
-            return conn
-        if loop not in self._connecting:
-            self._connecting[loop] = self._spawn(self._connect(loop))
-        return None
+        return self.fast_link.conn()
 
-    async def _connect(self, loop) -> None:
-        try:
-            if self._endpoint is None:
-                # Not through _call: a failed discovery must not count as a Ray fault (that
-                # would back off, or send to the local fallback, calls that Ray can still carry).
-                handle = await self._get_handle()
-                self._endpoint = await asyncio.wait_for(handle.endpoint.remote(),
-                                                        self.call_timeout_s)
-            ep = self._endpoint
-            if not ep:
-                raise FastFailed("the actor serves no direct endpoint")
-            self._conns[loop] = await FastConnection.open(ep["host"], ep["port"], ep["token"],
-                                                          self.call_timeout_s)
-        except Exception as e:  # noqa: BLE001 - any failure here only means "stay on Ray"
-            self._fast_fault(None, e)
-        finally:
-            self._connecting.pop(loop, None)
-
-    def _fast_fault(self, conn: FastConnection | None, why: Exception) -> None:
-        self.fast_faults += 1
-        self._fast_failures += 1
-        self._endpoint = None            # rediscover: a restarted actor has a new port and token
-        if conn is not None:
-            conn.close(f"fault: {why}")
-        self._fast_retry_at = time.monotonic() + min(
-            self.max_backoff_s, self.fast_retry_s * 2 ** min(self._fast_failures - 1, 16))
-        log.debug("capacity fast path unavailable (%s); Ray calls for now", why)
-        if self._fast_failures == FAST_WARN_AFTER:   # once per streak: say it, do not spam
-            log.warning(
-                "capacity fast path failed %d times in a row (last: %s); capacity calls go "
-                "through Ray meanwhile (slower: p99 ~25 ms instead of ~4 ms per hold). If this "
-                "persists, check that this node can open TCP connections to the capacity "
-                "actor's node on ephemeral ports (firewall).", self._fast_failures, why)
+    async def _discover_endpoint(self) -> dict | None:
+        # Not through _call: a failed discovery must not count as a Ray fault (that would back
+        # off, or send to the local fallback, calls that Ray can still carry).
+        handle = await self._get_handle()
+        return await asyncio.wait_for(handle.endpoint.remote(), self.call_timeout_s)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -353,9 +314,7 @@ class CapacityClient:
 
     async def close(self) -> None:
         """Close this loop's direct connection (Ray handles need no closing)."""
-        conn = self._conns.pop(asyncio.get_running_loop(), None)
-        if conn is not None:
-            conn.close()
+        self.fast_link.close()
 
     # ---- routing path ---------------------------------------------------------------------
 

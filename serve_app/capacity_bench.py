@@ -194,7 +194,7 @@ async def _transport_bench(args, ns: str, name: str, actor, transport: str, seqs
         await _round_trips(client, args.callers, 3)                 # warm-up
         if transport == "fast":
             deadline = time.monotonic() + 30
-            while not client._conns:                               # discovered in the background
+            while not client.fast_link.conns:                               # discovered in the background
                 assert time.monotonic() < deadline, "the direct connection never came up"
                 await _round_trips(client, 1, 1)
                 await asyncio.sleep(0.05)

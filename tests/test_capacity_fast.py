@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from capacity.actor import CapacityClient, get_or_create_actor
+from capacity.fast_link import FastLink
 from capacity.fastpath import FastConnection, FastFailed, encode
 
 NS = "orchard-test"
@@ -86,7 +87,7 @@ def test_bad_token_and_garbage_close_only_that_connection(actor_name):
     async def scenario():
         client = CapacityClient(namespace=NS, name=name, snapshot_path="", call_timeout_s=30)
         await until_fast(client)
-        conn = next(iter(client._conns.values()))
+        conn = next(iter(client.fast_link.conns.values()))
         ep = await actor.endpoint.remote()
         with pytest.raises(FastFailed, match="refused"):
             await FastConnection.open(ep["host"], ep["port"], "not-the-token", 5.0)
@@ -111,8 +112,8 @@ def test_bad_token_and_garbage_close_only_that_connection(actor_name):
         assert info["fast"]["fast_bad_frames"] >= 4
         # The client's own connection and the actor are unharmed.
         hold = await client.hold("m", 100, "after-garbage")
-        assert not hold.fallback and not conn.closed and client._conns and \
-            next(iter(client._conns.values())) is conn
+        assert not hold.fallback and not conn.closed and client.fast_link.conns and \
+            next(iter(client.fast_link.conns.values())) is conn
         assert await client.release("after-garbage")
         assert (await actor.info.remote())["fast"]["fast_open"] == 1
         await client.close()
@@ -192,7 +193,7 @@ def test_kill_mid_stream_falls_back_then_reconnects(ray_session):
         await client.heartbeat(beat(seq, active=[("kept", 100)]))
         fast_before = client.fast_batches
         deadline = time.monotonic() + 20
-        while client.fast_batches == fast_before or not client._conns:
+        while client.fast_batches == fast_before or not client.fast_link.conns:
             assert time.monotonic() < deadline, "never reconnected to the restarted actor"
             await asyncio.sleep(0.05)
         stop = True
@@ -222,10 +223,10 @@ def test_one_client_from_two_event_loops(actor_name):
 
     async def use(rid, seq0):
         await until_fast(client, seq0)
-        conn = client._conns[asyncio.get_running_loop()]
+        conn = client.fast_link.conns[asyncio.get_running_loop()]
         assert (await client.hold("m", 10, rid)).replica_id == "r0"
         assert await client.release(rid)
-        assert not conn.closed and client._conns[asyncio.get_running_loop()] is conn
+        assert not conn.closed and client.fast_link.conns[asyncio.get_running_loop()] is conn
         return conn
 
     first = asyncio.run(use("loop1", 100))
@@ -241,7 +242,7 @@ def test_an_unframeable_batch_goes_through_ray_and_keeps_the_connection(actor_na
     async def scenario():
         client = CapacityClient(namespace=NS, name=name, snapshot_path="", call_timeout_s=30)
         await until_fast(client)
-        conn = next(iter(client._conns.values()))
+        conn = next(iter(client.fast_link.conns.values()))
         monkeypatch.setattr(fastpath, "MAX_FRAME", 64)     # client side only: this process
         ray_before = client.ray_batches
         assert (await client.hold("m", 10, "x" * 100)).replica_id == "r0"   # > 64 bytes: Ray
@@ -255,23 +256,29 @@ def test_an_unframeable_batch_goes_through_ray_and_keeps_the_connection(actor_na
 
 
 def test_repeated_direct_failures_warn_once_per_streak(caplog):
-    # Real refusals: the endpoint is a local port nothing listens on (what a firewall that
-    # rejects the actor's ephemeral port looks like to the client). No Ray needed: discovery is
-    # skipped by handing the client that endpoint before each attempt.
+    # Real refusals: the discovered endpoint is a local port nothing listens on (what a firewall
+    # that rejects the actor's ephemeral port looks like to the client). No Ray needed.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed_port = s.getsockname()[1]
-    client = CapacityClient(namespace=NS, name="no-such-actor", call_timeout_s=2.0)
+
+    async def discover():
+        return {"host": "127.0.0.1", "port": closed_port, "token": "t"}
 
     async def attempts(n):
+        link = FastLink(discover, timeout_s=2.0, retry_s=0.0, max_backoff_s=0.0,
+                        spawn=asyncio.ensure_future)
         loop = asyncio.get_running_loop()
         for _ in range(n):
-            client._endpoint = {"host": "127.0.0.1", "port": closed_port, "token": "t"}
-            await client._connect(loop)
+            await link.connect(loop)
+        return link
 
     with caplog.at_level(logging.WARNING, logger="orchard.capacity"):
-        asyncio.run(attempts(6))
+        link = asyncio.run(attempts(6))
     warnings = [r for r in caplog.records if "fast path failed" in r.getMessage()]
-    assert client.fast_faults == 6 and len(warnings) == 1
+    assert link.faults == 6 and not link.conns and len(warnings) == 1
     assert "3 times in a row" in warnings[0].getMessage()
     assert "firewall" in warnings[0].getMessage()
+    with caplog.at_level(logging.WARNING, logger="orchard.capacity"):
+        link.answered()          # the next batch that comes back over a direct connection
+    assert any("restored after 6 failed attempts" in r.getMessage() for r in caplog.records)

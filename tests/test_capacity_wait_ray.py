@@ -43,7 +43,7 @@ def test_client_waits_in_fifo_and_gives_up_cleanly(ray_session, transport):
         await client.heartbeat(beat(1, "m", "r0"))
         await client.heartbeat(beat(1, "m2", "r2"))
         if transport == "auto":
-            await until(lambda: asyncio.sleep(0, bool(client._conns)))
+            await until(lambda: asyncio.sleep(0, bool(client.fast_link.conns)))
         assert (await client.hold("m", 1000, "a")).replica_id == "r0"
         b = asyncio.ensure_future(client.hold("m", 600, "b", wait_s=20))
         c = asyncio.ensure_future(client.hold("m", 600, "c", wait_s=20))
