@@ -5,20 +5,22 @@ store, model fingerprint and HMAC key. Runs on the engine thread only (it touche
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from engine.checkpoint import (CheckpointError, check_compatible, read_manifest,
                                restore_checkpoint, save_checkpoint)
 from engine.scheduler import Seq
 
 
+@dataclass
 class RequestCheckpoints:
-    def __init__(self, model_id: str, kvstore, fingerprint: str, key: bytes | None,
-                 page_tokens: int, has_recurrent_state: bool):
-        self.model_id = model_id
-        self.kvstore = kvstore
-        self.fingerprint = fingerprint
-        self.key = key
-        self.page_tokens = page_tokens
-        self.has_recurrent_state = has_recurrent_state
+    model_id: str
+    kvstore: Any
+    fingerprint: str
+    key: bytes | None
+    page_tokens: int
+    has_recurrent_state: bool
 
     def check_restorable(self, seq: Seq) -> None:
         """Refuse a bad checkpoint at submit, before anything is charged or allocated."""
