@@ -28,6 +28,8 @@ from capacity.formats import GROUP_SIZE, KVFormat
 from engine import cpu_packed_gemm
 from engine.quant import Packed, dequantize
 from engine.rotation import rotate
+from engine.packed_prefill_tiles import (CAUSAL_BLOCK_CPU, fresh_causal_blocks, fresh_full,
+                                         tiled_history)
 
 # Below this many query tokens the dequantized scratch costs more than it saves (decode).
 MIN_FUSED_QUERIES = 9
@@ -37,10 +39,6 @@ MIN_FUSED_QUERIES = 9
 # 512 (measured on the 2-core dev box; see docs/benchmarks-kv.md).
 QMM_MAX_QUERIES = 1
 FUSED_HEAD_DIMS = (64, 128, 256)
-# On the CPU, causal prefill scores the chunk's own keys this many queries at a time (see
-# _fresh_causal_blocks); shorter chunks take one block. Not on GPUs: there the tiled path is
-# bound by kernel launches, not by exp, and the blocks add launches (unmeasured there).
-CAUSAL_BLOCK_CPU = 128
 # quantized_matmul on non-CPU devices. Off: on the H200 (MLX 0.32.4 CUDA) it crashed the process
 # with an illegal memory access in int4 decode (4 sequences x 4 KV heads, 4K context), which no
 # probe can guard against. Direct attention unpacks tiles there instead (exact FP32, slower).
@@ -169,10 +167,10 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
         if causal_block is None:
             causal_block = CAUSAL_BLOCK_CPU if on_cpu else 0
         if isinstance(new_mask, str) and 0 < causal_block < L:
-            state = _fresh_causal_blocks(qn, k_new, v_new, causal_block)
+            state = fresh_causal_blocks(qn, k_new, v_new, causal_block)
         else:
-            state = _fresh_full(qn, k_new, v_new, nmask)
-        return _tiled(qh, state, hist, hmask, fmt, sinks, tile).reshape(
+            state = fresh_full(qn, k_new, v_new, nmask)
+        return tiled_history(qh, state, hist, hmask, fmt, sinks, tile).reshape(
             B, Hq, L, D).astype(q.dtype)
     s_new = qn @ k_new.swapaxes(-1, -2)  # (B, Hkv, rep, L, L)
     # One (rep*L)-row matmul per KV head: broadcasting packed rows over a repeat axis instead
@@ -191,112 +189,6 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     out = _qmm(p[..., :S].reshape(B, Hkv, rep * L, S), hist.v, fmt.v_bits, False, act_v)
     out = out.reshape(B, Hkv, rep, L, D) + p[..., S:S + L] @ v_new
     return out.reshape(B, Hq, L, D).astype(q.dtype)
-
-
-class _Online(NamedTuple):
-    """Online-softmax state over query rows (B, Hkv, rep*L): running max, sum and output."""
-
-    m: mx.array
-    denom: mx.array
-    acc: mx.array
-
-
-def _fresh_full(qn, k_new, v_new, nmask) -> _Online:
-    """The chunk's own keys in one block, under any mask (every query sees its own key)."""
-    B, Hkv, rep, L, D = qn.shape
-    s = qn @ k_new.swapaxes(-1, -2)                       # (B, Hkv, rep, L, L)
-    s = (s if nmask is None else mx.where(nmask, s, -mx.inf)).reshape(B, Hkv, rep * L, L)
-    m = s.max(axis=-1, keepdims=True)
-    p = _exp_shifted(s, m)
-    return _Online(m, p.sum(axis=-1, keepdims=True), p @ v_new.reshape(B, Hkv, L, D))
-
-
-def _fresh_causal_blocks(qn, k_new, v_new, block: int) -> _Online:
-    """The chunk's own keys under the causal rule, `block` queries at a time.
-
-    Query block i only scores keys [0, end of block i): the fully masked upper-right blocks are
-    never computed, which removes about 3/8 of the chunk's own exps at 4 blocks (native SDPA on
-    the CPU computes and masks them). Exp is most of attention's time on the CPU.
-    """
-    B, Hkv, rep, L, D = qn.shape
-    ms, sums, accs = [], [], []
-    for a in range(0, L, block):
-        b = min(L, a + block)
-        s = qn[..., a:b, :] @ k_new[..., :b, :].swapaxes(-1, -2)     # (B, Hkv, rep, b-a, b)
-        diag = mx.arange(a, b)[:, None] >= mx.arange(b)[None]
-        s = mx.where(diag, s, -mx.inf)
-        m = s.max(axis=-1, keepdims=True)
-        p = _exp_shifted(s, m)
-        ms.append(m)
-        sums.append(p.sum(axis=-1, keepdims=True))
-        accs.append(p @ v_new[..., :b, :])
-    rows = (B, Hkv, rep * L)
-    return _Online(*(mx.concatenate(x, axis=3).reshape(*rows, x[0].shape[-1])
-                     for x in (ms, sums, accs)))
-
-
-def _tiled(qh, state: _Online, hist: PackedKV, hmask, fmt: KVFormat, sinks, tile: int):
-    """Prefill over packed history: unpack `tile` rows at a time, one online softmax.
-
-    `state` already holds the chunk's own keys (every query sees at least its own key, so the
-    running max is finite from the start); each history tile is dequantized into a bounded FP32
-    scratch, used by a BLAS matmul and dropped. Nothing the size of the whole history is ever
-    materialized. Scores are (B, Hkv, rep*L, T): one GEMM per KV head for all its query heads,
-    not a matmul broadcast over a repeat axis.
-    """
-    B, Hkv, rep, L, D = qh.shape
-    rows = (B, Hkv, rep * L)
-    q_flat = qh.reshape(*rows, D)
-    m, denom, acc = state
-    for start in range(0, hist.length, tile):
-        cut = lambda pk: Packed(*(a[..., start:start + tile, :] for a in pk))  # noqa: E731
-        kt = dequantize(cut(hist.k), fmt.k_bits)
-        vt = dequantize(cut(hist.v), fmt.v_bits)
-        vt = mx.concatenate([vt, mx.ones((*vt.shape[:-1], 1), vt.dtype)], axis=-1)
-        s = q_flat @ kt.swapaxes(-1, -2)
-        if hmask is not None:
-            n = kt.shape[-2]
-            s = mx.where(hmask[..., start:start + tile], s.reshape(B, Hkv, rep, L, n),
-                         -mx.inf).reshape(*rows, n)
-        m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
-        c, p = mx.exp(m - m_new), _exp_shifted(s, m_new)
-        pv = p @ vt
-        denom = denom * c + pv[..., D:]
-        acc = acc * c + pv[..., :D]
-        m = m_new
-    if sinks is not None:   # a sink adds probability mass but no value
-        sink = mx.repeat(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1), L, axis=3)
-        sink = sink.reshape(1, Hkv, rep * L, 1)
-        m_new = mx.maximum(m, sink)
-        c = mx.exp(m - m_new)
-        denom = denom * c + mx.exp(sink - m_new)
-        acc = acc * c
-    return acc / denom
-
-
-def _exp_plain(s, m):
-    return mx.exp(s - m)
-
-
-@lru_cache(maxsize=None)
-def _exp_kernel():
-    """exp(s - m) as one fused elementwise kernel (mx.compile), or the plain two-op form.
-
-    On the CPU the score tile's exp is most of attention's time and a separate subtract pass
-    streams the whole tile through memory once more; fusing removes that pass. Compiling on the
-    CPU needs a C++ compiler at run time: if compiling fails we keep the plain form (same math).
-    """
-    fused = mx.compile(_exp_plain, shapeless=True)
-    try:
-        probe = mx.array([[0.0, -1.0, -mx.inf]])
-        mx.eval(fused(probe, mx.zeros((1, 1))))
-        return fused
-    except Exception:  # noqa: BLE001 - no JIT toolchain: the plain ops compute the same values
-        return _exp_plain
-
-
-def _exp_shifted(s, m):
-    return _exp_kernel()(s, m)
 
 
 def _group(mask, Hkv, rep):
