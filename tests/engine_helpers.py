@@ -41,6 +41,13 @@ async def collect(eng, r, stop_after=None):
     return out
 
 
+async def started(eng, r):
+    """Open a request's stream and wait for its first delta: from then on the request is
+    running on the engine (admitted, prefilled). Returns (iterator, [first delta])."""
+    agen = eng.generate(r)
+    return agen, [await agen.__anext__()]
+
+
 def tokens(deltas):
     return [t for d in deltas for t in d.token_ids]
 

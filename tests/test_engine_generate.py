@@ -6,7 +6,7 @@ import pytest
 from engine.errors import InvalidRequest, RequestTooLarge
 from engine.request import GenerationRequest
 from engine.sampling import SamplingParams
-from tests.engine_helpers import collect, make_engine, req, run, tokens, wait_idle
+from tests.engine_helpers import collect, make_engine, req, run, started, tokens, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +95,14 @@ def test_bad_inputs_are_refused_before_the_engine_thread(eng):
     before = eng.stats()["requests_refused_invalid_total"]
 
     async def duplicate():
-        first = asyncio.ensure_future(collect(eng, req("dup", n_prompt=40, max_tokens=30)))
-        await asyncio.sleep(0.05)
+        # The first "dup" cannot finish on its own before the duplicate arrives: it is running
+        # (first delta seen) and has far more tokens to go; it is cancelled afterwards.
+        first, got = await started(eng, req("dup", n_prompt=40, max_tokens=900, ignore_eos=True))
         with pytest.raises(InvalidRequest, match="already running"):
             await collect(eng, req("dup", max_tokens=2))
-        return await first
-    assert run(duplicate())[-1].finish_reason == "length"
+        eng.cancel("dup")
+        return got + [d async for d in first]
+    assert run(duplicate())[-1].finish_reason == "cancelled"
     s = wait_idle(eng)
     assert s["requests_refused_invalid_total"] == before + 1
     assert s["requests_refused_overloaded_total"] == 0     # every series exists from the start

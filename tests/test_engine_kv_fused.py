@@ -151,9 +151,9 @@ def test_refused_permit_runs_direct_for_the_whole_call_and_is_counted(tiny_llama
         direct.shutdown()
 
 
-def _arrival_scenario(eng, trace, b_deadline_s, retire_delay_s, a_max_tokens):
+def _arrival_scenario(eng, trace, b_deadline_s, slow_retirement, a_max_tokens):
     """A (40-token prompt) runs; at its fused step's first permit, B arrives (the engine thread
-    waits until B is queued, then optionally `retire_delay_s` more: a slow retirement)."""
+    waits until B is queued and, for a `slow_retirement`, until B's deadline has passed)."""
     result = {}
 
     async def scenario():
@@ -167,14 +167,17 @@ def _arrival_scenario(eng, trace, b_deadline_s, retire_delay_s, a_max_tokens):
                 result["free_at_arrival"] = f["free_bytes"]
                 loop.call_soon_threadsafe(permit_seen.set_result, None)
                 queued.wait(10)
-                time.sleep(retire_delay_s)
+                if slow_retirement:
+                    wait = result["deadline"] - time.monotonic()
+                    threading.Event().wait(max(wait, 0.0) + 0.01)
         trace.hook = hook
         a = asyncio.ensure_future(collect(eng, greq("A", 40, a_max_tokens)))
         await permit_seen
         result["deadline"] = time.monotonic() + b_deadline_s
         b = eng.generate(greq("B", 8, 232, pseed=2, deadline=result["deadline"]))
         first = asyncio.ensure_future(b.__anext__())
-        await asyncio.sleep(0.02)          # B's submit is in the engine's inbox now
+        while eng._inbox.empty():          # B's submit runs up to its first await: in the inbox
+            await asyncio.sleep(0)
         queued.set()
         try:
             result["b_first"] = await first
@@ -196,7 +199,7 @@ def test_deadline_arrival_fits_only_because_the_fused_step_retired(tiny_llama):
     eng = engine(tiny_llama, pages=pages(a_raw) + pages(b_raw), trace=trace)
     try:
         cm = eng.cost_model()
-        r = _arrival_scenario(eng, trace, b_deadline_s=1.0, retire_delay_s=0.0,
+        r = _arrival_scenario(eng, trace, b_deadline_s=5.0, slow_retirement=False,
                               a_max_tokens=400)
         charge_b = cm.charge_bytes(b_raw)
         # While the step held its permit(s) B did not fit; the permit is what it lacked.
@@ -226,7 +229,7 @@ def test_deadline_expires_during_retirement_and_the_prefill_work_is_kept(tiny_ll
         alone = tokens(run(collect(eng, greq("ref", 40, 8))))
         before = eng.stats()["prompt_tokens_total"]
         trace.events.clear()
-        r = _arrival_scenario(eng, trace, b_deadline_s=0.05, retire_delay_s=0.2, a_max_tokens=8)
+        r = _arrival_scenario(eng, trace, b_deadline_s=0.05, slow_retirement=True, a_max_tokens=8)
         assert isinstance(r["b_error"], DeadlineUnmeetable)
         arrival = next(f for f in trace.of("arrival") if f["request"] == "B")
         # B was looked at after the step retired, against its original absolute deadline,

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from engine.errors import DeadlineUnmeetable, EngineError, EngineShutdown
-from tests.engine_helpers import collect, make_engine, req, run, tokens, wait_idle
+from tests.engine_helpers import collect, make_engine, req, run, started, tokens, wait_idle
 
 
 class Trace:
@@ -81,17 +81,31 @@ def test_cancel_mid_decode_and_by_closing_the_stream(traced):
 
 
 def test_deadline_expires_while_queued_and_unmeetable_is_refused(tiny_llama):
-    eng = make_engine(tiny_llama, pages=8, max_step_tokens=16)   # 128 tokens: one big request
+    """"late" arrives while "big" holds the whole budget, so it queues; the engine thread is held
+    (in the trace hook, between big's steps) until late's deadline has passed, so big cannot
+    finish and free room first however fast the machine is: late must expire while queued."""
+    late_deadline, late_queued = [], threading.Event()
+
+    def hold_until_late_expired(event, **fields):
+        if event == "arrival" and fields["request"] == "late":
+            late_queued.set()
+        elif event == "retire" and late_queued.is_set():
+            wait = late_deadline[0] - time.monotonic()
+            if wait > 0:
+                threading.Event().wait(wait)     # the condition is the clock passing a deadline
+
+    eng = make_engine(tiny_llama, pages=8, max_step_tokens=16,     # 128 tokens: one big request
+                      trace=hold_until_late_expired)
     try:
         async def scenario():
-            big = asyncio.ensure_future(collect(eng, req("big", n_prompt=20, max_tokens=100,
-                                                         ignore_eos=True)))
-            await asyncio.sleep(0.05)
+            big, got = await started(eng, req("big", n_prompt=20, max_tokens=100,
+                                               ignore_eos=True))
+            late_deadline.append(time.monotonic() + 0.1)
             late = await collect(eng, req("late", n_prompt=8, max_tokens=4,
-                                          deadline=time.monotonic() + 0.1))
+                                          deadline=late_deadline[0]))
             with pytest.raises(DeadlineUnmeetable):
                 await collect(eng, req("past", deadline=time.monotonic() - 1))
-            return await big, late
+            return got + [d async for d in big], late
         big, late = run(scenario())
         assert big[-1].finish_reason == "length"
         assert [d.finish_reason for d in late] == ["deadline"] and tokens(late) == []
@@ -143,11 +157,9 @@ def test_shutdown_drains_then_refuses(tiny_llama):
     eng = make_engine(tiny_llama, pages=16)
 
     async def scenario():
-        running = asyncio.ensure_future(collect(eng, req("drain", max_tokens=30,
-                                                         ignore_eos=True)))
-        await asyncio.sleep(0.05)
+        running, got = await started(eng, req("drain", max_tokens=30, ignore_eos=True))
         await asyncio.get_running_loop().run_in_executor(None, eng.shutdown, 10.0)
-        return await running
+        return got + [d async for d in running]
     deltas = run(scenario())
     assert deltas[-1].finish_reason == "length" and not eng.healthy()
     with pytest.raises(EngineShutdown):
@@ -160,11 +172,9 @@ def test_shutdown_timeout_cancels_what_is_left(tiny_llama):
     eng = make_engine(tiny_llama, pages=16)
 
     async def scenario():
-        running = asyncio.ensure_future(collect(eng, req("slow", max_tokens=200,
-                                                         ignore_eos=True)))
-        await asyncio.sleep(0.05)
+        running, got = await started(eng, req("slow", max_tokens=200, ignore_eos=True))
         await asyncio.get_running_loop().run_in_executor(None, eng.shutdown, 0.0)
-        return await running
+        return got + [d async for d in running]
     deltas = run(scenario())
     assert deltas[-1].finish_reason == "cancelled"
     assert eng.stats()["kv_bytes_reserved"] == 0
