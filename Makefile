@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bootstrap openblas bench clean
+.PHONY: serve test test-flakes bootstrap openblas bench clean
 
 bootstrap: openblas $(STAMP)
 
@@ -30,6 +30,14 @@ serve: bootstrap
 
 test: bootstrap
 	$(BIN)/python -m engine.platform exec $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The tests most exposed to ordering (engine lifecycle, generate, fused permits, serve capacity)
+# ten times over in one session: any ordering left to the machine's speed shows up here.
+FLAKE_TESTS := tests/test_engine_lifecycle.py tests/test_engine_generate.py \
+	tests/test_engine_kv_fused.py tests/test_serve_capacity.py
+test-flakes: bootstrap
+	$(BIN)/python -m engine.platform exec $(BIN)/python -m pytest --count 10 \
+	  -q $(FLAKE_TESTS) $(PYTEST_ARGS)
 
 bench: bootstrap
 	$(BIN)/python -m engine.platform exec $(BIN)/python -m engine.bench $(BENCH_ARGS)

@@ -149,6 +149,9 @@ class CapacityActor:
     async def cancel(self, request_id: str) -> bool:
         return (await self.apply([("cancel", request_id)]))[0]
 
+    async def retire(self, replica_ids: list[str]) -> int:
+        return (await self.apply([("retire", list(replica_ids))]))[0]
+
     async def snapshot(self) -> dict:
         self._ensure_background()
         return self.fleet.snapshot(time.monotonic())
@@ -380,6 +383,10 @@ class CapacityClient:
         if self._local.settle(request_id):
             return True
         return await self._report(("cancel", request_id))
+
+    async def retire(self, replica_ids: list[str]) -> int:
+        """Tell the actor these replicas are gone (their holds are dropped at once)."""
+        return await self._report(("retire", list(replica_ids)))
 
     async def heartbeat(self, report: HeartbeatReport | dict) -> dict:
         out = await self._report(("heartbeat", _dump(report)))

@@ -59,7 +59,7 @@ class Fleet:
         self._decisions: dict[tuple[str, str], CapDecision] = {}
         self._observations: dict[tuple[str, str], DecodeObservation] = {}
         self.counters = {"heartbeats": 0, "stale_heartbeats": 0, "holds": 0, "refusals": 0,
-                         "releases": 0, "quarantined": 0}
+                         "replica_releases": 0, "quarantined": 0, "retired_replicas": 0}
 
     def info(self) -> ActorInfo:
         return ActorInfo()
@@ -146,7 +146,7 @@ class Fleet:
         res = self.ledger.release(request_id)
         if res is None:
             return False
-        self.counters["releases"] += 1
+        self.counters["replica_releases"] += 1
         if telemetry is None:
             return True
         if not isinstance(telemetry, RequestTelemetry):
@@ -168,8 +168,21 @@ class Fleet:
                 self.rates.record_ttft_ratio(key, res.predicted_ttft_s, telemetry.ttft_s)
         return True
 
+    def retire(self, replica_ids) -> int:
+        """Replicas the serving layer saw go away: drop their slots and reservations now."""
+        known = {r.replica_id for r in self.ledger.replicas()}
+        self.counters["retired_replicas"] += len(known & set(replica_ids))
+        gone = self.ledger.retire(replica_ids)
+        self._prune()
+        return len(gone)
+
     def expire(self, now: float) -> int:
         gone = self.ledger.expire(now)
+        self._prune()
+        return len(gone)
+
+    def _prune(self) -> None:
+        """Drop caps, observations and box loads of replicas the ledger no longer knows."""
         known = {(r.model, r.replica_id) for r in self.ledger.replicas()}
         for k in [k for k in self._decisions if k not in known]:
             self._decisions.pop(k, None)
@@ -179,7 +192,6 @@ class Fleet:
                 loads.pop(rid)
             if not loads:
                 del self._node_load[node]
-        return len(gone)
 
     # ---- public feed ---------------------------------------------------------------------------
 
@@ -205,7 +217,11 @@ class Fleet:
                            "identities": list(idents.values())})
         return {"protocol_version": ActorInfo().protocol_version, "models": models,
                 "outstanding_raw_tokens": self.ledger.outstanding_raw(),
-                "counters": dict(self.counters)}
+                # releases: every reservation settled, whoever settled it (the replica's release,
+                # a router's cancel, a TTL, a retired replica); once idle, holds == releases
+                # (plus reservations rebuilt from replica reports after an actor restart).
+                "counters": {**self.counters, "releases": sum(self.ledger.outcomes.values()),
+                             "settled": dict(self.ledger.outcomes)}}
 
     def caps(self) -> dict:
         return {f"{m}/{r}": d.cap for (m, r), d in self._decisions.items()}

@@ -36,6 +36,7 @@ class LedgerConfig:
     evict_after_s: float = 90.0     # no heartbeat for this long: forgotten, reservations dropped
     missed_reports_to_drop: int = 2  # complete active lists a commit may be missing from, then dropped
     settled_memory: int = 100_000   # settled ids remembered (idempotency, no phantom re-creation)
+    retired_memory: int = 10_000    # retired replica ids remembered (a late report stays dead)
     retry_after_s: float = 1.0      # Retry-After hint on refusals
     ranking_size: int = 8           # candidates returned per hold (the router's retry plan)
 
@@ -111,6 +112,8 @@ class Ledger:
         self._active: dict[str, Reservation] = {}
         self._settled: OrderedDict[str, str] = OrderedDict()
         self._seq: dict[str, tuple[int, int]] = {}            # replica_id -> (incarnation, seq)
+        self._retired: OrderedDict[str, None] = OrderedDict()  # replicas Serve reported gone
+        self.outcomes: dict[str, int] = {}                      # settled reservations by outcome
         self.debited_raw = 0     # lifetime totals; debited - refunded == outstanding, always
         self.refunded_raw = 0
 
@@ -156,7 +159,9 @@ class Ledger:
     def feed(self, model: str, now: float) -> ModelFeed:
         reps = self.replicas(model)
         rooms = [self.headroom(r, now) for r in reps]
-        return ModelFeed(model, len(reps), sum(1 for h in rooms if h.requests),
+        # A replica silent past stale_after_s is not counted: the feed names live replicas only.
+        live = sum(1 for h in rooms if h.reason != "stale")
+        return ModelFeed(model, live, sum(1 for h in rooms if h.requests),
                          sum(h.raw_tokens for h in rooms), sum(h.requests for h in rooms),
                          max((h.max_request for h in rooms), default=0))
 
@@ -243,10 +248,26 @@ class Ledger:
                 out += self._forget(rep)
         return [r for r in out if r is not None]
 
+    def retire(self, replica_ids) -> list[Reservation]:
+        """Forget replicas the serving layer saw go away (died, or removed by Serve): their
+        reservations are dropped at once rather than after evict_after_s, and a late report
+        from one of them is ignored (replica ids are never reused)."""
+        out = []
+        for rid in replica_ids:
+            self._retired[rid] = None
+            while len(self._retired) > self.cfg.retired_memory:
+                self._retired.popitem(last=False)
+            for rep in [r for r in self._replicas.values() if r.replica_id == rid]:
+                out += self._forget(rep)
+        return [r for r in out if r is not None]
+
     # ---- heartbeats ----------------------------------------------------------------------------
 
     def accept_seq(self, replica_id: str, incarnation: int, seq: int) -> bool:
-        """Discard stale or out-of-order reports; a larger incarnation is a replica restart."""
+        """Discard stale or out-of-order reports, and any from a retired replica; a larger
+        incarnation is a replica restart."""
+        if replica_id in self._retired:
+            return False
         last = self._seq.get(replica_id)
         if last is not None and (incarnation, seq) <= last:
             return False
@@ -317,6 +338,7 @@ class Ledger:
         self._unlink(res)
         self.refunded_raw += res.raw_tokens
         self._settled[request_id] = outcome
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
         while len(self._settled) > self.cfg.settled_memory:
             self._settled.popitem(last=False)
         return res

@@ -6,6 +6,7 @@ connection), without Ray: a batch of (op, args...) applied in order against a Fl
     ("release", request_id, telemetry=None)
     ("cancel", request_id)
     ("heartbeat", report)
+    ("retire", [replica_id, ...])     # replicas the serving layer saw go away
 
 A hold's result is {"ok": True, "hold": Hold} or refusal data; a hold with wait_s > 0 that finds
 no room yields a future of the same (capacity/waiting.py), and every other op that may have made
@@ -67,6 +68,8 @@ class BatchOps:
             out = self.waits.cancel(args[0], known) or out
         elif op == "heartbeat":
             out = self.fleet.heartbeat(args[0], now)
+        elif op == "retire":
+            out = self.fleet.retire(list(args[0]))
         else:
             raise CapacityError(f"unknown op {op!r}")
         if len(self.waits):          # anything but a hold may have made room for a waiter

@@ -137,19 +137,26 @@ class Negotiation:
     reason: str               # why, for logs and the replica's status
 
 
-def negotiate_kv_format(requested: str, actor: ActorInfo | None,
-                        on_unsupported: Literal["native", "refuse"] = "native") -> Negotiation:
-    """Replica side: enable a packed format only if the actor understands execution identities."""
+class ActorUnreachable(ProtocolError):
+    """No answer from the capacity actor yet: the replica retries rather than guess."""
+
+
+def negotiate_kv_format(requested: str, actor: ActorInfo | None) -> Negotiation:
+    """Replica side: a packed format runs only once the actor confirms per-identity histories.
+
+    Never falls back to native: a replica configured for a packed format that cannot be
+    confirmed refuses (ActorUnreachable: try again; ProtocolError: the actor is too old), so it
+    cannot serve a different format than its config says for its whole life.
+    """
     if requested == "native":
         return Negotiation("native", "native requested")
     if actor is None:
-        why = "capacity actor unreachable; cannot confirm it keeps per-format histories"
-    elif actor.protocol_version < MIN_PROTOCOL_VERSION:
+        raise ActorUnreachable(f"KV format {requested!r} not confirmed: capacity actor "
+                               "unreachable; cannot confirm it keeps per-format histories")
+    if actor.protocol_version < MIN_PROTOCOL_VERSION:
         why = f"actor protocol {actor.protocol_version} < {MIN_PROTOCOL_VERSION}"
     elif CAP_EXECUTION_IDENTITY not in actor.capabilities:
         why = f"actor does not advertise {CAP_EXECUTION_IDENTITY!r}; it would mix packed and native rates"
     else:
         return Negotiation(requested, f"actor advertises {CAP_EXECUTION_IDENTITY!r}")
-    if on_unsupported == "refuse":
-        raise ProtocolError(f"refusing KV format {requested!r}: {why}")
-    return Negotiation("native", f"serving native instead of {requested!r}: {why}")
+    raise ProtocolError(f"refusing KV format {requested!r}: {why}")

@@ -6,9 +6,12 @@ byte ledger, and the actor rebuilds its view from the next heartbeat.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from typing import Any
+
+from capacity.errors import ProtocolError
 
 log = logging.getLogger("orchard.capacity_link")
 
@@ -106,18 +109,35 @@ class CapacityLink:
             log.warning("release of %s failed", request_id, exc_info=True)
 
 
-async def negotiate_format(requested: str, settings: dict[str, Any] | None) -> tuple[str, str]:
-    """Enable a packed KV format only if the actor keeps per-identity histories."""
-    from capacity.protocol import negotiate_kv_format
+# Between asks while the capacity actor does not answer (it may still be starting).
+NEGOTIATION_RETRY_S = (0.5, 1.0, 2.0, 5.0)
 
-    if requested == "native" or not settings:
+
+async def negotiate_format(requested: str, settings: dict[str, Any] | None) -> tuple[str, str]:
+    """Confirm a packed KV format with the capacity actor before the replica becomes ready.
+
+    Retries (with a log line each time) while the actor is unreachable and raises ProtocolError
+    when it answers but cannot keep per-format histories: the replica never serves a format its
+    config did not ask for.
+    """
+    from capacity.protocol import ActorUnreachable, negotiate_kv_format
+
+    if requested == "native":
         return requested, "no negotiation needed"
-    try:
-        info = await make_client(settings).info()
-    except ImportError:
-        info = None
-    n = negotiate_kv_format(requested, info)
-    return n.kv_format, n.reason
+    if not settings:
+        raise ProtocolError(f"KV format {requested!r} needs the capacity actor to confirm "
+                            "per-format histories, and no capacity settings were given")
+    client = make_client(settings)
+    for attempt in itertools.count():
+        try:
+            n = negotiate_kv_format(requested, await client.info())
+            return n.kv_format, n.reason
+        except ActorUnreachable as e:
+            wait = NEGOTIATION_RETRY_S[min(attempt, len(NEGOTIATION_RETRY_S) - 1)]
+            log.warning("%s; not ready, asking again in %.1f s (attempt %d)", e, wait,
+                        attempt + 1)
+            await asyncio.sleep(wait)
+    raise AssertionError("itertools.count() never ends")
 
 
 def identity_rows(snapshot: dict) -> list[dict]:

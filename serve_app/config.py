@@ -61,6 +61,11 @@ class ReplicaResources(_Strict):
 
 SERVE_OWNED_ENGINE_KNOBS = {"model", "kv_format", "kv_format_overrides", "kv_budget_bytes",
                             "max_num_seqs"}
+# Engine paths kept for benchmarks: served replicas always run the production path, so the
+# capacity actor never learns rates for a mode no production replica runs.
+BENCH_ONLY_ENGINE_KNOBS = {"prefill_mode": "served replicas always prefill packed history "
+                           "with the direct path; the fused path is reachable from the "
+                           "benchmarks only (orchard bench kv)"}
 
 
 class ModelConfig(_Strict):
@@ -95,6 +100,10 @@ class ModelConfig(_Strict):
         if owned:
             raise ValueError(f"set {', '.join(owned)} on the model (or under kv:), "
                              "not in its engine: passthrough")
+        bench_only = sorted(set(v) & set(BENCH_ONLY_ENGINE_KNOBS))
+        if bench_only:
+            raise ValueError("; ".join(f"engine.{k} cannot be set in a serving config: "
+                                       f"{BENCH_ONLY_ENGINE_KNOBS[k]}" for k in bench_only))
         unknown = sorted(set(v) - set(EngineConfig.model_fields))
         if unknown:
             raise ValueError(f"unknown engine knob(s) {', '.join(unknown)}; see "

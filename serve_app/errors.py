@@ -1,6 +1,7 @@
 """OpenAI-style HTTP errors, and the one place engine/capacity exceptions map to them."""
 from __future__ import annotations
 
+import json
 import math
 
 from fastapi.responses import JSONResponse
@@ -99,8 +100,27 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, ee.EngineShutdown):
         return APIError(503, str(exc), type="service_unavailable", code="shutting_down",
                         retry_after_s=2.0, reason="shutdown")
+    if _is_replica_lost(exc):
+        return APIError(503, "the model replica serving this request went away; retry",
+                        type="service_unavailable", code="replica_unavailable",
+                        retry_after_s=2.0, reason="replica_lost")
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error",
                     code="internal_error", reason="internal")
+
+
+def _is_replica_lost(exc: BaseException) -> bool:
+    """A replica process died or became unreachable (Serve restarts it): retryable, not a bug."""
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:   # in-process use without Ray
+        return False
+    return isinstance(exc, RayActorError)
+
+
+def sse_error_event(err: APIError) -> str:
+    """The OpenAI-shaped error event that ends a stream failing after its first byte (the SDKs
+    raise it as an APIError); `data: [DONE]` follows it."""
+    return f"data: {json.dumps(err.body())}\n\n"
 
 
 # Refusal reasons meaning "no replica exists / none is healthy" rather than "all busy".

@@ -25,7 +25,8 @@ from serve_app.backends import unwrap
 from serve_app.calls import GenerateCall, stamp, tracing
 from serve_app.config import OrchardConfig
 from serve_app.errors import (APIError, bad_request, context_exceeded, from_exception,
-                              invalid_json, model_not_found, unauthorized, unprocessable)
+                              invalid_json, model_not_found, sse_error_event, unauthorized,
+                              unprocessable)
 from serve_app.metrics import CONTENT_TYPE, Metrics
 from serve_app.tokens import chat_prompt_ids, load_tokenizer, text_prompt_ids
 
@@ -213,6 +214,10 @@ class IngressCore:
                 tracker.delta(item)
                 text.append(item["text"])
                 finish, usage = item["finish_reason"], item["usage"]
+        except Exception as e:  # noqa: BLE001 - a replica lost mid-request: 503 + Retry-After
+            err = self._failed_mid_stream(call.request_id, model, e)
+            finish = f"error:{err.reason}"
+            return err.response()
         finally:
             await rest.aclose()
             tracker.done(finish, usage)
@@ -223,20 +228,34 @@ class IngressCore:
                    include_usage: bool, tracker: "_Tracker") -> AsyncIterator[str]:
         finish, usage, is_first = None, None, True
         try:
-            async for item in _chain(first, rest):
-                tracker.delta(item)
-                finish, usage = item["finish_reason"], item["usage"]
-                if item["text"] or is_first:
-                    yield builder.chunk(item["text"], None, first=is_first)
-                    is_first = False
-                if finish is not None:
-                    yield builder.chunk(None, P.openai_finish_reason(finish))
+            try:
+                async for item in _chain(first, rest):
+                    tracker.delta(item)
+                    finish, usage = item["finish_reason"], item["usage"]
+                    if item["text"] or is_first:
+                        yield builder.chunk(item["text"], None, first=is_first)
+                        is_first = False
+                    if finish is not None:
+                        yield builder.chunk(None, P.openai_finish_reason(finish))
+            except Exception as e:  # noqa: BLE001 - after the first byte: an error event
+                err = self._failed_mid_stream(builder.id, builder.model, e)
+                finish = f"error:{err.reason}"
+                yield sse_error_event(err)
+                yield P.SSE_DONE
+                return
             if include_usage:
                 yield builder.chunk(None, None, usage=_usage(usage), no_choices=True)
             yield P.SSE_DONE
         finally:
             await rest.aclose()
             tracker.done(finish or "cancelled", usage)
+
+    def _failed_mid_stream(self, request_id: str, model: str, exc: Exception) -> APIError:
+        """Map a failure after the response started; the stream or reply still ends cleanly."""
+        err = from_exception(unwrap(exc))
+        log.warning("request %s failed mid-stream (%s): %s", request_id, err.code, exc)
+        self.metrics.refusals.labels(model, f"mid_stream:{err.reason}", str(err.status)).inc()
+        return err
 
     # --- side endpoints -----------------------------------------------------------------
 

@@ -61,16 +61,30 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         self.stats = {"holds": 0, "refusals": 0, "faults": 0, "fallback_routes": 0,
                       "queue_full": 0}
         self._tasks: set[asyncio.Task] = set()
+        self._live_replicas: set[str] = set()
         router_registry.register(self)
 
     # --- the per-request path ------------------------------------------------------------
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        gone, self._live_replicas = self._live_replicas - live, live
         if self.client is not None:
             # While the actor is unreachable the client admits locally up to this many requests
             # per model; Serve's per-replica ceiling is the honest bound then.
             self.client.fallback_cap = max(1, sum(r.max_ongoing_requests for r in replicas))
+            if gone:
+                # Serve dropped these replicas (died, or scaled away): the actor stops counting
+                # them and drops their reservations now, not after its silence timeout.
+                log.info("replicas gone: %s; retiring them at the capacity actor", sorted(gone))
+                self._spawn(self._retire(sorted(gone)))
+
+    async def _retire(self, replica_ids: list[str]) -> None:
+        try:
+            await self.client.retire(replica_ids)
+        except Exception:  # noqa: BLE001 - the actor's silence timeout is the backstop
+            log.warning("could not retire %s at the capacity actor", replica_ids, exc_info=True)
 
     async def _choose_replica_for_request(self, pending_request: PendingRequest, *,
                                           is_retry: bool = False) -> RunningReplica:
@@ -194,9 +208,13 @@ class CapacityRouter(LocalityMixin, RequestRouter):
             except Exception:  # noqa: BLE001 - already settled, or the actor is gone
                 pass
 
+        self._spawn(cancel())
+
+    def _spawn(self, coro) -> None:
         try:
-            task = asyncio.get_running_loop().create_task(cancel())
+            task = asyncio.get_running_loop().create_task(coro)
         except RuntimeError:   # no loop in this thread: the actor's TTL reaper settles it
+            coro.close()
             return
         self._tasks.add(task)   # asyncio holds tasks weakly
         task.add_done_callback(self._tasks.discard)

@@ -126,3 +126,35 @@ def test_telemetry_is_solo_only_if_the_request_never_shared_the_box():
     assert f.release("q9", {**base, "max_batch_size": 1})
     assert f.rates.solo_median(key) == (None, 0)
     assert f.rates.fit(key) is None and len(f.rates._hist[key].ttft) == 3   # still samples
+
+
+def test_a_retired_replica_is_gone_from_the_feed_its_holds_settled_and_its_late_report_ignored():
+    f = Fleet()
+    f.heartbeat(report("dead", 1), 0.0)
+    f.heartbeat(report("live", 1), 0.0)
+    for rid in ("a", "b", "c"):
+        f.hold("m", 100, rid, 0.0)
+    on_dead = [r for r in ("a", "b", "c") if f.ledger.reservation(r).replica_id == "dead"]
+    assert on_dead and f.commit(on_dead[0], "dead", 0.1)
+    assert f.snapshot(0.2)["models"][0]["replicas"] == 2
+    f.retire(["dead", "never-seen"])
+    snap = f.snapshot(0.3)
+    assert snap["models"][0]["replicas"] == 1 and f.counters["retired_replicas"] == 1
+    # The dead replica's holds are settled now; the live one's settle by release and cancel.
+    for rid in {"a", "b", "c"} - set(on_dead):
+        assert f.release(rid) or f.cancel(rid)
+    snap = f.snapshot(0.4)
+    assert snap["outstanding_raw_tokens"] == 0
+    assert snap["counters"]["holds"] == snap["counters"]["releases"] == 3
+    assert snap["counters"]["settled"].get("dropped") == len(on_dead)
+    # A heartbeat the dead replica sent before it died, delivered late, does not resurrect it.
+    assert not f.heartbeat(report("dead", 2), 0.5)["accepted"]
+    assert f.snapshot(0.6)["models"][0]["replicas"] == 1
+
+
+def test_a_silent_replica_is_not_counted_live_in_the_feed():
+    f = Fleet()
+    f.heartbeat(report("r0", 1), 0.0)
+    f.heartbeat(report("r1", 1), 10.0)
+    [m] = f.snapshot(16.0)["models"]        # r0 silent for 16 s > stale_after_s (15 s)
+    assert m["replicas"] == 1

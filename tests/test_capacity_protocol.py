@@ -3,6 +3,7 @@ import pytest
 
 from capacity.anomaly import AnomalyConfig, DecodeObservation, check, expected_decode_tps
 from capacity.errors import ProtocolError
+from capacity.protocol import ActorUnreachable
 from capacity.identity import INVALID, NATIVE, ExecutionKey
 from capacity.pricing import CostModel, Workspace
 from capacity.protocol import (CAP_EXECUTION_IDENTITY, ActorInfo, CostModelWire, HeartbeatReport,
@@ -38,11 +39,11 @@ def test_negotiation_enables_packed_only_with_the_capability():
     ok = negotiate_kv_format("int4", ActorInfo())
     assert ok.kv_format == "int4"
     old = ActorInfo(capabilities=["cost_model"])
-    n = negotiate_kv_format("int4", old)
-    assert n.kv_format == "native" and CAP_EXECUTION_IDENTITY in n.reason
-    assert negotiate_kv_format("k8v4", None).kv_format == "native"
+    # Never a silent native fallback: an old actor refuses, an unreachable one asks for a retry.
     with pytest.raises(ProtocolError, match="execution_identity"):
-        negotiate_kv_format("int4", old, on_unsupported="refuse")
+        negotiate_kv_format("int4", old)
+    with pytest.raises(ActorUnreachable, match="unreachable"):
+        negotiate_kv_format("k8v4", None)
     assert negotiate_kv_format("native", None).kv_format == "native"
 
 

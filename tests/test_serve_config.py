@@ -102,3 +102,11 @@ def test_api_keys_from_env(monkeypatch):
     monkeypatch.setenv("ORCHARD_API_KEYS", "k1, k2")
     cfg = parse_config({"models": [{"id": "m", "path": "/x"}], "api_keys": ["k0"]})
     assert cfg.all_api_keys() == ["k0", "k1", "k2"]
+
+
+def test_bench_only_prefill_mode_is_refused_in_a_serving_config():
+    for mode in ("fused", "direct"):
+        with pytest.raises(ConfigError, match=r"engine\.prefill_mode cannot be set in a serving "
+                                              r"config.*benchmarks only"):
+            parse_config({"models": [{"id": "m", "path": "/x",
+                                      "engine": {"prefill_mode": mode}}]})
