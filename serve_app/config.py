@@ -241,7 +241,25 @@ def parse_config(data: Any, source: str = "config", base_dir: Path | None = None
                 m.path = str((base_dir / p).resolve())
             elif p.exists():
                 m.path = str(p.resolve())
+    _import_gguf_paths(cfg, source)
     return cfg
+
+
+def _import_gguf_paths(cfg: OrchardConfig, source: str) -> None:
+    """A model `path:` naming a .gguf file becomes its imported folder (engine.gguf.cache:
+    imported once per file content, with progress on stderr)."""
+    for i, m in enumerate(cfg.models):
+        if not m.path.lower().endswith(".gguf"):
+            continue
+        from engine.gguf import GGUFImportError
+        from engine.gguf.cache import imported_model_dir
+
+        if not Path(m.path).expanduser().is_file():
+            raise ConfigError(f"{source}: models.{i}.path: no such GGUF file {m.path!r}")
+        try:
+            m.path = str(imported_model_dir(m.path))
+        except GGUFImportError as e:
+            raise ConfigError(f"{source}: models.{i}.path: {e}") from None
 
 
 def load_config(path: str | os.PathLike) -> OrchardConfig:
