@@ -42,8 +42,11 @@ class Tensor:
     def dequantized(self) -> mx.array:
         if not self.quantized:
             return self.value
-        return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
-                             bits=self.bits).astype(mx.float32)
+        # In float32: dequantizing with the stored float16 scales would round the result to
+        # float16 too (the output takes the scales' dtype).
+        return mx.dequantize(self.weight, self.scales.astype(mx.float32),
+                             self.biases.astype(mx.float32), group_size=self.group_size,
+                             bits=self.bits)
 
     def map_rows(self, fn) -> "Tensor":
         """Apply a row (axis 0) transform to every part: rows are quantized independently."""
