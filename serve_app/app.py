@@ -6,6 +6,8 @@ in-process FastAPI app with the same HTTP layer (tests, the TTFT-overhead bench)
 """
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 from ray import serve
@@ -53,6 +55,10 @@ class OrchardIngress:
         self.core = IngressCore(cfg, {mid: RayBackend(h) for mid, h in handles.items()},
                                 capacity=capacity, replica_views=replica_views,
                                 router_events=router_events)
+
+    def pid(self) -> int:
+        """This ingress replica's process (fault tests and operators kill it by pid)."""
+        return os.getpid()
 
     def __serve_build_asgi_app__(self):
         return build_fastapi_app(self.core)

@@ -160,7 +160,7 @@ class ModelServer:
             if os.path.isfile(path):
                 with open(path, "rb") as f:
                     files[name] = f.read()
-        return {"model_id": self.model_id, "replica_id": self.replica_id,
+        return {"model_id": self.model_id, "replica_id": self.replica_id, "pid": os.getpid(),
                 "format_identity": self.engine.format_identity,
                 "max_model_len": self.max_model_len(), "tokenizer_files": files}
 
