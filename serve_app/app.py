@@ -15,6 +15,7 @@ from ray.serve.config import RequestRouterConfig
 
 from serve_app.config import OrchardConfig, load_config, parse_config
 from serve_app.ingress import IngressCore, build_fastapi_app
+from serve_app.memory_plan import plan_memory, with_kv_budgets
 from serve_app.server import ModelServer
 
 INGRESS_NAME = "ingress"
@@ -99,10 +100,11 @@ def model_deployment_options(cfg: OrchardConfig, model) -> dict[str, Any]:
 def build_app(config: OrchardConfig | dict[str, Any]):
     """The Serve application: one deployment per model behind one ingress."""
     cfg = config if isinstance(config, OrchardConfig) else parse_config(config)
+    plan = plan_memory(cfg)     # refuses, with the numbers, models that cannot fit together
     handles = {}
-    for m in cfg.models:
+    for m, model in zip(cfg.models, with_kv_budgets(cfg, plan)):
         dep = serve.deployment(ModelDeployment, **model_deployment_options(cfg, m))
-        handles[m.id] = dep.bind(model=m.model_dump(), kv_format=cfg.kv_format_for(m),
+        handles[m.id] = dep.bind(model=model, kv_format=cfg.kv_format_for(m),
                                  capacity=cfg.capacity.model_dump(),
                                  drain_timeout_s=cfg.drain_timeout_s)
     ingress = serve.deployment(OrchardIngress, name=INGRESS_NAME, num_replicas=1,
@@ -122,8 +124,9 @@ def build_local_app(config: OrchardConfig, capacity: Any = None):
     """Everything in this process, no Ray: returns (FastAPI app, {model id: ModelServer})."""
     from serve_app.backends import LocalBackend
 
-    servers = {m.id: ModelServer(m.model_dump(), config.kv_format_for(m), None,
-                                 config.drain_timeout_s) for m in config.models}
+    models = with_kv_budgets(config, plan_memory(config))
+    servers = {m.id: ModelServer(model, config.kv_format_for(m), None, config.drain_timeout_s)
+               for m, model in zip(config.models, models)}
     core = IngressCore(config, {mid: LocalBackend(s) for mid, s in servers.items()},
                        capacity=capacity)
     return build_fastapi_app(core), servers

@@ -60,7 +60,7 @@ class ReplicaResources(_Strict):
 
 
 SERVE_OWNED_ENGINE_KNOBS = {"model", "kv_format", "kv_format_overrides", "kv_budget_bytes",
-                            "max_num_seqs"}
+                            "kv_memory_fraction", "max_num_seqs"}
 # Engine paths kept for benchmarks: served replicas always run the production path, so the
 # capacity actor never learns rates for a mode no production replica runs.
 BENCH_ONLY_ENGINE_KNOBS = {"prefill_mode": "served replicas always prefill packed history "
@@ -98,8 +98,8 @@ class ModelConfig(_Strict):
         # letting the passthrough set them would silently override that decision.
         owned = sorted(set(v) & SERVE_OWNED_ENGINE_KNOBS)
         if owned:
-            raise ValueError(f"set {', '.join(owned)} on the model (or under kv:), "
-                             "not in its engine: passthrough")
+            raise ValueError(f"set {', '.join(owned)} on the model (or under kv: and "
+                             "memory:), not in its engine: passthrough")
         bench_only = sorted(set(v) & set(BENCH_ONLY_ENGINE_KNOBS))
         if bench_only:
             raise ValueError("; ".join(f"engine.{k} cannot be set in a serving config: "
@@ -164,6 +164,22 @@ class CapacitySettings(_Strict):
         return {"caps": {"floor_tps": self.decode_floor_tps}}
 
 
+class MemorySettings(_Strict):
+    """One device-memory budget per node, shared by every replica placed there
+    (serve_app/memory_plan.py): weights + KV pools + workspace must fit together."""
+
+    node_bytes: int | None = Field(None, gt=0, description="device memory of one node; None = "
+                                   "the smallest mac_mem_gb the Ray nodes advertise, else this "
+                                   "machine's")
+    budget_fraction: float = Field(0.75, gt=0, le=0.95, description="share of a node's memory "
+                                   "the replicas on it may use together (the OS and other "
+                                   "processes keep the rest)")
+    workspace_bytes_per_replica: int = Field(512 << 20, ge=0, description="allowance per "
+                                             "replica for the runtime and step activations")
+    min_kv_bytes_per_replica: int = Field(64 << 20, ge=0, description="a default KV share "
+                                          "below this refuses the config")
+
+
 class HTTPSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -182,6 +198,7 @@ class OrchardConfig(_Strict):
                                 description="bearer keys; empty = no auth (env ORCHARD_API_KEYS)")
     capacity: CapacitySettings = Field(default_factory=CapacitySettings)
     http: HTTPSettings = Field(default_factory=HTTPSettings)
+    memory: MemorySettings = Field(default_factory=MemorySettings)
     ingress_resources: ReplicaResources = Field(
         default_factory=lambda: ReplicaResources(num_cpus=0),
         description="the ingress replica; e.g. {resources: {head: 0.01}} keeps it off the Macs")

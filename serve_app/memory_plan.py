@@ -1,0 +1,145 @@
+"""Whole-box memory: the replicas that can land on one node share that node's device memory.
+
+Each engine sizes its KV pool on its own; without this plan two models on one Mac would each
+take a fraction of unified memory and together oversubscribe it. At deploy the plan adds, per
+node, what every replica that may be placed there needs (weights at their compute dtype, its
+KV pool, a workspace allowance) and refuses a config that cannot fit, with the numbers. A model
+without an explicit `kv_budget_bytes` gets its share of what is left, split evenly between the
+replicas that may share the node, so the defaults always fit together.
+
+Which replicas share a node: for each model, `max_replicas_per_node` if set, else all its
+replicas (a single box, or a fleet where Serve may pack them). The node's memory:
+`memory.node_bytes` if set, else the smallest `mac_mem_gb` the Ray cluster's nodes advertise
+(cluster.yaml's worker start command), else this machine's device memory.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from serve_app.config import ConfigError, OrchardConfig
+
+GIB = 1 << 30
+# Floating weights are held at the compute dtype (float32 on the CPU backend): 16-bit files
+# double in memory there. Integer/quantized tensors stay as stored.
+_FLOAT_ITEMSIZE = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+
+
+@dataclass(frozen=True)
+class ModelNeed:
+    model_id: str
+    replicas_on_node: int
+    weight_bytes: int
+    workspace_bytes: int
+    kv_bytes: int | None          # explicit per-replica KV budget; None = gets the share
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    node_bytes: int
+    usable_bytes: int
+    needs: tuple[ModelNeed, ...]
+    kv_share_bytes: int | None    # per replica, for models without an explicit budget
+
+    def kv_budget_for(self, model_id: str) -> int | None:
+        need = next(n for n in self.needs if n.model_id == model_id)
+        return need.kv_bytes if need.kv_bytes is not None else self.kv_share_bytes
+
+    def table(self) -> str:
+        rows = [f"  {n.model_id}: {n.replicas_on_node} replica(s) x (weights "
+                f"{n.weight_bytes / GIB:.2f} GiB + workspace {n.workspace_bytes / GIB:.2f} GiB + KV "
+                f"{_kv_text(n, self.kv_share_bytes)})" for n in self.needs]
+        return "\n".join(rows)
+
+
+def _kv_text(n: ModelNeed, share: int | None) -> str:
+    if n.kv_bytes is not None:
+        return f"{n.kv_bytes / GIB:.2f} GiB"
+    return "share" if share is None else f"{share / GIB:.2f} GiB share"
+
+
+def weight_bytes(model_path: str, compute_itemsize: int) -> int:
+    """Bytes the weights take in memory, from the safetensors headers (no tensor is read)."""
+    total = 0
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = t["data_offsets"]
+            stored = end - start
+            size = _FLOAT_ITEMSIZE.get(t["dtype"])
+            total += stored // size * compute_itemsize if size else stored
+    return total
+
+
+def compute_itemsize() -> int:
+    """4 on the CPU backend (float32 compute), 2 on Metal/CUDA (bfloat16)."""
+    import mlx.core as mx
+
+    return 4 if mx.default_device() == mx.cpu else 2
+
+
+def node_memory_bytes(cfg: OrchardConfig) -> int:
+    if cfg.memory.node_bytes:
+        return cfg.memory.node_bytes
+    advertised = _cluster_mac_memory_bytes()
+    if advertised:
+        return advertised
+    from engine.budget import device_memory_bytes
+
+    return device_memory_bytes()
+
+
+def _cluster_mac_memory_bytes() -> int | None:
+    """The smallest `mac_mem_gb` the connected Ray cluster's live nodes advertise."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        gbs = [n["Resources"]["mac_mem_gb"] for n in ray.nodes()
+               if n.get("Alive") and "mac_mem_gb" in n.get("Resources", {})]
+    except Exception:  # noqa: BLE001 - no cluster view: fall back to this machine
+        return None
+    return int(min(gbs) * GIB) if gbs else None
+
+
+def plan_memory(cfg: OrchardConfig, node_bytes: int | None = None,
+                itemsize: int | None = None) -> MemoryPlan:
+    """The per-node plan, or ConfigError naming the numbers when the models cannot fit."""
+    node = node_bytes if node_bytes is not None else node_memory_bytes(cfg)
+    size = itemsize if itemsize is not None else compute_itemsize()
+    usable = int(node * cfg.memory.budget_fraction)
+    needs = []
+    for m in cfg.models:
+        per_node = min(m.replicas, m.max_replicas_per_node or m.replicas)
+        weights = weight_bytes(m.path, size) if Path(m.path).is_dir() else 0
+        needs.append(ModelNeed(m.id, per_node, weights, cfg.memory.workspace_bytes_per_replica,
+                               m.kv_budget_bytes))
+    fixed = sum(n.replicas_on_node * (n.weight_bytes + n.workspace_bytes + (n.kv_bytes or 0))
+                for n in needs)
+    sharing = sum(n.replicas_on_node for n in needs if n.kv_bytes is None)
+    left = usable - fixed
+    share = left // sharing if sharing else None
+    plan = MemoryPlan(node, usable, tuple(needs), share)
+    if left < 0 or (share is not None and share < cfg.memory.min_kv_bytes_per_replica):
+        short = (f"needs {fixed / GIB:.2f} GiB before any default KV pool" if left < 0 else
+                 f"leaves {share / GIB:.3f} GiB of KV per replica without an explicit budget "
+                 f"(minimum {cfg.memory.min_kv_bytes_per_replica / GIB:.3f} GiB)")
+        raise ConfigError(
+            f"models do not fit together on one node: {usable / GIB:.2f} GiB usable "
+            f"({cfg.memory.budget_fraction:g} of {node / GIB:.2f} GiB) and the config {short}:\n"
+            f"{plan.table()}\nLower replicas or kv_budget_bytes, set max_replicas_per_node to "
+            "spread replicas, or raise memory.budget_fraction / memory.node_bytes.")
+    return plan
+
+
+def with_kv_budgets(cfg: OrchardConfig, plan: MemoryPlan) -> list[dict[str, Any]]:
+    """Model dicts for the deployments, each with its planned per-replica KV budget."""
+    return [{**m.model_dump(), "kv_budget_bytes": plan.kv_budget_for(m.id)} for m in cfg.models]

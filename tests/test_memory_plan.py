@@ -1,0 +1,69 @@
+"""Whole-box memory: replicas that may share a node fit together (weights + KV + workspace), or
+the config is refused at deploy with the numbers; default KV budgets are each model's share."""
+import pytest
+
+from serve_app.config import ConfigError, parse_config
+from serve_app.memory_plan import GIB, plan_memory, weight_bytes, with_kv_budgets
+
+
+def config(tiny_llama, *models, **memory):
+    return parse_config({"memory": {"workspace_bytes_per_replica": 0, **memory},
+                         "models": [{"id": mid, "path": tiny_llama, **kw} for mid, kw in models]})
+
+
+def test_weights_are_counted_at_the_compute_dtype(tiny_llama):
+    f32, bf16 = weight_bytes(tiny_llama, 4), weight_bytes(tiny_llama, 2)
+    assert f32 > 0 and f32 == 2 * bf16     # the tiny llama's tensors are all floating point
+
+
+def test_default_kv_budgets_are_shares_that_fit_together(tiny_llama):
+    cfg = config(tiny_llama, ("a", {"replicas": 2}), ("b", {}), node_bytes=4 * GIB,
+                 budget_fraction=0.5)
+    plan = plan_memory(cfg, itemsize=4)
+    weights = weight_bytes(tiny_llama, 4)
+    assert plan.kv_share_bytes == (2 * GIB - 3 * weights) // 3
+    budgets = {m["id"]: m["kv_budget_bytes"] for m in with_kv_budgets(cfg, plan)}
+    assert budgets == {"a": plan.kv_share_bytes, "b": plan.kv_share_bytes}
+    # Together: weights + KV of every replica within the usable share of the node.
+    assert 3 * (weights + plan.kv_share_bytes) <= plan.usable_bytes
+
+
+def test_an_explicit_budget_is_kept_and_the_rest_share_what_is_left(tiny_llama):
+    cfg = config(tiny_llama, ("a", {"kv_budget_bytes": GIB}), ("b", {}), node_bytes=4 * GIB,
+                 budget_fraction=0.5)
+    plan = plan_memory(cfg, itemsize=4)
+    assert plan.kv_budget_for("a") == GIB
+    assert plan.kv_budget_for("b") == GIB - 2 * weight_bytes(tiny_llama, 4)
+
+
+def test_models_that_cannot_fit_together_are_refused_with_the_numbers(tiny_llama):
+    cfg = config(tiny_llama, ("a", {"kv_budget_bytes": 3 * GIB}),
+                 ("b", {"kv_budget_bytes": 2 * GIB}), node_bytes=8 * GIB, budget_fraction=0.5)
+    with pytest.raises(ConfigError) as e:
+        plan_memory(cfg, itemsize=4)
+    msg = str(e.value)
+    assert "do not fit together on one node: 4.00 GiB usable (0.5 of 8.00 GiB)" in msg
+    assert "a: 1 replica(s)" in msg and "KV 3.00 GiB" in msg and "b: 1 replica(s)" in msg
+
+
+def test_a_default_share_below_the_minimum_is_refused(tiny_llama):
+    cfg = config(tiny_llama, ("a", {"replicas": 8}), node_bytes=GIB, budget_fraction=0.5,
+                 min_kv_bytes_per_replica=128 << 20)
+    with pytest.raises(ConfigError, match=r"KV per replica without an explicit budget"):
+        plan_memory(cfg, itemsize=4)
+
+
+def test_spread_replicas_count_once_per_node(tiny_llama):
+    packed = plan_memory(config(tiny_llama, ("a", {"replicas": 4}), node_bytes=4 * GIB),
+                         itemsize=4)
+    spread = plan_memory(config(tiny_llama, ("a", {"replicas": 4, "max_replicas_per_node": 1}),
+                                node_bytes=4 * GIB), itemsize=4)
+    assert spread.needs[0].replicas_on_node == 1 and packed.needs[0].replicas_on_node == 4
+    assert spread.kv_share_bytes > 3 * packed.kv_share_bytes
+
+
+def test_engine_memory_knobs_belong_to_the_serving_config():
+    with pytest.raises(ConfigError, match=r"kv_memory_fraction on the model \(or under kv: and "
+                                          r"memory:\)"):
+        parse_config({"models": [{"id": "m", "path": "/x",
+                                  "engine": {"kv_memory_fraction": 0.3}}]})
