@@ -2,7 +2,8 @@
 same process, same run, plus the OpenBLAS on/off matmul difference.
 
     python -m engine.bench --synthetic --out bench.json        # default synthetic model
-    python -m engine.bench --model /path/to/mlx-model
+    python -m engine.bench --model smollm2                     # the real model (make real-model)
+    python -m engine.bench --model /path/to/mlx-model          # or a model folder / .gguf file
 
 Prefill: one request of L prompt tokens, max_tokens=1; tok/s = L / time to first token (both
 sides chunk at 2048 tokens). Decode at batch B: B requests of the same prompt length start
@@ -28,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.model_names import MODEL_HELP, model_arg
+
 # Synthetic model: a llama big enough that compute, not Python, dominates a step on a CPU.
 SYNTHETIC = dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1408,
                  num_attention_heads=8, num_key_value_heads=4, head_dim=64,
@@ -48,7 +51,8 @@ print((time.perf_counter() - t) / {reps})
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="mlx-lm model directory (default: --synthetic)")
+    p.add_argument("--model", type=model_arg,
+                   help=MODEL_HELP + " (default: --synthetic)")
     p.add_argument("--synthetic", action="store_true",
                    help=f"build a random-weight llama in a temp dir: {SYNTHETIC}")
     p.add_argument("--prefill", default="512,2048,8192", help="prompt lengths for prefill")

@@ -4,8 +4,9 @@
 
 Every number of one run comes from one process, so ratios to native are fair on a shared machine;
 absolute times mean something only on a dedicated one. The default model is a synthetic
-llama-style geometry (random weights, built offline) so the bench runs anywhere; `--model DIR`
-uses a real mlx-lm directory instead.
+llama-style geometry (random weights, built offline) so the bench runs anywhere; `--model`
+uses a real model instead: `smollm2` (models/smollm2-135m, `make real-model`), `orchard-tiny`,
+a model folder or a .gguf file.
 
 Sections:
 - capacity: exact bytes per token per format, and the raw tokens admitted at one equal KV
@@ -35,6 +36,7 @@ from capacity.formats import FORMAT_BITS, KVFormat
 from capacity.pricing import CostModel
 from engine.kvstore import KVStore, Slots
 from engine.model import load_model
+from engine.model_names import MODEL_HELP, model_arg
 from engine import packed_attention
 from engine.packed_cache import PackedModelRunner
 from engine.packed_store import counters_of, packed_layer_factory
@@ -283,7 +285,8 @@ def _ints(text):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="mlx-lm model dir (default: synthetic llama geometry)")
+    ap.add_argument("--model", type=model_arg,
+                    help=MODEL_HELP + " (default: synthetic llama geometry)")
     ap.add_argument("--geometry", default="small", choices=sorted(GEOMETRIES),
                     help="synthetic model size when --model is not given")
     ap.add_argument("--dtype", default=None, help="compute dtype (default: f32 CPU, bf16 GPU)")

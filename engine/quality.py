@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from engine.model_names import MODEL_HELP, model_arg
 from engine.quality_stats import (FAIL, accuracy_delta_interval, combine, ratio_interval,
                                   relative_delta_interval, verdict_at_most, verdict_within_points)
 
@@ -38,7 +39,6 @@ MARGINS = {
 RETRIEVAL_POINTS = 2.0
 PROBE_POINTS = 2.0
 TASKS = ("passkey", "kv")
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "orchard-tiny"
 FULL = {"nll_tokens": 20480, "retrieval_cases": 100, "probes": 200, "lengths": "512,1024,2048,4096"}
 QUICK = {"nll_tokens": 2048, "retrieval_cases": 4, "probes": 8, "lengths": "512"}
 
@@ -46,7 +46,8 @@ QUICK = {"nll_tokens": 2048, "retrieval_cases": 4, "probes": 8, "lengths": "512"
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="orchard quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--model", default="orchard-tiny", type=model_arg,
+                    help=MODEL_HELP + " (default: orchard-tiny)")
     ap.add_argument("--data", default="training/data",
                     help="corpus build with heldout_tokens.npy (rebuilt from the stdlib if absent)")
     ap.add_argument("--formats", default="native,int8,k8v4,int4,int4-norot",

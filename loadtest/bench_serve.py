@@ -14,6 +14,7 @@ import re
 import shlex
 import sys
 
+from engine.model_names import MODEL_HELP, model_arg, served_id
 from loadtest import runner
 
 PEER_LABEL = "mlx_lm.server"
@@ -30,7 +31,8 @@ def parse_target(spec: str) -> runner.Target:
     if unknown or "url" not in fields:
         raise argparse.ArgumentTypeError(f"bad target {spec!r}: need url=, may have label=, "
                                          f"model=, kv=")
-    return runner.Target(fields["url"].rstrip("/"), fields.get("model"), fields.get("kv", "-"),
+    model = served_id(fields["model"]) if fields.get("model") else None
+    return runner.Target(fields["url"].rstrip("/"), model, fields.get("kv", "-"),
                          fields.get("label", ""))
 
 
@@ -38,8 +40,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest bench-serve",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--target", action="append", type=parse_target, default=[],
-                   help="label=NAME,url=URL,model=ID,kv=FORMAT (repeat per target)")
-    p.add_argument("--peer-model", help="start mlx_lm.server on this model as a target")
+                   help="label=NAME,url=URL,model=ID,kv=FORMAT (repeat per target); model= "
+                   "takes what `orchard loadtest --model` takes (e.g. smollm2)")
+    p.add_argument("--peer-model", type=model_arg,
+                   help="start mlx_lm.server on this model as a target: " + MODEL_HELP)
     p.add_argument("--peer-url", help="an already running mlx_lm.server to include")
     p.add_argument("--peer-dtype", default="auto",
                    choices=["auto", "as-is", "float32", "bfloat16", "float16"],

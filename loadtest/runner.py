@@ -16,6 +16,7 @@ import tempfile
 import sys
 from dataclasses import dataclass
 
+from engine.model_names import served_id
 from loadtest import probe, scenarios
 from loadtest.arrivals import DEFAULT_MIX, Schedule
 
@@ -85,7 +86,11 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest run", description=__doc__.split("\n")[0])
     p.add_argument("--host", required=True, help="base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", help="model id to request (default: the only one in /v1/models)")
+    p.add_argument("--model", type=served_id,
+                   help="model id to request (default: the only one in /v1/models); a short "
+                   "name or a model path becomes the id Orchard serves it as: smollm2 -> "
+                   "smollm2-135m (what `make serve` serves), orchard-tiny, a folder or .gguf "
+                   "file -> its name; anything else is sent as given")
     p.add_argument("--kv", default="-", help="KV format label for slice names")
     p.add_argument("--label", default="", help="display name of this target")
     add_load_args(p)

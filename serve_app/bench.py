@@ -1,6 +1,6 @@
 """TTFT overhead of the serving path over the in-process engine, at light load.
 
-    python -m serve_app.bench [--model DIR] [--requests 40] [--out result.json]
+    python -m serve_app.bench [--model smollm2|DIR|FILE.gguf] [--requests 40] [--out result.json]
 
 Three paths serve the same request (chat template, greedy, `--max-tokens` tokens), one request
 at a time (light load), interleaved round by round after a warm-up:
@@ -31,8 +31,9 @@ import time
 
 import httpx
 
+from engine.model_names import MODEL_HELP, model_arg
 from serve_app.calls import TRACE_ENV
-from serve_app.config import DEFAULT_MODEL_DIR, parse_config
+from serve_app.config import parse_config
 
 PROMPT = [{"role": "user", "content": "Write one short sentence about apple orchards."}]
 
@@ -265,7 +266,8 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m serve_app.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--model", default="orchard-tiny", type=model_arg,
+                   help=MODEL_HELP + " (default: orchard-tiny)")
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=4)

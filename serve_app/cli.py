@@ -6,6 +6,8 @@
   orchard loadtest ...      headless Locust run against an endpoint (loadtest.runner)
   orchard bench WHAT ...    benchmarks that print JSON: engine, kv, capacity, serve, serve-path
   orchard quality ...       KV-format quality gate against native (engine.quality)
+    (their --model takes smollm2, orchard-tiny, a model folder or a .gguf file:
+    engine.model_names)
   orchard import-gguf FILE OUT_DIR   import a llama.cpp/Ollama GGUF into a model folder
 """
 from __future__ import annotations
@@ -30,9 +32,10 @@ def _parser() -> argparse.ArgumentParser:
                        description="Serve CONFIG, or one model folder / .gguf file with "
                        "--model (default: the embedded models/orchard-tiny).")
     s.add_argument("config", nargs="?", help="YAML config (see config.example.yaml)")
-    s.add_argument("--model", default=None, metavar="PATH",
-                   help="serve this one model folder or .gguf file with default settings "
-                   "instead of a config (a .gguf is imported once into a cache folder)")
+    s.add_argument("--model", default=None, metavar="MODEL",
+                   help="serve this one model with default settings instead of a config: "
+                   "smollm2 (models/smollm2-135m, from `make real-model`), orchard-tiny, a "
+                   "model folder or a .gguf file (imported once into a cache folder)")
     s.add_argument("--model-id", default=None,
                    help="the id clients use for --model (default: the folder/file name)")
     s.add_argument("--address", default=None,
@@ -55,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     lt.add_argument("rest", nargs=argparse.REMAINDER)
     b = sub.add_parser("bench", help="benchmarks printing JSON: " + ", ".join(BENCHES),
                        description="Run one benchmark; arguments after WHAT go to it "
-                       "(`orchard bench WHAT --help`).")
+                       "(`orchard bench WHAT --help`). Their --model takes smollm2 "
+                       "(models/smollm2-135m, from `make real-model`), orchard-tiny, a model "
+                       "folder or a .gguf file.")
     b.add_argument("what", choices=sorted(BENCHES))
     b.add_argument("rest", nargs=argparse.REMAINDER)
     q = sub.add_parser("quality", help="KV-format quality gate (see `orchard quality --help`)",
@@ -139,6 +144,13 @@ def _load(path: str | None, model: str | None = None, model_id: str | None = Non
     if model is not None:
         if path is not None:
             raise SystemExit("orchard: give either CONFIG or --model, not both")
+        from engine.model_names import ModelNameError, known_name, resolve_model
+
+        if known_name(model) is not None:   # a short name: its folder (served as its name)
+            try:
+                model = resolve_model(model)
+            except ModelNameError as e:
+                raise SystemExit(f"orchard: {e}") from None
         mid = model_id or Path(model).name.removesuffix(".gguf")
         _say(f"serving {model} as {mid!r} with default settings")
         return parse_config({"models": [{"id": mid, "path": model}]}, source="--model",
