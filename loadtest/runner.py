@@ -87,10 +87,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest run", description=__doc__.split("\n")[0])
     p.add_argument("--host", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", type=served_id,
-                   help="model id to request (default: the only one in /v1/models); a short "
-                   "name or a model path becomes the id Orchard serves it as: smollm2 -> "
-                   "smollm2-135m (what `make serve` serves), orchard-tiny, a folder or .gguf "
-                   "file -> its name; anything else is sent as given")
+                   help="model id to request (default: the only one in /v1/models): a short "
+                   "name becomes the id Orchard serves it as (smollm2 -> smollm2-135m, what "
+                   "`make serve` serves; orchard-tiny); anything else, e.g. the model path an "
+                   "mlx_lm.server was started on, is sent as given")
     p.add_argument("--kv", default="-", help="KV format label for slice names")
     p.add_argument("--label", default="", help="display name of this target")
     add_load_args(p)

