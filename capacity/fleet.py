@@ -91,11 +91,14 @@ class Fleet:
             if resident and slot.observed_decode_tps is not None:
                 solo = box_busy <= 1 and slot.num_running > 0
                 self.rates.record_decode(key, slot.observed_decode_tps, solo)
+            if resident and slot.decode_step_profile:
+                self.rates.record_step_profile(key, slot.decode_step_profile)
             ceiling = slot.max_concurrency or (slot.cost_model.concurrency_ceiling
                                                if slot.cost_model else 1)
             decision = resolve_cap(self.rates, key, ceiling, self.cfg.caps)
             self._decisions[(slot.model_id, report.replica_id)] = decision
-            self.ledger.apply_slot(report.replica_id, node, slot, key, decision.cap, now)
+            self.ledger.apply_slot(report.replica_id, node, slot, key, decision.cap, now,
+                                   stretchable=decision.stretchable)
             caps[slot.model_id] = decision.cap
             if (resident and slot.observed_decode_tps and report.memory_bandwidth_gbps
                     and slot.active_params and slot.bytes_per_param):
@@ -107,7 +110,7 @@ class Fleet:
     # ---- reservations --------------------------------------------------------------------------
 
     def hold(self, model_id: str, raw_tokens: int, request_id: str, now: float,
-             prompt_tokens: int | None = None, exclude=()) -> Hold:
+             prompt_tokens: int | None = None, exclude=(), stretch: bool = False) -> Hold:
         """Raises CapacityRefused (nothing debited) when no replica fits."""
         prompt = raw_tokens if prompt_tokens is None else prompt_tokens
         forecasts, by_key = {}, {}
@@ -123,7 +126,8 @@ class Fleet:
             return (f.seconds, -room.requests, rep.replica_id)
 
         try:
-            res, ranking = self.ledger.hold(model_id, raw_tokens, request_id, now, exclude, rank)
+            res, ranking = self.ledger.hold(model_id, raw_tokens, request_id, now, exclude, rank,
+                                            stretch)
         except CapacityRefused:
             self.counters["refusals"] += 1
             raise

@@ -74,6 +74,7 @@ class Replica:
     kv_bytes_per_token: int = 0
     token_limit: int = 2**31 - 1
     cap: int = 1
+    stretchable: bool = False   # a queued request may be admitted above cap (up to the ceiling)
     no_budget: bool = False
     pending_raw: int = 0
     pending: set = field(default_factory=set)
@@ -137,8 +138,10 @@ class Ledger:
     def outstanding_raw(self) -> int:
         return sum(r.raw_tokens for r in self._active.values())
 
-    def headroom(self, rep: Replica, now: float) -> Headroom:
-        """The ONE function routing and the public feed both read."""
+    def headroom(self, rep: Replica, now: float, stretch: bool = False) -> Headroom:
+        """The ONE function routing and the public feed both read. `stretch`: for a request
+        that has queued long enough (capacity/waiting.py), concurrency is bounded by the
+        replica's ceiling instead of its learned cap, where the cap allows stretching."""
         if now - rep.seen_at > self.cfg.stale_after_s:
             return Headroom(0, 0, 0, "stale")
         if rep.state not in RESIDENT_STATES:
@@ -151,7 +154,9 @@ class Ledger:
         extra_raw = max(0, rep.pending_raw - rep.raw_used)
         extra_n = max(0, len(rep.pending) - busy)
         raw_left = max(0, rep.raw_max - rep.raw_used - extra_raw)
-        slots = max(0, min(rep.max_concurrency, rep.cap) - busy - extra_n)
+        bound = rep.max_concurrency if stretch and rep.stretchable else min(rep.max_concurrency,
+                                                                              rep.cap)
+        slots = max(0, bound - busy - extra_n)
         if raw_left == 0 or slots == 0:
             return Headroom(0, 0, 0, "full" if raw_left == 0 else "concurrency")
         return Headroom(raw_left, slots, min(raw_left, rep.token_limit), "ok")
@@ -171,7 +176,7 @@ class Ledger:
     # ---- two-phase reservations ----------------------------------------------------------------
 
     def hold(self, model: str, raw_tokens: int, request_id: str, now: float,
-             exclude=(), rank=None) -> tuple[Reservation, list[str]]:
+             exclude=(), rank=None, stretch: bool = False) -> tuple[Reservation, list[str]]:
         """Debit the best replica that fits; return the reservation and the candidate ranking.
 
         Idempotent: holding an active id returns it unchanged. `rank(replica, headroom)` orders
@@ -191,7 +196,7 @@ class Ledger:
         for rep in reps:
             if rep.replica_id in exclude:
                 continue
-            room = self.headroom(rep, now)
+            room = self.headroom(rep, now, stretch)
             if room.max_request >= raw_tokens:
                 fits.append((rep, room))
         if not fits:
@@ -278,7 +283,7 @@ class Ledger:
         return True
 
     def apply_slot(self, replica_id: str, node_id: str, slot: SlotReport, key: ExecutionKey,
-                   cap: int, now: float) -> Replica:
+                   cap: int, now: float, stretchable: bool = False) -> Replica:
         """Install one slot's state from an accepted report and reconcile our reservations."""
         rk = (slot.model_id, replica_id)
         rep = self._replicas.get(rk)
@@ -289,6 +294,7 @@ class Ledger:
         cm = slot.cost_model.to_cost_model() if slot.cost_model else None
         busy = slot.num_running + slot.num_waiting
         rep.node_id, rep.key, rep.state, rep.seen_at, rep.cap = node_id, key, slot.state, now, max(1, cap)
+        rep.stretchable = stretchable
         rep.raw_used, rep.running, rep.waiting = slot.raw_budget_used, slot.num_running, slot.num_waiting
         rep.kv_bytes_per_token = slot.kv_bytes_per_token
         rep.max_concurrency = slot.max_concurrency

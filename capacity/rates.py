@@ -84,6 +84,7 @@ class RateRegistry:
         self.cfg = cfg or RateConfig()
         self._hist: dict[ExecutionKey, History] = {}
         self._ttft: dict[ExecutionKey, Ring] = {}
+        self._steps: dict[ExecutionKey, dict[int, float]] = {}   # batch size -> s per decode step
 
     def __len__(self) -> int:
         return len(self._hist)
@@ -105,6 +106,26 @@ class RateRegistry:
         if solo:
             h.solo.append(float(tps))
         return True
+
+    def record_step_profile(self, key: ExecutionKey, profile) -> bool:
+        """The engine's seconds per pure decode step by batch size (latest value per size)."""
+        if key.is_invalid:
+            return False
+        points = {int(b): float(t) for b, t in profile
+                  if int(b) >= 1 and finite_positive(t) and 1.0 / t <= self.cfg.max_decode_tps}
+        if not points:
+            return False
+        self._steps.setdefault(key, {}).update(points)
+        return True
+
+    def step_fit(self, key: ExecutionKey) -> BatchFit | None:
+        """step(B) = a + b*B by least squares over the measured batch sizes (each size once):
+        solo = 1/a, k = b/a. None until two sizes are measured; a negative slope (noise) is
+        clamped to k = 0 rather than promising faster decoding in bigger batches."""
+        pts = sorted(self._steps.get(key, {}).items())
+        if len(pts) < 2:
+            return None
+        return _line_fit(pts, self.cfg)
 
     def record_request(self, key: ExecutionKey, s: RequestSample, solo: bool = False) -> bool:
         """Telemetry of one released request. A solo request also adds a solo decode sample."""
@@ -155,7 +176,12 @@ class RateRegistry:
         return h.prefill_cache or None
 
     def fit(self, key: ExecutionKey) -> BatchFit | None:
-        """Least-squares fit of tpot = a + b*B; None until enough spread-out samples exist."""
+        """The batch slowdown: from the engine's per-step profile when it has two batch sizes
+        (clean: no prefill or serving-path time in it), else the least-squares fit of
+        tpot = a + b*B over request samples; None until enough spread-out samples exist."""
+        by_steps = self.step_fit(key)
+        if by_steps is not None:
+            return by_steps
         h = self._hist.get(key)
         if not h:
             return None
@@ -163,16 +189,7 @@ class RateRegistry:
         if len(pts) < self.cfg.fit_min_samples or \
                 len({b for b, _ in pts}) < self.cfg.fit_min_batch_sizes:
             return None
-        n = len(pts)
-        mb = sum(b for b, _ in pts) / n
-        mt = sum(t for _, t in pts) / n
-        sbb = sum((b - mb) ** 2 for b, _ in pts)
-        slope = sum((b - mb) * (t - mt) for b, t in pts) / sbb
-        intercept = mt - slope * mb
-        if intercept <= 0:
-            return None  # rate would be infinite or negative at B -> 0: the data cannot support a fit
-        k = min(max(0.0, slope / intercept), self.cfg.max_k)
-        return BatchFit(solo_tps=min(1.0 / intercept, self.cfg.max_decode_tps), k=k, samples=n)
+        return _line_fit(pts, self.cfg)
 
     def ttft_ratio(self, key: ExecutionKey) -> float:
         """Applied calibration: chip key, then model key, then 1.0; only after enough samples."""
@@ -189,7 +206,8 @@ class RateRegistry:
         def enc(k: ExecutionKey):
             return [k.model, k.chip_class, k.execution]
         return {"histories": [[enc(k), h.to_dict()] for k, h in self._hist.items()],
-                "ttft": [[enc(k), r.values()] for k, r in self._ttft.items()]}
+                "ttft": [[enc(k), r.values()] for k, r in self._ttft.items()],
+                "steps": [[enc(k), sorted(p.items())] for k, p in self._steps.items()]}
 
     @classmethod
     def from_dict(cls, data: dict, cfg: RateConfig | None = None) -> "RateRegistry":
@@ -198,4 +216,22 @@ class RateRegistry:
             reg._hist[ExecutionKey(m, c, e)] = History.from_dict(reg.cfg, h)
         for (m, c, e), vals in data.get("ttft", ()):
             reg._ttft[ExecutionKey(m, c, e)] = Ring(reg.cfg.ttft_window, vals)
+        for (m, c, e), points in data.get("steps", ()):
+            reg._steps[ExecutionKey(m, c, e)] = {int(b): float(t) for b, t in points}
         return reg
+
+
+def _line_fit(pts: list[tuple[float, float]], cfg: RateConfig) -> BatchFit | None:
+    """Seconds per token t = a + b*B by least squares; solo = 1/a, k = b/a (clamped)."""
+    n = len(pts)
+    mb = sum(b for b, _ in pts) / n
+    mt = sum(t for _, t in pts) / n
+    sbb = sum((b - mb) ** 2 for b, _ in pts)
+    if sbb == 0:
+        return None
+    slope = sum((b - mb) * (t - mt) for b, t in pts) / sbb
+    intercept = mt - slope * mb
+    if intercept <= 0:
+        return None  # rate would be infinite or negative at B -> 0: the data cannot support a fit
+    k = min(max(0.0, slope / intercept), cfg.max_k)
+    return BatchFit(solo_tps=min(1.0 / intercept, cfg.max_decode_tps), k=k, samples=n)

@@ -33,6 +33,7 @@ class Waiter:
     owner: object | None
     future: asyncio.Future
     timer: asyncio.TimerHandle | None = None
+    stretch_timer: asyncio.TimerHandle | None = None
     since: float = 0.0
 
 
@@ -43,6 +44,7 @@ class WaitStats:
     timed_out: int = 0
     cancelled: int = 0
     dropped: int = 0        # their connection ended
+    stretched: int = 0      # granted above the learned cap after waiting half the TTFT objective
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -138,9 +140,12 @@ class WaitQueues:
                 if w.future.done():                 # its awaiter was cancelled: never grant
                     self._finish(w, None)
                     continue
-                if not self._fits(w.model, w.raw_tokens, w.exclude):
+                stretch = self._stretched(w)
+                if not self._fits(w.model, w.raw_tokens, w.exclude, stretch):
                     break
-                out = self._try(w.model, w.raw_tokens, w.request_id, w.prompt_tokens, w.exclude)
+                out = self._try(w.model, w.raw_tokens, w.request_id, w.prompt_tokens, w.exclude,
+                                stretch)
+                self.stats.stretched += bool(out["ok"] and stretch)
                 if not out["ok"] and out["reason"] == "no_capacity":
                     break
                 granted += out["ok"]
@@ -150,20 +155,31 @@ class WaitQueues:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _try(self, model, raw_tokens, request_id, prompt_tokens, exclude) -> dict:
+    def _stretch_after_s(self) -> float | None:
+        ttft = self.fleet.cfg.caps.ttft_objective_s
+        return None if ttft is None else ttft / 2
+
+    def _stretched(self, w: Waiter) -> bool:
+        """Has this waiter queued long enough to be admitted above the learned cap? Holding it
+        back any longer would spend the TTFT objective to protect other streams' speed."""
+        after = self._stretch_after_s()
+        return after is not None and self.clock() - w.since >= after
+
+    def _try(self, model, raw_tokens, request_id, prompt_tokens, exclude,
+             stretch: bool = False) -> dict:
         try:
             hold = self.fleet.hold(model, raw_tokens, request_id, self.clock(), prompt_tokens,
-                                   exclude)
+                                   exclude, stretch)
         except CapacityRefused as e:
             return refusal(e.reason, e.retry_after_s, e.detail)
         return {"ok": True, "hold": hold}
 
-    def _fits(self, model: str, raw_tokens: int, exclude: tuple) -> bool:
+    def _fits(self, model: str, raw_tokens: int, exclude: tuple, stretch: bool = False) -> bool:
         """Would a hold fit now (Ledger.hold's own test), without counting a refusal."""
         if not isinstance(raw_tokens, int) or isinstance(raw_tokens, bool):
             return True                             # let Ledger.hold refuse it properly
         ledger, now = self.fleet.ledger, self.clock()
-        return any(ledger.headroom(rep, now).max_request >= raw_tokens
+        return any(ledger.headroom(rep, now, stretch).max_request >= raw_tokens
                    for rep in ledger.replicas(model) if rep.replica_id not in exclude)
 
     def _precheck(self, model, raw_tokens, request_id) -> dict | None:
@@ -185,6 +201,10 @@ class WaitQueues:
         w = Waiter(request_id, model, raw_tokens, prompt_tokens, exclude, owner,
                    loop.create_future(), since=self.clock())
         w.timer = loop.call_later(wait_s, self._timeout, w)
+        after = self._stretch_after_s()
+        if after is not None and after < wait_s:
+            # Nothing else may happen when it is due (no release, no heartbeat): look again then.
+            w.stretch_timer = loop.call_later(after, self.drain, model)
         self._queues.setdefault(model, deque()).append(w)
         self._by_id[request_id] = w
         self.stats.parked += 1
@@ -210,7 +230,8 @@ class WaitQueues:
                 queue.remove(w)
             if not queue:
                 del self._queues[w.model]
-        if w.timer is not None:
-            w.timer.cancel()
+        for timer in (w.timer, w.stretch_timer):
+            if timer is not None:
+                timer.cancel()
         if result is not None and not w.future.done():
             w.future.set_result(result)

@@ -42,6 +42,7 @@ def collect_stats(eng) -> dict:
         "page_tokens": pool.page_tokens, "retired_step": eng._retired_step,
         "prefill_tokens_per_s": sch.forecast.prefill_tps,
         "decode_step_s": sch.forecast.decode_step_s,
+        "decode_step_profile": dict(sch.forecast.decode_profile),
         "prompt_tokens_total": eng._counters["prompt_tokens"],
         "generation_tokens_total": eng._counters["generation_tokens"],
         "steps_total": eng._counters["steps"],

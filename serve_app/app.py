@@ -6,8 +6,8 @@ in-process FastAPI app with the same HTTP layer (tests, the TTFT-overhead bench)
 """
 from __future__ import annotations
 
+import logging
 import os
-
 from typing import Any
 
 from ray import serve
@@ -20,6 +20,9 @@ from serve_app.server import ModelServer
 
 INGRESS_NAME = "ingress"
 ROUTER_CLASS = "serve_app.routing.CapacityRouter"
+
+
+log = logging.getLogger("orchard.app")
 
 
 def deployment_name(model_id: str) -> str:
@@ -36,6 +39,13 @@ class ModelDeployment(ModelServer):
         self.kv_format_requested = kv_format
         kv_format, self.kv_format_reason = await negotiate_format(kv_format, capacity)
         ModelServer.__init__(self, model, kv_format, capacity, drain_timeout_s)
+        if model.get("warmup", True):
+            # Before the first heartbeat: the actor learns this box's batch slowdown from it.
+            from engine.warmup import warm_up
+
+            done = await warm_up(self.engine, batch=8)
+            log.info("%s warmed up in %.1f s; decode step profile %s", model["id"],
+                     done["seconds"], done["decode_step_profile"])
         await self.start()
 
 

@@ -83,6 +83,9 @@ class ModelConfig(_Strict):
     max_replicas_per_node: int | None = Field(None, ge=1, description="spread replicas")
     engine: dict[str, Any] = Field(default_factory=dict,
                                    description="extra EngineConfig knobs, passed through")
+    warmup: bool = Field(True, description="decode a few steps alone and in a batch before "
+                         "taking traffic: no first-use cost on the first request, and the "
+                         "capacity actor learns this box's batch slowdown from the start")
 
     @field_validator("kv_format")
     @classmethod
@@ -152,16 +155,26 @@ class CapacitySettings(_Strict):
     max_queued: int = Field(64, ge=0, description="requests per model one ingress lets wait "
                             "for capacity; beyond that a request is refused (429) at once")
     decode_floor_tps: float | None = Field(
-        None, gt=0, description="per-request decode tok/s a user must still see at the "
-        "concurrency cap (the actor's caps.floor_tps; None = its default, 15). Lower it where "
-        "throughput matters more than each stream's speed, e.g. a CPU host. Applies when the "
-        "actor is created")
+        None, gt=0, description="TPOT objective: per-request decode tok/s a user must still see "
+        "at the concurrency cap (the actor's caps.floor_tps; None = its default, 15), never "
+        "more than solo / max_slowdown. Applies when the actor is created")
+    max_slowdown: float = Field(2.0, ge=1.0, description="where even a lone request decodes "
+                                "below decode_floor_tps, the cap keeps each stream within this "
+                                "factor of its solo time per token instead")
+    ttft_objective_s: float | None = Field(
+        2.0, gt=0, description="TTFT objective: a request queued for capacity half this long is "
+        "admitted above the learned cap (up to max_num_seqs, memory permitting) rather than "
+        "miss it; null = never above the cap (queue, then 429)")
 
     def actor_config(self) -> dict | None:
         """The capacity actor's FleetConfig sections these settings set (None: defaults)."""
-        if self.decode_floor_tps is None:
-            return None
-        return {"caps": {"floor_tps": self.decode_floor_tps}}
+        caps = {}
+        if self.decode_floor_tps is not None:
+            caps["floor_tps"] = self.decode_floor_tps
+        for name in ("max_slowdown", "ttft_objective_s"):
+            if name in self.model_fields_set:
+                caps[name] = getattr(self, name)
+        return {"caps": caps} if caps else None
 
 
 class MemorySettings(_Strict):

@@ -66,6 +66,7 @@ def slot_report(server: Any, state: str | None = None) -> SlotReport:
         # Each running request gets one token per decode step: per-request tok/s under load.
         observed_decode_tps=(1.0 / step_s) if step_s and running else None,
         observed_prefill_tps=stats.get("prefill_tokens_per_s") or None,
+        decode_step_profile=sorted(stats.get("decode_step_profile", {}).items())[:64],
         active=[ActiveRequest(request_id=rid, raw_tokens=raw)
                 for rid, raw in list(active.items())[:MAX_ACTIVE_LISTED]],
         active_complete=len(active) <= MAX_ACTIVE_LISTED,

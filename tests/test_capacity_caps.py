@@ -77,3 +77,29 @@ def test_fitted_k_replaces_the_default():
     d = resolve_cap(reg, NATIVE_KEY, 24)
     assert d.k == pytest.approx(1.0)
     assert d.cap == 4                                       # qc = floor((4 - 1)/1) = 3; ceil(3.6) = 4
+
+
+def test_the_floor_never_asks_more_than_half_of_the_solo_rate():
+    # SmolLM2-135M on a 2-core CPU: 12.6 tok/s alone, k 0.085 (engine bench). A 15 tok/s floor
+    # is out of reach even alone; the cap then protects 2x the solo time per token instead.
+    assert concurrency_cap(12.6, 0.085, 16, floor_tps=15.0) == 2          # the old rule
+    assert concurrency_cap(12.6, 0.085, 16, floor_tps=15.0, max_slowdown=2.0) == 14
+    # A fast model keeps the absolute objective: 60 tok/s solo, 15 tok/s floor.
+    assert concurrency_cap(60.0, 0.39, 16, 15.0, max_slowdown=2.0) == \
+        concurrency_cap(60.0, 0.39, 16, 15.0)
+
+
+def test_native_starts_from_the_engines_step_profile_and_quantized_does_not():
+    reg = RateRegistry()
+    native, q = NATIVE_KEY, INT4_KEY
+    for key in (native, q):
+        # Warm-up: 80 ms per decode step alone, 140 ms at batch 8 -> k = (60/7 ms)/(71.4 ms).
+        assert reg.record_step_profile(key, [(1, 0.080), (8, 0.140)])
+    d = resolve_cap(reg, native, 16, CapConfig())
+    fit = reg.step_fit(native)
+    assert d.source == "step_profile" and d.k == pytest.approx(fit.k) and 0.1 < fit.k < 0.13
+    assert d.solo_tps == pytest.approx(1 / (0.080 - 0.060 / 7))
+    assert d.cap == concurrency_cap(fit.solo_tps, fit.k, 16, 15.0, 1.2, 2.0) and d.stretchable
+    dq = resolve_cap(reg, q, 16, CapConfig())
+    assert (dq.cap, dq.source, dq.stretchable) == (1, "uncalibrated", False)
+    assert dq.k == pytest.approx(fit.k)      # its own profile prices k once it may grow

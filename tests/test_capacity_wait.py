@@ -203,3 +203,53 @@ def test_waiters_keep_the_ledger_invariants(steps):
             fut.cancel()
 
     run(scenario())
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def capped_service(clock=None, ttft_objective_s=2.0) -> BatchOps:
+    """One replica whose learned cap is 3 (seed 20 tok/s, k 0.39, floor min(15, 20/2)) under a
+    ceiling of 64 and ample memory."""
+    fleet = Fleet(FleetConfig.from_dict({"caps": {"native_seeds": {"m": 20.0},
+                                                  "ttft_objective_s": ttft_objective_s}}))
+    ops = BatchOps(fleet, clock) if clock else BatchOps(fleet)
+    ops.apply([("heartbeat", beat(1))])
+    return ops
+
+
+def test_a_request_queued_half_the_ttft_objective_is_admitted_above_the_cap():
+    async def scenario():
+        clock = FakeClock()
+        ops = capped_service(clock)
+        assert [hold(ops, r, 10)["ok"] for r in "abc"] == [True] * 3
+        assert hold(ops, "d", 10)["reason"] == "no_capacity"     # at the cap: no wait, no entry
+        fut = hold(ops, "e", 10, wait_s=30)
+        clock.now += 0.9                                         # < 1 s: the cap still holds
+        ops.apply([("heartbeat", beat(2, active=[(r, 10) for r in "abc"]))])
+        assert not fut.done()
+        clock.now += 0.2                                         # waited 1.1 s > 2 s / 2
+        ops.apply([("heartbeat", beat(3, active=[(r, 10) for r in "abc"]))])
+        assert fut.done() and fut.result()["ok"] and ops.waits.stats.stretched == 1
+        assert outstanding(ops) == 40
+
+    run(scenario())
+
+
+def test_the_stretch_happens_on_its_own_timer_and_can_be_switched_off():
+    async def scenario():
+        ops = capped_service(ttft_objective_s=0.2)
+        assert [hold(ops, r, 10)["ok"] for r in "abc"] == [True] * 3
+        out = await hold(ops, "d", 10, wait_s=30)      # nothing else happens: the timer drains
+        assert out["ok"] and ops.waits.stats.stretched == 1
+        off = capped_service(ttft_objective_s=None)
+        assert [hold(off, r, 10)["ok"] for r in "abc"] == [True] * 3
+        out = await hold(off, "d", 10, wait_s=0.3)
+        assert out["reason"] == "no_capacity" and off.waits.stats.stretched == 0
+
+    run(scenario())
