@@ -6,7 +6,7 @@ snapshot, so a caller that sees a request's final delta also sees its pages and 
 """
 from __future__ import annotations
 
-from engine.bridge import Sink
+from engine.bridge import Sink, hand_over
 from engine.detok import TextStream
 from engine.errors import EngineError
 from engine.request import Delta, Usage
@@ -68,9 +68,12 @@ class ResultStreams:
         """Hand this iteration's deltas over after reclaim and stats, so a caller that sees a
         final delta also sees its request's pages and bytes back in stats()."""
         out, self._outbox = self._outbox, []
-        for sink, delta in out:
-            final = delta.finish_reason is not None
-            if not sink.put(delta, final=final) and not final:
+        if not out:
+            return
+        finals = [delta.finish_reason is not None for _, delta in out]
+        delivered = hand_over([(sink, delta, final) for (sink, delta), final in zip(out, finals)])
+        for (_, delta), final, ok in zip(out, finals, delivered):
+            if not ok and not final:
                 self.scheduler.cancel(delta.request_id)   # nobody is listening any more
 
     def _close_finished(self) -> None:

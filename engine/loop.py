@@ -54,7 +54,7 @@ from engine.engine_stats import collect_stats
 from engine.engine_steps import StepExecution
 from engine.engine_streams import ResultStreams
 from engine.errors import EngineError, EngineShutdown, InvalidRequest
-from engine.request import Delta, GenerationRequest, Usage
+from engine.request import Delta, GenerationRequest, Usage, merge_deltas
 from engine.sampling import SamplingParams
 from engine.scheduler import Seq
 
@@ -95,8 +95,13 @@ class Engine(EngineStartup, CommandInbox, StepExecution, DecodePipeline, ResultS
     def cost_model(self) -> CostModel:
         return self._cost_model
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
-        """Stream deltas of one request. Refusals raise before the first delta."""
+    async def generate(self, req: GenerationRequest, coalesce: bool = False
+                       ) -> AsyncIterator[Delta]:
+        """Stream deltas of one request. Refusals raise before the first delta.
+
+        `coalesce`: when the consumer fell behind (several deltas already queued), hand them
+        over as one merged delta: a slow consumer then costs fewer messages downstream (one
+        per read instead of one per token) and never falls further behind."""
         if not self.healthy():
             raise EngineShutdown("engine is not running")
         bad = [t for t in req.prompt_ids if t >= self.vocab_size]
@@ -118,6 +123,12 @@ class Engine(EngineStartup, CommandInbox, StepExecution, DecodePipeline, ResultS
                 if isinstance(item, BaseException):
                     done = True
                     raise item
+                while coalesce and item.finish_reason is None and not sink.queue.empty():
+                    nxt = sink.queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        sink.queue.put_nowait(nxt)   # raised on the next read, after this item
+                        break
+                    item = merge_deltas(item, nxt)
                 if item.finish_reason is not None:
                     done = True
                 yield item

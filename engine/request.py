@@ -57,3 +57,11 @@ class Delta:
     usage: Usage
     ttft_s: float | None = None  # on the first delta only: seconds from submit to first token
     checkpoint: dict | None = None  # final delta of a checkpoint_to request: manifest or error
+
+
+def merge_deltas(a: Delta, b: Delta) -> Delta:
+    """`a` then `b` as one delta (b later): text and tokens joined, b's finish and usage."""
+    return Delta(a.request_id, a.text + b.text, [*a.token_ids, *b.token_ids], b.finish_reason,
+                 b.usage, a.ttft_s if a.ttft_s is not None else b.ttft_s,
+                 b.checkpoint if b.checkpoint is not None else a.checkpoint)
+

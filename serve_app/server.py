@@ -104,7 +104,7 @@ class ModelServer:
                                    top_k=call.top_k, seed=call.seed, max_tokens=call.max_tokens,
                                    stop=tuple(call.stop), ignore_eos=call.ignore_eos),
                     first_token_deadline=call.deadline_monotonic())
-                stream = self.engine.generate(req)
+                stream = self.engine.generate(req, coalesce=True)
                 async for d in stream:
                     n_deltas += 1
                     last_t = time.monotonic()

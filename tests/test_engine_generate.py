@@ -119,3 +119,26 @@ def test_eos_finishes_with_stop_and_is_not_decoded(eng):
     ignored = run(collect(eng, req("ign", n_prompt=21, pseed=1, max_tokens=8, ignore_eos=True)))
     assert ignored[-1].finish_reason == "length" and len(tokens(ignored)) == 8
     wait_idle(eng)
+
+
+def test_a_consumer_that_falls_behind_gets_merged_deltas_with_every_token(eng):
+    """coalesce=True: deltas already queued when the consumer reads are handed over as one."""
+    want = run(collect(eng, req("one-by-one", n_prompt=9, pseed=8, max_tokens=20,
+                                ignore_eos=True)))
+
+    async def slow_reader():
+        before = eng.stats()["requests_finished_length_total"]
+        agen = eng.generate(req("merged", n_prompt=9, pseed=8, max_tokens=20, ignore_eos=True),
+                            coalesce=True)
+        out = [await agen.__anext__()]
+        # Fall behind on purpose: read on only once the engine reports the request finished
+        # (a condition, not a clock). Every non-final delta is queued by then.
+        while eng.stats()["requests_finished_length_total"] < before + 1:
+            await asyncio.sleep(0.01)
+        return out + [d async for d in agen]
+    got = run(slow_reader())
+    assert tokens(got) == tokens(want) and "".join(d.text for d in got) == \
+        "".join(d.text for d in want)
+    # The first delta, the rest merged (the final one may still have been in flight).
+    assert 2 <= len(got) <= 3 and got[-1].finish_reason == "length"
+    assert got[0].ttft_s is not None and got[-1].usage.completion_tokens == 20

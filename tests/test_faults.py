@@ -69,8 +69,8 @@ def counters(url) -> dict:
 
 def settled(url, before: dict | None = None, rebuilt_ok: bool = False) -> bool:
     """Idle, and every hold taken since `before` (counters) settled: released, cancelled,
-    expired or dropped. A recreated actor also settles the reservations it rebuilt from replica
-    reports (never held through it): `rebuilt_ok` allows releases beyond its holds then."""
+    expired or dropped. Reservations rebuilt from replica reports (a recreated actor, or a
+    request routed without a hold) settle too without a hold: `rebuilt_ok` allows that."""
     f = feed(url)
     if not f or f["outstanding_raw_tokens"] != 0:
         return False
@@ -196,7 +196,12 @@ def test_replica_killed_mid_stream_every_stream_ends_and_holds_settle(faults):
     assert replica_pid(url) != pid
     # The dead replica is gone from the feed, and every hold it had is settled.
     wait_for(lambda: feed(url)["models"][0]["replicas"] == 1, what="one live replica in the feed")
-    wait_for(lambda: settled(url, before), what="every hold settled", status=lambda: feed(url))
+    # Requests routed while Serve swapped replicas may have gone without an actor hold (their
+    # reservation is rebuilt from the replica's reports), so releases may exceed holds.
+    wait_for(lambda: settled(url, before, rebuilt_ok=True), what="every hold settled",
+             status=lambda: feed(url))
+    assert counters(url)["settled"].get("dropped", 0) - before.get("settled", {}).get(
+        "dropped", 0) >= len(streams), "the dead replica's holds were not dropped"
     print(f"\nreplica SIGKILL: streams ended {detected_s:.2f} s after the kill; "
           f"served again {recovered_at - t_kill:.1f} s after it")
 
