@@ -27,8 +27,9 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def faults(orchard_url, orchard_config, tiny_llama):
-    """(base url, capacity namespace) of an app of its own on the shared Serve instance."""
+def faults(orchard_url, orchard_config, tiny_llama, tmp_path_factory):
+    """(base url, capacity namespace) of an app of its own on the shared Serve instance; its
+    capacity actor persists learned rates to a file of its own (they must survive a kill)."""
     import ray
     from ray import serve
 
@@ -37,10 +38,12 @@ def faults(orchard_url, orchard_config, tiny_llama):
     from serve_app.config import parse_config
 
     namespace = f"orchard-faults-{os.getpid()}"
+    snapshot = str(tmp_path_factory.mktemp("faults") / "rates.json")
     raw = make_config(tiny_llama, orchard_config["http"]["port"], namespace)
     raw["app_name"] = APP
+    raw["capacity"]["snapshot_path"] = snapshot
     cfg = parse_config(raw)
-    get_or_create_actor(namespace=namespace, snapshot_path="")
+    get_or_create_actor(namespace=namespace, snapshot_path=snapshot)
     serve.run(build_app(cfg), name=APP, route_prefix="/faults")
     url = orchard_url + "/faults"
     wait_http_ok(url + "/health")
@@ -254,10 +257,12 @@ def test_capacity_actor_killed_under_load_service_continues_and_holds_settle(fau
 
     url, namespace = faults
     wait_for(lambda: feed(url).get("outstanding_raw_tokens") == 0, what="idle before the fault")
-    before = counters(url)
+    actor = ray.get_actor("capacity", namespace=namespace)
+    assert ray.get(actor.persist_now.remote())       # what a periodic persist would have written
+    [learned] = feed(url)["models"][0]["identities"]
     streams = open_streams(url, most=4, max_tokens=64)
     t_kill = time.monotonic()
-    ray.kill(ray.get_actor("capacity", namespace=namespace))
+    ray.kill(actor)
     responses = [plain(url) for _ in range(6)]
     for s in streams:
         s.join(60)
@@ -268,4 +273,9 @@ def test_capacity_actor_killed_under_load_service_continues_and_holds_settle(fau
     wait_for(lambda: feed(url).get("models") and feed(url)["models"][0]["replicas"] == 1,
              what="the recreated actor to hear the replica")
     wait_for(lambda: settled(url, rebuilt_ok=True), what="the recreated actor's ledger to be idle")
+    # Learned rates survive: the new actor started from the snapshot the old one wrote.
+    info = ray.get(ray.get_actor("capacity", namespace=namespace).info.remote())
+    [now] = feed(url)["models"][0]["identities"]
+    assert info["restored"] and info["identities"] >= 1
+    assert now["identity"] == learned["identity"] and now["cap_source"] != "fallback"
     print(f"\ncapacity actor kill: feed back {time.monotonic() - t_kill:.1f} s after it")

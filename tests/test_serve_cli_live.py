@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +30,32 @@ def _listener_is_serve_replica(port: int) -> bool:
     out = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout
     lines = [l for l in out.splitlines() if f":{port} " in l]
     return bool(lines) and all("ServeRepli" in l for l in lines)
+
+
+class _Stream(threading.Thread):
+    """A streamed chat read to its end in a thread; records its SSE data lines."""
+
+    def __init__(self, base: str, max_tokens: int):
+        super().__init__(daemon=True)
+        self.base, self.max_tokens = base, max_tokens
+        self.status, self.error, self.events = None, None, []
+        self.first_content = threading.Event()
+
+    def run(self) -> None:
+        body = {"model": "tiny", "stream": True, "max_tokens": self.max_tokens,
+                "ignore_eos": True, "messages": [{"role": "user", "content": "go on"}]}
+        try:
+            with httpx.stream("POST", self.base + "/v1/chat/completions", headers=AUTH,
+                              json=body, timeout=120) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line)
+                        self.first_content.set()
+        except httpx.HTTPError as e:
+            self.error = repr(e)
+        finally:
+            self.first_content.set()
 
 
 def test_orchard_serve_uses_direct_ingress_and_drains_on_sigterm(tiny_llama, tmp_path):
@@ -65,10 +92,24 @@ def test_orchard_serve_uses_direct_ingress_and_drains_on_sigterm(tiny_llama, tmp
             assert events[-1] == "data: [DONE]" and any('"content"' in e for e in events)
             bad = c.post("/v1/chat/completions", headers=AUTH, json={**body, "max_tokens": 0})
             assert bad.status_code == 400
+        # SIGTERM under load: streams in flight end cleanly ([DONE], after an error event if
+        # the drain cut them) and nobody hangs.
+        streams = [_Stream(base, max_tokens=400) for _ in range(3)]
+        for st in streams:
+            st.start()
+        for st in streams:
+            assert st.first_content.wait(60) and st.status == 200, (st.status, st.error)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        for st in streams:
+            st.join(120)
+            assert not st.is_alive(), "a stream hung through the SIGTERM drain"
+            assert st.error is None and st.events[-1] == "data: [DONE]", (st.error,
+                                                                          st.events[-3:])
         assert proc.wait(timeout=120) in (0, 130), log.read_text()[-4000:]
         assert time.monotonic() - t0 < 60, "direct ingress held the shutdown"
+        print(f"\nSIGTERM under load: {len(streams)} streams ended cleanly, process exited "
+              f"{time.monotonic() - t0:.1f} s after the signal")
         # The port is free again: the next `orchard serve` can take it.
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
