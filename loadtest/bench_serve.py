@@ -36,6 +36,16 @@ def parse_target(spec: str) -> runner.Target:
                          fields.get("label", ""))
 
 
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rates wants numbers like 0.5,1,2,4, got {text!r}")
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"--rates wants positive rates, got {text!r}")
+    return rates
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest bench-serve",
                                 description=__doc__.split("\n")[0])
@@ -45,6 +55,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-model", type=model_arg,
                    help="start mlx_lm.server on this model as a target: " + MODEL_HELP)
     p.add_argument("--peer-url", help="an already running mlx_lm.server to include")
+    p.add_argument("--orchard-model",
+                   help="start `orchard serve --model THIS` (defaults, a fresh Ray and fresh "
+                   "learned rates) as the target 'orchard'; same names as --peer-model")
+    p.add_argument("--rates", type=_rates,
+                   help="comma-separated mean rates (req/s) to sweep, e.g. 0.5,1,2,4; each rate "
+                   "gets --requests-per-rate requests (duration = requests / rate) on one "
+                   "schedule shared by every target; overrides --rate/--duration")
+    p.add_argument("--requests-per-rate", type=int, default=30)
     p.add_argument("--peer-dtype", default="auto",
                    choices=["auto", "as-is", "float32", "bfloat16", "float16"],
                    help="weights dtype given to the peer (auto: float32 on Linux, where MLX "
@@ -95,60 +113,129 @@ def write_docs_section(path: str, body: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadtest import peer, plots, report
+    from loadtest import orchard_proc, peer
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     targets = list(args.target)
     os.makedirs(args.out, exist_ok=True)
-    started = None
-    if args.peer_model:
-        dtype = peer.default_dtype() if args.peer_dtype == "auto" else args.peer_dtype
-        model = peer.prepare_model(args.peer_model, dtype)
-        print(f"[loadtest] starting {PEER_LABEL} on {model} ({dtype})", flush=True)
-        started = peer.start(model, log_path=os.path.join(args.out, "mlx_lm_server.log"))
-        targets.append(runner.Target(started.url, started.model, "native", PEER_LABEL))
-    elif args.peer_url:
-        targets.append(runner.Target(args.peer_url.rstrip("/"), None, "native", PEER_LABEL))
-    if not targets:
-        print("no targets: give --target and/or --peer-model/--peer-url", file=sys.stderr)
-        return 2
+    started = []
+    try:
+        if args.orchard_model:
+            print(f"[loadtest] starting orchard serve --model {args.orchard_model}", flush=True)
+            server = orchard_proc.start(args.orchard_model,
+                                        os.path.join(args.out, "orchard_serve.log"))
+            started.append(server)
+            targets.insert(0, runner.Target(server.url, served_id(args.orchard_model), "native",
+                                            "orchard"))
+        if args.peer_model:
+            dtype = peer.default_dtype() if args.peer_dtype == "auto" else args.peer_dtype
+            model = peer.prepare_model(args.peer_model, dtype)
+            print(f"[loadtest] starting {PEER_LABEL} on {model} ({dtype})", flush=True)
+            p = peer.start(model, log_path=os.path.join(args.out, "mlx_lm_server.log"))
+            started.append(p)
+            targets.append(runner.Target(p.url, p.model, "native", PEER_LABEL))
+        elif args.peer_url:
+            targets.append(runner.Target(args.peer_url.rstrip("/"), None, "native", PEER_LABEL))
+        if not targets:
+            print("no targets: give --target, --orchard-model and/or --peer-model/--peer-url",
+                  file=sys.stderr)
+            return 2
+        command = "python -m loadtest bench-serve " + " ".join(shlex.quote(a) for a in argv)
+        if not args.rates:
+            return _compare(args, targets, args.out, command)
+        results, clean = {}, True
+        for rate in args.rates:
+            args.rate, args.duration = rate, args.requests_per_rate / rate
+            out = os.path.join(args.out, f"rate_{rate:g}")
+            print(f"[loadtest] rate {rate:g} req/s -> {out}", flush=True)
+            clean &= _compare(args, targets, out, command) == 0
+            with open(os.path.join(out, "bench.json")) as f:
+                results[f"{rate:g}"] = json.load(f)
+    finally:
+        for proc in started:
+            proc.stop()
+    md = sweep_markdown(results, args.baseline, command)
+    with open(os.path.join(args.out, "sweep.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({"command": command, "rates": results}, f, indent=1)
+    if args.docs:
+        write_docs_section(args.docs, md)
+    print(md)
+    return 0 if clean else 1
+
+
+def _compare(args, targets: list, out_dir: str, command: str) -> int:
+    """One schedule replayed against every target (--repeats times, rotating the order)."""
+    from loadtest import plots, report
+
+    os.makedirs(out_dir, exist_ok=True)
     # Per-target PNGs would repeat the combined ones drawn at the end.
     combined_plots, args.no_plots = not args.no_plots, True
-    try:
-        infos = {t.name: runner.discover(t, args) for t in targets}
-        # One schedule for all: sized to the smallest context and capacity among the targets.
-        contexts = [i["context"] for i in infos.values()]
-        caps = [i["advertised_concurrency"] for i in infos.values() if i["advertised_concurrency"]]
-        schedule = runner.build_schedule(args, {"context": min(contexts),
-                                                "advertised_concurrency": min(caps, default=None)})
-        per: dict[str, list] = {t.name: [] for t in targets}
-        for rep in range(args.repeats):
-            for t in targets[rep % len(targets):] + targets[:rep % len(targets)]:
-                out = os.path.join(args.out, re.sub(r"[^A-Za-z0-9_.-]+", "_", t.name))
-                out = os.path.join(out, f"r{rep}") if args.repeats > 1 else out
-                s = runner.run_locust(t, schedule, args, out)
-                per[t.name].append((s, report.load_records(s["files"]["records"])[0]))
-    finally:
-        if started is not None:
-            started.stop()
+    infos = {t.name: runner.discover(t, args) for t in targets}
+    # One schedule for all: sized to the smallest context and capacity among the targets.
+    contexts = [i["context"] for i in infos.values()]
+    caps = [i["advertised_concurrency"] for i in infos.values() if i["advertised_concurrency"]]
+    schedule = runner.build_schedule(args, {"context": min(contexts),
+                                            "advertised_concurrency": min(caps, default=None)})
+    per: dict[str, list] = {t.name: [] for t in targets}
+    for rep in range(args.repeats):
+        for t in targets[rep % len(targets):] + targets[:rep % len(targets)]:
+            out = os.path.join(out_dir, re.sub(r"[^A-Za-z0-9_.-]+", "_", t.name))
+            out = os.path.join(out, f"r{rep}") if args.repeats > 1 else out
+            s = runner.run_locust(t, schedule, args, out)
+            per[t.name].append((s, report.load_records(s["files"]["records"])[0]))
+    args.no_plots = not combined_plots
     summaries = {k: v[0][0] if len(v) == 1 else
                  report.pool(v, schedule.meta, args.slo_ttft_ms, args.slo_tpot_ms)
                  for k, v in per.items()}
     runs = {k: [r for _, recs in v for r in recs] for k, v in per.items()}
-    plot_paths = plots.all_plots(runs, args.out, timeline={k: v[0][1] for k, v in per.items()}) \
+    plot_paths = plots.all_plots(runs, out_dir, timeline={k: v[0][1] for k, v in per.items()}) \
         if combined_plots else []
-    command = "python -m loadtest bench-serve " + " ".join(shlex.quote(a) for a in argv)
     md = comparison_markdown(summaries, args.baseline, command, schedule.meta)
-    with open(os.path.join(args.out, "comparison.md"), "w") as f:
+    with open(os.path.join(out_dir, "comparison.md"), "w") as f:
         f.write(md + "\n")
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump({"command": command, "schedule": schedule.meta, "summaries": summaries,
                    "plots": plot_paths}, f, indent=1)
-    if args.docs:
+    if args.docs and not args.rates:
         write_docs_section(args.docs, md)
-    print(md)
+    if not args.rates:
+        print(md)
     return 0 if all(runner.clean(s, args.scenario) for s in summaries.values()) else 1
+
+
+def sweep_markdown(results: dict[str, dict], baseline: str, command: str) -> str:
+    """One row per (rate, target) with its ratios to the baseline at that rate (>1 is better
+    for tok/s, <1 for TTFT)."""
+    def get(summary: dict, *path):
+        for key in path:
+            summary = summary.get(key, {}) if isinstance(summary, dict) else {}
+        return summary if isinstance(summary, (int, float)) else None
+
+    cols = {"out tok/s": ("throughput", "output_tokens_per_s"),
+            "TTFT p50 ms": ("metrics", "ttft_ms", "p50"),
+            "TTFT p99 ms": ("metrics", "ttft_ms", "p99")}
+    rows = ["| rate req/s | target | ok/sent | refused | errors | "
+            + " | ".join(cols) + " | " + " | ".join(f"{c.split(' ms')[0]} vs {baseline}"
+                                                      for c in cols) + " |"]
+    rows.append("|" + "---|" * (rows[0].count("|") - 1))
+    for rate, res in results.items():
+        sums = res["summaries"]
+        base = sums.get(baseline)
+        for name, sm in sums.items():
+            c = sm["counts"]
+            vals = [get(sm, *path) for path in cols.values()]
+            ratios = []
+            for path, v in zip(cols.values(), vals):
+                b = get(base, *path) if base is not None and name != baseline else None
+                ratios.append(f"{v / b:.2f}x" if v is not None and b else "-")
+            rows.append(f"| {rate} | {name} | {c['ok']}/{c['sent']} | {c['refused']} | "
+                        f"{c['error'] + c['hung']} | "
+                        + " | ".join("-" if v is None else f"{v:.1f}" for v in vals) + " | "
+                        + " | ".join(ratios) + " |")
+    return "\n".join(rows + ["", "Command:", "", "```", command, "```"])
 
 
 if __name__ == "__main__":

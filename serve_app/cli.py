@@ -93,7 +93,7 @@ BENCHES = {
     "engine": "engine.bench",          # paged engine vs mlx-lm, OpenBLAS on/off
     "kv": "engine.bench_kv",           # KV formats: bytes, capacity, prefill/decode ratios
     "capacity": "serve_app.capacity_bench",      # capacity actor round trips, memory per identity
-    "serve": "loadtest.bench_serve",   # same schedule vs Orchard formats and mlx_lm.server
+    "serve": "loadtest.bench_serve",   # Orchard (started here or given) vs mlx_lm.server, rate sweeps
     "serve-path": "serve_app.bench",   # TTFT overhead of the HTTP/Serve path
 }
 

@@ -52,3 +52,36 @@ def test_same_schedule_against_two_targets(openai_stub, tmp_path):
     assert "| burst |" in md and "bench-serve" in md
     for f in ("ttft_cdf.png", "output_tokens_per_s.png", "refusals.png", "comparison.md"):
         assert (out / f).stat().st_size > 0
+
+
+def test_rates_are_parsed_and_refused_clearly():
+    assert bench_serve._rates("0.5,1,2,4") == [0.5, 1.0, 2.0, 4.0]
+    for bad in ("", "fast", "1,-2"):
+        with pytest.raises(Exception, match="--rates"):
+            bench_serve._rates(bad)
+
+
+def test_sweep_starts_orchard_and_the_peer_and_compares_each_rate(tmp_path):
+    """The real side-by-side, small: `orchard serve --model orchard-tiny` (its own Ray, fresh
+    learned rates) and mlx_lm.server on the same folder, two rates, one schedule per rate."""
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "loadtest", "bench-serve", "--orchard-model", "orchard-tiny",
+           "--peer-model", "orchard-tiny", "--rates", "1,4", "--requests-per-rate", "4",
+           "--scenario", "poisson", "--max-tokens", "8", "--no-plots", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench = json.loads((out / "bench.json").read_text())
+    assert list(bench["rates"]) == ["1", "4"]
+    for res in bench["rates"].values():
+        sums = res["summaries"]
+        assert list(sums) == ["orchard", "mlx_lm.server"]
+        scheds = [json.loads(open(s["files"]["schedule"]).read())["arrivals"]
+                  for s in sums.values()]
+        assert scheds[0] == scheds[1] and scheds[0]
+        for s in sums.values():
+            assert s["counts"]["ok"] == s["counts"]["sent"] > 0, s["error_examples"]
+    md = (out / "sweep.md").read_text()
+    assert md.count("| orchard |") == 2 and "vs mlx_lm.server" in md
+    # Orchard served with default settings and was stopped with SIGTERM (its drain).
+    log = (out / "orchard_serve.log").read_text()
+    assert "with default settings" in log and "shutting down (draining" in log

@@ -1,0 +1,64 @@
+"""Start and stop `orchard serve --model MODEL` for a side-by-side bench, like peer.py does for
+`mlx_lm.server`: a child process in its own session, on a free port, with a Ray of its own
+(RAY_TMPDIR) and a fresh home (so no learned-rates snapshot from an earlier run is reused: each
+bench starts from the defaults a new user gets). Talks to it over HTTP only."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from loadtest import peer, probe
+
+
+@dataclass
+class OrchardServer:
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+    scratch: str
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM (Orchard drains), then SIGKILL of the whole group if it does not exit."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def start(model: str, log_path: str, ready_timeout: float = 600.0) -> OrchardServer:
+    """Launch `orchard serve --model MODEL --port P` and wait until /health answers 200."""
+    port = peer.free_port()
+    scratch = tempfile.mkdtemp(prefix="orc-bench-", dir="/tmp")   # short: Ray's socket paths
+    env = {**peer.peer_env(), "RAY_TMPDIR": scratch, "HOME": scratch,
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "serve_app.cli", "serve", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    server = OrchardServer(proc, f"http://127.0.0.1:{port}", log_path, scratch)
+    deadline = time.monotonic() + ready_timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"orchard serve exited with {proc.returncode}; see {log_path}")
+            # /health, not /v1/models: the ingress lists models before any replica is ready.
+            status, _ = probe.get_json(server.url + "/health", timeout=2.0)
+            if status == 200:
+                return server
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"orchard serve not healthy after {ready_timeout:.0f} s; "
+                                   f"see {log_path}")
+            time.sleep(1.0)
+    except BaseException:
+        server.stop()
+        raise
