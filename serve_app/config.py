@@ -76,7 +76,9 @@ class ModelConfig(_Strict):
     kv_format: str | None = Field(None, description="None = the exact-model override or default")
     replicas: int = Field(1, ge=1)
     kv_budget_bytes: int | None = Field(None, gt=0)
-    max_num_seqs: int = Field(16, ge=1, description="concurrency ceiling per replica")
+    # 32 = mlx_lm.server's own decode concurrency: the learned cap protects stream speed when
+    # nothing queues; under a queue requests stretch up to this ceiling (docs/serving.md).
+    max_num_seqs: int = Field(32, ge=1, description="concurrency ceiling per replica")
     max_ongoing_requests: int | None = Field(
         None, ge=1, description="Serve's per-replica hard cap; default = 2x max_num_seqs")
     resources: ReplicaResources = Field(default_factory=ReplicaResources)

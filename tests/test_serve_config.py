@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_minimal_config_gets_defaults():
     cfg = parse_config({"models": [{"id": "m", "path": "/x"}]})
     m = cfg.models[0]
-    assert (m.replicas, m.max_num_seqs, m.resources.num_cpus) == (1, 16, 0.5)
+    assert (m.replicas, m.max_num_seqs, m.resources.num_cpus) == (1, 32, 0.5)
     assert cfg.http.port == 8000 and cfg.capacity.namespace == "orchard"
     assert cfg.kv_format_for(m) == "native"
 
