@@ -12,7 +12,9 @@ builds masks once per forward with `cache.make_mask(...)` on one full and one sl
   when the cache has one, so attention can read pages without that copy (see
   `paged_decode_attention`); packed stores name their own cache class whose `attend` reads
   packed pages. The runner verifies at start that every paged layer calls the hook; otherwise
-  it stays in gather mode.
+  it stays in gather mode. On CUDA, steps whose rows all decode one token attend through one
+  kernel per layer that reads the pages by page table (`engine/cuda_paged_decode.py`); the
+  runner decides per step (`StepBatch.kernel_decode`) and no mask is built then.
 
 Rows are right-padded to the longest chunk of the forward call. Indices (slots, page lists,
 masks) are built once per call in `StepBatch` and shared by every layer. Attention sinks
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from engine import cuda_paged_decode
 from engine.kvstore import LayerStore, Slots
 
 
@@ -67,6 +70,17 @@ class StepBatch:
         self.valid = None if real.all() else mx.array(np.flatnonzero(real).astype(np.int32))
         self.attended = 0  # layers that reached `attend` (the runner's routing check)
         self._views: dict[int | None, View] = {}
+        # Set by the runner: every row decodes one token and full-attention layers attend
+        # through the CUDA paged-decode kernel (engine/cuda_paged_decode.py) instead of gather.
+        self.kernel_decode = False
+        self._ends: mx.array | None = None
+
+    @property
+    def ends(self) -> mx.array:
+        """Keys each row attends to after this call (int32 [B]), built once per step."""
+        if self._ends is None:
+            self._ends = mx.array((self.starts + self.lengths).astype(np.int32))
+        return self._ends
 
     def _slot_ids(self) -> np.ndarray:
         t = self.page_tokens
@@ -189,14 +203,20 @@ class PagedLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b, h, n, d = keys.shape
-        k = keys.transpose(0, 2, 1, 3).reshape(b * n, h, d)
-        v = values.transpose(0, 2, 1, 3).reshape(b * n, h, values.shape[-1])
+        if n == 1:   # one token per row: [B, h, 1, d] is already token-major
+            k, v = keys.reshape(b, h, d), values.reshape(b, h, values.shape[-1])
+        else:
+            k = keys.transpose(0, 2, 1, 3).reshape(b * n, h, d)
+            v = values.transpose(0, 2, 1, 3).reshape(b * n, h, values.shape[-1])
         if self.step.valid is not None:
             k, v = k[self.step.valid], v[self.step.valid]
         self.store.write(self.step.slots, k, v)
         if self.direct:
             return keys, values  # attend() reads the pages; these are only passed back to it
         return self.gathered()
+
+    def _kernel_decode(self) -> bool:
+        return self.step.kernel_decode and self.view.window is None
 
     def gathered(self) -> tuple[mx.array, mx.array]:
         k, v = self.store.gather(self.view.pages)
@@ -206,6 +226,8 @@ class PagedLayerCache:
         return k, v
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if self._kernel_decode():
+            return None   # the kernel bounds each row by its own length
         if return_array:
             return self.step.page_mask(self.view) if self.direct else \
                 self.step._mask(self.view, self.view.key_slice)
@@ -215,6 +237,10 @@ class PagedLayerCache:
         """Attention over this layer's pages (the hook calls it). Reads the pages, so it is
         right in either mode; in direct mode `keys`/`values` are the call's fresh rows."""
         self.step.attended += 1
+        if sinks is None and self._kernel_decode():
+            k_pages, v_pages = self.store.head_major_pages()
+            return cuda_paged_decode.paged_decode_attention(
+                queries, k_pages, v_pages, self.view.pages, self.step.ends, scale)
         pages = getattr(self.store, "head_major_pages", None)
         group = queries.shape[1] // keys.shape[1]
         # Page-wise PV partials (group*n rows per page) stay no larger than a gathered V copy.

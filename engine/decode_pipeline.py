@@ -70,7 +70,8 @@ class DecodePipeline:
         try:
             chunks = step.chunks
             logits = self.runner.forward([SeqChunk(c.seq.seq_id, c.token_ids, c.start,
-                                                   c.seq.table.pages) for c in chunks])
+                                                   c.seq.table.pages) for c in chunks],
+                                         decode_tokens=step.inputs)
             drawn = sample(logits, [RowSpec(c.seq.params, c.seq.seed,
                                             len(c.seq.output_ids) + ahead) for c in chunks])
             mx.async_eval(drawn, self.kvstore.arrays())

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine import cuda_paged_decode
 from engine.attention import PagedLayerCache, Row, StepBatch, install_sdpa_hook
 from engine.kvstore import KVStore
 from engine.model import LoadedModel, ModelLoadError
@@ -109,6 +110,10 @@ def check_supported_layers(loaded: LoadedModel) -> None:
 
 
 class ModelRunner:
+    # Decode rows attend through the CUDA paged-decode kernel where it applies (see
+    # `_kernel_decode_fits`); benches and tests may switch it off to compare with the gather path.
+    kernel_decode = True
+
     def __init__(self, loaded: LoadedModel, kvstore: KVStore, merge_pad_tokens: int = 16):
         check_supported_layers(loaded)
         geometry = loaded.geometry
@@ -125,6 +130,16 @@ class ModelRunner:
         self.in_place_decode = mx.default_device() == mx.cpu and kvstore.dtype == mx.float32
         install_sdpa_hook(loaded.model)
         self.direct = self._hook_reaches_every_layer()
+        self.kernel_decode = self.kernel_decode and self._kernel_decode_fits()
+
+    def _kernel_decode_fits(self) -> bool:
+        """The kernel serves native pages read in direct mode, on CUDA, for its head sizes."""
+        layers = [g for g in self.loaded.geometry.layers if g.paged]
+        return (cuda_paged_decode.available() and self.direct
+                and self.kvstore.dtype in (mx.bfloat16, mx.float16, mx.float32)
+                and all(self._cache_class(g.index) is PagedLayerCache
+                        and g.head_dim == g.v_head_dim and g.head_dim in cuda_paged_decode.HEAD_DIMS
+                        for g in layers))
 
     def _cache_class(self, layer: int) -> type[PagedLayerCache]:
         """A layer store may name its own cache class (packed stores attend over codes)."""
@@ -142,11 +157,18 @@ class ModelRunner:
         self.loaded.model(mx.array([[0]]), cache=caches)  # graph only; never evaluated
         return step.attended == len(self.loaded.geometry.paged_layers)
 
-    def forward(self, chunks: list[SeqChunk]) -> mx.array:
-        """Float32 logits [len(chunks), vocab] of each chunk's last token (lazy)."""
+    def forward(self, chunks: list[SeqChunk], decode_tokens: mx.array | None = None) -> mx.array:
+        """Float32 logits [len(chunks), vocab] of each chunk's last token (lazy).
+
+        `decode_tokens` (optional): every chunk is one token and these are their ids as one
+        int array [len(chunks)] (pipelined decode passes the previous step's sampled array
+        whole instead of a slice per row)."""
         self._validate(chunks)
-        out: list[mx.array | None] = [None] * len(chunks)
         groups = self._groups(chunks)
+        if len(groups) == 1 and groups[0] == list(range(len(chunks))):
+            # One call in chunk order (e.g. every decode step): its rows are the result.
+            return self._run(chunks, last_only=True, tokens=decode_tokens).astype(mx.float32)
+        out: list[mx.array | None] = [None] * len(chunks)
         for n, group in enumerate(groups):
             logits = self._run([chunks[i] for i in group], last_only=True)
             for j, i in enumerate(group):
@@ -216,10 +238,16 @@ class ModelRunner:
                 width, padding = n, 0
         return groups
 
-    def _run(self, chunks: list[SeqChunk], last_only: bool) -> mx.array:
+    def _run(self, chunks: list[SeqChunk], last_only: bool,
+             tokens: mx.array | None = None) -> mx.array:
         rows = [Row(c.start, len(c.token_ids), c.page_table) for c in chunks]
         step = StepBatch(rows, self.page_tokens)
-        inputs = _input_tokens(chunks, step.width)
+        step.kernel_decode = (self.kernel_decode and step.width == 1
+                              and int((step.starts + 1).max()) <= cuda_paged_decode.MAX_KEYS)
+        if tokens is not None and step.width == 1:
+            inputs = tokens.reshape(-1, 1).astype(mx.int32)
+        else:
+            inputs = _input_tokens(chunks, step.width)
         native = self.recurrent.batch(chunks, step.lengths) if self.recurrent else {}
         caches = [self._cache_class(i)(self.kvstore.layer(i), step, w, self.direct,
                                        self.in_place_decode) if i in self._paged else native[i]
@@ -233,6 +261,10 @@ class ModelRunner:
         loaded = self.loaded
         if not last_only:
             return loaded.model(inputs, cache=caches)
+        if step.width == 1:   # one position per row: a slice, no index arrays
+            if loaded.body is not None:
+                return loaded.head(loaded.body(inputs, caches)[:, 0])
+            return loaded.model(inputs, cache=caches)[:, 0]
         rows = mx.arange(step.size)
         last = mx.array((step.lengths - 1).astype(np.int32))
         if loaded.body is not None:

@@ -85,6 +85,9 @@ class Chunk:
 class Step:
     step_id: int
     chunks: list[Chunk]
+    # Pipelined decode: the previous step's lazy sampled ids, whole (chunk i's input is
+    # element i), so the runner feeds them as one array instead of a slice per row.
+    inputs: object = None
 
     @property
     def prefill_tokens(self) -> int:
@@ -257,7 +260,7 @@ class Scheduler:
         only after the new step retired (its `last_step`)."""
         chunks = [Chunk(c.seq, c.start + 1, tokens[i:i + 1], True)
                   for i, c in enumerate(step.chunks)]
-        new = Step(self._next_step, chunks)
+        new = Step(self._next_step, chunks, inputs=tokens)
         self._next_step += 1
         for c in chunks:
             s = c.seq
