@@ -15,7 +15,7 @@ stores attend over codes), and `head_major_pages()` for in-place decode (engine/
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import mlx.core as mx
@@ -40,6 +40,7 @@ class Slots:
     page: mx.array     # [N] int32
     offset: mx.array   # [N] int32
     count: int
+    _by_heads: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_flat(cls, slots: np.ndarray, page_tokens: int) -> "Slots":
@@ -47,6 +48,19 @@ class Slots:
         return cls(page=mx.array((slots // page_tokens).astype(np.int32)),
                    offset=mx.array((slots % page_tokens).astype(np.int32)),
                    count=int(slots.size))
+
+    def head_major(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
+        """(head, page, offset) index arrays [heads, N] for head-major pages, built once per
+        step and shared by every layer: a write indexed by them is one scatter, where slicing
+        the head axis costs each layer's write an arange, index casts and broadcasts (on CUDA,
+        where a decode step is bound by the nodes it issues, 10 fewer nodes per layer)."""
+        if heads not in self._by_heads:
+            shape = (heads, self.count)
+            self._by_heads[heads] = tuple(
+                mx.array(np.ascontiguousarray(np.broadcast_to(a, shape)))
+                for a in (np.arange(heads, dtype=np.int32)[:, None],
+                          np.array(self.page)[None, :], np.array(self.offset)[None, :]))
+        return self._by_heads[heads]
 
 
 class LayerStore(Protocol):
@@ -80,8 +94,9 @@ class NativeLayerStore:
         # Scatter into the sole reference, so MLX updates the buffer in place (no page copy).
         if k.dtype != self.k.dtype:
             k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
-        self.k[:, slots.page, slots.offset] = k.swapaxes(0, 1)
-        self.v[:, slots.page, slots.offset] = v.swapaxes(0, 1)
+        heads, pages, offsets = slots.head_major(self.k.shape[0])
+        self.k[heads, pages, offsets] = k.swapaxes(0, 1)
+        self.v[heads, pages, offsets] = v.swapaxes(0, 1)
 
     def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]:
         b, p = pages.shape
