@@ -149,9 +149,6 @@ class CapacityActor:
     async def cancel(self, request_id: str) -> bool:
         return (await self.apply([("cancel", request_id)]))[0]
 
-    async def retire(self, replica_ids: list[str]) -> int:
-        return (await self.apply([("retire", list(replica_ids))]))[0]
-
     async def snapshot(self) -> dict:
         self._ensure_background()
         return self.fleet.snapshot(time.monotonic())

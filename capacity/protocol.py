@@ -9,7 +9,6 @@ an actor that ignores identities would mix packed and native histories.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 

@@ -17,15 +17,7 @@ class Sink:
 
     def put(self, item, final: bool = False) -> bool:
         """Deliver from the engine thread; False when the consumer's loop has gone away."""
-        if self.closed:
-            return False
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:   # event loop closed: nobody will read this stream again
-            self.closed = True
-            return False
-        self.closed = final
-        return True
+        return hand_over([(self, item, final)])[0]
 
 
 def _put_all(items: list) -> None:

@@ -4,8 +4,6 @@
 bench starts from the defaults a new user gets). Talks to it over HTTP only."""
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,14 +21,8 @@ class OrchardServer:
     scratch: str
 
     def stop(self, timeout: float = 60.0) -> None:
-        """SIGTERM (Orchard drains), then SIGKILL of the whole group if it does not exit."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        """SIGTERM to its process group (Orchard drains), SIGKILL if it does not exit."""
+        peer.stop_child(self.proc, timeout, group=True)
 
 
 def start(model: str, log_path: str, ready_timeout: float = 600.0) -> OrchardServer:

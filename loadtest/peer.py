@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import signal
 import socket
 import tempfile
 import subprocess
@@ -63,6 +64,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_child(proc: subprocess.Popen, timeout: float, group: bool = False) -> None:
+    """SIGTERM (the server drains), then SIGKILL if it has not exited after `timeout`;
+    `group`: signal the child's whole process group (a server that started its own helpers)."""
+    if proc.poll() is not None:
+        return
+    send = (lambda sig: os.killpg(proc.pid, sig)) if group else proc.send_signal
+    send(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        send(signal.SIGKILL)
+        proc.wait(10)
+
+
 @dataclass
 class Peer:
     proc: subprocess.Popen
@@ -71,13 +86,7 @@ class Peer:
     log_path: str
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_child(self.proc, timeout)
 
     def __enter__(self) -> "Peer":
         return self

@@ -6,7 +6,7 @@ from capacity.errors import ProtocolError
 from capacity.protocol import ActorUnreachable
 from capacity.identity import INVALID, NATIVE, ExecutionKey
 from capacity.pricing import CostModel, Workspace
-from capacity.protocol import (CAP_EXECUTION_IDENTITY, ActorInfo, CostModelWire, HeartbeatReport,
+from capacity.protocol import (ActorInfo, CostModelWire, HeartbeatReport,
                                SlotReport, check_version, negotiate_kv_format)
 
 INT4 = "kvq-v1:affine-v1-k4v4-g64-f32-h128-s1:prefill=direct"

@@ -10,6 +10,7 @@ namespace so the shared app of the other tests is never disturbed. Recovery time
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -20,8 +21,12 @@ import httpx
 import pytest
 
 from tests.fixtures.serve import TEST_API_KEY, make_config, wait_http_ok
+from tests.fixtures.serve import wait_for as _wait_for
 
 AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
+# Recovery from a killed process (a replacement replica loading its model) takes longer than a
+# settle: every wait of this suite allows a minute.
+wait_for = functools.partial(_wait_for, timeout_s=60.0)
 APP = "orchard-faults"
 MODEL = "tiny"
 
@@ -50,15 +55,6 @@ def faults(orchard_url, orchard_config, tiny_llama, tmp_path_factory):
     yield url, namespace
     serve.delete(APP)
     ray.kill(ray.get_actor("capacity", namespace=namespace))
-
-
-def wait_for(predicate, timeout_s=60.0, what="condition", status=lambda: ""):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}: {status()}")
 
 
 def feed(url) -> dict:
@@ -154,7 +150,7 @@ def open_streams(url: str, most: int, leave: int = 0, max_tokens: int = 3000):
     return streams
 
 
-def replica_pid(url: str) -> int:
+def replica_pid() -> int:
     from ray import serve
 
     handle = serve.get_deployment_handle(f"model-{MODEL}", app_name=APP)
@@ -165,7 +161,7 @@ def test_replica_killed_mid_stream_every_stream_ends_and_holds_settle(faults):
     url, _ = faults
     wait_for(lambda: feed(url).get("outstanding_raw_tokens") == 0, what="idle before the fault")
     before = counters(url)
-    pid = replica_pid(url)
+    pid = replica_pid()
     streams = open_streams(url, most=6, leave=1)
     # A plain (non-stream) request in flight when the replica dies gets 503 + Retry-After.
     inflight: list[httpx.Response] = []
@@ -196,7 +192,7 @@ def test_replica_killed_mid_stream_every_stream_ends_and_holds_settle(faults):
             recovered_at = time.monotonic()
     assert_no_bad_status(during)
     assert recovered_at is not None, "the replica never came back"
-    assert replica_pid(url) != pid
+    assert replica_pid() != pid
     # The dead replica is gone from the feed, and every hold it had is settled.
     wait_for(lambda: feed(url)["models"][0]["replicas"] == 1, what="one live replica in the feed")
     # Requests routed while Serve swapped replicas may have gone without an actor hold (their

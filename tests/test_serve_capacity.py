@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from tests.fixtures.serve import TEST_API_KEY, TEST_MODEL
+from tests.fixtures.serve import TEST_API_KEY, TEST_MODEL, wait_for
 
 AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
 
@@ -26,15 +26,6 @@ def feed(http) -> dict:
 def model_feed(http) -> dict:
     [m] = [m for m in feed(http)["models"] if m["model_id"] == TEST_MODEL]
     return m
-
-
-def wait_for(predicate, timeout_s=20.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def running(http) -> float:
