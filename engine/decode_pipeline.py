@@ -24,7 +24,7 @@ import time
 import mlx.core as mx
 
 from engine.runner import SeqChunk
-from engine.sampling import RowSpec, sample
+from engine.sampling import row_spec, sample
 from engine.scheduler import RUNNING, Step
 
 log = logging.getLogger("orchard.engine")
@@ -47,8 +47,10 @@ class DecodePipeline:
     """
 
     def _pure_decode(self, step: Step) -> bool:
+        # Rows with penalties or logprobs sample from an up-to-date history and read their
+        # logprobs back every step: such a step runs synchronously.
         return all(c.samples and len(c.token_ids) == 1 and not c.seq.prefilling
-                   for c in step.chunks)
+                   and not c.seq.params.synchronous for c in step.chunks)
 
     def _may_continue(self, step: Step) -> bool:
         """Whether the decode step after `step` may be queued before `step` is read back."""
@@ -72,8 +74,7 @@ class DecodePipeline:
             logits = self.runner.forward([SeqChunk(c.seq.seq_id, c.token_ids, c.start,
                                                    c.seq.table.pages) for c in chunks],
                                          decode_tokens=step.inputs)
-            drawn = sample(logits, [RowSpec(c.seq.params, c.seq.seed,
-                                            len(c.seq.output_ids) + ahead) for c in chunks])
+            drawn = sample(logits, [row_spec(c.seq, ahead) for c in chunks])
             mx.async_eval(drawn, self.kvstore.arrays())
         finally:
             self._step_id = None

@@ -96,6 +96,7 @@ class EngineStartup:
             has_recurrent_state=self.runner.recurrent is not None)
         self._live: dict[str, LiveRequest] = {}
         self._outbox: list[tuple[Sink, Delta]] = []
+        self._token_logprobs: dict = {}   # request id -> its latest sampled token's logprobs
         self._seq_ids = 0
         self._retired_step = -1
         self._counters: Counter[str] = Counter()

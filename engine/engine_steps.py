@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.runner import SeqChunk
-from engine.sampling import RowSpec, sample
+from engine.sampling import StepLogprobs, row_spec, sample
 from engine.scheduler import Step
 
 log = logging.getLogger("orchard.engine")
@@ -56,16 +56,19 @@ class StepExecution:
         rows = [i for i, c in enumerate(chunks) if c.samples]
         drawn = None
         if rows:
-            specs = [RowSpec(chunks[i].seq.params, chunks[i].seq.seed,
-                             len(chunks[i].seq.output_ids)) for i in rows]
+            specs = [row_spec(chunks[i].seq, 0) for i in rows]
             picked = logits if len(rows) == len(chunks) else logits[mx.array(rows)]
             drawn = sample(picked, specs)
+            logprobs = StepLogprobs(picked, drawn, specs)
         # Retirement: the tokens and every KV page array are computed and the device is idle.
-        mx.eval(drawn if drawn is not None else logits, self.kvstore.arrays())
+        mx.eval(drawn if drawn is not None else logits, self.kvstore.arrays(),
+                *(logprobs.arrays if rows else ()))
         mx.synchronize()
         self._step_arrays.extend((logits, drawn))
         if rows:
             self._tap([chunks[i] for i in rows], picked)
+            for j, lp in logprobs.by_row().items():
+                self._token_logprobs[chunks[rows[j]].seq.request_id] = lp
         out: list[int | None] = [None] * len(chunks)
         for i, t in zip(rows, drawn.tolist() if drawn is not None else []):
             out[i] = t

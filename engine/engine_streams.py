@@ -32,6 +32,7 @@ class ResultStreams:
 
     def _deliver(self, seq: Seq, tok: int) -> None:
         live = self._live.get(seq.request_id)
+        logprob = self._token_logprobs.pop(seq.request_id, None)
         if live is None:
             return
         try:
@@ -46,9 +47,11 @@ class ResultStreams:
         except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode an id
             self._fail(seq, e)
             return
-        self._send(live, text, [tok], seq.finish_reason if seq.status == FINISHED else None)
+        self._send(live, text, [tok], seq.finish_reason if seq.status == FINISHED else None,
+                   None if logprob is None else [logprob])
 
-    def _send(self, live: LiveRequest, text: str, token_ids: list[int], reason: str | None) -> None:
+    def _send(self, live: LiveRequest, text: str, token_ids: list[int], reason: str | None,
+              logprobs: list | None = None) -> None:
         seq = live.seq
         ttft = None
         if not live.sent_first and seq.first_token_time is not None:
@@ -59,7 +62,7 @@ class ResultStreams:
             ckpt = self._save_finished(seq)
         delta = Delta(seq.request_id, text, token_ids, reason,
                       Usage(len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens), ttft,
-                      ckpt)
+                      ckpt, logprobs)
         self._outbox.append((live.sink, delta))
         if reason is not None:
             self._live.pop(seq.request_id, None)

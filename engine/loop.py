@@ -109,6 +109,10 @@ class Engine(EngineStartup, CommandInbox, StepExecution, DecodePipeline, ResultS
             raise InvalidRequest(f"prompt token ids out of range (vocab {self.vocab_size}): "
                                  f"{bad[:5]}")
         p = req.params
+        bad = [t for t in p.token_ids_used() if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias / stop_token_ids name token ids out of range "
+                                 f"(vocab {self.vocab_size}): {bad[:5]}")
         seq = Seq(req.request_id, req.prompt_ids, p,
                   seed=p.seed if p.seed is not None else random.getrandbits(63),
                   deadline=req.first_token_deadline, arrival=time.monotonic(),

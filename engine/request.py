@@ -57,11 +57,15 @@ class Delta:
     usage: Usage
     ttft_s: float | None = None  # on the first delta only: seconds from submit to first token
     checkpoint: dict | None = None  # final delta of a checkpoint_to request: manifest or error
+    # Requests with params.logprobs: one engine.sampling.TokenLogprob per token of token_ids.
+    logprobs: list | None = None
 
 
 def merge_deltas(a: Delta, b: Delta) -> Delta:
     """`a` then `b` as one delta (b later): text and tokens joined, b's finish and usage."""
+    logprobs = None if a.logprobs is None and b.logprobs is None \
+        else [*(a.logprobs or ()), *(b.logprobs or ())]
     return Delta(a.request_id, a.text + b.text, [*a.token_ids, *b.token_ids], b.finish_reason,
                  b.usage, a.ttft_s if a.ttft_s is not None else b.ttft_s,
-                 b.checkpoint if b.checkpoint is not None else a.checkpoint)
+                 b.checkpoint if b.checkpoint is not None else a.checkpoint, logprobs)
 

@@ -3,16 +3,31 @@
 Reproducibility: a sampled row draws its Gumbel noise from a PRNG key derived only from the
 request's seed and its own token index, never from a shared generator, so the same seed gives the
 same tokens whatever else is in the batch. Greedy rows (temperature 0) take the argmax.
+
+Per-row options, all applied inside one batched call (rows without an option pay nothing for it):
+- logits processors (`logit_bias`, `repetition_penalty`, `frequency_penalty`, `presence_penalty`,
+  in that order, as mlx-lm's `make_logits_processors` chains them) change the logits that both
+  greedy and sampled rows pick from. mlx-lm's processors are per-sequence closures with one
+  scalar each, so the batched forms here take one value per row. Presence and frequency count
+  the generated tokens (OpenAI's definition); repetition covers prompt and output (HF, vLLM).
+- `min_p`, `top_k`, `top_p` restrict sampled rows' support after temperature.
+- `logprobs` are of the model's own distribution (log-softmax of the raw logits, before
+  processors and temperature), as vLLM reports them by default: they sum to the sequence's
+  log-likelihood under the model.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from engine.errors import InvalidRequest
 
 _MASK64 = (1 << 64) - 1
+MAX_LOGPROBS = 20   # alternatives per token (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -24,14 +39,26 @@ class SamplingParams:
     max_tokens: int = 16
     stop: tuple[str, ...] = field(default_factory=tuple)  # never emitted; the match ends the text
     ignore_eos: bool = False
+    min_p: float = 0.0              # keep tokens with p >= min_p * p(top token); 0 = off
+    presence_penalty: float = 0.0   # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of seen tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
+    stop_token_ids: tuple[int, ...] = ()   # finish with "stop" when sampled (never decoded)
+    logprobs: int | None = None     # None = off; k = the sampled token's logprob + k alternatives
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        _require(isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0,
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(self, "logit_bias",
+                           tuple((t, float(b)) for t, b in self.logit_bias))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _require(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
                  f"temperature must be in [0, 100], got {self.temperature!r}")
-        _require(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
+        _require(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
                  f"top_p must be in (0, 1], got {self.top_p!r}")
         _require(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be >= 0, got {self.top_k!r}")
         _require(self.seed is None or _is_int(self.seed), f"seed must be an int, got {self.seed!r}")
@@ -40,14 +67,55 @@ class SamplingParams:
         _require(all(isinstance(s, str) and s for s in self.stop),
                  "stop must be non-empty strings")
         _require(len(self.stop) <= 16, "at most 16 stop strings")
+        _require(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
+                 f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _require(_is_num(v) and -2.0 <= v <= 2.0, f"{name} must be in [-2, 2], got {v!r}")
+        _require(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+                 f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        _require(all(_is_int(t) and t >= 0 and math.isfinite(b) and -100.0 <= b <= 100.0
+                     for t, b in self.logit_bias),
+                 "logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        _require(len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
+                 "logit_bias names a token id twice")
+        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids must be token ids >= 0")
+        _require(self.logprobs is None or (_is_int(self.logprobs)
+                                           and 0 <= self.logprobs <= MAX_LOGPROBS),
+                 f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Needs the request's token history (penalties)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+    @property
+    def processes_logits(self) -> bool:
+        return self.penalized or bool(self.logit_bias)
+
+    @property
+    def synchronous(self) -> bool:
+        """Sampled from an up-to-date history and read back with logprobs every step, so a
+        decode step holding such a row is not pipelined (engine/decode_pipeline.py)."""
+        return self.penalized or self.logprobs is not None
+
+    def token_ids_used(self) -> list[int]:
+        """Token ids this request names (checked against the vocabulary at submit)."""
+        return [t for t, _ in self.logit_bias] + list(self.stop_token_ids)
+
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -65,24 +133,77 @@ def row_key(seed: int, index: int) -> mx.array:
 
 @dataclass(frozen=True)
 class RowSpec:
-    """How to sample one batch row: the request's params, its seed and its next token index."""
+    """How to sample one batch row: the request's params, its seed and its next token index;
+    for penalized rows also its prompt and generated tokens so far (not copied)."""
 
     params: SamplingParams
     seed: int
     index: int
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
 
 
 def sample(logits: mx.array, rows: list[RowSpec]) -> mx.array:
     """Next token per row of float32 `logits` [B, V] -> int32 [B] (lazy; the caller evaluates)."""
+    logits = process_logits(logits, rows)
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     picked = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not picked:
         return greedy
+    if len(picked) == len(rows):
+        return _sample_rows(logits, rows)
     idx = mx.array(picked)
     drawn = _sample_rows(logits[idx], [rows[i] for i in picked])
     is_sampled = mx.zeros(len(rows), dtype=mx.bool_).at[idx].add(True)
     full = mx.zeros(len(rows), dtype=mx.int32).at[idx].add(drawn)
     return mx.where(is_sampled, full, greedy)
+
+
+def process_logits(logits: mx.array, rows: list[RowSpec]) -> mx.array:
+    """Apply the rows' logits processors; rows without any are untouched (and unread)."""
+    picked = [i for i, r in enumerate(rows) if r.params.processes_logits]
+    if not picked:
+        return logits
+    if len(picked) == len(rows):
+        return _processed(logits, rows)
+    idx = mx.array(picked)
+    sub = logits[idx]
+    return logits.at[idx].add(_processed(sub, [rows[i] for i in picked]) - sub)
+
+
+def _processed(logits: mx.array, rows: list[RowSpec]) -> mx.array:
+    vocab = logits.shape[-1]
+    bias = [(r, t, b) for r, spec in enumerate(rows) for t, b in spec.params.logit_bias
+            if t < vocab]
+    if bias:
+        r, t, b = zip(*bias)
+        logits = logits.at[mx.array(r), mx.array(t)].add(mx.array(b, dtype=logits.dtype))
+    rep = [spec.params.repetition_penalty for spec in rows]
+    if any(p != 1 for p in rep):
+        seen = _counts(rows, vocab, lambda s: (*s.prompt_ids, *s.output_ids),
+                       lambda s: s.params.repetition_penalty != 1) > 0
+        p = mx.array(rep, dtype=logits.dtype)[:, None]
+        logits = mx.where(seen, mx.where(logits < 0, logits * p, logits / p), logits)
+    freq = [spec.params.frequency_penalty for spec in rows]
+    pres = [spec.params.presence_penalty for spec in rows]
+    if any(freq) or any(pres):
+        counts = _counts(rows, vocab, lambda s: s.output_ids,
+                         lambda s: s.params.frequency_penalty or s.params.presence_penalty)
+        logits = (logits - mx.array(freq, dtype=logits.dtype)[:, None] * counts
+                  - mx.array(pres, dtype=logits.dtype)[:, None] * (counts > 0))
+    return logits
+
+
+def _counts(rows: list[RowSpec], vocab: int, tokens_of, applies) -> mx.array:
+    """Occurrences of each token id per row [R, V] (float32), over `tokens_of(row)`."""
+    lists = [np.asarray(tokens_of(s), dtype=np.int32) if applies(s) else np.empty(0, np.int32)
+             for s in rows]
+    r = np.concatenate([np.full(len(t), i, np.int32) for i, t in enumerate(lists)])
+    t = np.concatenate(lists)
+    out = mx.zeros((len(rows), vocab), dtype=mx.float32)
+    if len(t) == 0:
+        return out
+    return out.at[mx.array(r), mx.array(t)].add(1.0)
 
 
 def _sample_rows(logits: mx.array, rows: list[RowSpec]) -> mx.array:
@@ -99,6 +220,65 @@ def _sample_rows(logits: mx.array, rows: list[RowSpec]) -> mx.array:
     top_p = mx.array([float(r.params.top_p) for r in rows])[:, None]
     count = mx.maximum(mx.sum(before < top_p, axis=-1), 1)
     pth = mx.take_along_axis(desc, (count - 1)[:, None], axis=-1)
-    masked = mx.where(scaled >= mx.maximum(kth, pth), scaled, -mx.inf)
+    floor = mx.maximum(kth, pth)
+    if any(r.params.min_p > 0 for r in rows):
+        # min-p: keep p >= min_p * p_max, i.e. scaled logit >= max + log(min_p) (mlx-lm's rule).
+        log_min_p = mx.array([math.log(r.params.min_p) if r.params.min_p > 0 else -math.inf
+                              for r in rows])[:, None]
+        floor = mx.maximum(floor, desc[:, :1] + log_min_p)
+    masked = mx.where(scaled >= floor, scaled, -mx.inf)
     noise = mx.stack([mx.random.gumbel((vocab,), key=row_key(r.seed, r.index)) for r in rows])
     return mx.argmax(masked + noise, axis=-1).astype(mx.int32)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's log-probability and the `k` most likely alternatives (id, logprob)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class StepLogprobs:
+    """Lazy log-probabilities for the rows of a step that asked for them."""
+
+    def __init__(self, logits: mx.array, tokens: mx.array, rows: list[RowSpec]):
+        self.picked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        self.ks = [rows[i].params.logprobs for i in self.picked]
+        self.arrays: list[mx.array] = []
+        if not self.picked:
+            return
+        idx = mx.array(self.picked)
+        sub = logits[idx]
+        logp = sub - mx.logsumexp(sub, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(logp, tokens[idx][:, None].astype(mx.int32), axis=-1)[:, 0]
+        self.arrays = [chosen]
+        k = max(self.ks)
+        if k:
+            top_ids = mx.argpartition(-logp, kth=k - 1, axis=-1)[:, :k]
+            top_lp = mx.take_along_axis(logp, top_ids, axis=-1)
+            self.arrays += [top_ids, top_lp]
+
+    def by_row(self) -> dict[int, TokenLogprob]:
+        """Row index -> TokenLogprob (reads the arrays back; evaluate them first)."""
+        if not self.picked:
+            return {}
+        chosen = self.arrays[0].tolist()
+        ids = self.arrays[1].tolist() if len(self.arrays) > 1 else None
+        lps = self.arrays[2].tolist() if len(self.arrays) > 1 else None
+        out = {}
+        for j, (row, k) in enumerate(zip(self.picked, self.ks)):
+            top = ()
+            if k:
+                top = tuple(sorted(zip(ids[j], lps[j]), key=lambda p: -p[1])[:k])
+            out[row] = TokenLogprob(chosen[j], top)
+        return out
+
+
+def row_spec(seq, ahead: int = 0) -> RowSpec:
+    """The RowSpec of a scheduler Seq's next token (`ahead` = tokens sampled but not yet
+    appended, in pipelined decode); the history is passed only to rows that read it."""
+    p = seq.params
+    if p.penalized:
+        return RowSpec(p, seq.seed, len(seq.output_ids) + ahead, seq.prompt_ids, seq.output_ids)
+    return RowSpec(p, seq.seed, len(seq.output_ids) + ahead)

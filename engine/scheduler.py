@@ -291,7 +291,8 @@ class Scheduler:
             if s.first_token_time is None:
                 s.first_token_time = now
             new.append((s, tok))
-            if tok in self.eos_ids and not s.params.ignore_eos:
+            if ((tok in self.eos_ids and not s.params.ignore_eos)
+                    or tok in s.params.stop_token_ids):
                 self._finish(s, "stop")
             elif len(s.output_ids) >= s.params.max_tokens:
                 self._finish(s, "length")

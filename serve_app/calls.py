@@ -31,6 +31,13 @@ class GenerateCall:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None   # None = off; k = the sampled token's logprob + k alternatives
     # Wall-clock (time.time()) deadline: monotonic clocks differ between processes and nodes.
     first_token_deadline_unix: float | None = None
     # Debug only (ORCHARD_TRACE=1): hop name -> time.time(), filled along the path.
@@ -40,6 +47,19 @@ class GenerateCall:
     def raw_tokens(self) -> int:
         """Prompt + max tokens, as the user asked: the unit budgets and holds are priced in."""
         return len(self.prompt_ids) + self.max_tokens
+
+    def sampling_params(self):
+        """The engine's SamplingParams for this call (raises engine InvalidRequest)."""
+        from engine.sampling import SamplingParams
+
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            max_tokens=self.max_tokens, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
+            min_p=self.min_p, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple(self.logit_bias.items()), stop_token_ids=tuple(self.stop_token_ids),
+            logprobs=self.logprobs)
 
     def deadline_monotonic(self) -> float | None:
         if self.first_token_deadline_unix is None:

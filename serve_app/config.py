@@ -199,6 +199,10 @@ class HTTPSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     first_token_deadline_header: str = "x-orchard-first-token-deadline-ms"
+    default_max_tokens: int = Field(1024, ge=1, description="max_tokens of a request that "
+                                    "omits it (never more than the context or KV budget "
+                                    "left after its prompt): each request reserves prompt + "
+                                    "max_tokens, so the whole context would cut concurrency")
     direct_ingress: bool = Field(True, description="when `orchard serve` starts Ray itself, "
                                  "the ingress replica serves HTTP on `port` directly (Serve's "
                                  "direct ingress) instead of behind Serve's proxy")

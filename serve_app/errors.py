@@ -65,8 +65,34 @@ def model_not_found(model: str) -> APIError:
                     code="model_not_found")
 
 
-def context_exceeded(message: str) -> APIError:
-    return APIError(413, message, param="messages", code="context_length_exceeded")
+def unknown_parameter(name: str) -> APIError:
+    return APIError(400, f"Unrecognized request argument supplied: {name}", param=name,
+                    code="unknown_parameter")
+
+
+def context_exceeded(message: str, *, param: str = "messages") -> APIError:
+    """The request can never fit the model's context: 413 at once, with the numbers."""
+    return APIError(413, message, param=param, code="context_length_exceeded",
+                    reason="too_large")
+
+
+def too_large(message: str, *, param: str = "messages") -> APIError:
+    """The request can never fit one replica's KV budget: 413 at once, with the numbers."""
+    return APIError(413, message, param=param, code="request_too_large", reason="too_large")
+
+
+def tokenize_error(exc: BaseException) -> APIError:
+    """The chat template refused the messages (400), or the tokenizer failed (500): JSON
+    either way, never a plain-text 500."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:   # transformers needs jinja2 for templates; without it none raise
+        TemplateError = ()
+    if isinstance(exc, TemplateError):
+        return bad_request(f"the model's chat template refused the messages: {exc}",
+                           param="messages", code="invalid_messages")
+    return APIError(500, f"tokenizer failed: {type(exc).__name__}: {exc}", type="server_error",
+                    code="tokenizer_error", reason="tokenizer")
 
 
 def from_exception(exc: BaseException) -> APIError:

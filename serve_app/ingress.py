@@ -25,8 +25,8 @@ from serve_app.backends import unwrap
 from serve_app.calls import GenerateCall, stamp, tracing
 from serve_app.config import OrchardConfig
 from serve_app.errors import (APIError, bad_request, context_exceeded, from_exception,
-                              invalid_json, model_not_found, sse_error_event, unauthorized,
-                              unprocessable)
+                              invalid_json, model_not_found, sse_error_event, tokenize_error,
+                              too_large, unauthorized, unknown_parameter, unprocessable)
 from serve_app.metrics import CONTENT_TYPE, Metrics
 from serve_app.tokens import chat_prompt_ids, load_tokenizer, text_prompt_ids
 
@@ -41,6 +41,7 @@ class ModelEntry:
         self.backend = backend
         self.tokenizer: Any = None
         self.max_model_len = 0
+        self.max_request_tokens = 0
         self.format_identity = "?"
         self._lock = asyncio.Lock()
 
@@ -50,6 +51,8 @@ class ModelEntry:
                 if self.tokenizer is None:
                     info = await self.backend.info()
                     self.max_model_len = int(info["max_model_len"])
+                    self.max_request_tokens = int(info.get("max_request_tokens",
+                                                           self.max_model_len))
                     self.format_identity = info["format_identity"]
                     tok = await asyncio.to_thread(load_tokenizer, info["tokenizer_files"])
                     # We enforce the context ourselves (413/400); silence HF's length warning.
@@ -110,50 +113,98 @@ class IngressCore:
         try:
             req = model_cls.model_validate(data)
         except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"])
+            errors = e.errors()
+            # A field we do not know is a 400 naming it, before any type error.
+            extra = next((x for x in errors if x["type"] == "extra_forbidden"), None)
+            if extra is not None:
+                raise unknown_parameter(_loc(extra["loc"])) from None
+            err = errors[0]
+            loc = _loc(err["loc"])
             raise unprocessable(f"{loc}: {err['msg']}", param=loc or None) from None
         P.check_values(req)
         return req
 
     # --- the request path ---------------------------------------------------------------
 
-    async def build_call(self, kind: str, req, request: Request,
-                         trace: dict | None = None) -> tuple[GenerateCall, ModelEntry]:
+    async def build_calls(self, kind: str, req, request: Request, trace: dict | None = None
+                          ) -> tuple[list[GenerateCall], ModelEntry]:
+        """One GenerateCall per choice (n), or the APIError that refuses the request."""
         entry = self.models.get(req.model)
         if entry is None:
             raise model_not_found(req.model)
-        await entry.ready()
-        tok = entry.tokenizer
-        if kind == "chat":
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            prompt_ids = await _off_loop_if_long(chat_prompt_ids, tok, messages,
-                                                 size=sum(len(m["content"]) for m in messages))
-        else:
-            size = len(req.prompt) if isinstance(req.prompt, str) else 0
-            prompt_ids = await _off_loop_if_long(text_prompt_ids, tok, req.prompt, size=size)
-            if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= len(tok)):
-                raise bad_request("prompt token id out of vocabulary range", param="prompt")
-        limit = entry.max_model_len
-        if len(prompt_ids) >= limit:
-            raise context_exceeded(f"prompt has {len(prompt_ids)} tokens; this model's context "
-                                   f"holds {limit} tokens including the completion")
-        requested = req.requested_max_tokens()
-        max_tokens = requested if requested is not None else limit - len(prompt_ids)
-        if len(prompt_ids) + max_tokens > limit:
-            raise bad_request(f"max_tokens={max_tokens} plus {len(prompt_ids)} prompt tokens "
-                              f"exceeds the context of {limit} tokens", param="max_tokens",
-                              code="context_length_exceeded")
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        call = GenerateCall(
-            request_id=prefix + uuid.uuid4().hex, model=req.model, prompt_ids=prompt_ids,
-            max_tokens=max_tokens,
+        try:
+            await entry.ready()
+        except Exception as e:  # noqa: BLE001 - a replica that cannot describe its model
+            log.warning("model %s not ready: %r", req.model, e)
+            raise APIError(503, f"model {req.model!r} is not ready: {type(e).__name__}: {e}",
+                           type="service_unavailable", code="model_unavailable",
+                           retry_after_s=5.0) from None
+        prompt_ids = await self._prompt_ids(kind, req, entry.tokenizer)
+        max_tokens = self._max_tokens(req, len(prompt_ids), entry)
+        vocab = len(entry.tokenizer)
+        for name, ids in (("logit_bias", req.logit_bias_ids()),
+                          ("stop_token_ids", req.stop_token_ids or ())):
+            if any(t >= vocab for t in ids):
+                raise bad_request(f"{name} names token ids outside the vocabulary "
+                                  f"(size {vocab})", param=name)
+        base = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        deadline = self.deadline_unix(request)
+        calls = [GenerateCall(
+            request_id=base if req.n == 1 else f"{base}-{i}", model=req.model,
+            prompt_ids=prompt_ids, max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else float(req.temperature),
             top_p=1.0 if req.top_p is None else float(req.top_p), top_k=req.top_k or 0,
-            seed=req.seed, stop=req.stop_list(), ignore_eos=req.ignore_eos,
-            first_token_deadline_unix=self.deadline_unix(request), trace=trace)
+            # Choices of one seeded request differ from each other and are reproducible.
+            seed=None if req.seed is None else req.seed + i, stop=req.stop_list(),
+            ignore_eos=req.ignore_eos, min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None
+            else req.repetition_penalty,
+            logit_bias=req.logit_bias_ids(), stop_token_ids=list(req.stop_token_ids or ()),
+            logprobs=req.logprobs_k(), first_token_deadline_unix=deadline,
+            trace=trace if i == 0 else None) for i in range(req.n)]
         stamp(trace, "ingress_call_built")
-        return call, entry
+        return calls, entry
+
+    async def _prompt_ids(self, kind: str, req, tok) -> list[int]:
+        """Tokenize; a template or tokenizer failure becomes an OpenAI-shaped error."""
+        try:
+            if kind == "chat":
+                messages = [m.template_dict() for m in req.messages]
+                return await _off_loop_if_long(chat_prompt_ids, tok, messages,
+                                               size=sum(len(m["content"]) for m in messages))
+            size = len(req.prompt) if isinstance(req.prompt, str) else 0
+            ids = await _off_loop_if_long(text_prompt_ids, tok, req.prompt, size=size)
+        except Exception as e:  # noqa: BLE001 - mapped below, never a plain-text 500
+            raise tokenize_error(e) from None
+        if ids and (min(ids) < 0 or max(ids) >= len(tok)):
+            raise bad_request("prompt token id out of vocabulary range", param="prompt")
+        return ids
+
+    def _max_tokens(self, req, prompt: int, entry: "ModelEntry") -> int:
+        """The completion budget: as asked, or the configured default cut to what fits; a
+        request that can never fit the context or one replica's KV budget is a 413 now."""
+        limit, kv_max = entry.max_model_len, entry.max_request_tokens
+        if prompt >= limit:
+            raise context_exceeded(f"prompt has {prompt} tokens; this model's context "
+                                   f"holds {limit} tokens including the completion")
+        if prompt >= kv_max:
+            raise too_large(f"prompt has {prompt} tokens; one request on this model can "
+                            f"hold at most {kv_max} tokens (prompt + completion) in a "
+                            "replica's KV budget")
+        requested = req.requested_max_tokens()
+        if requested is None:
+            return min(self.config.http.default_max_tokens, limit - prompt, kv_max - prompt)
+        if prompt + requested > limit:
+            raise context_exceeded(f"max_tokens={requested} plus {prompt} prompt tokens "
+                                   f"exceeds the context of {limit} tokens",
+                                   param="max_tokens")
+        if prompt + requested > kv_max:
+            raise too_large(f"max_tokens={requested} plus {prompt} prompt tokens exceeds the "
+                            f"{kv_max} tokens one request can hold in a replica's KV budget",
+                            param="max_tokens")
+        return requested
 
     async def open_stream(self, call: GenerateCall, entry: ModelEntry):
         """Start the model stream; return (first item, rest) or raise the mapped APIError."""
@@ -179,76 +230,97 @@ class IngressCore:
                            retry_after_s=1.0, reason="deadline")
         return first, agen
 
+    async def open_streams(self, calls: list[GenerateCall], entry: ModelEntry):
+        """Every choice's stream, opened together; if one is refused the others are closed."""
+        if len(calls) == 1:
+            return [await self.open_stream(calls[0], entry)]
+        opened = await asyncio.gather(*(self.open_stream(c, entry) for c in calls),
+                                      return_exceptions=True)
+        failed = [o for o in opened if isinstance(o, BaseException)]
+        if failed:
+            for o in opened:
+                if not isinstance(o, BaseException):
+                    await o[1].aclose()
+            raise failed[0]
+        return opened
+
     async def complete(self, kind: str, request: Request) -> Response:
         t0 = time.monotonic()
         trace = {"ingress_in": time.time()} if tracing() else None
         model = "?"
         try:
-            self.authenticate(request)
-            req = await self.parse(request, P.ChatCompletionRequest if kind == "chat"
-                                   else P.CompletionRequest)
-            model = req.model
-            call, entry = await self.build_call(kind, req, request, trace)
-            first, rest = await self.open_stream(call, entry)
+            try:
+                self.authenticate(request)
+                req = await self.parse(request, P.ChatCompletionRequest if kind == "chat"
+                                       else P.CompletionRequest)
+                model = req.model
+                calls, entry = await self.build_calls(kind, req, request, trace)
+                streams = await self.open_streams(calls, entry)
+            except APIError:
+                raise
+            except Exception as e:  # noqa: BLE001 - whatever it was, the client gets JSON
+                log.exception("request failed before its first token")
+                raise from_exception(e) from None
         except APIError as e:
             self.metrics.refusals.labels(model if model in self.models else "?", e.reason,
                                          str(e.status)).inc()
             return e.response()
         self.metrics.admissions.labels(model).inc()
+        first = streams[0][0]
+        request_id = calls[0].request_id if len(calls) == 1 else calls[0].request_id[:-2]
         headers = {"x-orchard-replica": first.get("replica_id", "?"),
-                   "x-orchard-request-id": call.request_id}
+                   "x-orchard-request-id": request_id}
         if trace is not None:
             # Hops after the ingress stamped their copy of the call (it was pickled to them).
             trace.update(first.get("trace") or {})
             stamp(trace, "ingress_first_item")
             headers["x-orchard-trace"] = json.dumps(trace)
-        builder = P.ResponseBuilder(kind, call.request_id, model)
+        out = _Choices(kind, P.ResponseBuilder(kind, request_id, model),
+                       P.LogprobsFormatter(entry.tokenizer) if calls[0].logprobs is not None
+                       else None, _echo_text(req, entry.tokenizer, calls[0].prompt_ids),
+                       len(calls))
         tracker = _Tracker(self.metrics, model, entry.format_identity, t0)
         if req.stream:
-            return StreamingResponse(self._sse(builder, first, rest, req.include_usage(), tracker),
+            return StreamingResponse(self._sse(out, streams, req.include_usage(), tracker),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **headers})
-        text, finish, usage = [], None, None
+        finish, merged = None, _merge(streams)
         try:
-            async for item in _chain(first, rest):
+            async for index, item in merged:
                 tracker.delta(item)
-                text.append(item["text"])
-                finish, usage = item["finish_reason"], item["usage"]
+                out.add(index, item)
+            finish = out.finish()
         except Exception as e:  # noqa: BLE001 - a replica lost mid-request: 503 + Retry-After
-            err = self._failed_mid_stream(call.request_id, model, e)
+            err = self._failed_mid_stream(request_id, model, e)
             finish = f"error:{err.reason}"
             return err.response()
         finally:
-            await rest.aclose()
-            tracker.done(finish, usage)
-        return JSONResponse(builder.full("".join(text), P.openai_finish_reason(finish),
-                                         _usage(usage)), headers=headers)
+            await merged.aclose()
+            tracker.done(finish, out.usage())
+        return JSONResponse(out.body(), headers=headers)
 
-    async def _sse(self, builder: P.ResponseBuilder, first: dict, rest: AsyncIterator[dict],
-                   include_usage: bool, tracker: "_Tracker") -> AsyncIterator[str]:
-        finish, usage, is_first = None, None, True
+    async def _sse(self, out: "_Choices", streams: list, include_usage: bool,
+                   tracker: "_Tracker") -> AsyncIterator[str]:
+        finish, merged = None, _merge(streams)
         try:
             try:
-                async for item in _chain(first, rest):
+                async for index, item in merged:
                     tracker.delta(item)
-                    finish, usage = item["finish_reason"], item["usage"]
-                    if item["text"] or is_first:
-                        yield builder.chunk(item["text"], None, first=is_first)
-                        is_first = False
-                    if finish is not None:
-                        yield builder.chunk(None, P.openai_finish_reason(finish))
+                    for chunk in out.chunks(index, item):
+                        yield chunk
+                finish = out.finish()
             except Exception as e:  # noqa: BLE001 - after the first byte: an error event
-                err = self._failed_mid_stream(builder.id, builder.model, e)
+                err = self._failed_mid_stream(out.builder.id, out.builder.model, e)
                 finish = f"error:{err.reason}"
                 yield sse_error_event(err)
                 yield P.SSE_DONE
                 return
             if include_usage:
-                yield builder.chunk(None, None, usage=_usage(usage), no_choices=True)
+                yield out.builder.chunk(None, None, usage=_usage(out.usage()), no_choices=True)
             yield P.SSE_DONE
         finally:
-            await rest.aclose()
-            tracker.done(finish or "cancelled", usage)
+            await merged.aclose()
+            tracker.done(finish or "cancelled", out.usage())
 
     def _failed_mid_stream(self, request_id: str, model: str, exc: Exception) -> APIError:
         """Map a failure after the response started; the stream or reply still ends cleanly."""
@@ -260,9 +332,13 @@ class IngressCore:
     # --- side endpoints -----------------------------------------------------------------
 
     def list_models(self) -> dict:
-        return {"object": "list", "data": [
-            {"id": mid, "object": "model", "created": self.created, "owned_by": "orchard"}
-            for mid in self.models]}
+        return {"object": "list", "data": [self.model_card(mid) for mid in self.models]}
+
+    def model_card(self, model_id: str) -> dict:
+        if model_id not in self.models:
+            raise model_not_found(model_id)
+        return {"id": model_id, "object": "model", "created": self.created,
+                "owned_by": "orchard"}
 
     async def capacity_feed(self) -> dict:
         if self.capacity is None:
@@ -331,6 +407,132 @@ class _Tracker:
             self.m.cached_tokens.labels(self.model).inc(usage.get("cached_tokens", 0))
 
 
+class _Choices:
+    """Accumulates each choice's deltas into the reply body, or turns them into SSE chunks."""
+
+    def __init__(self, kind: str, builder: P.ResponseBuilder,
+                 logprobs: P.LogprobsFormatter | None, echo: str, n: int):
+        self.kind, self.builder, self.lp, self.echo = kind, builder, logprobs, echo
+        self.text = [[] for _ in range(n)]
+        self.chars = [len(echo)] * n        # text offsets for completions' logprobs
+        self.logprobs: list[list] = [[] for _ in range(n)]
+        self.finishes: list[str | None] = [None] * n
+        self.usages: list[dict | None] = [None] * n
+        self.started = [False] * n
+
+    def _logprobs(self, index: int, item: dict) -> Any:
+        if self.lp is None:
+            return None
+        ids, entries = item["token_ids"], item.get("logprobs") or []
+        if self.kind == "chat":
+            return self.lp.chat(ids, entries)
+        return self.lp.text(ids, entries, self.chars[index])
+
+    def add(self, index: int, item: dict) -> None:
+        if not self.started[index]:
+            self.started[index] = True
+            self.text[index].append(self.echo)
+        self.text[index].append(item["text"])
+        if self.lp is not None and item["token_ids"]:
+            self.logprobs[index].append(self._logprobs(index, item))
+        self.chars[index] += len(item["text"])
+        self.finishes[index], self.usages[index] = item["finish_reason"], item["usage"]
+
+    def chunks(self, index: int, item: dict) -> list[str]:
+        first = not self.started[index]
+        self.started[index] = True
+        text = (self.echo if first else "") + item["text"]
+        lp = self._logprobs(index, item) if item["token_ids"] else None
+        self.chars[index] += len(item["text"])
+        self.finishes[index], self.usages[index] = item["finish_reason"], item["usage"]
+        out = []
+        if text or first or lp:
+            out.append(self.builder.chunk(text, None, index=index, first=first, logprobs=lp))
+        if item["finish_reason"] is not None:
+            out.append(self.builder.chunk(None, P.openai_finish_reason(item["finish_reason"]),
+                                          index=index))
+        return out
+
+    def _joined_logprobs(self, index: int) -> Any:
+        if self.lp is None:
+            return None
+        parts = self.logprobs[index]
+        if self.kind == "chat":
+            return [e for p in parts for e in p]
+        return {k: [v for p in parts for v in p[k]]
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+    def body(self) -> dict:
+        return self.builder.full(
+            [("".join(t), P.openai_finish_reason(f), self._joined_logprobs(i))
+             for i, (t, f) in enumerate(zip(self.text, self.finishes))], _usage(self.usage()))
+
+    def finish(self) -> str | None:
+        return self.finishes[0] if len(set(self.finishes)) == 1 else "mixed"
+
+    def usage(self) -> dict | None:
+        got = [u for u in self.usages if u]
+        if not got:
+            return None
+        # The prompt is counted once, as OpenAI does for n > 1.
+        return {"prompt_tokens": got[0]["prompt_tokens"],
+                "completion_tokens": sum(u["completion_tokens"] for u in got),
+                "cached_tokens": got[0].get("cached_tokens", 0)}
+
+
+def _echo_text(req, tok, prompt_ids: list[int]) -> str:
+    if not getattr(req, "echo", False):
+        return ""
+    if isinstance(req.prompt, str):
+        return req.prompt
+    if req.prompt and isinstance(req.prompt[0], str):
+        return req.prompt[0]
+    return tok.decode(prompt_ids)
+
+
+async def _merge(streams: list[tuple[dict, AsyncIterator[dict]]]
+                 ) -> AsyncIterator[tuple[int, dict]]:
+    """(choice index, item) from every choice's stream as they come; all drained to the end
+    (not just the finishing delta) so each replica generator completes normally."""
+    if len(streams) == 1:
+        first, rest = streams[0]
+        try:
+            yield 0, first
+            async for item in rest:
+                yield 0, item
+        finally:
+            await rest.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, first: dict, rest: AsyncIterator[dict]) -> None:
+        try:
+            await queue.put((index, first, None))
+            async for item in rest:
+                await queue.put((index, item, None))
+            await queue.put((index, None, None))
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((index, None, e))
+
+    tasks = [asyncio.create_task(pump(i, f, r)) for i, (f, r) in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            index, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is None:
+                live -= 1
+                continue
+            yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _, rest in streams:
+            await rest.aclose()
+
+
 # Tokenizing a long prompt takes milliseconds; do it off the event loop that serves everyone.
 _INLINE_TOKENIZE_CHARS = 8192
 
@@ -341,12 +543,12 @@ async def _off_loop_if_long(fn, *args, size: int):
     return fn(*args)
 
 
-async def _chain(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    # Drain to the end (not just the finishing delta) so the replica's generator completes
-    # normally instead of being cancelled.
-    yield first
-    async for item in rest:
-        yield item
+def _loc(loc: tuple) -> str:
+    """A pydantic error location as the client wrote it: messages[0].content."""
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
 
 
 def _usage(u: dict | None) -> dict:
@@ -362,6 +564,12 @@ def build_fastapi_app(core: IngressCore) -> FastAPI:
     async def _http_error(_: Request, exc: StarletteHTTPException):
         code = "not_found" if exc.status_code == 404 else "http_error"
         return APIError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        # Anything unmapped still answers OpenAI-shaped JSON (500), never plain text.
+        log.exception("unhandled error")
+        return from_exception(exc).response()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -384,6 +592,14 @@ def build_fastapi_app(core: IngressCore) -> FastAPI:
         try:
             core.authenticate(request)
             return await core.capacity_feed()
+        except APIError as e:
+            return e.response()
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str, request: Request):
+        try:
+            core.authenticate(request)
+            return core.model_card(model_id)
         except APIError as e:
             return e.response()
 

@@ -1,11 +1,15 @@
 """OpenAI wire models: requests (validated), responses and SSE chunks (built as plain dicts).
 
-Type errors are pydantic's job (-> 422); value errors (negative max_tokens, n > 1, ...) are
-checked in `check_values` (-> 400), so clients can tell "wrong shape" from "wrong number".
+Every request field is implemented, refused, or on the short list of safely ignored fields
+(`IGNORED_FIELDS`, docs/api.md): a field we do not know is refused with a 400 naming it rather
+than dropped, so a client never gets a 200 that silently ignored what it asked for.
+Type errors are pydantic's job (-> 422); unknown fields and value errors (negative max_tokens,
+tools, ...) are 400s naming the field, so clients can tell "wrong shape" from "not supported".
 """
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Literal
 
@@ -13,17 +17,29 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from serve_app.errors import bad_request
 
+MAX_STOP_STRINGS = 4
+MAX_N = 8                 # choices per request (each is a full request to the engine)
+MAX_TOP_LOGPROBS = 20     # OpenAI's limit; the engine's too (engine.sampling.MAX_LOGPROBS)
+MAX_LOGIT_BIAS = 300      # entries, as OpenAI
+
+# Accepted and ignored: they change nothing about the tokens a request gets.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier",
+                  "prompt_cache_key", "parallel_tool_calls")
+
 
 class _Req(BaseModel):
-    # OpenAI clients send many optional fields we do not use; ignore rather than refuse them.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are refused (mapped to a 400 naming the field in the ingress).
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Req):
     include_usage: StrictBool = False
+    include_obfuscation: Any = None   # ignored: padding against side channels, not content
 
 
-class ContentPart(_Req):
+class ContentPart(BaseModel):
+    # Part kinds are checked in check_values (an image part gets a 400 naming it).
+    model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
@@ -31,12 +47,23 @@ class ContentPart(_Req):
 class ChatMessage(_Req):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None            # passed to the chat template
+    tool_call_id: str | None = None    # passed to the chat template
+    tool_calls: Any = None             # refused (check_values) until tool calling is served
+    refusal: Any = None                # ignored: an earlier assistant turn's refusal text
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = [p.text or "" for p in self.content if p.type in ("text", "input_text")]
-        return "".join(parts)
+        return "".join(p.text or "" for p in self.content)
+
+    def template_dict(self) -> dict[str, str]:
+        d = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
 
 
 class _Sampling(_Req):
@@ -45,13 +72,26 @@ class _Sampling(_Req):
     temperature: float | None = None
     top_p: float | None = None
     top_k: StrictInt | None = None
+    min_p: float | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None   # vLLM's extension
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
-    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None         # vLLM's extension
+    logit_bias: dict[str, float] | None = None
     ignore_eos: StrictBool = False   # vLLM's extension: generate max_tokens (benchmarks, tests)
+    # Safely ignored (IGNORED_FIELDS).
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    parallel_tool_calls: Any = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -61,55 +101,155 @@ class _Sampling(_Req):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    # Known and refused unless neutral (check_values): not served yet.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
+    def logprobs_k(self) -> int | None:
+        """None: no logprobs; k: the sampled token's plus k alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[StrictInt]
     echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    suffix: Any = None     # refused unless empty (no fill-in-the-middle)
+    best_of: Any = None    # refused unless it equals n (no server-side ranking)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
-MAX_STOP_STRINGS = 4
+
+# Refused fields and the values that ask for nothing (a client may send these explicitly).
+_NEUTRAL = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "web_search_options": (None,), "reasoning_effort": (None,), "suffix": (None, ""),
+}
+_TEXT_PARTS = ("text", "input_text")
 
 
 def check_values(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Value checks OpenAI answers with 400."""
+    for name, neutral in _NEUTRAL.items():
+        if name in type(req).model_fields and getattr(req, name) not in neutral:
+            raise bad_request(f"{name} is not supported by this server", param=name,
+                              code="unsupported_parameter")
     mt = req.requested_max_tokens()
     if mt is not None and mt < 1:
         raise bad_request(f"max_tokens must be >= 1, got {mt}", param="max_tokens")
-    if req.n != 1:
-        raise bad_request("only n=1 is supported", param="n")
-    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
-        raise bad_request(f"temperature must be in [0, 2], got {req.temperature}",
-                          param="temperature")
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+    _check_range(req.temperature, "temperature", 0.0, 2.0)
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
         raise bad_request(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
     if req.top_k is not None and req.top_k < 0:
         raise bad_request(f"top_k must be >= 0, got {req.top_k}", param="top_k")
+    _check_range(req.min_p, "min_p", 0.0, 1.0)
+    _check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    if req.repetition_penalty is not None and not (math.isfinite(req.repetition_penalty)
+                                                   and 0.0 < req.repetition_penalty <= 10.0):
+        raise bad_request(f"repetition_penalty must be in (0, 10], got "
+                          f"{req.repetition_penalty}", param="repetition_penalty")
+    _check_logit_bias(req.logit_bias)
+    if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
+        raise bad_request("stop_token_ids must be token ids >= 0", param="stop_token_ids")
     stops = req.stop_list()
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise bad_request(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings",
                           param="stop")
-    if isinstance(req, ChatCompletionRequest) and not req.messages:
+    if isinstance(req, ChatCompletionRequest):
+        _check_chat(req)
+    else:
+        _check_completion(req)
+
+
+def _check_range(v: float | None, name: str, lo: float, hi: float) -> None:
+    if v is not None and not (math.isfinite(v) and lo <= v <= hi):
+        raise bad_request(f"{name} must be in [{lo:g}, {hi:g}], got {v}", param=name)
+
+
+def _check_logit_bias(bias: dict[str, float] | None) -> None:
+    if not bias:
+        return
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens",
+                          param="logit_bias")
+    for k, v in bias.items():
+        if not k.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {k!r}",
+                              param="logit_bias")
+        if not (math.isfinite(v) and -100.0 <= v <= 100.0):
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {v}",
+                              param="logit_bias")
+
+
+def _check_chat(req: ChatCompletionRequest) -> None:
+    if not req.messages:
         raise bad_request("messages must not be empty", param="messages")
-    if isinstance(req, CompletionRequest):
-        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
-            if len(req.prompt) != 1:
-                raise bad_request("only one prompt per request is supported", param="prompt")
-        if req.echo:
-            raise bad_request("echo is not supported", param="prompt")
-        if req.prompt in ("", []):
-            raise bad_request("prompt must not be empty", param="prompt")
+    for i, m in enumerate(req.messages):
+        if m.tool_calls not in (None, []):
+            raise bad_request("tool_calls in messages are not supported by this server",
+                              param=f"messages[{i}].tool_calls", code="unsupported_parameter")
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            if part.type not in _TEXT_PARTS:
+                raise bad_request(f"content parts of type {part.type!r} are not supported "
+                                  "(text only)", param=f"messages[{i}].content[{j}].type",
+                                  code="unsupported_parameter")
+            extra = sorted(set(part.model_extra or ()))
+            if extra:
+                raise bad_request(f"Unrecognized request argument supplied: {extra[0]}",
+                                  param=f"messages[{i}].content[{j}].{extra[0]}",
+                                  code="unknown_parameter")
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
+                              param="top_logprobs")
+        if not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+
+
+def _check_completion(req: CompletionRequest) -> None:
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
+        if len(req.prompt) != 1:
+            raise bad_request("only one prompt per request is supported", param="prompt")
+    if req.prompt in ("", [], [""]):
+        raise bad_request("prompt must not be empty", param="prompt")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of other than n is not supported (no server-side ranking)",
+                          param="best_of", code="unsupported_parameter")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (prompt logprobs are not "
+                          "computed)", param="echo", code="unsupported_parameter")
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -123,6 +263,36 @@ def openai_finish_reason(reason: str | None) -> str | None:
     return {"stop": "stop", "length": "length"}.get(reason, reason and "stop")
 
 
+class LogprobsFormatter:
+    """Engine logprob entries ([logprob, [[id, logprob], ...]] per token) -> OpenAI's shapes.
+
+    Token strings are each id decoded alone; `bytes` are that string's UTF-8 bytes."""
+
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+
+    def _piece(self, token_id: int) -> str:
+        return self.tok.decode([token_id])
+
+    def chat(self, token_ids: list[int], entries: list) -> list[dict]:
+        def one(t, lp):
+            s = self._piece(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return [{**one(t, lp), "top_logprobs": [one(a, alp) for a, alp in top]}
+                for t, (lp, top) in zip(token_ids, entries)]
+
+    def text(self, token_ids: list[int], entries: list, offset: int) -> dict:
+        """Legacy completions shape; `offset` = characters of text before the first token."""
+        tokens = [self._piece(t) for t in token_ids]
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
+                "top_logprobs": [{self._piece(a): alp for a, alp in top} for _, top in entries],
+                "text_offset": offsets}
+
+
 class ResponseBuilder:
     """Builds response bodies and SSE chunks for one request (chat or text completion)."""
 
@@ -133,31 +303,38 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.object = "chat.completion" if kind == "chat" else "text_completion"
 
-    def _choice(self, text: str | None, finish: str | None, *, delta: bool,
-                first: bool = False) -> dict:
+    def _choice(self, index: int, text: str | None, finish: str | None, *, delta: bool,
+                first: bool = False, logprobs: Any = None) -> dict:
         if self.kind == "text":
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text or "", "logprobs": logprobs,
+                    "finish_reason": finish}
+        lp = None if logprobs is None else {"content": logprobs, "refusal": None}
         if delta:
             d: dict[str, Any] = {"role": "assistant"} if first else {}
             if text:
                 d["content"] = text
             elif first:
                 d["content"] = ""
-            return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish}
+            return {"index": index, "delta": d, "logprobs": lp, "finish_reason": finish}
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": lp, "finish_reason": finish}
 
-    def full(self, text: str, finish: str | None, usage: dict) -> dict:
+    def full(self, choices: list[tuple[str, str | None, Any]], usage: dict) -> dict:
+        """`choices`: (text, finish, logprobs) per choice, in index order."""
         return {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": [self._choice(text, finish, delta=False)],
+                "model": self.model,
+                "choices": [self._choice(i, text, finish, delta=False, logprobs=lp)
+                            for i, (text, finish, lp) in enumerate(choices)],
                 "usage": usage}
 
-    def chunk(self, text: str | None, finish: str | None, *, first: bool = False,
-              usage: dict | None = None, no_choices: bool = False) -> str:
+    def chunk(self, text: str | None, finish: str | None, *, index: int = 0,
+              first: bool = False, logprobs: Any = None, usage: dict | None = None,
+              no_choices: bool = False) -> str:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         body: dict[str, Any] = {
             "id": self.id, "object": obj, "created": self.created, "model": self.model,
-            "choices": [] if no_choices else [self._choice(text, finish, delta=True, first=first)],
+            "choices": [] if no_choices else [self._choice(index, text, finish, delta=True,
+                                                           first=first, logprobs=logprobs)],
         }
         if usage is not None:
             body["usage"] = usage

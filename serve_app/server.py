@@ -84,7 +84,6 @@ class ModelServer:
     async def generate(self, call: GenerateCall) -> AsyncIterator[dict]:
         """Stream delta dicts; an error before the first delta comes as one `{"error": ...}`."""
         from engine.request import GenerationRequest
-        from engine.sampling import SamplingParams
 
         stamp(call.trace, "replica_in")
         await self.start()
@@ -98,12 +97,8 @@ class ModelServer:
         usage, ttft, finish, last_t, n_deltas = None, None, None, started, 0
         try:
             try:
-                req = GenerationRequest(
-                    call.request_id, call.prompt_ids,
-                    SamplingParams(temperature=call.temperature, top_p=call.top_p,
-                                   top_k=call.top_k, seed=call.seed, max_tokens=call.max_tokens,
-                                   stop=tuple(call.stop), ignore_eos=call.ignore_eos),
-                    first_token_deadline=call.deadline_monotonic())
+                req = GenerationRequest(call.request_id, call.prompt_ids, call.sampling_params(),
+                                        first_token_deadline=call.deadline_monotonic())
                 stream = self.engine.generate(req, coalesce=True)
                 async for d in stream:
                     n_deltas += 1
@@ -114,6 +109,9 @@ class ModelServer:
                     item = {"text": d.text, "token_ids": list(d.token_ids),
                             "finish_reason": d.finish_reason, "usage": asdict(d.usage),
                             "ttft_s": d.ttft_s}
+                    if d.logprobs is not None:
+                        item["logprobs"] = [[e.logprob, [list(a) for a in e.top]]
+                                            for e in d.logprobs]
                     if n_deltas == 1:
                         item["replica_id"] = self.replica_id
                         if call.trace is not None:
@@ -162,7 +160,11 @@ class ModelServer:
                     files[name] = f.read()
         return {"model_id": self.model_id, "replica_id": self.replica_id, "pid": os.getpid(),
                 "format_identity": self.engine.format_identity,
-                "max_model_len": self.max_model_len(), "tokenizer_files": files}
+                "max_model_len": self.max_model_len(),
+                # The most raw tokens one request can ever be charged on an idle replica (its
+                # whole KV budget): the ingress refuses larger ones at once (413).
+                "max_request_tokens": int(self.engine.cost_model().max_raw_tokens(0, 0)),
+                "tokenizer_files": files}
 
     def max_model_len(self) -> int:
         """Most raw tokens (prompt + completion) one request may have on this replica."""
