@@ -1,0 +1,212 @@
+"""The OpenAI surface over real HTTP (tests/api_server.py) on orchard-tiny, driven by the
+official openai SDK: every field is implemented, refused with a 400 naming it, or on the short
+ignored list; errors are OpenAI-shaped JSON; max_tokens defaults and 413s are decided at once."""
+import json
+import os
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from tests.api_server import TINY, served
+
+MSG = [{"role": "user", "content": "hello"}]
+KV_TOKENS = 256           # tiny-kv's KV budget, in tokens (float32 K/V on the CPU)
+BYTES_PER_TOKEN = 6 * 2 * 64 * 2 * 4   # orchard-tiny: layers x KV heads x head dim x (K,V) x 4
+DEFAULT_MAX_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    # The same weights behind a chat template that raises for system messages: a real template
+    # error, as strict templates (Mistral, Gemma) raise for unsupported roles.
+    strict = tmp_path_factory.mktemp("strict")
+    for name in os.listdir(TINY):
+        if name != "tokenizer_config.json":
+            os.symlink(os.path.join(TINY, name), strict / name)
+    cfg = json.load(open(os.path.join(TINY, "tokenizer_config.json")))
+    cfg["chat_template"] = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception("
+                            "'System role not supported') }}{% endif %}" + cfg["chat_template"])
+    (strict / "tokenizer_config.json").write_text(json.dumps(cfg))
+    small = {"max_num_seqs": 2, "warmup": False}
+    with served([{"id": "tiny", "path": TINY, "max_num_seqs": 4, "warmup": False},
+                 {"id": "tiny-ctx", "path": TINY, "engine": {"max_model_len": 48}, **small},
+                 {"id": "tiny-kv", "path": TINY, "kv_budget_bytes": KV_TOKENS * BYTES_PER_TOKEN,
+                  **small},
+                 {"id": "tiny-strict", "path": str(strict), **small}],
+                http={"default_max_tokens": DEFAULT_MAX_TOKENS}) as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _refused(call, param: str, code: str, status=openai.BadRequestError):
+    with pytest.raises(status) as e:
+        call()
+    err = e.value.body
+    assert err["param"] == param and err["code"] == code, err
+    assert param.split(".")[-1].split("[")[0] in err["message"] or code != "unknown_parameter"
+    return err
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+], ids=["top-level", "nested"])
+def test_unknown_fields_are_refused_naming_them(client, extra, param):
+    _refused(lambda: client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
+                                                    extra_body=extra), param, "unknown_parameter")
+
+
+def test_unknown_message_field_is_refused(client):
+    msgs = [{"role": "user", "content": "hi", "colour": "blue"}]
+    _refused(lambda: client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2),
+             "messages[0].colour", "unknown_parameter")
+
+
+UNSERVED = [
+    ("tools", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
+    ("response_format", dict(response_format={"type": "json_object"})),
+    ("tool_choice", dict(tool_choice="required")),
+    ("modalities", dict(modalities=["text", "audio"])),
+]
+
+
+@pytest.mark.parametrize("param, kw", UNSERVED, ids=[u[0] for u in UNSERVED])
+def test_unserved_features_are_refused_not_dropped(client, param, kw):
+    _refused(lambda: client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
+                                                    **kw), param, "unsupported_parameter")
+
+
+def test_image_parts_and_tool_call_history_are_refused(client):
+    img = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                        {"type": "image_url",
+                                         "image_url": {"url": "data:image/png;base64,AA=="}}]}]
+    _refused(lambda: client.chat.completions.create(model="tiny", messages=img, max_tokens=2),
+             "messages[0].content[1].type", "unsupported_parameter")
+    hist = [*MSG, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    _refused(lambda: client.chat.completions.create(model="tiny", messages=hist, max_tokens=2),
+             "messages[1].tool_calls", "unsupported_parameter")
+
+
+def test_neutral_and_ignored_fields_are_accepted(client):
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}],
+                                 "name": "ann"}],
+        max_tokens=2, tools=[], tool_choice="none", response_format={"type": "text"},
+        user="u1", metadata={"k": "v"}, store=False, service_tier="auto", temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_completion_refusals(client):
+    _refused(lambda: client.completions.create(model="tiny", prompt="a", max_tokens=2,
+                                               suffix="b"), "suffix", "unsupported_parameter")
+    _refused(lambda: client.completions.create(model="tiny", prompt="a", max_tokens=2,
+                                               best_of=3), "best_of", "unsupported_parameter")
+    _refused(lambda: client.completions.create(model="tiny", prompt="a", max_tokens=2,
+                                               echo=True, logprobs=1),
+             "echo", "unsupported_parameter")
+
+
+def test_value_errors_name_the_field(client):
+    for kw, param in [(dict(presence_penalty=3), "presence_penalty"),
+                      (dict(frequency_penalty=-2.5), "frequency_penalty"),
+                      (dict(extra_body={"min_p": 1.5}), "min_p"), (dict(n=9), "n"),
+                      (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+                      (dict(top_logprobs=2), "top_logprobs"),
+                      (dict(logit_bias={"5": 101}), "logit_bias"),
+                      (dict(logit_bias={"x": 1}), "logit_bias"),
+                      (dict(logit_bias={"8192": 1}), "logit_bias"),
+                      (dict(extra_body={"stop_token_ids": [99999]}), "stop_token_ids"),
+                      (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty")]:
+        _refused(lambda: client.chat.completions.create(model="tiny", messages=MSG,
+                                                        max_tokens=2, **kw),
+                 param, "invalid_value")
+
+
+def test_chat_template_error_is_a_json_400(client, url):
+    sys_msg = [{"role": "system", "content": "be brief"}, *MSG]
+    err = _refused(lambda: client.chat.completions.create(model="tiny-strict", messages=sys_msg,
+                                                          max_tokens=2),
+                   "messages", "invalid_messages")
+    assert "System role not supported" in err["message"]
+    # The same model still serves messages its template accepts.
+    r = client.chat.completions.create(model="tiny-strict", messages=MSG, max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_model_card_and_unknown_route_are_json(client, url):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    r = httpx.post(url + "/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_omitted_max_tokens_takes_the_configured_default(client):
+    r = client.completions.create(model="tiny", prompt="def f(x):", temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == DEFAULT_MAX_TOKENS
+
+
+def test_omitted_max_tokens_never_exceeds_the_context_left(client):
+    # tiny-ctx holds 48 tokens: a 45-token prompt leaves 3, below the default of 5.
+    prompt = list(range(100, 145))
+    r = client.completions.create(model="tiny-ctx", prompt=prompt, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == 45 and r.usage.completion_tokens == 3
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_requests_that_can_never_fit_get_413_with_the_numbers(client):
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="tiny-ctx", prompt=list(range(100, 145)), max_tokens=4)
+    assert e.value.status_code == 413
+    assert e.value.body["code"] == "context_length_exceeded" and "48" in e.value.body["message"]
+    # Fits tiny-kv's 4096-token context but never its KV budget: refused by the ingress
+    # before any queue (its message names the budget in tokens).
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="tiny-kv", prompt="x", max_tokens=2000)
+    assert e.value.status_code == 413 and e.value.body["code"] == "request_too_large"
+    msg = e.value.body["message"]
+    assert "max_tokens=2000" in msg and "KV budget" in msg
+    budget = int(msg.split("exceeds the ")[1].split(" tokens")[0])
+    assert 0 < budget <= KV_TOKENS
+    # A request within that budget is served.
+    ok = client.completions.create(model="tiny-kv", prompt="x", max_tokens=budget - 4,
+                                   temperature=0, stop=["\n"])
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_n_choices_seeded_distinct_and_streamed(client):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "x ="}], max_tokens=6,
+              temperature=2.0, seed=11, n=3)
+    r = client.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1
+    assert r.usage.completion_tokens == sum(
+        client.chat.completions.create(**{**kw, "n": 1, "seed": 11 + i}).usage.completion_tokens
+        for i in range(3))
+    # Choice i is the request seeded seed + i, streamed or not.
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks
+                        if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert streamed == texts
+    finishes = sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason)
+    assert finishes == [0, 1, 2]
+
+
+def test_echo_prepends_the_prompt(client):
+    kw = dict(model="tiny", prompt="def add(a, b):", max_tokens=4, temperature=0)
+    plain = client.completions.create(**kw).choices[0].text
+    echoed = client.completions.create(**kw, echo=True).choices[0].text
+    assert echoed == "def add(a, b):" + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        **kw, echo=True, stream=True) if c.choices)
+    assert streamed == echoed
