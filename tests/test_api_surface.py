@@ -210,3 +210,78 @@ def test_echo_prepends_the_prompt(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         **kw, echo=True, stream=True) if c.choices)
     assert streamed == echoed
+
+
+def test_chat_logprobs_streamed_equal_full_and_greedy_is_top1(client):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "x ="}], max_tokens=6,
+              temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob
+        assert [a.logprob for a in e.top_logprobs] == sorted(
+            (a.logprob for a in e.top_logprobs), reverse=True)
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == r.choices[0].message.content
+
+
+def test_completion_logprobs_shape(client):
+    r = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=5,
+                                  temperature=0.8, seed=4, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.token_logprobs) == 5
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    streamed = [v for c in client.completions.create(
+        model="tiny", prompt="def f(x):", max_tokens=5, temperature=0.8, seed=4, logprobs=2,
+        stream=True, extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs
+        for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+
+
+def _pieces(client, **kw):
+    r = client.completions.create(model="tiny", prompt="def f(x):", logprobs=0, **kw)
+    return r, r.choices[0].logprobs.tokens
+
+
+def test_logit_bias_and_stop_token_ids(client):
+    forced = 300
+    r, pieces = _pieces(client, max_tokens=4, temperature=1.0, seed=2,
+                        logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert len(set(pieces)) == 1 and len(pieces) == 4
+    r, pieces = _pieces(client, max_tokens=4, temperature=0, logit_bias={str(forced): 100},
+                        extra_body={"stop_token_ids": [forced]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    assert r.choices[0].text == ""
+
+
+@pytest.mark.parametrize("penalty", [dict(frequency_penalty=1.5), dict(presence_penalty=1.5)],
+                         ids=["frequency", "presence"])
+def test_penalties_pick_as_specified(client, penalty):
+    """Greedy with a penalty picks, at every step, the token maximizing the model's logprob
+    minus the penalty on what was generated so far (checked over the top-20 alternatives)."""
+    kw = dict(max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    base, base_pieces = _pieces(client, **kw)
+    r = client.completions.create(model="tiny", prompt="def f(x):", logprobs=20, **kw, **penalty)
+    lp = r.choices[0].logprobs
+    assert lp.tokens != base_pieces, "the penalty changed nothing"
+    f, p = penalty.get("frequency_penalty", 0), penalty.get("presence_penalty", 0)
+    counts: dict[str, int] = {}
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        def score(piece, logprob):
+            c = counts.get(piece, 0)
+            return logprob - f * c - (p if c else 0)
+        best = max(score(a, v) for a, v in top.items())
+        assert score(tok, chosen) >= best - 1e-4
+        counts[tok] = counts.get(tok, 0) + 1
+    zero = client.completions.create(model="tiny", prompt="def f(x):", logprobs=0, **kw,
+                                     frequency_penalty=0, presence_penalty=0)
+    assert zero.choices[0].text == base.choices[0].text
