@@ -33,6 +33,7 @@ import httpx
 
 from engine.model_names import MODEL_HELP, model_arg
 from serve_app.calls import TRACE_ENV
+from serve_app.cli import LOCAL_RAY_SYSTEM_CONFIG
 from serve_app.config import parse_config
 
 PROMPT = [{"role": "user", "content": "Write one short sentence about apple orchards."}]
@@ -45,6 +46,12 @@ def summary(samples_s: list[float]) -> dict:
             "min_ms": round(ms[0], 2)}
 
 
+# Every path gets the same small KV pool: three engines (in process, behind HTTP, in the Ray
+# replica) each sizing its pool from the box's memory would together take more than the box
+# has, and a one-request bench needs a few pages.
+BENCH_KV_BYTES = 256 << 20
+
+
 class EnginePath:
     """Engine.generate in this process: submit -> first delta with a token."""
 
@@ -53,7 +60,7 @@ class EnginePath:
         from engine.loop import Engine
         from serve_app.tokens import chat_prompt_ids
 
-        self.engine = Engine(EngineConfig(model=model))
+        self.engine = Engine(EngineConfig(model=model, kv_budget_bytes=BENCH_KV_BYTES))
         self.ids = chat_prompt_ids(self.engine.tokenizer, PROMPT)
         self.max_tokens = max_tokens
         self.loop = asyncio.new_event_loop()
@@ -135,8 +142,8 @@ class HTTPInProcessPath:
 
         from serve_app.app import build_local_app
 
-        app, self.servers = build_local_app(parse_config({"models": [{"id": "bench",
-                                                                      "path": model}]}))
+        app, self.servers = build_local_app(parse_config({"models": [{
+            "id": "bench", "path": model, "kv_budget_bytes": BENCH_KV_BYTES}]}))
         port = _free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                                     log_level="error"))
@@ -163,6 +170,7 @@ def _app_config(port: int, model: str, model_id: str, replica_env: dict[str, str
                          "capacity": {"namespace": "orchard-bench", "snapshot_path": ""},
                          "replica_env": replica_env,
                          "models": [{"id": model_id, "path": model,
+                                     "kv_budget_bytes": BENCH_KV_BYTES,
                                      "resources": {"num_cpus": 0}}]})
 
 
@@ -173,7 +181,8 @@ class ServeCluster:
     (from `direct_port` up); requests then skip the Serve proxy.
     """
 
-    def __init__(self, model: str, cluster_env: dict[str, str], direct_ingress: bool = False):
+    def __init__(self, model: str, cluster_env: dict[str, str], direct_ingress: bool = False,
+                 worker_niceness: int = 0):
         import ray
         from ray import serve
 
@@ -191,7 +200,7 @@ class ServeCluster:
         # The raylet (and so the proxy and controller) inherits the driver's environment.
         os.environ.update(cluster_env)
         ray.init(num_cpus=2, include_dashboard=False, namespace="orchard-bench",
-                 log_to_driver=False,
+                 log_to_driver=False, _system_config={"worker_niceness": worker_niceness},
                  runtime_env={"env_vars": {**openblas_env(), "PYTHONPATH": os.getcwd(),
                                            **cluster_env}})
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
@@ -280,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--proxy", action="store_true",
                    help="through Serve's HTTP proxy, as before (default: direct ingress, "
                    "as `orchard serve` runs)")
+    p.add_argument("--worker-niceness", type=int, default=LOCAL_RAY_SYSTEM_CONFIG[
+                       "worker_niceness"],
+                   help="niceness of the local Ray's workers (default: %(default)s, as `orchard "
+                   "serve` starts them; Ray's own default is 15)")
     args = p.parse_args(argv)
     if args.trace:
         os.environ[TRACE_ENV] = "1"
@@ -293,10 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": args.model, "requests": args.requests, "max_tokens": args.max_tokens,
               "cluster_env": cluster_env, "variants": variants,
               "ingress": "proxy" if args.proxy else "direct",
+              "worker_niceness": args.worker_niceness,
               "load_avg_before": os.getloadavg()[0]}
     paths, cluster = {}, None
     try:
-        cluster = ServeCluster(args.model, cluster_env, direct_ingress=not args.proxy)
+        cluster = ServeCluster(args.model, cluster_env, direct_ingress=not args.proxy,
+                               worker_niceness=args.worker_niceness)
         for name, env in variants.items():
             paths[name] = ServePath(cluster, name, env, args.max_tokens)
         paths["http"] = HTTPInProcessPath(args.model, args.max_tokens)

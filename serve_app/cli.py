@@ -95,6 +95,7 @@ BENCHES = {
     "capacity": "serve_app.capacity_bench",      # capacity actor round trips, memory per identity
     "serve": "loadtest.bench_serve",   # Orchard (started here or given) vs mlx_lm.server, rate sweeps
     "serve-path": "serve_app.bench",   # TTFT overhead of the HTTP/Serve path
+    "memory": "loadtest.bench_memory",  # Orchard vs mlx_lm.server under one memory limit
 }
 
 
@@ -184,6 +185,14 @@ def direct_ingress_env(port: int, span: int = 0) -> dict[str, str]:
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 
 
+# Ray starts its workers at niceness 15 so they yield to its own daemons; here the workers ARE
+# the product (the model replica's engine thread, the ingress), and at 15 any process at normal
+# priority on the box (a client, a tokenizer, the peer in a benchmark) takes the CPU from them:
+# measured +24 ms on a 135M model's first token on a 2-core box. A cluster started with
+# `ray start` gets the same through RAY_worker_niceness=0 (cluster.yaml).
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+
+
 def _connect(address: str | None, namespace: str, start_local: bool,
              cluster_env: dict[str, str] | None = None) -> None:
     import ray
@@ -196,7 +205,8 @@ def _connect(address: str | None, namespace: str, start_local: bool,
         os.environ.update(cluster_env)
     ray.init(address=None if start_local else address, namespace=namespace,
              runtime_env=_runtime_env(cluster_env),
-             include_dashboard=False if start_local else None, log_to_driver=False)
+             include_dashboard=False if start_local else None, log_to_driver=False,
+             _system_config=LOCAL_RAY_SYSTEM_CONFIG if start_local else None)
 
 
 def _wait_port_free(host: str, port: int, timeout_s: float = 30.0) -> None:

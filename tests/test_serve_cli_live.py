@@ -6,6 +6,7 @@ Runs the real CLI in a subprocess with its own RAY_TMPDIR, so nothing else on th
 auto-connects to its Ray, and stops only the process group it started.
 """
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,11 +26,21 @@ REPO = Path(__file__).resolve().parent.parent
 AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
 
 
+def _listeners(port: int) -> list[str]:
+    out = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout
+    return [l for l in out.splitlines() if f":{port} " in l]
+
+
 def _listener_is_serve_replica(port: int) -> bool:
     """The public port is held by the ingress replica, not by Serve's proxy actor."""
-    out = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout
-    lines = [l for l in out.splitlines() if f":{port} " in l]
+    lines = _listeners(port)
     return bool(lines) and all("ServeRepli" in l for l in lines)
+
+
+def _niceness(pid: int) -> int:
+    """Field 19 of /proc/PID/stat (after the parenthesised command name)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
 
 
 class _Stream(threading.Thread):
@@ -81,6 +92,10 @@ def test_orchard_serve_uses_direct_ingress_and_drains_on_sigterm(tiny_llama, tmp
             time.sleep(1)
         base = f"http://127.0.0.1:{port}"
         assert _listener_is_serve_replica(port)
+        # Ray starts workers at niceness 15; the serving workers must not yield the CPU to
+        # every other process on the box (serve_app.cli.LOCAL_RAY_SYSTEM_CONFIG).
+        pids = {int(m) for l in _listeners(port) for m in re.findall(r"pid=(\d+)", l)}
+        assert pids and all(_niceness(p) == 0 for p in pids), {p: _niceness(p) for p in pids}
         with httpx.Client(base_url=base, timeout=120) as c:
             assert c.get("/health").status_code == 200
             body = {"model": "tiny", "stream": True, "max_tokens": 3, "ignore_eos": True,
