@@ -25,14 +25,19 @@ class OrchardServer:
         peer.stop_child(self.proc, timeout, group=True)
 
 
-def start(model: str, log_path: str, ready_timeout: float = 600.0) -> OrchardServer:
-    """Launch `orchard serve --model MODEL --port P` and wait until /health answers 200."""
+def start(model: str | None, log_path: str, ready_timeout: float = 600.0,
+          config: str | None = None) -> OrchardServer:
+    """Launch `orchard serve --model MODEL --port P` (or `orchard serve CONFIG --port P`) and
+    wait until /health answers 200."""
+    if (model is None) == (config is None):
+        raise ValueError("give exactly one of model and config")
     port = peer.free_port()
     scratch = tempfile.mkdtemp(prefix="orc-bench-", dir="/tmp")   # short: Ray's socket paths
     env = {**peer.peer_env(), "RAY_TMPDIR": scratch, "HOME": scratch,
            "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "serve_app.cli", "serve", "--model", model,
+    what = ["--model", model] if model is not None else [config]
+    cmd = [sys.executable, "-m", "serve_app.cli", "serve", *what,
            "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
