@@ -22,6 +22,7 @@ from engine.request import Delta
 from engine.request_checkpoints import RequestCheckpoints
 from engine.runner import check_supported_layers
 from engine.scheduler import RateForecast, Scheduler, Seq
+from engine.structured import JsonConstraints
 
 
 class EngineStartup:
@@ -63,6 +64,7 @@ class EngineStartup:
             max_num_seqs=cfg.max_num_seqs, token_limit=token_limit)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
+        self._json_constraints = JsonConstraints(loaded.tokenizer, loaded.geometry.vocab_size)
         self.vocab_size = loaded.geometry.vocab_size
         self.model_id = cfg.model
         head_dim = next((g.head_dim for g in loaded.geometry.layers if g.paged), 0)

@@ -72,6 +72,11 @@ class StepExecution:
         out: list[int | None] = [None] * len(chunks)
         for i, t in zip(rows, drawn.tolist() if drawn is not None else []):
             out[i] = t
+            seq = chunks[i].seq
+            if seq.constraint is not None and not seq.constraint.advance(t):
+                # The mask allowed only grammar tokens, so this is a library fault: say so.
+                log.error("request %s: grammar rejected sampled token %d: %s",
+                          seq.request_id, t, seq.constraint.error())
         return out
 
     def _tap(self, chunks, logits: mx.array) -> None:

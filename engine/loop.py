@@ -113,11 +113,14 @@ class Engine(EngineStartup, CommandInbox, StepExecution, DecodePipeline, ResultS
         if bad:
             raise InvalidRequest(f"logit_bias / stop_token_ids name token ids out of range "
                                  f"(vocab {self.vocab_size}): {bad[:5]}")
+        # The grammar is compiled here, off the engine thread (a bad schema is refused now).
+        constraint = None if p.json_schema is None else \
+            await asyncio.to_thread(self._json_constraints.make, p.json_schema)
         seq = Seq(req.request_id, req.prompt_ids, p,
                   seed=p.seed if p.seed is not None else random.getrandbits(63),
                   deadline=req.first_token_deadline, arrival=time.monotonic(),
                   tenant=req.tenant or self.cfg.tenant, restore=req.restore_from,
-                  checkpoint_to=req.checkpoint_to)
+                  checkpoint_to=req.checkpoint_to, constraint=constraint)
         sink = Sink(asyncio.get_running_loop())
         self._inbox.put(("submit", seq, sink))
         done = False

@@ -46,6 +46,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
     stop_token_ids: tuple[int, ...] = ()   # finish with "stop" when sampled (never decoded)
     logprobs: int | None = None     # None = off; k = the sampled token's logprob + k alternatives
+    json_schema: str | None = None  # JSON text: output constrained to match it (structured output)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -81,6 +82,8 @@ class SamplingParams:
                  "logit_bias names a token id twice")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids must be token ids >= 0")
+        _require(self.json_schema is None or isinstance(self.json_schema, str),
+                 "json_schema must be JSON text")
         _require(self.logprobs is None or (_is_int(self.logprobs)
                                            and 0 <= self.logprobs <= MAX_LOGPROBS),
                  f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
@@ -101,9 +104,9 @@ class SamplingParams:
 
     @property
     def synchronous(self) -> bool:
-        """Sampled from an up-to-date history and read back with logprobs every step, so a
-        decode step holding such a row is not pipelined (engine/decode_pipeline.py)."""
-        return self.penalized or self.logprobs is not None
+        """Sampled from an up-to-date history or grammar state, or read back with logprobs every
+        step, so a decode step holding such a row is not pipelined (engine/decode_pipeline.py)."""
+        return self.penalized or self.logprobs is not None or self.json_schema is not None
 
     def token_ids_used(self) -> list[int]:
         """Token ids this request names (checked against the vocabulary at submit)."""
@@ -141,11 +144,12 @@ class RowSpec:
     index: int
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
+    constraint: object = None   # engine.logits_processors.JsonConstraint of a structured row
 
 
 def sample(logits: mx.array, rows: list[RowSpec]) -> mx.array:
     """Next token per row of float32 `logits` [B, V] -> int32 [B] (lazy; the caller evaluates)."""
-    logits = process_logits(logits, rows)
+    logits = constrain(process_logits(logits, rows), rows)
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     picked = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not picked:
@@ -169,6 +173,23 @@ def process_logits(logits: mx.array, rows: list[RowSpec]) -> mx.array:
     idx = mx.array(picked)
     sub = logits[idx]
     return logits.at[idx].add(_processed(sub, [rows[i] for i in picked]) - sub)
+
+
+def constrain(logits: mx.array, rows: list[RowSpec]) -> mx.array:
+    """Mask each constrained row to the tokens its grammar allows next (other rows untouched)."""
+    picked = [i for i, r in enumerate(rows) if r.constraint is not None]
+    if not picked:
+        return logits
+    from engine.logits_processors import mask_bias
+
+    vocab = logits.shape[-1]
+    mask = np.empty((len(picked), (vocab + 31) // 32), dtype=np.int32)
+    for j, i in enumerate(picked):
+        rows[i].constraint.fill(mask[j])
+    bias = mask_bias(mask, vocab, logits.dtype)
+    if len(picked) == len(rows):
+        return logits + bias
+    return logits.at[mx.array(picked)].add(bias)
 
 
 def _processed(logits: mx.array, rows: list[RowSpec]) -> mx.array:
@@ -279,6 +300,7 @@ def row_spec(seq, ahead: int = 0) -> RowSpec:
     """The RowSpec of a scheduler Seq's next token (`ahead` = tokens sampled but not yet
     appended, in pipelined decode); the history is passed only to rows that read it."""
     p = seq.params
-    if p.penalized:
-        return RowSpec(p, seq.seed, len(seq.output_ids) + ahead, seq.prompt_ids, seq.output_ids)
+    if p.penalized or seq.constraint is not None:
+        return RowSpec(p, seq.seed, len(seq.output_ids) + ahead, seq.prompt_ids, seq.output_ids,
+                       seq.constraint)
     return RowSpec(p, seq.seed, len(seq.output_ids) + ahead)

@@ -163,6 +163,7 @@ class IngressCore:
             else req.repetition_penalty,
             logit_bias=req.logit_bias_ids(), stop_token_ids=list(req.stop_token_ids or ()),
             logprobs=req.logprobs_k(), first_token_deadline_unix=deadline,
+            json_schema=req.json_schema() if kind == "chat" else None,
             trace=trace if i == 0 else None) for i in range(req.n)]
         stamp(trace, "ingress_call_built")
         return calls, entry

@@ -115,7 +115,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
+    response_format: dict | None = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -129,6 +129,23 @@ class ChatCompletionRequest(_Sampling):
     def logprobs_k(self) -> int | None:
         """None: no logprobs; k: the sampled token's plus k alternatives."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def json_schema(self) -> str | None:
+        """The JSON schema (as JSON text) the output must match, or None for free text."""
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text" and set(rf) == {"type"}:
+            return None
+        if rf.get("type") == "json_object" and set(rf) == {"type"}:
+            return json.dumps({"type": "object"})
+        spec = rf.get("json_schema")
+        if rf.get("type") != "json_schema" or set(rf) != {"type", "json_schema"} \
+                or not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict) \
+                or not set(spec) <= {"name", "schema", "strict", "description"}:
+            raise bad_request("response_format must be {type: text}, {type: json_object} or "
+                              "{type: json_schema, json_schema: {name, schema, strict}}",
+                              param="response_format")
+        # An absent schema allows any JSON value, as OpenAI's json_schema without one.
+        return json.dumps(spec.get("schema", {}))
 
 
 class CompletionRequest(_Sampling):
@@ -148,7 +165,7 @@ class CompletionRequest(_Sampling):
 # Refused fields and the values that ask for nothing (a client may send these explicitly).
 _NEUTRAL = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,), "reasoning_effort": (None,), "suffix": (None, ""),
 }
@@ -187,6 +204,7 @@ def check_values(req: ChatCompletionRequest | CompletionRequest) -> None:
                           param="stop")
     if isinstance(req, ChatCompletionRequest):
         _check_chat(req)
+        _check_schema(req.json_schema())
     else:
         _check_completion(req)
 
@@ -209,6 +227,19 @@ def _check_logit_bias(bias: dict[str, float] | None) -> None:
         if not (math.isfinite(v) and -100.0 <= v <= 100.0):
             raise bad_request(f"logit_bias values must be in [-100, 100], got {v}",
                               param="logit_bias")
+
+
+def _check_schema(schema: str | None) -> None:
+    """Compile the schema now so an unsupported one is a 400 before any model is reached."""
+    if schema is None:
+        return
+    from engine.errors import InvalidRequest
+    from engine.structured import json_grammar
+
+    try:
+        json_grammar(schema)
+    except InvalidRequest as e:
+        raise bad_request(str(e), param="response_format") from None
 
 
 def _check_chat(req: ChatCompletionRequest) -> None:

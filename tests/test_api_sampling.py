@@ -129,3 +129,18 @@ def test_stop_token_ids_finish_with_stop(eng):
     stopped = asyncio.run(collect(eng, request("stopped", stop_token_ids=(ids[3],))))
     k = ids.index(ids[3])
     assert tokens(stopped) == ids[:k + 1] and stopped[-1].finish_reason == "stop"
+
+
+def test_bitmask_applies_exactly_the_allowed_tokens():
+    from engine.logits_processors import MASKED, apply_bitmask
+
+    rng = np.random.default_rng(1)
+    vocab = 70   # not a multiple of 32: the last word is partly padding
+    mask = rng.integers(-2**31, 2**31 - 1, (3, 3), dtype=np.int64).astype(np.int32)
+    logits = mx.random.normal((3, vocab), key=mx.random.key(2))
+    got = np.array(apply_bitmask(logits, mask))
+    allowed = np.array([[(int(mask[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)]
+                        for r in range(3)], dtype=bool)
+    raw = np.array(logits)
+    assert np.array_equal(got[allowed], raw[allowed])
+    assert np.all(got[~allowed] <= MASKED / 2)

@@ -70,7 +70,7 @@ def test_unknown_message_field_is_refused(client):
 
 UNSERVED = [
     ("tools", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
-    ("response_format", dict(response_format={"type": "json_object"})),
+    ("response_format", dict(response_format={"type": "yaml"})),
     ("tool_choice", dict(tool_choice="required")),
     ("modalities", dict(modalities=["text", "audio"])),
 ]
@@ -78,8 +78,9 @@ UNSERVED = [
 
 @pytest.mark.parametrize("param, kw", UNSERVED, ids=[u[0] for u in UNSERVED])
 def test_unserved_features_are_refused_not_dropped(client, param, kw):
-    _refused(lambda: client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
-                                                    **kw), param, "unsupported_parameter")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2, **kw)
+    assert e.value.body["param"] == param, e.value.body
 
 
 def test_image_parts_and_tool_call_history_are_refused(client):
@@ -285,3 +286,48 @@ def test_penalties_pick_as_specified(client, penalty):
     zero = client.completions.create(model="tiny", prompt="def f(x):", logprobs=0, **kw,
                                      frequency_penalty=0, presence_penalty=0)
     assert zero.choices[0].text == base.choices[0].text
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "size": {"type": "integer", "minimum": 0, "maximum": 999},
+    "kind": {"enum": ["a", "b"]}}, "required": ["name", "size", "kind"],
+    "additionalProperties": False}
+
+
+def test_json_schema_output_matches_the_schema(client):
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA,
+                                                  "strict": True}}
+    for seed in range(4):
+        r = client.chat.completions.create(model="tiny", messages=[
+            {"role": "user", "content": "Describe a thing as JSON."}], max_tokens=60,
+            temperature=1.0, seed=seed, response_format=fmt)
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    # Streamed, the deltas join to the same document.
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=60,
+              temperature=0, response_format=fmt)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        **kw, stream=True) if c.choices)
+    assert streamed == full and json.loads(full)["kind"] in ("a", "b")
+
+
+def test_json_object_output_is_an_object(client):
+    r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=40, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": "not a dict"}},
+    {"type": "json_object", "schema": {}},
+], ids=["bad-type", "schema-not-object", "extra-key"])
+def test_bad_response_format_is_refused(client, fmt):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4,
+                                       response_format=fmt)
+    assert e.value.body["param"] == "response_format", e.value.body
