@@ -74,6 +74,7 @@ class StepBatch:
         # through the CUDA paged-decode kernel (engine/cuda_paged_decode.py) instead of gather.
         self.kernel_decode = False
         self._ends: mx.array | None = None
+        self.longest = int((self.starts + self.lengths).max())   # keys of the longest row
 
     @property
     def ends(self) -> mx.array:
@@ -240,7 +241,8 @@ class PagedLayerCache:
         if sinks is None and self._kernel_decode():
             k_pages, v_pages = self.store.head_major_pages()
             return cuda_paged_decode.paged_decode_attention(
-                queries, k_pages, v_pages, self.view.pages, self.step.ends, scale)
+                queries, k_pages, v_pages, self.view.pages, self.step.ends, scale,
+                self.step.longest)
         pages = getattr(self.store, "head_major_pages", None)
         group = queries.shape[1] // keys.shape[1]
         # Page-wise PV partials (group*n rows per page) stay no larger than a gathered V copy.

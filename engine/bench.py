@@ -55,6 +55,9 @@ def parse_args(argv=None):
                    help=MODEL_HELP + " (default: --synthetic)")
     p.add_argument("--synthetic", action="store_true",
                    help=f"build a random-weight llama in a temp dir: {SYNTHETIC}")
+    p.add_argument("--shaped-like", metavar="DIR",
+                   help="random bf16 weights in the architecture of this folder (its config.json "
+                        "and tokenizer files, .xz allowed): see build_shaped")
     p.add_argument("--prefill", default="512,2048,8192", help="prompt lengths for prefill")
     p.add_argument("--batches", default="1,4,8", help="decode batch sizes")
     p.add_argument("--decode-prompt", type=int, default=128, help="prompt length for decode")
@@ -192,26 +195,73 @@ def engine_decode(eng, prompts: list[list[int]], n: int, rid: str) -> tuple[floa
 
 def measure_pair(ours, ref, repeats: int) -> dict:
     """Alternate engine and mlx-lm runs `repeats` times (so load on a shared machine hits both
-    alike); keep each side's best wall and CPU-time rate, and its peak memory ABOVE what was
-    resident before the run (MB). Resident memory (both copies of the weights, the engine's
-    preallocated KV pages) is reported once, separately."""
+    alike; the side that goes first alternates too); keep each side's best wall and CPU-time
+    rate, and its peak memory ABOVE what was resident before the run (MB). Resident memory
+    (both copies of the weights, the engine's preallocated KV pages) is reported once,
+    separately. Each repeat's engine/mlx-lm ratio is taken from its adjacent pair of runs;
+    `ratio_wall_median` (the median of those) is the number to quote on a noisy host."""
+    import statistics
+
     import mlx.core as mx
 
     out = {f"{side}_{k}": 0.0 for side in ("engine", "mlx_lm")
            for k in ("tok_s", "tok_s_cpu", "peak_over_resident_mb")}
+    samples = {side: {"wall": [], "cpu": []} for side in ("engine", "mlx_lm")}
     for i in range(repeats):
-        for side, fn in (("engine", ours), ("mlx_lm", ref)):
+        sides = (("engine", ours), ("mlx_lm", ref))
+        for side, fn in (sides if i % 2 == 0 else sides[::-1]):
             mx.synchronize()
             mx.reset_peak_memory()
             resident = mx.get_active_memory()
             wall, cpu = fn(i)
+            samples[side]["wall"].append(round(wall, 1))
+            samples[side]["cpu"].append(round(cpu, 1))
             out[f"{side}_tok_s"] = max(out[f"{side}_tok_s"], round(wall, 1))
             out[f"{side}_tok_s_cpu"] = max(out[f"{side}_tok_s_cpu"], round(cpu, 1))
             mb = round((mx.get_peak_memory() - resident) / 2**20, 1)
             out[f"{side}_peak_over_resident_mb"] = max(out[f"{side}_peak_over_resident_mb"], mb)
     out["ratio_wall"] = round(out["engine_tok_s"] / out["mlx_lm_tok_s"], 3)
     out["ratio_cpu"] = round(out["engine_tok_s_cpu"] / out["mlx_lm_tok_s_cpu"], 3)
+    for clock in ("wall", "cpu"):
+        ratios = [e / m for e, m in zip(samples["engine"][clock], samples["mlx_lm"][clock])]
+        out[f"ratios_{clock}"] = [round(r, 3) for r in ratios]
+        out[f"ratio_{clock}_median"] = round(statistics.median(ratios), 3)
+    out["samples"] = samples
     return out
+
+
+def build_shaped(source: str, root: Path, dtype: str = "bfloat16") -> str:
+    """A random-weight copy of a model folder's architecture: its config.json and tokenizer
+    files, weights drawn by MLX under a fixed seed and stored in `dtype`. For speed benches
+    where the real weights cannot travel (a GPU host reached through small transfers): with
+    greedy decoding and EOS ignored every row runs its full length, and no kernel's work
+    depends on the weights' values."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes as get_model_classes
+
+    src, out = Path(source), root / (Path(source).name + "-random")
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization", None)
+    config["torch_dtype"] = dtype
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name in (
+                "generation_config.json",):
+            if f.suffix == ".xz":
+                import lzma
+                (out / f.stem).write_bytes(lzma.decompress(f.read_bytes()))
+            else:
+                shutil.copy(f, out / f.name)
+    model_cls, args_cls = get_model_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    params = {k: v.astype(getattr(mx, dtype)) for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), params)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return str(out)
 
 
 def run(args) -> dict:
@@ -224,7 +274,10 @@ def run(args) -> dict:
     from engine.loop import Engine
 
     tmp = tempfile.TemporaryDirectory()
-    model_dir = args.model or build_synthetic(Path(tmp.name))
+    if args.shaped_like:
+        model_dir = build_shaped(args.shaped_like, Path(tmp.name))
+    else:
+        model_dir = args.model or build_synthetic(Path(tmp.name))
     lengths = [int(x) for x in args.prefill.split(",") if x]
     batches = [int(x) for x in args.batches.split(",") if x]
     model, tokenizer = load(model_dir)
@@ -242,7 +295,9 @@ def run(args) -> dict:
     if args.page_tokens:
         cfg["page_tokens"] = args.page_tokens
     eng = Engine(EngineConfig(**cfg))
-    result = {"model": model_dir if args.model else {"synthetic_llama": SYNTHETIC},
+    result = {"model": (model_dir if args.model else
+                        {"random_weights_shaped_like": Path(args.shaped_like).name}
+                        if args.shaped_like else {"synthetic_llama": SYNTHETIC}),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "device": str(mx.default_device()),
                           "loadavg_at_start": os.getloadavg(),

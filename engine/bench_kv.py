@@ -37,7 +37,7 @@ from capacity.pricing import CostModel
 from engine.kvstore import KVStore, Slots
 from engine.model import load_model
 from engine.model_names import MODEL_HELP, model_arg
-from engine import packed_attention
+from engine import cuda_packed_write, cuda_paged_decode, packed_attention
 from engine.packed_cache import PackedModelRunner
 from engine.packed_store import counters_of, packed_layer_factory
 from engine.runner import ModelRunner, SeqChunk
@@ -297,6 +297,15 @@ def main(argv=None):
     ap.add_argument("--gpu-qmm", action="store_true",
                     help="let direct attention call quantized_matmul on a GPU (off by default: "
                          "it crashed on MLX 0.32.4 CUDA; see engine.packed_attention.gpu_qmm)")
+    ap.add_argument("--no-decode-kernel", action="store_true",
+                    help="decode without the CUDA decode kernels (engine/cuda_*_decode.py): "
+                         "the gather / direct paths they replace, to compare")
+    ap.add_argument("--no-write-kernel", action="store_true",
+                    help="quantize packed writes with MLX ops, not the CUDA write kernel "
+                         "(engine/cuda_packed_write.py), to compare")
+    ap.add_argument("--split-target", type=int, default=None,
+                    help="blocks per layer the CUDA decode kernels aim for when they split a "
+                         "row's history (engine.cuda_paged_decode.TARGET_BLOCKS)")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--decode", type=_ints, default=[1024, 4096, 16384])
     ap.add_argument("--batches", type=_ints, default=[1, 4])
@@ -312,6 +321,13 @@ def main(argv=None):
     ap.add_argument("--quality-chunk", type=int, default=32)
     args = ap.parse_args(argv)
     packed_attention.gpu_qmm = args.gpu_qmm
+    if args.no_decode_kernel:
+        ModelRunner.kernel_decode = False
+    if args.no_write_kernel:
+        cuda_packed_write.enabled = False
+    if args.split_target:
+        cuda_paged_decode.TARGET_BLOCKS = args.split_target
+        cuda_paged_decode.split_count.cache_clear()
 
     if args.model:
         model_dir = args.model
@@ -325,6 +341,10 @@ def main(argv=None):
                       "machine": platform.machine(), "dtype": loaded.dtype_name,
                       "model": args.model or f"synthetic-llama {GEOMETRIES[args.geometry]}",
                       "geometry": loaded.geometry.describe()[:1], "page_tokens": PAGE_TOKENS,
+                      "decode_kernels": (not args.no_decode_kernel
+                                         and cuda_paged_decode.available()),
+                      "split_target": cuda_paged_decode.TARGET_BLOCKS,
+                      "write_kernel": cuda_packed_write.usable(8, 8, 128),
                       "args": vars(args), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                     time.gmtime())}}
 

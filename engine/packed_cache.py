@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from capacity.formats import KVFormatError
+from engine import cuda_packed_decode
 from engine.attention import PagedLayerCache, StepBatch
 from engine.runner import ModelRunner
 
@@ -31,8 +32,19 @@ class PackedLayerCache(PagedLayerCache):
     # update_and_fetch is the base class's direct path: the store packs the new rows on write,
     # and the step's own rows go back to attention unquantized; history is read packed in attend().
 
+    @staticmethod
+    def kernel_decode_fits(store) -> bool:
+        """Whether decode steps of this layer may attend through the CUDA packed-decode kernel
+        (the runner asks; it also requires CUDA and one query token per row)."""
+        return cuda_packed_decode.supports(store.fmt.k_bits, store.fmt.v_bits,
+                                           store.geometry.head_dim)
+
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         self.step.attended += 1
+        if sinks is None and self._kernel_decode():
+            return cuda_packed_decode.packed_decode_attention(
+                queries, keys, values, self.store.k, self.store.v, self.store.fmt.k_bits,
+                self.view.pages, self.step.ends, self.step.longest, scale)
         hist, hist_mask, new_mask = self._context()
         return self.store.attention(queries, hist, keys, values, scale=scale, new_mask=new_mask,
                                     hist_mask=hist_mask, sinks=sinks)

@@ -133,13 +133,20 @@ class ModelRunner:
         self.kernel_decode = self.kernel_decode and self._kernel_decode_fits()
 
     def _kernel_decode_fits(self) -> bool:
-        """The kernel serves native pages read in direct mode, on CUDA, for its head sizes."""
+        """The kernels serve pages read in direct mode, on CUDA: native pages of their head
+        sizes (engine/cuda_paged_decode.py), packed ones where the layer's cache class says so
+        (engine/cuda_packed_decode.py)."""
         layers = [g for g in self.loaded.geometry.layers if g.paged]
         return (cuda_paged_decode.available() and self.direct
                 and self.kvstore.dtype in (mx.bfloat16, mx.float16, mx.float32)
-                and all(self._cache_class(g.index) is PagedLayerCache
-                        and g.head_dim == g.v_head_dim and g.head_dim in cuda_paged_decode.HEAD_DIMS
-                        for g in layers))
+                and all(self._layer_kernel_fits(g) for g in layers))
+
+    def _layer_kernel_fits(self, g) -> bool:
+        cls = self._cache_class(g.index)
+        if cls is PagedLayerCache:
+            return g.head_dim == g.v_head_dim and g.head_dim in cuda_paged_decode.HEAD_DIMS
+        fits = getattr(cls, "kernel_decode_fits", None)
+        return fits is not None and fits(self.kvstore.layer(g.index))
 
     def _cache_class(self, layer: int) -> type[PagedLayerCache]:
         """A layer store may name its own cache class (packed stores attend over codes)."""
@@ -242,8 +249,7 @@ class ModelRunner:
              tokens: mx.array | None = None) -> mx.array:
         rows = [Row(c.start, len(c.token_ids), c.page_table) for c in chunks]
         step = StepBatch(rows, self.page_tokens)
-        step.kernel_decode = (self.kernel_decode and step.width == 1
-                              and int((step.starts + 1).max()) <= cuda_paged_decode.MAX_KEYS)
+        step.kernel_decode = self.kernel_decode and step.width == 1
         if tokens is not None and step.width == 1:
             inputs = tokens.reshape(-1, 1).astype(mx.int32)
         else:

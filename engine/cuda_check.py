@@ -1,0 +1,217 @@
+"""Check the CUDA decode kernels against references on the GPU; print (and save) JSON.
+
+    python -m engine.cuda_check --out cuda_check.json
+
+Runs only where MLX has a CUDA device (the kernels' only backend); nothing here runs in the CPU
+test suite. References: the native kernel against float32 numpy attention over the gathered
+rows; the packed kernel against the engine's own direct packed attention
+(engine.packed_attention.direct_attention, FP32), row by row, over the same packed pages.
+Page tables are random permutations and row lengths random (some rows long enough to split the
+history over several blocks, some with no history at all), so paging, splits, the merge and the
+step's own key are all exercised. Exit status 1 if any case exceeds its tolerance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from capacity.formats import KVFormat
+from engine import cuda_packed_decode, cuda_packed_write, cuda_paged_decode
+from engine.packed_attention import PackedKV, direct_attention
+from engine.quant import Packed, quantize
+from engine.rotation import rotate
+
+# bf16 output rounding is 2^-8 relative; outputs are O(1) averages of unit-normal values.
+TOLERANCE = 0.03
+
+
+def _tables(rng, rows: int, lengths: np.ndarray, page_tokens: int):
+    per = -(-int(lengths.max()) // page_tokens)
+    perm = rng.permutation(rows * per).astype(np.int32)
+    return perm.reshape(rows, per), rows * per
+
+
+def native_case(rng, rows, hq, kvh, d, longest, page_tokens=64) -> dict:
+    lengths = rng.integers(1, longest + 1, rows)
+    lengths[0] = longest
+    tables, num_pages = _tables(rng, rows, lengths, page_tokens)
+    kp = rng.standard_normal((kvh, num_pages, page_tokens, d)).astype(np.float32)
+    vp = rng.standard_normal((kvh, num_pages, page_tokens, d)).astype(np.float32)
+    q = rng.standard_normal((rows, hq, 1, d)).astype(np.float32)
+    kb, vb, qb = (mx.array(a).astype(mx.bfloat16) for a in (kp, vp, q))
+    scale = d ** -0.5
+    out = cuda_paged_decode.paged_decode_attention(
+        qb, kb, vb, mx.array(tables), mx.array(lengths.astype(np.int32)), scale,
+        int(lengths.max()))
+    got = np.array(out.astype(mx.float32))
+    kp, vp, q = (np.array(a.astype(mx.float32)) for a in (kb, vb, qb))
+    err = 0.0
+    for b in range(rows):
+        n = int(lengths[b])
+        keys = kp[:, tables[b]].reshape(kvh, -1, d)[:, :n]
+        vals = vp[:, tables[b]].reshape(kvh, -1, d)[:, :n]
+        for h in range(hq):
+            s = keys[h // (hq // kvh)] @ q[b, h, 0] * scale
+            p = np.exp(s - s.max())
+            ref = (p / p.sum()) @ vals[h // (hq // kvh)]
+            err = max(err, float(np.abs(got[b, h, 0] - ref).max()))
+    return {"kernel": "native", "rows": rows, "hq": hq, "kvh": kvh, "head_dim": d,
+            "longest": int(lengths.max()),
+            "splits": cuda_paged_decode.split_count(rows, kvh, int(lengths.max())),
+            "max_abs_err": round(err, 5), "ok": err < TOLERANCE}
+
+
+def reference_packed_decode(q, k_new, v_new, k_hist, v_hist, bits, tables, ends, scale):
+    """What the packed kernel computes, in float64 numpy, with the kernel's own arithmetic:
+    token-major packed pages read by page table, scores of packed keys as
+    scale_g * (q_rot . codes) + offset_g * sum(q_rot) per 64-channel group, values dequantized,
+    the step's own key (model basis, full precision) last, one softmax. [B, Hq, 1, D]."""
+    q = np.array(q.astype(mx.float32), np.float64)
+    qr = np.array(rotate(q_arr := mx.array(q.astype(np.float32))), np.float64)
+    del q_arr
+    kf, vf = (np.array(a.astype(mx.float32), np.float64) for a in (k_new, v_new))
+    kc, ks, ko = (np.array(a) for a in k_hist)
+    vc, vs, vo = (np.array(a) for a in v_hist)
+    rows, hq, _, d = q.shape
+    kvh, page_tokens = kf.shape[1], kc.shape[1]
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+
+    def unpack(words):   # [..., W] uint32 -> [..., D] codes
+        return ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*words.shape[:-1], d)
+
+    out = np.zeros((rows, hq, 1, d))
+    for b in range(rows):
+        n = int(ends[b]) - 1
+        pos = np.arange(n)
+        page, off = np.asarray(tables[b])[pos // page_tokens], pos % page_tokens
+        for h in range(hq):
+            hk = h // (hq // kvh)
+            codes = unpack(kc[page, off, hk]).reshape(n, d // 64, 64)
+            qg = (qr[b, h, 0] * scale).reshape(d // 64, 64)
+            s = ((codes * qg).sum(-1) * ks[page, off, hk] + ko[page, off, hk] * qg.sum(-1)).sum(-1)
+            vals = (unpack(vc[page, off, hk]).reshape(n, d // 64, 64) * vs[page, off, hk][..., None]
+                    + vo[page, off, hk][..., None]).reshape(n, d)
+            s = np.append(s, q[b, h, 0] @ kf[b, hk, 0] * scale)
+            vals = np.concatenate([vals, vf[b, hk, 0][None]])
+            p = np.exp(s - s.max())
+            out[b, h, 0] = (p / p.sum()) @ vals
+    return out
+
+
+def packed_case(rng, fmt_name, rows, hq, kvh, d, longest, page_tokens=16,
+                kernel=None) -> dict:
+    """`kernel` (default: the CUDA kernel) has packed_decode_attention's signature; the CPU
+    test passes `reference_packed_decode` to check this harness and the layout it encodes."""
+    fmt = KVFormat(fmt_name, d, "bfloat16")
+    bits = fmt.k_bits
+    hist = rng.integers(0, longest, rows)      # history rows before this step's own key
+    hist[0] = longest - 1
+    hist[-1] = 0 if rows > 1 else hist[-1]
+    tables, num_pages = _tables(rng, rows, hist + 1, page_tokens)
+    words, groups = d * bits // 32, d // 64
+    pools = {name: np.zeros((num_pages, page_tokens, kvh, width), dtype)
+             for name, width, dtype in (("kc", words, np.uint32), ("vc", words, np.uint32),
+                                        ("ks", groups, np.float32), ("ko", groups, np.float32),
+                                        ("vs", groups, np.float32), ("vo", groups, np.float32))}
+    per_row = []
+    for b in range(rows):
+        n = int(hist[b])
+        if n == 0:
+            per_row.append(None)
+            continue
+        k = mx.array(rng.standard_normal((n, kvh, d)).astype(np.float32))
+        v = mx.array(rng.standard_normal((n, kvh, d)).astype(np.float32))
+        kq, vq = quantize(rotate(k), bits), quantize(v, bits)
+        per_row.append((kq, vq))
+        pos = np.arange(n)
+        page, off = tables[b][pos // page_tokens], pos % page_tokens
+        for name, arr in zip(("kc", "ks", "ko", "vc", "vs", "vo"), (*kq, *vq)):
+            pools[name][page, off] = np.array(arr)
+    k_hist = Packed(*(mx.array(pools[n]) for n in ("kc", "ks", "ko")))
+    v_hist = Packed(*(mx.array(pools[n]) for n in ("vc", "vs", "vo")))
+    q = mx.array(rng.standard_normal((rows, hq, 1, d)).astype(np.float32)).astype(mx.bfloat16)
+    k_new = mx.array(rng.standard_normal((rows, kvh, 1, d)).astype(np.float32)).astype(mx.bfloat16)
+    v_new = mx.array(rng.standard_normal((rows, kvh, 1, d)).astype(np.float32)).astype(mx.bfloat16)
+    scale = d ** -0.5
+    ends = (hist + 1).astype(np.int32)
+    if kernel is None:
+        got = cuda_packed_decode.packed_decode_attention(
+            q, k_new, v_new, k_hist, v_hist, bits, mx.array(tables), mx.array(ends),
+            int(ends.max()), scale)
+        got = np.array(got.astype(mx.float32))
+    else:
+        got = kernel(q, k_new, v_new, k_hist, v_hist, bits, tables, ends, scale)
+    err = 0.0
+    for b, packed in enumerate(per_row):
+        h = None
+        if packed is not None:
+            kq, vq = packed
+            h = PackedKV(Packed(*(mx.expand_dims(a.swapaxes(0, 1), 0) for a in kq)),
+                         Packed(*(mx.expand_dims(a.swapaxes(0, 1), 0) for a in vq)))
+        ref = direct_attention(q[b:b + 1], h, k_new[b:b + 1], v_new[b:b + 1], fmt=fmt,
+                               scale=scale, new_mask=None)
+        err = max(err, float(np.abs(got[b] - np.array(ref.astype(mx.float32))[0]).max()))
+    return {"kernel": f"packed-{fmt_name}", "rows": rows, "hq": hq, "kvh": kvh, "head_dim": d,
+            "longest": int(ends.max()),
+            "splits": cuda_paged_decode.split_count(rows, kvh, int(ends.max())),
+            "max_abs_err": round(err, 5), "ok": err < TOLERANCE}
+
+
+def write_case(rng, fmt_name, rows, heads, d) -> dict:
+    """The write kernel against quantize(rotate(k)) / quantize(v): codes may differ only by one
+    step where a value sits on a rounding boundary; scales and offsets agree to FP32 rounding."""
+    fmt = KVFormat(fmt_name, d, "bfloat16")
+    k = mx.array(rng.standard_normal((rows, heads, d)).astype(np.float32)).astype(mx.bfloat16)
+    v = mx.array(rng.standard_normal((rows, heads, d)).astype(np.float32)).astype(mx.bfloat16)
+    got = cuda_packed_write.quantize_kv(k, v, fmt.k_bits, fmt.v_bits)
+    ref = (quantize(rotate(k), fmt.k_bits), quantize(v, fmt.v_bits))
+    out = {"kernel": f"write-{fmt_name}", "rows": rows, "heads": heads, "head_dim": d}
+    ok = True
+    for name, g, r, bits in (("k", got[0], ref[0], fmt.k_bits), ("v", got[1], ref[1], fmt.v_bits)):
+        shifts = np.arange(0, 32, bits, dtype=np.uint32)
+        gc, rc = ((np.array(p.codes)[..., None] >> shifts) & ((1 << bits) - 1) for p in (g, r))
+        diff = np.abs(gc.astype(np.int64) - rc.astype(np.int64))
+        meta = max(float(np.abs(np.array(a) - np.array(b)).max() / (np.abs(np.array(b)).max()))
+                   for a, b in ((g.scales, r.scales), (g.offsets, r.offsets)))
+        out[f"{name}_code_mismatch"] = float((diff > 0).mean())
+        out[f"{name}_code_max_diff"] = int(diff.max())
+        out[f"{name}_meta_rel_err"] = float(f"{meta:.2e}")
+        ok &= diff.max() <= 1 and (diff > 0).mean() < 1e-3 and meta < 1e-5
+    out["ok"] = bool(ok)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="cuda_check.json")
+    args = ap.parse_args(argv)
+    if not cuda_paged_decode.available():
+        print("no CUDA device: nothing to check", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(0)
+    cases = []
+    for rows, longest in ((1, 300), (1, 5000), (8, 1200), (32, 300)):
+        cases.append(native_case(rng, rows, 9, 3, 64, longest))
+        cases.append(native_case(rng, rows, 16, 4, 128, longest))
+    for fmt in ("int8", "int4"):
+        for rows, longest in ((1, 1), (1, 300), (1, 5000), (8, 2100)):
+            cases.append(packed_case(rng, fmt, rows, 9, 3, 64, longest))
+            cases.append(packed_case(rng, fmt, rows, 16, 4, 128, longest))
+    for fmt in ("int8", "int4", "k8v4"):
+        for heads, d in ((3, 64), (4, 128)):
+            cases.append(write_case(rng, fmt, 37, heads, d))
+    result = {"mlx": mx.__version__, "tolerance": TOLERANCE, "cases": cases,
+              "all_ok": all(c["ok"] for c in cases)}
+    text = json.dumps(result, indent=1)
+    Path(args.out).write_text(text)
+    print(text)
+    return 0 if result["all_ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
