@@ -166,10 +166,14 @@ class CapacityActor:
 def get_or_create_actor(namespace: str = DEFAULT_NAMESPACE, name: str = DEFAULT_NAME,
                         config: dict | None = None, snapshot_path: str | None = None,
                         persist_interval_s: float = PERSIST_INTERVAL_S,
-                        reap_interval_s: float = REAP_INTERVAL_S):
-    """Create-or-get the named detached actor (idempotent across callers). Blocking GCS call."""
+                        reap_interval_s: float = REAP_INTERVAL_S,
+                        resources: dict[str, float] | None = None):
+    """Create-or-get the named detached actor (idempotent across callers). Blocking GCS call.
+
+    `resources` pins where it is created (e.g. {"head": 0.01}): unpinned, Ray may place it on
+    a worker, and losing that worker would then take the ledger down with the worker's slots."""
     return CapacityActor.options(name=name, namespace=namespace, lifetime="detached",
-                                 get_if_exists=True).remote(
+                                 get_if_exists=True, resources=resources or None).remote(
         config, snapshot_path, persist_interval_s, reap_interval_s)
 
 
@@ -205,11 +209,12 @@ class CapacityClient:
                  call_timeout_s: float = 2.0, fallback_cap: int = 1, backoff_s: float = 0.5,
                  max_backoff_s: float = 10.0, max_batch: int = 512, max_inflight: int = 2,
                  first_call_timeout_s: float = 30.0, transport: str = "auto",
-                 fast_retry_s: float = 0.5):
+                 fast_retry_s: float = 0.5, resources: dict[str, float] | None = None):
         if transport not in ("auto", "ray"):
             raise ValueError(f"transport must be 'auto' or 'ray', got {transport!r}")
         self.namespace, self.name, self.create = namespace, name, create
         self.config, self.snapshot_path = config, snapshot_path
+        self.resources = resources                # where to create the actor if it is gone
         self.call_timeout_s = call_timeout_s      # a hold slower than this counts as unreachable
         # The client's first call may have to wait for the actor process to start (seconds on a
         # busy 2-core box); only that call gets the longer timeout.
@@ -237,7 +242,8 @@ class CapacityClient:
         if self._handle is None:
             if self.create:
                 self._handle = await asyncio.to_thread(
-                    get_or_create_actor, self.namespace, self.name, self.config, self.snapshot_path)
+                    get_or_create_actor, self.namespace, self.name, self.config, self.snapshot_path,
+                    resources=self.resources)
             else:
                 self._handle = await asyncio.to_thread(ray.get_actor, self.name, self.namespace)
         return self._handle

@@ -215,7 +215,11 @@ class Fleet:
                     "prefill_tps": self.rates.prefill_tps(rep.key),
                     "ttft_ratio": self.rates.ttft_ratio(rep.key), "replicas": 0})
                 row["replicas"] += 1
+            nodes: dict[str, int] = {}
+            for rep in self.ledger.replicas(model):
+                nodes[rep.node_id] = nodes.get(rep.node_id, 0) + 1
             models.append({"model_id": model, "ready": feed.ready, "replicas": feed.replicas,
+                           "nodes": nodes,      # node id -> replicas there (which box to look at)
                            "routable_replicas": feed.routable, "headroom_raw_tokens": feed.raw_tokens,
                            "headroom_requests": feed.requests, "max_request_raw_tokens": feed.max_request,
                            "identities": list(idents.values())})

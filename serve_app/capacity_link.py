@@ -23,7 +23,7 @@ def make_client(settings: dict[str, Any]) -> Any:
 
     cfg = CapacitySettings.model_validate(settings)
     return CapacityClient(namespace=cfg.namespace, snapshot_path=cfg.snapshot_path,
-                          config=cfg.actor_config())
+                          config=cfg.actor_config(), resources=cfg.actor_resources or None)
 
 
 class CapacityLink:

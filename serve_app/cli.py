@@ -275,7 +275,8 @@ def _ensure_capacity_actor(cfg) -> None:
         _say("capacity actor not available in this build; routing by power-of-two")
         return
     get_or_create_actor(namespace=cfg.capacity.namespace, config=cfg.capacity.actor_config(),
-                        snapshot_path=cfg.capacity.snapshot_path)
+                        snapshot_path=cfg.capacity.snapshot_path,
+                        resources=cfg.capacity.actor_resources or None)
 
 
 def wait_running(app_name: str, timeout_s: float) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PositiveFloat, ValidationError,
+                      field_validator, model_validator)
 
 from capacity.formats import normalize_format_name, normalize_overrides
 
@@ -163,6 +163,10 @@ class CapacitySettings(_Strict):
     max_slowdown: float = Field(2.0, ge=1.0, description="where even a lone request decodes "
                                 "below decode_floor_tps, the cap keeps each stream within this "
                                 "factor of its solo time per token instead")
+    actor_resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict, description="Ray resources the capacity actor needs, which pins "
+        "where it is created: {head: 0.01} keeps it on the head (cluster.yaml), so losing a "
+        "worker never takes the ledger with it; {} = anywhere (one box)")
     ttft_objective_s: float | None = Field(
         2.0, gt=0, description="TTFT objective: a request queued for capacity half this long is "
         "admitted above the learned cap (up to max_num_seqs, memory permitting) rather than "

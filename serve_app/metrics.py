@@ -64,8 +64,11 @@ class Metrics:
         self.router = Gauge("orchard:router_events", "Capacity router events in this ingress "
                             "(holds, refusals, actor faults, fallback routes), since start",
                             ["event"], registry=r)
+        # Where each replica runs (1 per replica): join on `replica` to place the gauges above.
+        self.replica_info = Gauge("orchard:replica_info", "Replica placement: its Ray node",
+                                  ["model_name", "replica", "node_id", "node_ip"], registry=r)
         self._replica_gauges = (self.running, self.waiting, self.kv_usage, self.kv_bytes,
-                                self.kv_pages, self.headroom)
+                                self.kv_pages, self.headroom, self.replica_info)
 
     def observe_replicas(self, views: Iterable[dict[str, Any]]) -> None:
         """Replace the replica gauges with the current routing-stats view."""
@@ -76,6 +79,9 @@ class Metrics:
             if not s:
                 continue
             labels = (s.get("model_id", "?"), v["replica_id"], s.get("format_identity", "?"))
+            meta = v.get("metadata") or {}
+            self.replica_info.labels(labels[0], v["replica_id"], v.get("node_id") or "?",
+                                     meta.get("node_ip") or "?").set(1)
             self.running.labels(*labels).set(s.get("num_requests_running", 0))
             self.waiting.labels(*labels).set(s.get("num_requests_waiting", 0))
             total = s.get("kv_bytes_total") or 0

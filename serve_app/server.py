@@ -202,6 +202,7 @@ class ModelServer:
         return {"model_id": self.model_id, "replica_id": self.replica_id,
                 "chip_class": chip_class(), "memory_bytes": _memory_bytes(),
                 "format_identity": self.engine.format_identity, "node_id": self.node_id,
+                "node_ip": _node_ip(),
                 "kv_format_negotiation": getattr(self, "kv_format_reason", "")}
 
     async def check_health(self) -> None:
@@ -241,6 +242,15 @@ def _capacity_link(settings: dict[str, Any], server: "ModelServer") -> Any:
     except ImportError:  # a build without capacity/actor.py: the engine's ledger still admits
         log.warning("capacity actor client unavailable; not reporting to the capacity actor")
         return None
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001
+        return ""
 
 
 def _node_id() -> str:
