@@ -43,6 +43,14 @@ def _memory_bytes() -> int:
         return 0
 
 
+# A served replica reuses earlier prompts' KV pages by default: a chat resends its whole
+# history every turn, and without reuse each turn prefills it all again (on a 2-core CPU box a
+# 4K-token SmolLM2 history is a minute of prefill). Cached pages are evicted least recently used
+# when a request needs the memory, so the cache never refuses work. `engine:
+# {enable_prefix_caching: false}` in a model's config turns it off.
+SERVED_ENGINE_DEFAULTS = {"enable_prefix_caching": True}
+
+
 class ModelServer:
     """Engine + capacity reporting for one model replica (usable in-process as well)."""
 
@@ -56,7 +64,7 @@ class ModelServer:
         engine_cfg = EngineConfig(model=model["path"], kv_format=kv_format,
                                   kv_budget_bytes=model.get("kv_budget_bytes"),
                                   max_num_seqs=model.get("max_num_seqs", 16),
-                                  **model.get("engine", {}))
+                                  **{**SERVED_ENGINE_DEFAULTS, **model.get("engine", {})})
         self.engine = self._make_engine(engine_cfg)
         self.replica_id = _replica_id()
         self.node_id = _node_id()
