@@ -22,7 +22,7 @@ from engine.request import Delta
 from engine.request_checkpoints import RequestCheckpoints
 from engine.runner import check_supported_layers
 from engine.scheduler import RateForecast, Scheduler, Seq
-from engine.structured import JsonConstraints
+from engine.structured import GrammarConstraints
 
 
 class EngineStartup:
@@ -64,7 +64,8 @@ class EngineStartup:
             max_num_seqs=cfg.max_num_seqs, token_limit=token_limit)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self._json_constraints = JsonConstraints(loaded.tokenizer, loaded.geometry.vocab_size)
+        self._grammar_constraints = GrammarConstraints(loaded.tokenizer,
+                                                       loaded.geometry.vocab_size)
         self.vocab_size = loaded.geometry.vocab_size
         self.model_id = cfg.model
         head_dim = next((g.head_dim for g in loaded.geometry.layers if g.paged), 0)

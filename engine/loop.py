@@ -114,8 +114,8 @@ class Engine(EngineStartup, CommandInbox, StepExecution, DecodePipeline, ResultS
             raise InvalidRequest(f"logit_bias / stop_token_ids name token ids out of range "
                                  f"(vocab {self.vocab_size}): {bad[:5]}")
         # The grammar is compiled here, off the engine thread (a bad schema is refused now).
-        constraint = None if p.json_schema is None else \
-            await asyncio.to_thread(self._json_constraints.make, p.json_schema)
+        constraint = None if p.grammar is None else \
+            await asyncio.to_thread(self._grammar_constraints.make, p.grammar)
         seq = Seq(req.request_id, req.prompt_ids, p,
                   seed=p.seed if p.seed is not None else random.getrandbits(63),
                   deadline=req.first_token_deadline, arrival=time.monotonic(),

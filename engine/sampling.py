@@ -46,7 +46,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
     stop_token_ids: tuple[int, ...] = ()   # finish with "stop" when sampled (never decoded)
     logprobs: int | None = None     # None = off; k = the sampled token's logprob + k alternatives
-    json_schema: str | None = None  # JSON text: output constrained to match it (structured output)
+    grammar: str | None = None      # llguidance grammar the output must match (engine/structured.py)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -82,8 +82,8 @@ class SamplingParams:
                  "logit_bias names a token id twice")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids must be token ids >= 0")
-        _require(self.json_schema is None or isinstance(self.json_schema, str),
-                 "json_schema must be JSON text")
+        _require(self.grammar is None or (isinstance(self.grammar, str) and self.grammar),
+                 "grammar must be a non-empty llguidance grammar")
         _require(self.logprobs is None or (_is_int(self.logprobs)
                                            and 0 <= self.logprobs <= MAX_LOGPROBS),
                  f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
@@ -106,7 +106,7 @@ class SamplingParams:
     def synchronous(self) -> bool:
         """Sampled from an up-to-date history or grammar state, or read back with logprobs every
         step, so a decode step holding such a row is not pipelined (engine/decode_pipeline.py)."""
-        return self.penalized or self.logprobs is not None or self.json_schema is not None
+        return self.penalized or self.logprobs is not None or self.grammar is not None
 
     def token_ids_used(self) -> list[int]:
         """Token ids this request names (checked against the vocabulary at submit)."""
@@ -144,7 +144,7 @@ class RowSpec:
     index: int
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
-    constraint: object = None   # engine.logits_processors.JsonConstraint of a structured row
+    constraint: object = None   # engine.structured.GrammarConstraint of a structured row
 
 
 def sample(logits: mx.array, rows: list[RowSpec]) -> mx.array:

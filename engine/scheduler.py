@@ -55,7 +55,7 @@ class Seq:
     shared_pages: int = 0                # leading pages of `table` shared from the prefix cache
     restore: str | None = None           # checkpoint to restore at admission (no prefix lookup)
     checkpoint_to: str | None = None     # where to save its KV when it finishes
-    constraint: object = None            # structured output: its grammar state (JsonConstraint)
+    constraint: object = None            # structured output: its grammar state
 
     @property
     def raw_tokens(self) -> int:

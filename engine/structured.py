@@ -8,6 +8,7 @@ mask is applied by engine/logits_processors.py.
 """
 from __future__ import annotations
 
+import json
 import threading
 
 from engine.errors import InvalidRequest
@@ -24,14 +25,30 @@ def json_grammar(schema_text: str) -> str:
     try:
         grammar = LLMatcher.grammar_from_json_schema(schema_text, defaults=JSON_OPTIONS)
     except ValueError as e:
-        raise InvalidRequest(f"response_format: not a JSON schema: {e}") from None
+        raise InvalidRequest(f"not a JSON schema: {e}") from None
+    return checked(grammar)
+
+
+def tool_call_grammar(start: str, end: str, call_schema: dict) -> str:
+    """Output that is exactly one tool call: `start`, a JSON object matching `call_schema`
+    ({"name": ..., "arguments": ...}), `end` (the JSON tool-call format, e.g. Hermes/Qwen)."""
+    from llguidance import LLMatcher
+
+    lark = (f"start: {json.dumps(start)} call {json.dumps(end)}\n"
+            f"call: %json {json.dumps(call_schema)}\n")
+    return checked(LLMatcher.grammar_from_lark(lark))
+
+
+def checked(grammar: str) -> str:
+    from llguidance import LLMatcher
+
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise InvalidRequest(f"response_format: unsupported JSON schema: {messages[0]}")
+        raise InvalidRequest(f"unsupported grammar: {messages[0]}")
     return grammar
 
 
-class JsonConstraint:
+class GrammarConstraint:
     """One request's grammar state: the allowed tokens of its next position, advanced by each
     token it samples (llguidance's LLMatcher)."""
 
@@ -49,8 +66,8 @@ class JsonConstraint:
         return self.matcher.get_error()
 
 
-class JsonConstraints:
-    """Makes JsonConstraints for one model's tokenizer. The llguidance tokenizer is built on
+class GrammarConstraints:
+    """Makes GrammarConstraints for one model's tokenizer. The llguidance tokenizer is built on
     first use (1-4 s for a 49K vocabulary on the 2-core CPU), off the engine thread."""
 
     def __init__(self, tokenizer, vocab: int):
@@ -59,10 +76,9 @@ class JsonConstraints:
         self._lock = threading.Lock()
         self._lltok = None
 
-    def make(self, schema_text: str) -> JsonConstraint:
+    def make(self, grammar: str) -> GrammarConstraint:
         from llguidance import LLMatcher
 
-        grammar = json_grammar(schema_text)
         with self._lock:
             if self._lltok is None:
                 import llguidance.hf
@@ -70,5 +86,5 @@ class JsonConstraints:
                 self._lltok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab)
         matcher = LLMatcher(self._lltok, grammar)
         if matcher.is_error():
-            raise InvalidRequest(f"response_format: {matcher.get_error()}")
-        return JsonConstraint(matcher)
+            raise InvalidRequest(f"grammar: {matcher.get_error()}")
+        return GrammarConstraint(matcher)

@@ -38,7 +38,7 @@ class GenerateCall:
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None   # None = off; k = the sampled token's logprob + k alternatives
-    json_schema: str | None = None   # structured output: JSON text of the schema to match
+    grammar: str | None = None   # structured output / forced tool call: an llguidance grammar
     # Wall-clock (time.time()) deadline: monotonic clocks differ between processes and nodes.
     first_token_deadline_unix: float | None = None
     # Debug only (ORCHARD_TRACE=1): hop name -> time.time(), filled along the path.
@@ -60,7 +60,7 @@ class GenerateCall:
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=tuple(self.logit_bias.items()), stop_token_ids=tuple(self.stop_token_ids),
-            logprobs=self.logprobs, json_schema=self.json_schema)
+            logprobs=self.logprobs, grammar=self.grammar)
 
     def deadline_monotonic(self) -> float | None:
         if self.first_token_deadline_unix is None:

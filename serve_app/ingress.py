@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -28,7 +29,8 @@ from serve_app.errors import (APIError, bad_request, context_exceeded, from_exce
                               invalid_json, model_not_found, sse_error_event, tokenize_error,
                               too_large, unauthorized, unknown_parameter, unprocessable)
 from serve_app.metrics import CONTENT_TYPE, Metrics
-from serve_app.tokens import chat_prompt_ids, load_tokenizer, text_prompt_ids
+from serve_app.tokens import chat_prompt, load_tokenizer, text_prompt_ids
+from serve_app.tools import ModelTextFormat, OutputSplitter, Split, ToolPlan, plan_tools
 
 log = logging.getLogger("orchard.ingress")
 
@@ -40,6 +42,7 @@ class ModelEntry:
         self.model_id = model_id
         self.backend = backend
         self.tokenizer: Any = None
+        self.text_format = ModelTextFormat()
         self.max_model_len = 0
         self.max_request_tokens = 0
         self.format_identity = "?"
@@ -54,7 +57,8 @@ class ModelEntry:
                     self.max_request_tokens = int(info.get("max_request_tokens",
                                                            self.max_model_len))
                     self.format_identity = info["format_identity"]
-                    tok = await asyncio.to_thread(load_tokenizer, info["tokenizer_files"])
+                    tok, self.text_format = await asyncio.to_thread(
+                        load_tokenizer, info["tokenizer_files"])
                     # We enforce the context ourselves (413/400); silence HF's length warning.
                     tok.model_max_length = 1 << 62
                     self.tokenizer = tok
@@ -127,7 +131,7 @@ class IngressCore:
     # --- the request path ---------------------------------------------------------------
 
     async def build_calls(self, kind: str, req, request: Request, trace: dict | None = None
-                          ) -> tuple[list[GenerateCall], ModelEntry]:
+                          ) -> "_Prepared":
         """One GenerateCall per choice (n), or the APIError that refuses the request."""
         entry = self.models.get(req.model)
         if entry is None:
@@ -139,7 +143,20 @@ class IngressCore:
             raise APIError(503, f"model {req.model!r} is not ready: {type(e).__name__}: {e}",
                            type="service_unavailable", code="model_unavailable",
                            retry_after_s=5.0) from None
-        prompt_ids = await self._prompt_ids(kind, req, entry.tokenizer)
+        plan, grammar = None, None
+        if kind == "chat":
+            plan = plan_tools(req, entry.text_format)
+            grammar = P.response_grammar(req)
+            if grammar is not None and plan is not None and plan.grammar is not None:
+                raise bad_request("response_format cannot be combined with a forced tool call "
+                                  "(tool_choice)", param="response_format")
+            grammar = grammar or (plan.grammar if plan else None)
+            for i, m in enumerate(req.messages):
+                if m.tool_calls and not entry.text_format.renders_tool_calls:
+                    raise bad_request("this model's chat template does not render tool_calls",
+                                      param=f"messages[{i}].tool_calls",
+                                      code="unsupported_parameter")
+        prompt_text, prompt_ids = await self._prompt_ids(kind, req, entry.tokenizer, plan)
         max_tokens = self._max_tokens(req, len(prompt_ids), entry)
         vocab = len(entry.tokenizer)
         for name, ids in (("logit_bias", req.logit_bias_ids()),
@@ -163,17 +180,19 @@ class IngressCore:
             else req.repetition_penalty,
             logit_bias=req.logit_bias_ids(), stop_token_ids=list(req.stop_token_ids or ()),
             logprobs=req.logprobs_k(), first_token_deadline_unix=deadline,
-            json_schema=req.json_schema() if kind == "chat" else None,
-            trace=trace if i == 0 else None) for i in range(req.n)]
+            grammar=grammar, trace=trace if i == 0 else None) for i in range(req.n)]
         stamp(trace, "ingress_call_built")
-        return calls, entry
+        return _Prepared(calls, entry, plan, prompt_text)
 
-    async def _prompt_ids(self, kind: str, req, tok) -> list[int]:
-        """Tokenize; a template or tokenizer failure becomes an OpenAI-shaped error."""
+    async def _prompt_ids(self, kind: str, req, tok, plan: ToolPlan | None
+                          ) -> tuple[str, list[int]]:
+        """(rendered chat prompt or "", ids); a template or tokenizer failure becomes an
+        OpenAI-shaped error."""
         try:
             if kind == "chat":
                 messages = [m.template_dict() for m in req.messages]
-                return await _off_loop_if_long(chat_prompt_ids, tok, messages,
+                return await _off_loop_if_long(chat_prompt, tok, messages,
+                                               plan.tools if plan else None,
                                                size=sum(len(m["content"]) for m in messages))
             size = len(req.prompt) if isinstance(req.prompt, str) else 0
             ids = await _off_loop_if_long(text_prompt_ids, tok, req.prompt, size=size)
@@ -181,7 +200,7 @@ class IngressCore:
             raise tokenize_error(e) from None
         if ids and (min(ids) < 0 or max(ids) >= len(tok)):
             raise bad_request("prompt token id out of vocabulary range", param="prompt")
-        return ids
+        return "", ids
 
     def _max_tokens(self, req, prompt: int, entry: "ModelEntry") -> int:
         """The completion budget: as asked, or the configured default cut to what fits; a
@@ -255,7 +274,8 @@ class IngressCore:
                 req = await self.parse(request, P.ChatCompletionRequest if kind == "chat"
                                        else P.CompletionRequest)
                 model = req.model
-                calls, entry = await self.build_calls(kind, req, request, trace)
+                prep = await self.build_calls(kind, req, request, trace)
+                calls, entry = prep.calls, prep.entry
                 streams = await self.open_streams(calls, entry)
             except APIError:
                 raise
@@ -276,10 +296,16 @@ class IngressCore:
             trace.update(first.get("trace") or {})
             stamp(trace, "ingress_first_item")
             headers["x-orchard-trace"] = json.dumps(trace)
+        fmt = entry.text_format
+        splitter = None
+        if kind == "chat" and (prep.plan is not None or fmt.think_start):
+            def splitter():
+                return OutputSplitter(fmt, prep.plan.tools if prep.plan else None,
+                                      prep.prompt_text)
         out = _Choices(kind, P.ResponseBuilder(kind, request_id, model),
                        P.LogprobsFormatter(entry.tokenizer) if calls[0].logprobs is not None
                        else None, _echo_text(req, entry.tokenizer, calls[0].prompt_ids),
-                       len(calls))
+                       len(calls), splitter)
         tracker = _Tracker(self.metrics, model, entry.format_identity, t0)
         if req.stream:
             return StreamingResponse(self._sse(out, streams, req.include_usage(), tracker),
@@ -408,71 +434,118 @@ class _Tracker:
             self.m.cached_tokens.labels(self.model).inc(usage.get("cached_tokens", 0))
 
 
+@dataclass
+class _Prepared:
+    calls: list[GenerateCall]
+    entry: ModelEntry
+    plan: ToolPlan | None
+    prompt_text: str
+
+
+class _Choice:
+    """One choice's output so far: text (split into content, reasoning and tool calls when the
+    request has tools or the model thinks), logprobs, finish and usage."""
+
+    def __init__(self, splitter: OutputSplitter | None, echo: str):
+        self.splitter = splitter
+        self.started = False
+        self.echo = echo
+        self.chars = len(echo)      # text offsets for completions' logprobs
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: list[dict] = []
+        self.logprobs: list = []
+        self.finish: str | None = None
+        self.usage: dict | None = None
+
+    def take(self, item: dict) -> tuple[Split, bool]:
+        """This item's text, split; and whether it is the choice's first item."""
+        first, self.started = not self.started, True
+        text = item["text"]
+        if self.splitter is None:
+            split = Split(content=(self.echo if first else "") + text)
+        else:
+            split = self.splitter.push(text)
+            if item["finish_reason"] is not None:
+                tail = self.splitter.flush()
+                split = Split(split.content + tail.content, split.reasoning + tail.reasoning,
+                              split.tool_calls + tail.tool_calls)
+        self.content.append(split.content)
+        self.reasoning.append(split.reasoning)
+        self.tool_calls += split.tool_calls
+        self.finish, self.usage = item["finish_reason"], item["usage"]
+        return split, first
+
+    def openai_finish(self) -> str | None:
+        if self.tool_calls and self.finish == "stop":
+            return "tool_calls"
+        return P.openai_finish_reason(self.finish)
+
+
 class _Choices:
     """Accumulates each choice's deltas into the reply body, or turns them into SSE chunks."""
 
     def __init__(self, kind: str, builder: P.ResponseBuilder,
-                 logprobs: P.LogprobsFormatter | None, echo: str, n: int):
-        self.kind, self.builder, self.lp, self.echo = kind, builder, logprobs, echo
-        self.text = [[] for _ in range(n)]
-        self.chars = [len(echo)] * n        # text offsets for completions' logprobs
-        self.logprobs: list[list] = [[] for _ in range(n)]
-        self.finishes: list[str | None] = [None] * n
-        self.usages: list[dict | None] = [None] * n
-        self.started = [False] * n
+                 logprobs: P.LogprobsFormatter | None, echo: str, n: int,
+                 splitter: Callable[[], OutputSplitter] | None = None):
+        self.kind, self.builder, self.lp = kind, builder, logprobs
+        self.choices = [_Choice(splitter() if splitter else None, echo) for _ in range(n)]
 
-    def _logprobs(self, index: int, item: dict) -> Any:
-        if self.lp is None:
+    def _logprobs(self, c: _Choice, item: dict) -> Any:
+        if self.lp is None or not item["token_ids"]:
             return None
         ids, entries = item["token_ids"], item.get("logprobs") or []
         if self.kind == "chat":
             return self.lp.chat(ids, entries)
-        return self.lp.text(ids, entries, self.chars[index])
+        return self.lp.text(ids, entries, c.chars)
 
     def add(self, index: int, item: dict) -> None:
-        if not self.started[index]:
-            self.started[index] = True
-            self.text[index].append(self.echo)
-        self.text[index].append(item["text"])
-        if self.lp is not None and item["token_ids"]:
-            self.logprobs[index].append(self._logprobs(index, item))
-        self.chars[index] += len(item["text"])
-        self.finishes[index], self.usages[index] = item["finish_reason"], item["usage"]
+        c = self.choices[index]
+        lp = self._logprobs(c, item)
+        c.take(item)
+        c.chars += len(item["text"])
+        if lp is not None:
+            c.logprobs.append(lp)
 
     def chunks(self, index: int, item: dict) -> list[str]:
-        first = not self.started[index]
-        self.started[index] = True
-        text = (self.echo if first else "") + item["text"]
-        lp = self._logprobs(index, item) if item["token_ids"] else None
-        self.chars[index] += len(item["text"])
-        self.finishes[index], self.usages[index] = item["finish_reason"], item["usage"]
+        c = self.choices[index]
+        lp = self._logprobs(c, item)
+        split, first = c.take(item)
+        c.chars += len(item["text"])
         out = []
-        if text or first or lp:
-            out.append(self.builder.chunk(text, None, index=index, first=first, logprobs=lp))
+        if split.content or split.reasoning or split.tool_calls or first or lp:
+            out.append(self.builder.chunk(split.content, None, index=index, first=first,
+                                          logprobs=lp, reasoning=split.reasoning or None,
+                                          tool_calls=split.tool_calls or None))
         if item["finish_reason"] is not None:
-            out.append(self.builder.chunk(None, P.openai_finish_reason(item["finish_reason"]),
-                                          index=index))
+            out.append(self.builder.chunk(None, c.openai_finish(), index=index))
         return out
 
-    def _joined_logprobs(self, index: int) -> Any:
+    def _joined_logprobs(self, c: _Choice) -> Any:
         if self.lp is None:
             return None
-        parts = self.logprobs[index]
         if self.kind == "chat":
-            return [e for p in parts for e in p]
-        return {k: [v for p in parts for v in p[k]]
+            return [e for p in c.logprobs for e in p]
+        return {k: [v for p in c.logprobs for v in p[k]]
                 for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
     def body(self) -> dict:
-        return self.builder.full(
-            [("".join(t), P.openai_finish_reason(f), self._joined_logprobs(i))
-             for i, (t, f) in enumerate(zip(self.text, self.finishes))], _usage(self.usage()))
+        out = []
+        for c in self.choices:
+            text = "".join(c.content)
+            d = {"text": text if text or not c.tool_calls else None,
+                 "finish": c.openai_finish(), "logprobs": self._joined_logprobs(c)}
+            if self.kind == "chat":
+                d.update(reasoning="".join(c.reasoning) or None, tool_calls=c.tool_calls or None)
+            out.append(d)
+        return self.builder.full(out, _usage(self.usage()))
 
     def finish(self) -> str | None:
-        return self.finishes[0] if len(set(self.finishes)) == 1 else "mixed"
+        finishes = {c.finish for c in self.choices}
+        return finishes.pop() if len(finishes) == 1 else "mixed"
 
     def usage(self) -> dict | None:
-        got = [u for u in self.usages if u]
+        got = [c.usage for c in self.choices if c.usage]
         if not got:
             return None
         # The prompt is counted once, as OpenAI does for n > 1.

@@ -49,7 +49,7 @@ class ChatMessage(_Req):
     content: str | list[ContentPart] | None = None
     name: str | None = None            # passed to the chat template
     tool_call_id: str | None = None    # passed to the chat template
-    tool_calls: Any = None             # refused (check_values) until tool calling is served
+    tool_calls: list[dict] | None = None   # passed to the template when it renders them
     refusal: Any = None                # ignored: an earlier assistant turn's refusal text
 
     def text(self) -> str:
@@ -57,8 +57,12 @@ class ChatMessage(_Req):
             return self.content or ""
         return "".join(p.text or "" for p in self.content)
 
-    def template_dict(self) -> dict[str, str]:
-        d = {"role": self.role, "content": self.text()}
+    def template_dict(self) -> dict:
+        from serve_app.tools import history_tool_calls
+
+        d: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = history_tool_calls(self.tool_calls)
         if self.name is not None:
             d["name"] = self.name
         if self.tool_call_id is not None:
@@ -110,9 +114,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    # Known and refused unless neutral (check_values): not served yet.
-    tools: Any = None
+    tools: Any = None          # checked against the model's template (serve_app/tools.py)
     tool_choice: Any = None
+    # Known and refused unless neutral (check_values): not served.
     functions: Any = None
     function_call: Any = None
     response_format: dict | None = None
@@ -164,7 +168,7 @@ class CompletionRequest(_Sampling):
 
 # Refused fields and the values that ask for nothing (a client may send these explicitly).
 _NEUTRAL = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "functions": (None, []),
     "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,), "reasoning_effort": (None,), "suffix": (None, ""),
@@ -204,7 +208,6 @@ def check_values(req: ChatCompletionRequest | CompletionRequest) -> None:
                           param="stop")
     if isinstance(req, ChatCompletionRequest):
         _check_chat(req)
-        _check_schema(req.json_schema())
     else:
         _check_completion(req)
 
@@ -229,26 +232,25 @@ def _check_logit_bias(bias: dict[str, float] | None) -> None:
                               param="logit_bias")
 
 
-def _check_schema(schema: str | None) -> None:
-    """Compile the schema now so an unsupported one is a 400 before any model is reached."""
+def response_grammar(req: ChatCompletionRequest) -> str | None:
+    """The llguidance grammar of `response_format`, compiled here so an unsupported schema is a
+    400 before any model is reached (None: free text)."""
+    schema = req.json_schema()
     if schema is None:
-        return
+        return None
     from engine.errors import InvalidRequest
     from engine.structured import json_grammar
 
     try:
-        json_grammar(schema)
+        return json_grammar(schema)
     except InvalidRequest as e:
-        raise bad_request(str(e), param="response_format") from None
+        raise bad_request(f"response_format: {e}", param="response_format") from None
 
 
 def _check_chat(req: ChatCompletionRequest) -> None:
     if not req.messages:
         raise bad_request("messages must not be empty", param="messages")
     for i, m in enumerate(req.messages):
-        if m.tool_calls not in (None, []):
-            raise bad_request("tool_calls in messages are not supported by this server",
-                              param=f"messages[{i}].tool_calls", code="unsupported_parameter")
         for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
             if part.type not in _TEXT_PARTS:
                 raise bad_request(f"content parts of type {part.type!r} are not supported "
@@ -335,37 +337,44 @@ class ResponseBuilder:
         self.object = "chat.completion" if kind == "chat" else "text_completion"
 
     def _choice(self, index: int, text: str | None, finish: str | None, *, delta: bool,
-                first: bool = False, logprobs: Any = None) -> dict:
+                first: bool = False, logprobs: Any = None, reasoning: str | None = None,
+                tool_calls: list | None = None) -> dict:
         if self.kind == "text":
             return {"index": index, "text": text or "", "logprobs": logprobs,
                     "finish_reason": finish}
         lp = None if logprobs is None else {"content": logprobs, "refusal": None}
+        extra = {k: v for k, v in (("reasoning_content", reasoning),
+                                     ("tool_calls", tool_calls)) if v}
         if delta:
             d: dict[str, Any] = {"role": "assistant"} if first else {}
             if text:
                 d["content"] = text
             elif first:
                 d["content"] = ""
-            return {"index": index, "delta": d, "logprobs": lp, "finish_reason": finish}
-        return {"index": index, "message": {"role": "assistant", "content": text},
+            return {"index": index, "delta": {**d, **extra}, "logprobs": lp,
+                    "finish_reason": finish}
+        return {"index": index, "message": {"role": "assistant", "content": text, **extra},
                 "logprobs": lp, "finish_reason": finish}
 
-    def full(self, choices: list[tuple[str, str | None, Any]], usage: dict) -> dict:
-        """`choices`: (text, finish, logprobs) per choice, in index order."""
+    def full(self, choices: list[dict], usage: dict) -> dict:
+        """`choices`: per choice (index order) text, finish and optionally logprobs,
+        reasoning, tool_calls."""
         return {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.model,
-                "choices": [self._choice(i, text, finish, delta=False, logprobs=lp)
-                            for i, (text, finish, lp) in enumerate(choices)],
+                "choices": [self._choice(i, c.pop("text"), c.pop("finish"), delta=False, **c)
+                            for i, c in enumerate(choices)],
                 "usage": usage}
 
     def chunk(self, text: str | None, finish: str | None, *, index: int = 0,
               first: bool = False, logprobs: Any = None, usage: dict | None = None,
-              no_choices: bool = False) -> str:
+              no_choices: bool = False, reasoning: str | None = None,
+              tool_calls: list | None = None) -> str:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         body: dict[str, Any] = {
             "id": self.id, "object": obj, "created": self.created, "model": self.model,
-            "choices": [] if no_choices else [self._choice(index, text, finish, delta=True,
-                                                           first=first, logprobs=logprobs)],
+            "choices": [] if no_choices else [self._choice(
+                index, text, finish, delta=True, first=first, logprobs=logprobs,
+                reasoning=reasoning, tool_calls=tool_calls)],
         }
         if usage is not None:
             body["usage"] = usage

@@ -7,23 +7,33 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
 
-def load_tokenizer(files: dict[str, bytes]) -> Any:
+def load_tokenizer(files: dict[str, bytes]) -> tuple[Any, Any]:
+    """(Hugging Face tokenizer, serve_app.tools.ModelTextFormat) from a replica's files; the
+    format (tool-call parser, think markers) is what mlx-lm infers for the same files."""
+    from mlx_lm.tokenizer_utils import load as load_wrapper
     from transformers import AutoTokenizer
+
+    from serve_app.tools import text_format
 
     with tempfile.TemporaryDirectory(prefix="orchard-tok-") as d:
         for name, data in files.items():
             with open(os.path.join(d, name), "wb") as f:
                 f.write(data)
-        return AutoTokenizer.from_pretrained(d)
+        return AutoTokenizer.from_pretrained(d), text_format(load_wrapper(Path(d)))
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    # Render then encode: the template already contains any BOS/special tokens it needs.
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+def chat_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None
+                ) -> tuple[str, list[int]]:
+    """The rendered prompt text and its ids. Render then encode: the template already contains
+    any BOS/special tokens it needs."""
+    kw = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **kw)
+    return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def text_prompt_ids(tokenizer: Any, prompt: str | list) -> list[int]:
@@ -33,3 +43,7 @@ def text_prompt_ids(tokenizer: Any, prompt: str | list) -> list[int]:
         else:
             return [int(t) for t in prompt]
     return list(tokenizer.encode(prompt))
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    return chat_prompt(tokenizer, messages)[1]
