@@ -181,11 +181,11 @@ def constrain(logits: mx.array, rows: list[RowSpec]) -> mx.array:
     if not picked:
         return logits
     from engine.logits_processors import mask_bias
+    from engine.structured import fill_masks
 
     vocab = logits.shape[-1]
     mask = np.empty((len(picked), (vocab + 31) // 32), dtype=np.int32)
-    for j, i in enumerate(picked):
-        rows[i].constraint.fill(mask[j])
+    fill_masks([rows[i].constraint for i in picked], mask)
     bias = mask_bias(mask, vocab, logits.dtype)
     if len(picked) == len(rows):
         return logits + bias

@@ -55,10 +55,6 @@ class GrammarConstraint:
     def __init__(self, matcher):
         self.matcher = matcher
 
-    def fill(self, row) -> None:
-        """Write the next position's bitmask into `row` (numpy int32 [ceil(vocab/32)])."""
-        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-
     def advance(self, token: int) -> bool:
         return self.matcher.consume_token(token)
 
@@ -88,3 +84,20 @@ class GrammarConstraints:
         if matcher.is_error():
             raise InvalidRequest(f"grammar: {matcher.get_error()}")
         return GrammarConstraint(matcher)
+
+
+_EXECUTOR = None   # llguidance thread pool, made on first use (only structured output needs it)
+
+
+def fill_masks(constraints: list[GrammarConstraint], mask) -> None:
+    """Each constraint's next bitmask into its row of `mask` (numpy int32 [R, words]), computed
+    in parallel by llguidance's executor (measured 0.14-0.19 ms for 16 rows against 0.8-1.1 ms
+    one by one; engine/bench_constrained.py)."""
+    global _EXECUTOR
+    from llguidance import LLExecutor
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    if _EXECUTOR is None:
+        _EXECUTOR = LLExecutor()
+    fill_next_token_bitmask_par(_EXECUTOR, [(c.matcher, i) for i, c in enumerate(constraints)],
+                                mask)
