@@ -7,7 +7,8 @@ pages and nothing is ever preempted. A request larger than the whole budget is r
 (RequestTooLarge); others wait in FCFS order (head-of-line, so big requests are not starved).
 
 Each step is one forward pass: every decoding request contributes one token, then prefilling
-requests fill the rest of `max_step_tokens` in admission order (chunked prefill). Pages used by a
+requests fill the rest of `max_step_tokens` (chunked prefill): those that can finish within half
+of it first, shortest first, then the rest in admission order (`_prefill_order`). Pages used by a
 step are returned only by `reclaim(retired_step)` once the loop has retired that step.
 
 Prefix reuse (optional `prefix` cache + `root_of(seq)` chain root): at admission the prompt's
@@ -232,8 +233,8 @@ class Scheduler:
             if not s.prefilling:
                 chunks.append(Chunk(s, s.num_computed, [s.output_ids[-1]], True))
         budget -= len(chunks)
-        for s in self.running:
-            if s.prefilling and budget > 0:
+        for s in self._prefill_order(budget):
+            if budget > 0:
                 n = min(len(s.prompt_ids) - s.num_computed, budget)
                 ids = s.prompt_ids[s.num_computed:s.num_computed + n]
                 chunks.append(Chunk(s, s.num_computed, ids, s.num_computed + n == s.num_tokens))
@@ -248,6 +249,25 @@ class Scheduler:
                 raise PageError(f"{c.seq.request_id} grew past its reservation")
             c.seq.last_step = step.step_id
         return step
+
+    def _prefill_order(self, budget: int) -> list[Seq]:
+        """Prefills that can finish within half this step's token budget go first, shortest
+        first; then the rest in arrival order. Without this, a long prompt at the head (a
+        4K-token conversation opening) holds every short one behind it for its whole prefill:
+        a chat's next turn, whose history is already cached and which needs a few dozen
+        tokens, waited a minute on a CPU box. Only half the budget goes to short ones, so the
+        oldest long prompt always advances."""
+        prefilling = [s for s in self.running if s.prefilling]
+        short_room = budget // 2
+        short: list[Seq] = []
+        for s in sorted(prefilling, key=lambda s: len(s.prompt_ids) - s.num_computed):
+            left = len(s.prompt_ids) - s.num_computed
+            if left > short_room:
+                break
+            short.append(s)
+            short_room -= left
+        picked = set(map(id, short))
+        return short + [s for s in prefilling if id(s) not in picked]
 
     def continue_decode(self, step: Step, tokens) -> Step:
         """The next decode step of `step`'s rows, built BEFORE `step` retired (pipelining).

@@ -39,6 +39,24 @@ def test_decode_rows_come_first_and_batch_across_lengths():
     assert [(c.seq.request_id, c.start) for c in step.chunks] == [("a", 4), ("b", 7)]
 
 
+def test_a_short_prefill_is_not_held_behind_a_long_one():
+    """A long prompt first, a short one behind it: the short one goes in the first step (its
+    first token comes a step later, not after the whole long prefill), and the long one still
+    gets at least half of every step."""
+    sch = make_scheduler(pages=64, max_step_tokens=16)
+    sch.submit(seq("long", prompt_len=60, max_tokens=2), 0.0)
+    sch.submit(seq("short", prompt_len=5, max_tokens=2), 0.0)
+    step, new = run_step(sch)
+    assert [(c.seq.request_id, len(c.token_ids)) for c in step.chunks] == [("short", 5),
+                                                                         ("long", 11)]
+    assert [s.request_id for s, _ in new] == ["short"]
+    # Shorts that would take more than half the budget wait: the long prompt keeps advancing.
+    for i in range(3):
+        sch.submit(seq(f"s{i}", prompt_len=7, max_tokens=2), 0.0)
+    step, _ = run_step(sch)
+    assert sum(len(c.token_ids) for c in step.chunks if c.seq.request_id == "long") >= 16 // 2 - 1
+
+
 def test_request_larger_than_budget_is_refused_others_undisturbed():
     sch = make_scheduler(pages=8)
     sch.submit(seq("ok", prompt_len=4, max_tokens=4), 0.0)
