@@ -29,6 +29,7 @@ class StepExecution:
             return
         t0 = time.perf_counter()
         self._step_id = step.step_id
+        self._token_logprobs.clear()   # a row that finished unread (cancelled) left its entry
         mx.reset_peak_memory()   # the release event reports this step's peak (workspace evidence)
         try:
             try:
