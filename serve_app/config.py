@@ -207,6 +207,8 @@ class HTTPSettings(_Strict):
                                     "omits it (never more than the context or KV budget "
                                     "left after its prompt): each request reserves prompt + "
                                     "max_tokens, so the whole context would cut concurrency")
+    cors_origins: list[str] = Field(default_factory=list, description="browser origins allowed "
+                                    "to call the API (CORS); empty = no CORS headers, '*' = any")
     direct_ingress: bool = Field(True, description="when `orchard serve` starts Ray itself, "
                                  "the ingress replica serves HTTP on `port` directly (Serve's "
                                  "direct ingress) instead of behind Serve's proxy")

@@ -633,6 +633,12 @@ def _usage(u: dict | None) -> dict:
 
 def build_fastapi_app(core: IngressCore) -> FastAPI:
     app = FastAPI(title="Orchard", docs_url=None, redoc_url=None)
+    if core.config.http.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=core.config.http.cors_origins,
+                           allow_methods=["GET", "POST"], allow_headers=["*"],
+                           expose_headers=["x-orchard-replica", "x-orchard-request-id"])
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):

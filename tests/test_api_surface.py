@@ -35,7 +35,8 @@ def url(tmp_path_factory):
                  {"id": "tiny-kv", "path": TINY, "kv_budget_bytes": KV_TOKENS * BYTES_PER_TOKEN,
                   **small},
                  {"id": "tiny-strict", "path": str(strict), **small}],
-                http={"default_max_tokens": DEFAULT_MAX_TOKENS}) as u:
+                http={"default_max_tokens": DEFAULT_MAX_TOKENS,
+                      "cors_origins": ["https://app.example"]}) as u:
         yield u
 
 
@@ -331,3 +332,15 @@ def test_bad_response_format_is_refused(client, fmt):
         client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4,
                                        response_format=fmt)
     assert e.value.body["param"] == "response_format", e.value.body
+
+
+def test_cors_allows_the_configured_origin_only(url):
+    pre = {"Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    ok = httpx.options(url + "/v1/chat/completions",
+                       headers={"Origin": "https://app.example", **pre})
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == "https://app.example"
+    other = httpx.options(url + "/v1/chat/completions",
+                          headers={"Origin": "https://evil.example", **pre})
+    assert "access-control-allow-origin" not in other.headers
