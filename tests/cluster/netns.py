@@ -27,7 +27,6 @@ process of that node with it, then deletes the namespaces, which removes the vet
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -119,9 +118,9 @@ def bootstrap_config(cluster_yaml: Path, head_ip: str) -> dict:
 def _node_script(commands: list[str]) -> str:
     """The node's init: a private /tmp/ray, the start commands one `bash -c` each (as the
     launcher runs them over SSH), a mark in the log, then wait (reaping) until killed."""
-    lines = ["mkdir -p /tmp/ray && mount -t tmpfs -o size=2g orchard-node /tmp/ray"
-             f" || {{ echo '{FAILED_MARK}: private /tmp/ray'; exit 1; }}",
-             "cd \"$HOME\""]
+    private_tmp = ("mkdir -p /tmp/ray && mount -t tmpfs -o size=2g orchard-node /tmp/ray"
+                   f" || {{ echo '{FAILED_MARK}: private /tmp/ray'; exit 1; }}")
+    lines = [private_tmp, 'cd "$HOME"']
     lines += start_lines(commands)
     lines += [f"echo {UP_MARK}", "trap 'exit 0' TERM",
               "while :; do sleep 3600 & wait $!; done"]
@@ -335,6 +334,3 @@ def stop_node_processes(node: NodeSpec) -> None:
             time.sleep(0.05)
     node.init_pid = 0
 
-
-def dump_spec(spec: dict) -> str:
-    return json.dumps(spec)

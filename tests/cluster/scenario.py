@@ -102,6 +102,11 @@ class Cluster:
             "messages": [{"role": "user", "content": "hi"}]})
 
 
+def only_if(value, condition):
+    """value when condition(value) holds, else None (a wait_until predicate's answer)."""
+    return value if value is not None and condition(value) else None
+
+
 def wait_until(what: str, predicate, timeout_s: float, every_s: float = 0.25):
     """Poll a condition of the cluster until it holds; return its value and the seconds taken."""
     t0 = time.monotonic()
@@ -242,9 +247,9 @@ class Load:
 def main(spec: dict, workdir: str) -> dict:
     facts: dict = {}
     c = Cluster(spec)
-    head_ip, worker_ip = spec["nodes"]["head"]["ip"], spec["nodes"]["worker"]["ip"]
-    ips, _ = wait_until("both nodes alive", lambda: (lambda a: a if len(a) == 2 else None)(
-        c.alive_ips()), 60)
+    worker_ip = spec["nodes"]["worker"]["ip"]
+    ips, _ = wait_until("both nodes alive",
+                        lambda: only_if(c.alive_ips(), lambda a: len(a) == 2), 60)
     facts["nodes"] = ips
     worker_node = ips[worker_ip]
 
@@ -271,8 +276,8 @@ def main(spec: dict, workdir: str) -> dict:
     facts["model_replica_ids"] = [x["replica_id"] for x in model_replicas]
     [actor] = [a for a in c.actors("CapacityActor") if a["state"] == "ALIVE"]
     facts["capacity_actor_ip"] = c.nodes()[actor["node_id"]]["ip"]
-    feed, _ = wait_until("the capacity feed to list the replica", lambda: (
-        lambda f: f if f and f["replicas"] == 1 else None)(c.feed()), 30)
+    feed, _ = wait_until("the capacity feed to list the replica",
+                         lambda: only_if(c.feed(), lambda f: f.get("replicas") == 1), 30)
     facts["feed_before"] = feed
     facts["worker_node"] = worker_node
     facts["metrics_replica_info"] = [line for line in c.metrics().splitlines()
@@ -312,9 +317,8 @@ def main(spec: dict, workdir: str) -> dict:
         facts[f"{what}_after_kill_s"] = round(t - t_kill, 1)
     rejoin.join(150)
     facts["worker_restart_s"] = round(restart["s"], 1)
-    new_ips, _ = wait_until("the worker to rejoin", lambda: (
-        lambda a: a if a.get(worker_ip) and a[worker_ip] != worker_node else None)(
-        c.alive_ips()), 60)
+    new_ips, _ = wait_until("the worker to rejoin", lambda: only_if(
+        c.alive_ips(), lambda a: a.get(worker_ip) not in (None, worker_node)), 60)
     facts["new_worker_node"] = new_ips[worker_ip]
 
     def served_by_new_replica():
@@ -347,8 +351,8 @@ def main(spec: dict, workdir: str) -> dict:
     facts["model_replica_ids_after"] = [x["replica_id"] for x in reps_after[f"model-{MODEL}"]]
     facts["replicas_served_after"] = sorted({r["replica"] for r in recs
                                              if r["outcome"] == "ok" and r["t0"] > t_served})
-    feed_back, _ = wait_until("the feed to list the new replica", lambda: (
-        lambda f: f if f and f["replicas"] == 1 else None)(c.feed()), 30)
+    feed_back, _ = wait_until("the feed to list the new replica",
+                              lambda: only_if(c.feed(), lambda f: f.get("replicas") == 1), 30)
     facts["feed_after_rejoin"] = feed_back
     return facts
 
