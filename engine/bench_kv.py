@@ -37,7 +37,7 @@ from capacity.pricing import CostModel
 from engine.kvstore import KVStore, Slots
 from engine.model import load_model
 from engine.model_names import MODEL_HELP, model_arg
-from engine import cuda_packed_write, cuda_paged_decode, packed_attention
+from engine import cuda_packed_prefill, cuda_packed_write, cuda_paged_decode, packed_attention
 from engine.packed_cache import PackedModelRunner
 from engine.packed_store import counters_of, packed_layer_factory
 from engine.runner import ModelRunner, SeqChunk
@@ -175,8 +175,26 @@ def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
     return tables
 
 
-def _decode_time(loaded, fmt, pages, b, n, room, steps, repeats) -> float:
+# Decode format variants: "int4:tiles" decodes packed layers through the prefill tile kernel
+# (engine/cuda_packed_prefill.py), "int4:split" through engine/cuda_packed_decode.py; a bare
+# name takes the engine's default (cuda_packed_prefill.decode_tiles).
+DECODE_KERNELS = {"tiles": True, "split": False}
+
+
+def _decode_time(loaded, spec, pages, b, n, room, steps, repeats) -> float:
     """Best time of `steps` decode steps of `b` rows at context n (first round is warm-up)."""
+    fmt, _, kernel = spec.partition(":")
+    if kernel and kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode format {spec!r}: kernel must be one of {sorted(DECODE_KERNELS)}")
+    default = cuda_packed_prefill.decode_tiles
+    cuda_packed_prefill.decode_tiles = DECODE_KERNELS.get(kernel, default)
+    try:
+        return _decode_steps(loaded, fmt, pages, b, n, room, steps, repeats)
+    finally:
+        cuda_packed_prefill.decode_tiles = default
+
+
+def _decode_steps(loaded, fmt, pages, b, n, room, steps, repeats) -> float:
     runner = _runner(loaded, fmt, pages)
     tables = _fill(runner.kvstore, b, n, room)
     pos, best = n, None
@@ -300,6 +318,9 @@ def main(argv=None):
     ap.add_argument("--no-decode-kernel", action="store_true",
                     help="decode without the CUDA decode kernels (engine/cuda_*_decode.py): "
                          "the gather / direct paths they replace, to compare")
+    ap.add_argument("--no-prefill-kernel", action="store_true",
+                    help="prefill packed layers through the MLX-op direct path, not the CUDA "
+                         "tile kernel (engine/cuda_packed_prefill.py), to compare")
     ap.add_argument("--no-write-kernel", action="store_true",
                     help="quantize packed writes with MLX ops, not the CUDA write kernel "
                          "(engine/cuda_packed_write.py), to compare")
@@ -309,7 +330,9 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--decode", type=_ints, default=[1024, 4096, 16384])
     ap.add_argument("--batches", type=_ints, default=[1, 4])
-    ap.add_argument("--decode-formats", default="int8,k8v4,int4")
+    ap.add_argument("--decode-formats", default="int8,k8v4,int4",
+                    help="packed formats to decode; FORMAT:tiles / FORMAT:split pick the CUDA "
+                         "decode kernel (prefill tile kernel / split decode kernel)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sections", default="capacity,prefill,decode",
@@ -325,6 +348,8 @@ def main(argv=None):
         ModelRunner.kernel_decode = False
     if args.no_write_kernel:
         cuda_packed_write.enabled = False
+    if args.no_prefill_kernel:
+        cuda_packed_prefill.enabled = False
     if args.split_target:
         cuda_paged_decode.TARGET_BLOCKS = args.split_target
         cuda_paged_decode.split_count.cache_clear()
@@ -345,6 +370,8 @@ def main(argv=None):
                                          and cuda_paged_decode.available()),
                       "split_target": cuda_paged_decode.TARGET_BLOCKS,
                       "write_kernel": cuda_packed_write.usable(8, 8, 128),
+                      "prefill_kernel": cuda_packed_prefill.usable(8, 8, 128),
+                      "decode_tiles_default": cuda_packed_prefill.decode_tiles,
                       "args": vars(args), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                     time.gmtime())}}
 

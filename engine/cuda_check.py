@@ -1,4 +1,4 @@
-"""Check the CUDA decode kernels against references on the GPU; print (and save) JSON.
+"""Check the CUDA attention and write kernels against references on the GPU; print (save) JSON.
 
     python -m engine.cuda_check --out cuda_check.json
 
@@ -8,7 +8,10 @@ rows; the packed kernel against the engine's own direct packed attention
 (engine.packed_attention.direct_attention, FP32), row by row, over the same packed pages.
 Page tables are random permutations and row lengths random (some rows long enough to split the
 history over several blocks, some with no history at all), so paging, splits, the merge and the
-step's own key are all exercised. Exit status 1 if any case exceeds its tolerance.
+step's own key are all exercised. The packed prefill kernel (engine/cuda_packed_prefill.py)
+against the same direct attention, row by row, for ragged batches of chunks over packed history
+(rows without history, chunk padding filled with NaN, pinned key splits), and as a decode step.
+Exit status 1 if any case exceeds its tolerance.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import mlx.core as mx
 import numpy as np
 
 from capacity.formats import KVFormat
-from engine import cuda_packed_decode, cuda_packed_write, cuda_paged_decode
+from engine import (cuda_packed_decode, cuda_packed_prefill, cuda_packed_write,
+                    cuda_paged_decode)
 from engine.packed_attention import PackedKV, direct_attention
 from engine.quant import Packed, quantize
 from engine.rotation import rotate
@@ -162,6 +166,103 @@ def packed_case(rng, fmt_name, rows, hq, kvh, d, longest, page_tokens=16,
             "max_abs_err": round(err, 5), "ok": err < TOLERANCE}
 
 
+def reference_packed_prefill(q, k_new, v_new, k_pool, v_pool, k_bits, v_bits, pages, bounds,
+                             longest_history, scale, splits=None):
+    """What the prefill kernel computes, in float64 numpy (packed_prefill_attention's
+    signature): row b's first bounds[b, 0] history keys read from the pools by page table and
+    dequantized, scored with the rotated query; then its own keys 0..i (model basis) at
+    position i < bounds[b, 1]; one softmax. Positions past a row's length are zero here."""
+    del longest_history, splits
+    qf = np.array(q.astype(mx.float32), np.float64)
+    qr = np.array(rotate(q.astype(mx.float32)), np.float64)
+    kf, vf = (np.array(a.astype(mx.float32), np.float64) for a in (k_new, v_new))
+    pools = [[np.array(a) for a in pool] for pool in (k_pool, v_pool)]
+    pages, bounds = np.array(pages), np.array(bounds)
+    rows, hq, length, d = qf.shape
+    kvh, page_tokens = kf.shape[1], pools[0][0].shape[1]
+
+    def dequant(pool, bits, page, off, hk):
+        codes, scales, offsets = (a[page, off, hk] for a in pool)
+        shifts = np.arange(0, 32, bits, dtype=np.uint32)
+        c = ((codes[..., None] >> shifts) & ((1 << bits) - 1)).reshape(len(page), d // 64, 64)
+        return (c * scales[..., None] + offsets[..., None]).reshape(len(page), d)
+
+    out = np.zeros((rows, hq, length, d))
+    for b in range(rows):
+        n, own = int(bounds[b, 0]), int(bounds[b, 1])
+        pos = np.arange(n)
+        page, off = pages[b][pos // page_tokens], pos % page_tokens
+        for h in range(hq):
+            hk = h // (hq // kvh)
+            kh, vh = dequant(pools[0], k_bits, page, off, hk), dequant(pools[1], v_bits, page,
+                                                                        off, hk)
+            for i in range(own):
+                s = np.concatenate([kh @ qr[b, h, i], kf[b, hk, :i + 1] @ qf[b, h, i]]) * scale
+                p = np.exp(s - s.max())
+                out[b, h, i] = (p / p.sum()) @ np.concatenate([vh, vf[b, hk, :i + 1]])
+    return out
+
+
+def prefill_case(rng, fmt_name, hq, kvh, d, history, own, page_tokens=16, splits=None,
+                 kernel=None) -> dict:
+    """Rows with `history[b]` packed keys and `own[b]` new tokens (padded to max(own) with NaN,
+    which must not reach any output). `kernel` (default: the CUDA kernel) has
+    packed_prefill_attention's signature; the CPU test passes `reference_packed_prefill`."""
+    fmt = KVFormat(fmt_name, d, "bfloat16")
+    history, own = np.asarray(history), np.asarray(own)
+    rows, length = len(history), int(own.max())
+    tables, num_pages = _tables(rng, rows, history + own, page_tokens)
+    pools = {}
+    for side, bits in (("k", fmt.k_bits), ("v", fmt.v_bits)):
+        pools[side] = [np.zeros((num_pages, page_tokens, kvh, d * bits // 32), np.uint32),
+                       np.zeros((num_pages, page_tokens, kvh, d // 64), np.float32),
+                       np.zeros((num_pages, page_tokens, kvh, d // 64), np.float32)]
+    per_row = []
+    for b in range(rows):
+        n = int(history[b])
+        if n == 0:
+            per_row.append(None)
+            continue
+        k = mx.array(rng.standard_normal((n, kvh, d)).astype(np.float32))
+        v = mx.array(rng.standard_normal((n, kvh, d)).astype(np.float32))
+        kq, vq = quantize(rotate(k), fmt.k_bits), quantize(v, fmt.v_bits)
+        per_row.append((kq, vq))
+        pos = np.arange(n)
+        page, off = tables[b][pos // page_tokens], pos % page_tokens
+        for side, packed in (("k", kq), ("v", vq)):
+            for arr, src in zip(pools[side], packed):
+                arr[page, off] = np.array(src)
+    k_pool, v_pool = (Packed(*(mx.array(a) for a in pools[s])) for s in ("k", "v"))
+    pad = np.arange(length)[None, None, :, None] >= own[:, None, None, None]
+
+    def draw(heads, poison):
+        x = rng.standard_normal((rows, heads, length, d)).astype(np.float32)
+        return mx.array(np.where(pad & poison, np.nan, x)).astype(mx.bfloat16)
+
+    q, k_new, v_new = draw(hq, False), draw(kvh, True), draw(kvh, True)
+    scale = d ** -0.5
+    bounds = np.stack([history, own], axis=1).astype(np.int32)
+    run = kernel or cuda_packed_prefill.packed_prefill_attention
+    got = run(q, k_new, v_new, k_pool, v_pool, fmt.k_bits, fmt.v_bits, mx.array(tables),
+              mx.array(bounds), int(history.max()), scale, splits=splits)
+    got = np.array(got.astype(mx.float32)) if isinstance(got, mx.array) else got
+    err = 0.0
+    for b, packed in enumerate(per_row):
+        n = int(own[b])
+        h = None
+        if packed is not None:
+            kq, vq = packed
+            h = PackedKV(Packed(*(mx.expand_dims(a.swapaxes(0, 1), 0) for a in kq)),
+                         Packed(*(mx.expand_dims(a.swapaxes(0, 1), 0) for a in vq)))
+        ref = direct_attention(q[b:b + 1, :, :n], h, k_new[b:b + 1, :, :n],
+                               v_new[b:b + 1, :, :n], fmt=fmt, scale=scale,
+                               new_mask="causal" if n > 1 else None)
+        err = max(err, float(np.abs(got[b, :, :n] - np.array(ref.astype(mx.float32))[0]).max()))
+    return {"kernel": f"prefill-{fmt_name}", "rows": rows, "hq": hq, "kvh": kvh, "head_dim": d,
+            "history": history.tolist(), "own": own.tolist(), "splits": splits or "plan",
+            "max_abs_err": round(err, 5), "ok": bool(err < TOLERANCE)}
+
+
 def write_case(rng, fmt_name, rows, heads, d) -> dict:
     """The write kernel against quantize(rotate(k)) / quantize(v): codes may differ only by one
     step where a value sits on a rounding boundary; scales and offsets agree to FP32 rounding."""
@@ -205,6 +306,12 @@ def main(argv=None) -> int:
     for fmt in ("int8", "int4", "k8v4"):
         for heads, d in ((3, 64), (4, 128)):
             cases.append(write_case(rng, fmt, 37, heads, d))
+    for fmt in ("int8", "int4", "k8v4"):
+        for hq, kvh, d in ((9, 3, 64), (16, 4, 128)):
+            for history, own, splits in (([1000], [512], None), ([5000], [64], None),
+                                         ([0, 700, 2100], [37, 512, 200], None),
+                                         ([300, 2000], [100, 1], 3), ([4000] * 3, [1] * 3, None)):
+                cases.append(prefill_case(rng, fmt, hq, kvh, d, history, own, splits=splits))
     result = {"mlx": mx.__version__, "tolerance": TOLERANCE, "cases": cases,
               "all_ok": all(c["ok"] for c in cases)}
     text = json.dumps(result, indent=1)

@@ -1,0 +1,91 @@
+"""Compile the CUDA kernels' sources with a local nvcc, without a GPU (a developer's check).
+
+    python -m engine.cuda_nvcc_check [--arch sm_90]
+
+Device time is scarce and a kernel that does not compile costs a whole run there, so this
+wraps each kernel's source the way `mx.fast.cuda_kernel` does on the device (MLX 0.32's
+build_kernel: pointer parameters typed by dtype, template arguments as constexprs, the body in
+namespace mlx::core::cu) and compiles every shipped variant to a cubin, printing ptxas'
+register and shared-memory use. MLX's own default header is replaced by the two CUDA headers
+our kernels need; NVRTC on the device may still differ in details. Exit 2 without nvcc.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half",
+              "uint32": "uint32_t", "int32": "int32_t"}
+PRELUDE = "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+
+
+def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
+         source: str, header: str, template: list[tuple[str, object]]) -> str:
+    params = [f"    const {CUDA_TYPES[t]}* {n}" for n, t in inputs]
+    params += [f"    {CUDA_TYPES[t]}* {n}" for n, t in outputs]
+    consts = []
+    for k, v in template:
+        if isinstance(v, bool):
+            consts.append(f"  constexpr bool {k} = {str(v).lower()};")
+        elif isinstance(v, int):
+            consts.append(f"  constexpr int {k} = {v};")
+        else:
+            consts.append(f"  using {k} = {CUDA_TYPES[v]};")
+    return (PRELUDE + header + "namespace mlx::core::cu {\n__global__ void " + name + "(\n"
+            + ",\n".join(params) + ") {\n" + "\n".join(consts) + "\n" + source
+            + "\n}\n}  // namespace mlx::core::cu\n")
+
+
+def variants():
+    """(label, wrapped source) for every kernel variant the engine launches."""
+    from engine import cuda_packed_prefill as pf
+    inputs = [("q", "bfloat16"), ("kf", "bfloat16"), ("vf", "bfloat16"),
+              ("kc", "uint32"), ("ks", "float32"), ("ko", "float32"),
+              ("vc", "uint32"), ("vs", "float32"), ("vo", "float32"),
+              ("pages", "int32"), ("bounds", "int32"), ("dims", "int32")]
+    outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
+    for d in pf.HEAD_DIMS:
+        for g in (1, 3, 4, 8):
+            for kb, vb in ((8, 8), (4, 4), (8, 4)):
+                for split in (False, True):
+                    label = f"prefill d{d} g{g} k{kb}v{vb} split={split}"
+                    yield label, wrap("orchard_packed_prefill", inputs, outputs, pf._SOURCE,
+                                      pf._HEADER, [("D", d), ("G", g), ("KB", kb), ("VB", vb),
+                                                   ("PT", 16), ("SPLIT", split),
+                                                   ("TO", "bfloat16")])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--only", default="", help="compile only labels containing this text")
+    args = ap.parse_args(argv)
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("no nvcc on PATH: nothing to compile", file=sys.stderr)
+        return 2
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (label, src) in enumerate(variants()):
+            if args.only not in label:
+                continue
+            path = Path(tmp) / f"k{i}.cu"
+            path.write_text(src)
+            run = subprocess.run([nvcc, f"-arch={args.arch}", "-std=c++17", "-cubin",
+                                  "-Xptxas", "-v", "-o", str(path.with_suffix(".cubin")),
+                                  str(path)], capture_output=True, text=True)
+            usage = [ln.split("info    : ")[-1] for ln in run.stderr.splitlines()
+                     if "registers" in ln or "spill" in ln]
+            print(f"{'ok  ' if run.returncode == 0 else 'FAIL'} {label}: {' | '.join(usage)}")
+            if run.returncode:
+                failed += 1
+                print(run.stderr[-4000:])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

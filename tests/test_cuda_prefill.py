@@ -1,0 +1,83 @@
+"""CPU-side tests of the CUDA packed prefill kernel's host logic (engine/cuda_packed_prefill.py)
+and of the reference harness its device check uses (engine/cuda_check.prefill_case).
+
+The kernel itself only runs on a CUDA GPU (`python -m engine.cuda_check` there; results in
+docs/benchmarks-gpu.md). What runs here: the split plan, when a packed layer routes to the
+kernel, and that the harness's numpy model of the kernel's contract (pools read by page table,
+per-row history and own-key bounds, NaN padding) agrees with the engine's direct packed
+attention, and catches a kernel that gets the contract wrong.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import cuda_check, cuda_packed_prefill
+
+
+def test_split_plan():
+    # SmolLM2-sized chunk of 512 at 4K history: 3 KV heads x 32 query tiles = 96 blocks.
+    assert cuda_packed_prefill.split_count(96, 64 + 8) == 3
+    # Enough blocks already: one split, one launch.
+    assert cuda_packed_prefill.split_count(300, 1000) == 1
+    # Short key ranges are not split below MIN_TILES_PER_SPLIT tiles.
+    assert cuda_packed_prefill.split_count(4, 9) == 1
+    assert cuda_packed_prefill.split_count(4, 0) == 1
+    # Batch 1 decode at 32K over 4 KV heads: capped.
+    assert cuda_packed_prefill.split_count(4, 513) == cuda_packed_prefill.MAX_SPLITS
+    with pytest.raises(ValueError):
+        cuda_packed_prefill.split_count(0, 10)
+
+
+def test_formats_and_cpu_routing(tmp_path):
+    from engine.attention import StepBatch, Row
+    from engine.kvstore import KVStore
+    from engine.model import load_model
+    from engine.packed_store import packed_layer_factory
+    from tests.fixtures.tiny_models import build_tiny_model
+    import mlx.core as mx
+
+    assert cuda_packed_prefill.supports(8, 4, 64) and cuda_packed_prefill.supports(4, 4, 128)
+    assert not cuda_packed_prefill.supports(4, 4, 256) and not cuda_packed_prefill.supports(2, 4, 64)
+    loaded = load_model(str(build_tiny_model("llama", tmp_path / "m")))
+    store = KVStore(loaded.geometry, 4, 16, loaded.dtype,
+                    layer_factory=packed_layer_factory("int4")).layer(0)
+    step = StepBatch([Row(16, 8, [0, 1])], 16)
+    q = mx.zeros((1, 4, 8, store.geometry.head_dim))
+    # No CUDA here: never routed, whatever the step.
+    assert not cuda_packed_prefill.applies(store, step, q, kernel_decode=True)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "k8v4"])
+def test_device_check_reference_matches_engine_packed_attention(fmt):
+    """The numpy model of the kernel's contract agrees with direct packed attention: ragged
+    rows (one without history), NaN in the chunk padding, a decode-shaped call."""
+    rng = np.random.default_rng(1)
+    for hq, kvh, d, history, own in ((4, 2, 64, [40, 0, 75], [9, 17, 1]),
+                                     (4, 1, 128, [33], [20]), (3, 3, 64, [50, 20], [1, 1])):
+        case = cuda_check.prefill_case(rng, fmt, hq, kvh, d, history, own,
+                                       kernel=cuda_check.reference_packed_prefill)
+        assert case["ok"] and case["max_abs_err"] < 0.02, case   # bf16 output rounding
+
+
+def test_device_check_reference_catches_contract_errors():
+    """A kernel that drops the last history key, or lets a position see its successor, fails."""
+    rng = np.random.default_rng(2)
+
+    def short_history(q, k_new, v_new, k_pool, v_pool, kb, vb, pages, bounds, longest, scale,
+                      splits=None):
+        import mlx.core as mx
+        cut = np.array(bounds)
+        cut[:, 0] -= 1
+        return cuda_check.reference_packed_prefill(q, k_new, v_new, k_pool, v_pool, kb, vb,
+                                                   pages, mx.array(cut), longest, scale)
+
+    def peeks_ahead(q, k_new, v_new, *rest, splits=None):
+        import mlx.core as mx
+        # Position i also sees key i + 1 (shift the fresh keys one step earlier).
+        shifted = mx.concatenate([k_new[:, :, 1:], k_new[:, :, -1:]], axis=2)
+        return cuda_check.reference_packed_prefill(q, shifted, v_new, *rest)
+
+    for wrong in (short_history, peeks_ahead):
+        case = cuda_check.prefill_case(rng, "int8", 4, 2, 64, [5, 30], [12, 12], kernel=wrong)
+        assert not case["ok"], (wrong.__name__, case)
