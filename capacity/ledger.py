@@ -188,7 +188,12 @@ class Ledger:
         if existing is not None:
             return existing, [existing.replica_id]
         if request_id in self._settled:
-            raise CapacityRefused("duplicate_request_id", 0.0, request_id)
+            if self._settled[request_id] == RELEASED:
+                raise CapacityRefused("duplicate_request_id", 0.0, request_id)
+            # Settled without finishing (its replica lost, its hold cancelled by Serve's router
+            # as it re-routes, or expired): this is the same request routed again, which a
+            # surviving replica may serve. Only a finished request is a duplicate.
+            del self._settled[request_id]
         reps = self.replicas(model)
         if not reps:
             raise CapacityRefused("unknown_model", self.cfg.retry_after_s, model)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from capacity.errors import CapacityRefused
 from capacity.fleet import Fleet
+from capacity.ledger import RELEASED
 
 TOMBSTONES = 10_000     # ids cancelled before their waiting hold arrived, remembered
 
@@ -187,7 +188,7 @@ class WaitQueues:
         ledger = self.fleet.ledger
         if not isinstance(raw_tokens, int) or isinstance(raw_tokens, bool) or raw_tokens < 1:
             return refusal("invalid_request", 0.0, f"raw_tokens must be >= 1, got {raw_tokens!r}")
-        if ledger.outcome(request_id) is not None:
+        if ledger.outcome(request_id) == RELEASED:   # only a finished request (Ledger.hold)
             return refusal("duplicate_request_id", 0.0, request_id)
         reps = ledger.replicas(model)
         if not reps:

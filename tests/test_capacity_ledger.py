@@ -133,6 +133,27 @@ def test_release_cancel_and_hold_are_idempotent():
     assert not led.commit("c", "r0", 0.0)                # a cancelled hold cannot come back
 
 
+def test_a_request_whose_hold_was_lost_or_cancelled_may_hold_again():
+    """Serve routes a request again when its replica dies: the same request id comes back.
+    Its old hold was dropped with the replica, so this is a retry, not a duplicate."""
+    led = ledger_with(slot(), slot())
+    res, _ = led.hold("m", 100, "a", 0.0)
+    lost = res.replica_id
+    assert led.commit("a", lost, 0.0)
+    led.retire([lost])
+    assert led.outcome("a") == DROPPED and led.outstanding_raw() == 0
+    again, ranking = led.hold("m", 100, "a", 0.0)
+    assert again.replica_id != lost and lost not in ranking
+    assert led.outstanding_raw() == 100
+    # Serve's router cancels the hold of a request it re-routes: that one may hold again too.
+    assert led.cancel("a") is not None and led.outcome("a") == CANCELLED
+    led.hold("m", 100, "a", 0.0)
+    assert led.release("a") is not None
+    with pytest.raises(CapacityRefused) as e:       # finished: now a true duplicate
+        led.hold("m", 100, "a", 0.0)
+    assert e.value.reason == "duplicate_request_id"
+
+
 def test_commit_moves_the_debit_to_the_replica_that_admitted():
     led = ledger_with(slot(), slot())
     first = led.hold("m", 400, "a", 0.0)[0].replica_id
