@@ -1,5 +1,6 @@
 """`orchard bench memory`: the limit really ends a process that goes over it, and the ramp runs
 against both real servers (small: orchard-tiny, short contexts, two levels)."""
+import contextlib
 import json
 import subprocess
 import sys
@@ -37,21 +38,13 @@ def _child(hold: int, grow: int) -> subprocess.Popen:
     return proc
 
 
-@pytest.mark.parametrize("mode", ["auto", "rss"])
-def test_a_process_over_the_limit_is_ended_and_reported(mode):
-    """`auto` is the kernel's cgroup where this machine has one (the bench's normal case);
-    `rss` is the watchdog used elsewhere. Both end the process when it goes over."""
-    limit = memory_limit.make_limit(200 * MIB, f"test-{mode}", mode)
-    proc = _child(hold=40, grow=300)
+@contextlib.contextmanager
+def _limited_child(limit_mib: int, hold: int, grow: int, mode: str = "auto"):
+    """A child holding `hold` MiB and a limit of `limit_mib` (not yet adopted); both cleaned up."""
+    limit = memory_limit.make_limit(limit_mib * MIB, f"test-{mode}-{limit_mib}", mode)
+    proc = _child(hold, grow)
     try:
-        limit.adopt(proc.pid)
-        assert not limit.report().killed
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        assert proc.wait(timeout=60) < 0, "the process outgrew the limit and lived"
-        rep = limit.report()
-        assert rep.killed and rep.mode == limit.mode
-        assert rep.peak_bytes >= 40 * MIB
+        yield limit, proc
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -59,35 +52,40 @@ def test_a_process_over_the_limit_is_ended_and_reported(mode):
         limit.close()
 
 
-def test_a_process_under_the_limit_lives_and_its_peak_is_measured():
-    limit = memory_limit.make_limit(400 * MIB, "test-under")
-    proc = _child(hold=40, grow=60)
-    try:
+def _grow(proc: subprocess.Popen) -> None:
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+@pytest.mark.parametrize("mode", ["auto", "rss"])
+def test_a_process_over_the_limit_is_ended_and_reported(mode):
+    """`auto` is the kernel's cgroup where this machine has one (the bench's normal case);
+    `rss` is the watchdog used elsewhere. Both end the process when it goes over."""
+    with _limited_child(200, hold=40, grow=300, mode=mode) as (limit, proc):
         limit.adopt(proc.pid)
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline().strip() == "grew"
+        assert not limit.report().killed
+        _grow(proc)
+        assert proc.wait(timeout=60) < 0, "the process outgrew the limit and lived"
         rep = limit.report()
+        assert rep.killed and rep.mode == limit.mode
+        assert rep.peak_bytes >= 40 * MIB
+
+
+def test_a_process_under_the_limit_lives_and_its_peak_is_measured():
+    with _limited_child(400, hold=40, grow=60) as (limit, proc):
+        limit.adopt(proc.pid)
+        _grow(proc)
+        assert proc.stdout.readline().strip() == "grew"
         if limit.mode == "rss":   # the watchdog samples: wait for a sample after the growth
             _wait_for(lambda: limit.report().peak_bytes >= 100 * MIB)
-            rep = limit.report()
+        rep = limit.report()
         assert not rep.killed and rep.peak_bytes >= 100 * MIB
-    finally:
-        proc.kill()
-        proc.wait()
-        limit.close()
 
 
 def test_a_limit_below_what_the_process_already_holds_is_refused():
-    limit = memory_limit.make_limit(20 * MIB, "test-small")
-    proc = _child(hold=60, grow=0)
-    try:
+    with _limited_child(20, hold=60, grow=0) as (limit, proc):
         with pytest.raises(RuntimeError, match="over the 20 MiB limit before any request"):
             limit.adopt(proc.pid)
-    finally:
-        proc.kill()
-        proc.wait()
-        limit.close()
 
 
 def test_bad_arguments_are_refused_clearly():
