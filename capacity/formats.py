@@ -4,6 +4,12 @@ Packed formats are token-local affine groups of 64 channels per token per KV hea
 scale and an FP32 offset per group. A row is laid out as codes, then scales, then offsets. Keys are
 rotated by a fixed signed, normalized Hadamard transform (block = min(128, head_dim)) after RoPE;
 values are not rotated. Pure Python: no MLX, no Ray.
+
+A format with sink rows (identity v2, `-n<rows><dtype>`) also keeps the first `rows` tokens of
+every page unquantized, in the model's dtype, beside their codes: attention reads a sequence's
+first tokens (its attention sinks, which every later query attends to heavily) from that native
+copy. Page-local, so paging, prefix sharing and checkpoints need nothing per sequence; the price
+is rows * 2 * head_dim * dtype bytes per page per KV head, counted in bytes per token.
 """
 from __future__ import annotations
 
@@ -14,15 +20,21 @@ GROUP_SIZE = 64
 META_BYTES = 4  # FP32 scale and FP32 offset, each
 ROTATION_SEED = 1
 IDENTITY_VERSION = "v1"
+SINK_IDENTITY_VERSION = "v2"
 MAX_IDENTITY_LEN = 64
 
-# name -> (K bits, V bits); None bits mean the model's compute dtype.
-FORMAT_BITS: dict[str, tuple[int, int] | None] = {
+# name -> (K bits, V bits, native sink rows per page); None means the model's compute dtype.
+FORMAT_SPECS: dict[str, tuple[int, int, int] | None] = {
     "native": None,
-    "int8": (8, 8),
-    "k8v4": (8, 4),
-    "int4": (4, 4),
+    "int8": (8, 8, 0),
+    "k8v4": (8, 4, 0),
+    "int4": (4, 4, 0),
+    # int4 plus the first 4 tokens of each page native (a sequence's attention sinks): chosen by
+    # measurement on SmolLM2-135M (docs/quality.md, variants table).
+    "int4-sink": (4, 4, 4),
 }
+FORMAT_BITS: dict[str, tuple[int, int] | None] = {
+    n: (spec[0], spec[1]) if spec else None for n, spec in FORMAT_SPECS.items()}
 DTYPE_BYTES = {"float32": 4, "f32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "f16": 2}
 _DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
@@ -85,6 +97,16 @@ class KVFormat:
         return bits[1] if bits else None
 
     @property
+    def sink_rows(self) -> int:
+        """Tokens at the start of each page also kept native (0: none)."""
+        spec = FORMAT_SPECS[self.name]
+        return spec[2] if spec else 0
+
+    def sink_row_bytes(self) -> int:
+        """Bytes of one native sink row (K or V, one KV head)."""
+        return self.head_dim * DTYPE_BYTES[self.native_dtype] if self.sink_rows else 0
+
+    @property
     def rotation_block(self) -> int | None:
         return hadamard_block(self.head_dim) if self.packed else None
 
@@ -98,19 +120,37 @@ class KVFormat:
             return self.head_dim * DTYPE_BYTES[self.native_dtype]
         return packed_row_bytes(self.head_dim, self.v_bits)
 
-    def bytes_per_token(self, kv_heads: int) -> int:
-        """Bytes one token costs in one layer: kv_heads x (K row + V row)."""
-        return kv_heads * (self.k_row_bytes() + self.v_row_bytes())
+    def bytes_per_page(self, kv_heads: int, page_tokens: int) -> int:
+        """Exact bytes of one page in one layer: rows of codes + metadata, and native sink rows."""
+        if self.sink_rows > page_tokens:
+            raise KVFormatError(f"format {self.name} keeps {self.sink_rows} native rows per page; "
+                                f"pages of {page_tokens} tokens cannot hold them")
+        return kv_heads * (page_tokens * (self.k_row_bytes() + self.v_row_bytes())
+                           + 2 * self.sink_rows * self.sink_row_bytes())
+
+    def bytes_per_token(self, kv_heads: int, page_tokens: int = 64) -> int:
+        """Bytes one token costs in one layer: kv_heads x (K row + V row), plus its share of the
+        page's native sink rows (formats without sink rows do not depend on page_tokens)."""
+        per_page = self.bytes_per_page(kv_heads, page_tokens)
+        if per_page % page_tokens:
+            raise KVFormatError(f"format {self.name}: {per_page} bytes per page of {page_tokens} "
+                                "tokens is not a whole number of bytes per token")
+        return per_page // page_tokens
 
     @property
     def identity(self) -> str:
         if not self.packed:
             return f"native-{IDENTITY_VERSION}-{_DTYPE_SHORT[self.native_dtype]}"
+        if self.sink_rows:
+            return (f"affine-{SINK_IDENTITY_VERSION}-k{self.k_bits}v{self.v_bits}-g{GROUP_SIZE}"
+                    f"-f32-h{self.rotation_block}-s{ROTATION_SEED}"
+                    f"-n{self.sink_rows}{_DTYPE_SHORT[self.native_dtype]}")
         return (f"affine-{IDENTITY_VERSION}-k{self.k_bits}v{self.v_bits}-g{GROUP_SIZE}-f32"
                 f"-h{self.rotation_block}-s{ROTATION_SEED}")
 
 
 _PACKED_RE = re.compile(r"affine-v1-k(8|4)v(8|4)-g64-f32-h(64|128)-s1")
+_SINK_RE = re.compile(r"affine-v2-k(8|4)v(8|4)-g64-f32-h(64|128)-s1-n([1-9][0-9]?)(f32|bf16|f16)")
 _NATIVE_RE = re.compile(r"native-v1-(f32|bf16|f16)")
 
 
@@ -120,15 +160,22 @@ def parse_identity(identity: str) -> dict:
         raise KVFormatError(f"malformed KV format identity {identity!r}")
     if m := _NATIVE_RE.fullmatch(identity):
         return {"name": "native", "dtype": m.group(1)}
-    m = _PACKED_RE.fullmatch(identity)
-    if not m:
+    sink_dtype = None
+    if m := _SINK_RE.fullmatch(identity):
+        sinks, sink_dtype = int(m.group(4)), m.group(5)
+    elif m := _PACKED_RE.fullmatch(identity):
+        sinks = 0
+    else:
         raise KVFormatError(f"malformed KV format identity {identity!r}")
-    bits = (int(m.group(1)), int(m.group(2)))
-    names = [n for n, b in FORMAT_BITS.items() if b == bits]
+    spec = (int(m.group(1)), int(m.group(2)), sinks)
+    names = [n for n, s in FORMAT_SPECS.items() if s == spec]
     if not names:
-        raise KVFormatError(f"KV format identity {identity!r} names no supported bit pair")
-    return {"name": names[0], "k_bits": bits[0], "v_bits": bits[1], "group": GROUP_SIZE,
-            "rotation_block": int(m.group(3)), "seed": ROTATION_SEED}
+        raise KVFormatError(f"KV format identity {identity!r} names no supported format")
+    out = {"name": names[0], "k_bits": spec[0], "v_bits": spec[1], "group": GROUP_SIZE,
+           "rotation_block": int(m.group(3)), "seed": ROTATION_SEED}
+    if sinks:
+        out.update(sink_rows=sinks, dtype=sink_dtype)
+    return out
 
 
 # ---- Policy: which format a model gets -------------------------------------------------------
@@ -194,7 +241,7 @@ def format_from_identity(identity: str, head_dim: int, native_dtype: str = "floa
     """
     parsed = parse_identity(identity)
     dtype = native_dtype
-    if parsed["name"] == "native":
+    if "dtype" in parsed:   # native, and formats with native sink rows, name their dtype
         dtype = {v: k for k, v in _DTYPE_SHORT.items()}[parsed["dtype"]]
     fmt = KVFormat(parsed["name"], head_dim, dtype)
     if fmt.identity != identity:

@@ -98,6 +98,9 @@ def save_checkpoint(directory: str | Path, kvstore: KVStore, page_table: list[in
         if getattr(store, "packed", False):
             kp, vp = store.read_packed(slots)
             k, v = to_row_bytes(kp), to_row_bytes(vp)
+            if getattr(store, "sink_rows", 0):   # native first rows of each page (formats v2)
+                tensors[f"layer{index}.ksink"], tensors[f"layer{index}.vsink"] = \
+                    store.read_sinks(slots)
         else:
             k, v = _native_rows(store, page_table, n, kvstore.page_tokens)
         tensors[f"layer{index}.k"], tensors[f"layer{index}.v"] = k, v
@@ -195,9 +198,22 @@ def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[
         raise CheckpointError(f"checkpoint data unreadable: {e}") from None
     expected = manifest["tensors"]
     names = {f"layer{i}.{kv}" for i in kvstore.layers for kv in "kv"}
-    if set(tensors) != names or set(expected) != names:
+    sinks = {f"layer{i}.{kv}sink" for i, s in kvstore.layers.items()
+             if getattr(s, "sink_rows", 0) for kv in "kv"}
+    if set(tensors) != names | sinks or set(expected) != names | sinks:
         raise CheckpointError("checkpoint tensors do not cover this engine's paged layers")
+    n = manifest["num_tokens"]
+    t = kvstore.page_tokens
+    for name in sinks:   # rows of the positions at page offsets < sink_rows, in order
+        a, store = tensors[name], kvstore.layers[int(name[5:name.index(".")])]
+        rows = sum(1 for i in range(n) if i % t < store.sink_rows)
+        if (str(a.dtype).removeprefix("mlx.core.") != expected[name]["dtype"]
+                or list(a.shape) != expected[name]["shape"]
+                or tuple(a.shape) != (rows, store.geometry.kv_heads, store.geometry.head_dim)):
+            raise CheckpointError(f"checkpoint tensor {name} has the wrong shape or dtype")
     for name, a in tensors.items():
+        if name in sinks:
+            continue
         if (str(a.dtype).removeprefix("mlx.core.") != expected[name]["dtype"]
                 or list(a.shape) != expected[name]["shape"]
                 or a.shape[0] != manifest["num_tokens"]):
@@ -218,6 +234,9 @@ def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[
             d = store.fmt.head_dim
             store.write_packed(slots, from_row_bytes(k, d, store.fmt.k_bits),
                                from_row_bytes(v, d, store.fmt.v_bits))
+            if f"layer{index}.ksink" in tensors:
+                store.write_sinks(slots, tensors[f"layer{index}.ksink"],
+                                  tensors[f"layer{index}.vsink"])
         else:
             store.write(slots, k, v)
     mx.eval(*kvstore.arrays())

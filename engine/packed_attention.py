@@ -187,7 +187,8 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
                                      (B, Hkv, rep, L, 1)))
     p = mx.softmax(mx.concatenate(parts, axis=-1), axis=-1, precise=True)
     out = _qmm(p[..., :S].reshape(B, Hkv, rep * L, S), hist.v, fmt.v_bits, False, act_v)
-    out = out.reshape(B, Hkv, rep, L, D) + p[..., S:S + L] @ v_new
+    K = k_new.shape[-2]   # the fresh rows, after any native sink rows (engine.packed_cache)
+    out = out.reshape(B, Hkv, rep, L, D) + p[..., S:S + K] @ v_new
     return out.reshape(B, Hq, L, D).astype(q.dtype)
 
 

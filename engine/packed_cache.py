@@ -43,8 +43,9 @@ class PackedLayerCache(PagedLayerCache):
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         self.step.attended += 1
-        if sinks is None and cuda_packed_prefill.applies(self.store, self.step, queries,
-                                                         self._kernel_decode()):
+        # The CUDA kernels read codes only; formats with native sink rows attend through MLX ops.
+        if sinks is None and not self.store.sink_rows and cuda_packed_prefill.applies(
+                self.store, self.step, queries, self._kernel_decode()):
             # CUDA: packed pages read by page table inside one tensor-core kernel.
             if queries.shape[2] > 1:
                 self.store.attention.counters.direct += 1   # it is the direct path there

@@ -34,13 +34,15 @@ class _Online(NamedTuple):
 
 
 def fresh_full(qn, k_new, v_new, nmask) -> _Online:
-    """The chunk's own keys in one block, under any mask (every query sees its own key)."""
+    """The chunk's own keys in one block, under any mask (every query sees its own key).
+    The keys may include native sink rows ahead of the chunk's own (K >= L keys)."""
     B, Hkv, rep, L, D = qn.shape
-    s = qn @ k_new.swapaxes(-1, -2)                       # (B, Hkv, rep, L, L)
-    s = (s if nmask is None else mx.where(nmask, s, -mx.inf)).reshape(B, Hkv, rep * L, L)
+    K = k_new.shape[-2]
+    s = qn @ k_new.swapaxes(-1, -2)                       # (B, Hkv, rep, L, K)
+    s = (s if nmask is None else mx.where(nmask, s, -mx.inf)).reshape(B, Hkv, rep * L, K)
     m = s.max(axis=-1, keepdims=True)
     p = _exp_shifted(s, m)
-    return _Online(m, p.sum(axis=-1, keepdims=True), p @ v_new.reshape(B, Hkv, L, D))
+    return _Online(m, p.sum(axis=-1, keepdims=True), p @ v_new.reshape(B, Hkv, K, -1))
 
 
 def fresh_causal_blocks(qn, k_new, v_new, block: int) -> _Online:

@@ -9,12 +9,18 @@ one take plus a free reshape.
 Attention does not use `gather` (that returns dequantized, un-rotated rows for tools and tests);
 it reads `gather_packed` through engine.packed_cache, and checkpoints move rows with
 `read_packed`/`write_packed`, which never requantize.
+
+Formats with sink rows (capacity.formats) also keep the first `sink_rows` tokens of every page
+in the model's dtype, unrotated, in [num_pages, sink_rows, kv_heads, dim] arrays beside the codes
+(`read_sinks`/`write_sinks` move them verbatim); attention reads a sequence's first tokens from
+its first page's native rows (engine.packed_cache).
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from capacity.formats import KVFormat, KVFormatError
 from engine import cuda_packed_write
@@ -56,6 +62,15 @@ class PackedLayerStore:
         h, d = geometry.kv_heads, geometry.head_dim
         self.k = _zeros(num_pages, page_tokens, h, d, fmt.k_bits)
         self.v = _zeros(num_pages, page_tokens, h, d, fmt.v_bits)
+        self.sink_rows = fmt.sink_rows
+        if self.sink_rows > page_tokens:
+            raise KVFormatError(f"format {fmt.name} keeps {self.sink_rows} native rows per page; "
+                                f"pages of {page_tokens} tokens cannot hold them")
+        self.sinks: tuple[mx.array, ...] = ()
+        if self.sink_rows:
+            dtype = getattr(mx, fmt.native_dtype)
+            self.sinks = (mx.zeros((num_pages, self.sink_rows, h, d), dtype),
+                          mx.zeros((num_pages, self.sink_rows, h, d), dtype))
         mx.eval(*self.arrays())
         self.nbytes = sum(a.nbytes for a in self.arrays())
         self.page_bytes = self.nbytes // num_pages
@@ -66,9 +81,56 @@ class PackedLayerStore:
             # CUDA: the same rotation and quantization in one kernel launch (not ~40 ops).
             self.write_packed(slots, *cuda_packed_write.quantize_kv(
                 k, v, self.fmt.k_bits, self.fmt.v_bits))
+        else:
+            self.write_packed(slots, quantize(rotate(k), self.fmt.k_bits),
+                              quantize(v, self.fmt.v_bits))
+        if self.sink_rows:
+            self._write_sinks(slots, k, v, self._sink_index(slots))
+
+    def _sink_index(self, slots: Slots) -> mx.array | None:
+        """Which of the slots land in a page's native sink rows (None: none), once per step."""
+        key = ("sink_rows", self.sink_rows)
+        if key not in slots._by_heads:   # the step's per-layer index cache, shared by layers
+            keep = np.flatnonzero(np.array(slots.offset) < self.sink_rows)
+            slots._by_heads[key] = mx.array(keep.astype(np.int32)) if keep.size else None
+        return slots._by_heads[key]
+
+    def _write_sinks(self, slots: Slots, k: mx.array, v: mx.array, idx: mx.array | None):
+        if idx is None:
             return
-        self.write_packed(slots, quantize(rotate(k), self.fmt.k_bits),
-                          quantize(v, self.fmt.v_bits))
+        page, offset = slots.page[idx], slots.offset[idx]
+        for dst, rows in zip(self.sinks, (k, v)):
+            dst[page, offset] = rows[idx].astype(dst.dtype)
+
+    def read_sinks(self, slots: Slots) -> tuple[mx.array, mx.array] | None:
+        """Native sink rows [M, heads, dim] of the slots with offset < sink_rows, in slot order."""
+        if not self.sink_rows:
+            return None
+        idx = self._sink_index(slots)
+        if idx is None:
+            d = self.geometry.head_dim
+            empty = mx.zeros((0, self.geometry.kv_heads, d), self.sinks[0].dtype)
+            return empty, empty
+        page, offset = slots.page[idx], slots.offset[idx]
+        return tuple(a[page, offset] for a in self.sinks)
+
+    def write_sinks(self, slots: Slots, k: mx.array, v: mx.array) -> None:
+        """Store native sink rows read by `read_sinks` verbatim (checkpoint restore)."""
+        idx = self._sink_index(slots)
+        n = 0 if idx is None else idx.size
+        if k.shape[0] != n or v.shape[0] != n:
+            raise KVFormatError(f"expected {n} sink rows for these slots, got {k.shape[0]}")
+        if n:
+            page, offset = slots.page[idx], slots.offset[idx]
+            for dst, rows in zip(self.sinks, (k, v)):
+                dst[page, offset] = rows.astype(dst.dtype)
+
+    def gather_sinks(self, pages: mx.array) -> tuple[mx.array, mx.array]:
+        """Native sink rows of page tables [B, P] as K, V [B, heads, P*sink_rows, dim] (model
+        basis), page by page."""
+        b, p = pages.shape
+        return tuple(a[pages].reshape(b, p * self.sink_rows, *a.shape[2:]).transpose(0, 2, 1, 3)
+                     for a in self.sinks)
 
     def write_packed(self, slots: Slots, k: Packed, v: Packed) -> None:
         """Store already-packed rows verbatim (checkpoint restore, prefix import)."""
@@ -97,10 +159,18 @@ class PackedLayerStore:
         """Dequantized K (back in the model's basis) and V, [B, heads, P*page_tokens, dim]."""
         hist = self.gather_packed(pages)
         k = dequantize(hist.k, self.fmt.k_bits) @ rotation_matrix(self.fmt.head_dim).T
-        return k, dequantize(hist.v, self.fmt.v_bits)
+        v = dequantize(hist.v, self.fmt.v_bits)
+        if self.sink_rows:   # what attention reads: each page's first rows are native
+            b, p = pages.shape
+            t, s = self.page_tokens, self.sink_rows
+            native = [a[pages].astype(mx.float32).transpose(0, 3, 1, 2, 4) for a in self.sinks]
+            k, v = (x.reshape(b, x.shape[1], p, t, -1) for x in (k, v))
+            k = mx.concatenate([native[0], k[:, :, :, s:]], axis=3).reshape(b, -1, p * t, k.shape[-1])
+            v = mx.concatenate([native[1], v[:, :, :, s:]], axis=3).reshape(b, -1, p * t, v.shape[-1])
+        return k, v
 
     def arrays(self) -> list[mx.array]:
-        return [*self.k, *self.v]
+        return [*self.k, *self.v, *self.sinks]
 
 
 def packed_layer_factory(fmt_name: str, prefill_mode: str = "direct",

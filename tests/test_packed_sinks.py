@@ -1,0 +1,154 @@
+"""int4-sink: int4 codes plus the first rows of every page kept native (attention sinks).
+
+Attention must read exactly what the store holds: dequantized codes everywhere except each
+page's first `sink_rows` positions, which come from their native copy. The reference here runs
+the same model over a plain native store filled with the packed store's own `gather()` rows, so
+any wrong mask, offset or page in the sink path shows up as a logit difference.
+"""
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from capacity.formats import KVFormat, KVFormatError, format_from_identity, parse_identity
+from engine.checkpoint import restore_checkpoint, save_checkpoint
+from engine.kvstore import KVStore, Slots
+from engine.model import LayerGeometry, ModelGeometry, load_model
+from engine.packed_cache import PackedModelRunner
+from engine.packed_store import PackedLayerStore, layer_report, packed_layer_factory
+from engine.runner import ModelRunner, SeqChunk
+
+T = 16   # page tokens: several pages per sequence, each with its own sink rows
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dirs):
+    return load_model(tiny_model_dirs["llama"])
+
+
+def _sink_store(loaded, pages=24):
+    return KVStore(loaded.geometry, pages, T, loaded.dtype,
+                   layer_factory=packed_layer_factory("int4-sink"))
+
+
+def test_bytes_identity_and_refusals():
+    fmt = KVFormat("int4-sink", 64, "bfloat16")
+    # int4 codes + FP32 metadata (40 + 40 bytes per head) plus 4 native bf16 K and V rows a page.
+    assert fmt.bytes_per_page(kv_heads=3, page_tokens=64) == 3 * (64 * 80 + 2 * 4 * 64 * 2)
+    assert fmt.bytes_per_token(3, 64) == 3 * 96
+    assert fmt.bytes_per_token(1, 64) / KVFormat("native", 64, "bfloat16").bytes_per_token(1) \
+        == 0.375
+    assert fmt.identity == "affine-v2-k4v4-g64-f32-h64-s1-n4bf16"
+    assert parse_identity(fmt.identity)["sink_rows"] == 4
+    assert format_from_identity(fmt.identity, 64, "float32") == fmt   # the dtype is in the name
+    assert KVFormat("int4", 64).identity != KVFormat("int4-sink", 64).identity
+    for bad in ("affine-v2-k4v4-g64-f32-h64-s1-n0bf16", "affine-v2-k4v4-g64-f32-h64-s1-n4",
+                "affine-v2-k4v4-g64-f32-h64-s1-n8bf16", "affine-v1-k4v4-g64-f32-h64-s1-n4bf16"):
+        with pytest.raises(KVFormatError):
+            parse_identity(bad)
+    with pytest.raises(KVFormatError):
+        fmt.bytes_per_page(1, page_tokens=2)
+    geom = LayerGeometry(0, "full", 2, 64, 64)
+    with pytest.raises(KVFormatError):
+        PackedLayerStore(geom, KVFormat("int4-sink", 64), num_pages=2, page_tokens=2)
+
+
+def test_store_bytes_and_native_sink_rows():
+    geom = ModelGeometry(layers=(LayerGeometry(0, "full", 2, 64, 64),), vocab_size=10)
+    store = KVStore(geom, num_pages=4, page_tokens=T, layer_factory=packed_layer_factory("int4-sink"))
+    assert store.bytes_per_token == KVFormat("int4-sink", 64).bytes_per_token(2, T)
+    assert layer_report(store)[0]["storage"] == "affine-v2-k4v4-g64-f32-h64-s1-n4f32"
+    rng = np.random.default_rng(0)
+    k = mx.array(rng.standard_normal((2 * T, 2, 64)).astype(np.float32))
+    v = mx.array(rng.standard_normal((2 * T, 2, 64)).astype(np.float32))
+    store.write(0, np.r_[np.arange(T, 2 * T), np.arange(3 * T, 4 * T)], k, v)   # pages 1 and 3
+    gk, gv = store.gather(0, [[1, 3]])
+    want_k, want_v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+    for p in (0, 1):   # the first 4 rows of each page are exact, the rest are int4
+        rows = slice(p * T, p * T + 4)
+        assert mx.array_equal(gk[0, :, rows], want_k[:, rows]).item()
+        assert mx.array_equal(gv[0, :, rows], want_v[:, rows]).item()
+        rest = slice(p * T + 4, (p + 1) * T)
+        err = mx.abs(gk[0, :, rest] - want_k[:, rest]).max().item()
+        assert 1e-4 < err < 0.5
+
+
+def _gathered_native(loaded, packed: KVStore, table):
+    """A native store holding exactly what `packed` gives attention for these pages."""
+    native = KVStore(loaded.geometry, packed.num_pages, T, loaded.dtype)
+    flat = np.asarray([p * T + o for p in table for o in range(T)])
+    for i, store in packed.layers.items():
+        k, v = store.gather(mx.array([table], dtype=mx.int32))
+        if getattr(store, "packed", False):
+            native.write(i, flat, k[0].swapaxes(0, 1), v[0].swapaxes(0, 1))
+    return native
+
+
+@pytest.mark.parametrize("cut", [3, 20, 37])
+def test_attention_reads_what_the_store_holds(llama, cut):
+    """Prefill `cut` tokens, then one more chunk: int4-sink logits equal a native runner's over
+    the packed store's own rows (before the first page's 4 rows are written, on one page, and
+    across pages)."""
+    seq = list(range(5, 5 + 48))
+    table = [2, 7, 4, 9]
+    runner = PackedModelRunner(llama, _sink_store(llama))
+    runner.forward([SeqChunk(0, seq[:cut], 0, table)])
+    mx.eval(runner.kvstore.arrays())
+    ref_store = _gathered_native(llama, runner.kvstore, table)
+    ref = ModelRunner(llama, ref_store)
+    got = runner.forward_all([SeqChunk(0, seq[cut:cut + 9], cut, table)])[0]
+    want = ref.forward_all([SeqChunk(0, seq[cut:cut + 9], cut, table)])[0]
+    assert mx.abs(got - want).max().item() < 2e-4
+    # A decode step too (one query, qmm path on the CPU).
+    got = runner.forward([SeqChunk(0, [seq[cut + 9]], cut + 9, table)])
+    mx.eval(runner.kvstore.arrays())
+    ref_store = _gathered_native(llama, runner.kvstore, table)
+    want = ModelRunner(llama, ref_store).forward([SeqChunk(0, [seq[cut + 9]], cut + 9, table)])
+    assert mx.abs(got - want).max().item() < 2e-4
+
+
+def test_ragged_batch_equals_each_sequence_alone(llama):
+    seqs = [list(range(3, 40)), list(range(50, 60)), list(range(7, 30))]
+    cuts = [21, 2, 17]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    batch = PackedModelRunner(llama, _sink_store(llama))
+    batch.forward([SeqChunk(i, s[:c], 0, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
+    got = batch.forward([SeqChunk(i, s[c:], c, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
+    for i, (s, c) in enumerate(zip(seqs, cuts)):
+        alone = PackedModelRunner(llama, _sink_store(llama))
+        alone.forward([SeqChunk(0, s[:c], 0, tables[i])])
+        want = alone.forward([SeqChunk(0, s[c:], c, tables[i])])
+        assert mx.abs(got[i] - want[0]).max().item() < 1e-4
+
+
+def test_sink_rows_change_the_answer_from_plain_int4(llama):
+    """The sink path is really taken: int4-sink and int4 logits differ after a first page."""
+    seq = list(range(5, 45))
+    out = {}
+    for fmt in ("int4", "int4-sink"):
+        store = KVStore(llama.geometry, 8, T, llama.dtype, layer_factory=packed_layer_factory(fmt))
+        r = PackedModelRunner(llama, store)
+        r.forward([SeqChunk(0, seq[:32], 0, [0, 1, 2])])
+        out[fmt] = r.forward([SeqChunk(0, seq[32:], 32, [0, 1, 2])])
+    assert mx.abs(out["int4"] - out["int4-sink"]).max().item() > 1e-4
+
+
+def test_checkpoint_round_trip_keeps_sink_rows(llama, tmp_path):
+    seq = list(range(5, 42))
+    table = [3, 5, 1]
+    src = PackedModelRunner(llama, _sink_store(llama))
+    src.forward([SeqChunk(0, seq[:-1], 0, table)])
+    mx.eval(src.kvstore.arrays())
+    save_checkpoint(tmp_path, src.kvstore, table, seq[:-1], model_fingerprint="fp")
+    dst = PackedModelRunner(llama, _sink_store(llama))
+    new_table, n = restore_checkpoint(tmp_path, dst.kvstore, seq, model_fingerprint="fp",
+                                      allocate=lambda k: [7, 8, 9][:k])
+    assert n == len(seq) - 1
+    slots_src = Slots.from_flat(np.array([table[i // T] * T + i % T for i in range(n)]), T)
+    slots_dst = Slots.from_flat(np.array([new_table[i // T] * T + i % T for i in range(n)]), T)
+    for i, store in src.kvstore.layers.items():
+        a, b = store.read_sinks(slots_src), dst.kvstore.layers[i].read_sinks(slots_dst)
+        assert a[0].shape[0] == 12   # positions 0-3, 16-19, 32-35
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a, b))
+    want = src.forward([SeqChunk(0, seq[-1:], n, table)])
+    got = dst.forward([SeqChunk(0, seq[-1:], n, new_table)])
+    assert mx.array_equal(got, want).item()
