@@ -45,6 +45,7 @@ class ModelEntry:
         self.text_format = ModelTextFormat()
         self.max_model_len = 0
         self.max_request_tokens = 0
+        self.prefix_caching = False
         self.format_identity = "?"
         self._lock = asyncio.Lock()
 
@@ -56,6 +57,7 @@ class ModelEntry:
                     self.max_model_len = int(info["max_model_len"])
                     self.max_request_tokens = int(info.get("max_request_tokens",
                                                            self.max_model_len))
+                    self.prefix_caching = bool(info.get("prefix_caching", False))
                     self.format_identity = info["format_identity"]
                     tok, self.text_format = await asyncio.to_thread(
                         load_tokenizer, info["tokenizer_files"])
@@ -251,18 +253,24 @@ class IngressCore:
         return first, agen
 
     async def open_streams(self, calls: list[GenerateCall], entry: ModelEntry):
-        """Every choice's stream, opened together; if one is refused the others are closed."""
-        if len(calls) == 1:
-            return [await self.open_stream(calls[0], entry)]
+        """Every choice's stream; if one is refused the others are closed.
+
+        With the prefix cache on, choice 0 goes first: its first token means its prompt's full
+        pages are in the cache, so the other choices share them instead of writing the prompt's
+        KV again (they wait one prefill for it). Without the cache all start together."""
+        first = []
+        if len(calls) == 1 or entry.prefix_caching:
+            first = [await self.open_stream(calls[0], entry)]
+            calls = calls[1:]
         opened = await asyncio.gather(*(self.open_stream(c, entry) for c in calls),
                                       return_exceptions=True)
         failed = [o for o in opened if isinstance(o, BaseException)]
         if failed:
-            for o in opened:
+            for o in [*first, *opened]:
                 if not isinstance(o, BaseException):
                     await o[1].aclose()
             raise failed[0]
-        return opened
+        return [*first, *opened]
 
     async def complete(self, kind: str, request: Request) -> Response:
         t0 = time.monotonic()
@@ -548,10 +556,11 @@ class _Choices:
         got = [c.usage for c in self.choices if c.usage]
         if not got:
             return None
-        # The prompt is counted once, as OpenAI does for n > 1.
+        # The prompt is counted once, as OpenAI does for n > 1; cached: the most any choice
+        # found in the prefix cache (choices after the first share the first one's pages).
         return {"prompt_tokens": got[0]["prompt_tokens"],
                 "completion_tokens": sum(u["completion_tokens"] for u in got),
-                "cached_tokens": got[0].get("cached_tokens", 0)}
+                "cached_tokens": max(u.get("cached_tokens", 0) for u in got)}
 
 
 def _echo_text(req, tok, prompt_ids: list[int]) -> str:

@@ -172,6 +172,8 @@ class ModelServer:
                 # The most raw tokens one request can ever be charged on an idle replica (its
                 # whole KV budget): the ingress refuses larger ones at once (413).
                 "max_request_tokens": int(self.engine.cost_model().max_raw_tokens(0, 0)),
+                # n > 1 choices share the prompt's pages only through the prefix cache.
+                "prefix_caching": bool(self.engine.cfg.enable_prefix_caching),
                 "tokenizer_files": files}
 
     def max_model_len(self) -> int:

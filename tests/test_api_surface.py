@@ -34,7 +34,9 @@ def url(tmp_path_factory):
                  {"id": "tiny-ctx", "path": TINY, "engine": {"max_model_len": 48}, **small},
                  {"id": "tiny-kv", "path": TINY, "kv_budget_bytes": KV_TOKENS * BYTES_PER_TOKEN,
                   **small},
-                 {"id": "tiny-strict", "path": str(strict), **small}],
+                 {"id": "tiny-strict", "path": str(strict), **small},
+                 {"id": "tiny-nocache", "path": TINY,
+                  "engine": {"enable_prefix_caching": False}, **small}],
                 http={"default_max_tokens": DEFAULT_MAX_TOKENS,
                       "cors_origins": ["https://app.example"]}) as u:
         yield u
@@ -344,3 +346,16 @@ def test_cors_allows_the_configured_origin_only(url):
     other = httpx.options(url + "/v1/chat/completions",
                           headers={"Origin": "https://evil.example", **pre})
     assert "access-control-allow-origin" not in other.headers
+
+
+def test_n_choices_share_the_prompt_pages_through_the_prefix_cache(client):
+    from engine.config import DEFAULT_PAGE_TOKENS
+
+    prompt = list(range(300, 300 + 2 * DEFAULT_PAGE_TOKENS + 5))   # 2 full pages and a tail
+    kw = dict(prompt=prompt, max_tokens=3, temperature=1.0, seed=1, n=3)
+    r = client.completions.create(model="tiny", **kw)   # served models cache prefixes
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.prompt_tokens_details.cached_tokens == 2 * DEFAULT_PAGE_TOKENS
+    # Without the cache every choice writes the prompt's KV itself.
+    assert client.completions.create(model="tiny-nocache", **kw).usage.prompt_tokens_details \
+        .cached_tokens == 0
