@@ -46,7 +46,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
     stop_token_ids: tuple[int, ...] = ()   # finish with "stop" when sampled (never decoded)
     logprobs: int | None = None     # None = off; k = the sampled token's logprob + k alternatives
-    grammar: str | None = None      # llguidance grammar the output must match (engine/structured.py)
+    grammar: str | None = None      # llguidance grammar the output must match (structured.py)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
