@@ -321,6 +321,9 @@ def main(argv=None):
     ap.add_argument("--no-prefill-kernel", action="store_true",
                     help="prefill packed layers through the MLX-op direct path, not the CUDA "
                          "tile kernel (engine/cuda_packed_prefill.py), to compare")
+    ap.add_argument("--prefill-split-target", type=int, default=None,
+                    help="blocks per launch the CUDA prefill kernel aims for when it splits the "
+                         "keys (engine.cuda_packed_prefill.TARGET_BLOCKS)")
     ap.add_argument("--no-write-kernel", action="store_true",
                     help="quantize packed writes with MLX ops, not the CUDA write kernel "
                          "(engine/cuda_packed_write.py), to compare")
@@ -350,6 +353,8 @@ def main(argv=None):
         cuda_packed_write.enabled = False
     if args.no_prefill_kernel:
         cuda_packed_prefill.enabled = False
+    if args.prefill_split_target:
+        cuda_packed_prefill.TARGET_BLOCKS = args.prefill_split_target
     if args.split_target:
         cuda_paged_decode.TARGET_BLOCKS = args.split_target
         cuda_paged_decode.split_count.cache_clear()
@@ -372,6 +377,7 @@ def main(argv=None):
                       "write_kernel": cuda_packed_write.usable(8, 8, 128),
                       "prefill_kernel": cuda_packed_prefill.usable(8, 8, 128),
                       "decode_tiles_default": cuda_packed_prefill.decode_tiles,
+                      "prefill_split_target": cuda_packed_prefill.TARGET_BLOCKS,
                       "args": vars(args), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                     time.gmtime())}}
 

@@ -49,12 +49,12 @@ def variants():
               ("pages", "int32"), ("bounds", "int32"), ("dims", "int32")]
     outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
     for d in pf.HEAD_DIMS:
-        for g in (1, 3, 4, 8):
+        for g, qw in ((1, 4), (3, 2), (4, 2), (4, 1), (8, 1)):
             for kb, vb in ((8, 8), (4, 4), (8, 4)):
                 for split in (False, True):
-                    label = f"prefill d{d} g{g} k{kb}v{vb} split={split}"
+                    label = f"prefill d{d} g{g} qw{qw} k{kb}v{vb} split={split}"
                     yield label, wrap("orchard_packed_prefill", inputs, outputs, pf._SOURCE,
-                                      pf._HEADER, [("D", d), ("G", g), ("KB", kb), ("VB", vb),
+                                      pf._HEADER, [("D", d), ("G", g), ("QW", qw), ("KB", kb), ("VB", vb),
                                                    ("PT", 16), ("SPLIT", split),
                                                    ("TO", "bfloat16")])
 

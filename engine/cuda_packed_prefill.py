@@ -8,11 +8,12 @@ is ever copied: the direct MLX-op path gathered every row's packed pages (a copy
 history per layer and chunk) and unpacked it into FP32 tiles with ~10 launches per tile.
 
 Tiling (FlashAttention-2 style; the one place it is defined, so a Metal twin can follow it):
-- a block serves one (row, KV head, tile of QT = 16 query positions, split of the keys); its G
-  warps are the KV head's G query heads, one m16 tile of 16 positions each, so every K/V tile
-  is dequantized once for all query heads of the KV head;
+- a block serves one (row, KV head, tile of QT = 16 * QW query positions, split of the keys);
+  its G * QW warps each take one query head's m16 tile of 16 positions, so every K/V tile is
+  dequantized once for all query heads of the KV head and QT positions (`query_warps`);
 - key tiles of KT = 64: the block unpacks a tile's codes (scale * code + offset per 64-channel
-  group) into shared memory as bf16, K row-major and V transposed, so both MMAs read their B
+  group; codes become floats by exponent bits, not int-to-float conversions) into shared
+  memory as bf16, K row-major and V transposed, so both MMAs read their B
   operands as aligned 32-bit pairs without bank conflicts (row strides padded by 8);
 - per warp: S = Q K^T and O += P V with `mma.sync.m16n8k16` bf16 -> FP32 (PTX, documented
   fragment layout: the score accumulator is the P operand's layout, so P never leaves
@@ -39,7 +40,12 @@ from engine.rotation import rotate
 
 HEAD_DIMS = (64, 128)
 BITS = (4, 8)
-QUERY_TILE = 16          # query positions per block (one m16 MMA tile per query head)
+# Query positions per block: QW m16 tiles of 16 per query head, one warp each, so a block has
+# G * QW warps and each dequantized K/V tile serves G * QW * 16 query rows. The tile's unpacking
+# is the kernel's overhead over native attention, so rows per block matter; MAX_WARPS bounds
+# the block (about 170 registers per thread: 8 warps leave one block per SM).
+MAX_WARPS = 8
+MAX_QUERY_WARPS = 4
 KEY_TILE = 64
 # Split plan (H200, 132 SMs): aim for about TARGET_BLOCKS blocks per launch, no split shorter
 # than MIN_TILES_PER_SPLIT key tiles, at most MAX_SPLITS.
@@ -67,13 +73,18 @@ __device__ __forceinline__ unsigned int pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);   // .x (low half) = lo
   return *reinterpret_cast<unsigned int*>(&v);
 }
+// A code as a float without an int-to-float conversion (a quarter-rate instruction that bound
+// the tile's unpacking): 2^23 + code has the code as its mantissa, exactly.
+__device__ __forceinline__ float code_f(unsigned int word, int shift, unsigned int mask) {
+  return __uint_as_float(((word >> shift) & mask) | 0x4b000000u) - 8388608.0f;
+}
 __device__ __forceinline__ unsigned int ld32(const __nv_bfloat16* p) {
   return *reinterpret_cast<const unsigned int*>(p);
 }
 """
 
 _SOURCE = """
-constexpr int QT = 16, KT = 64, NW = G, NT = NW * 32;
+constexpr int QT = 16 * QW, KT = 64, NW = G * QW, NT = NW * 32;
 constexpr int KS = D + 8, VS = KT + 8;        // padded shared row strides (bf16)
 constexpr int KW = D * KB / 32, VW = D * VB / 32;
 constexpr int KPW = 32 / KB, VPW = 32 / VB;   // channels per packed word
@@ -92,8 +103,8 @@ const int S = bounds[2 * b], Lb = bounds[2 * b + 1];
 const int q0 = qt * QT;
 const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 const int gid = lane >> 2, tig = lane & 3;
-const int h = hk * G + warp;
-const int ia = q0 + gid, ib = q0 + gid + 8;       // the two query positions of this lane
+const int h = hk * G + warp / QW;                 // QW warps (16 positions each) per head
+const int ia = q0 + (warp % QW) * 16 + gid, ib = ia + 8;   // this lane's two positions
 
 // Key tiles: history first, then the chunk's own keys up to the block's causal end.
 const int nh = (S + KT - 1) / KT;
@@ -137,8 +148,8 @@ for (int tile = tile0; tile < tile1; ++tile) {
         const float sc = ks[row * NG + c0 / 64], of = ko[row * NG + c0 / 64];
         #pragma unroll
         for (int j = 0; j < KPW; j += 2)
-          pk[j / 2] = pack_bf16((float)((word >> (j * KB)) & KM) * sc + of,
-                                (float)((word >> ((j + 1) * KB)) & KM) * sc + of);
+          pk[j / 2] = pack_bf16(code_f(word, j * KB, KM) * sc + of,
+                                code_f(word, (j + 1) * KB, KM) * sc + of);
       }
       unsigned int* dst = reinterpret_cast<unsigned int*>(Ks + kr * KS + c0);
       if (KPW == 8) *reinterpret_cast<uint4*>(dst) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
@@ -155,7 +166,7 @@ for (int tile = tile0; tile < tile1; ++tile) {
         const float sc = vs[row * NG + c0 / 64], of = vo[row * NG + c0 / 64];
         #pragma unroll
         for (int j = 0; j < VPW; ++j)
-          Vt[(c0 + j) * VS + kr] = __float2bfloat16((float)((word >> (j * VB)) & VM) * sc + of);
+          Vt[(c0 + j) * VS + kr] = __float2bfloat16(code_f(word, j * VB, VM) * sc + of);
       } else {
         #pragma unroll
         for (int j = 0; j < VPW; ++j) Vt[(c0 + j) * VS + kr] = __float2bfloat16(0.0f);
@@ -289,6 +300,8 @@ def applies(store, step, queries: mx.array, kernel_decode: bool) -> bool:
     fmt = store.fmt
     if not usable(fmt.k_bits, fmt.v_bits, store.geometry.head_dim):
         return False
+    if queries.shape[1] // store.geometry.kv_heads > MAX_WARPS:
+        return False   # one warp per query head at least: the block would not fit an SM
     if queries.shape[2] == 1:
         return kernel_decode and decode_tiles
     return store.attention.prefill_mode == "direct" and bool(step.starts.max() > 0)
@@ -303,6 +316,14 @@ def step_bounds(step, view) -> tuple[mx.array, int]:
         cached = (mx.array(bounds), int(step.starts.max()))
         view.masks["packed_tiles"] = cached
     return cached
+
+
+def query_warps(group: int, length: int) -> int:
+    """Warps (m16 query tiles) per query head in a block: as many as MAX_WARPS allows, but one
+    for decode-sized calls (more would only compute padding)."""
+    if length <= 16:
+        return 1
+    return max(1, min(MAX_QUERY_WARPS, MAX_WARPS // group, -(-length // 16)))
 
 
 def split_count(blocks: int, key_tiles: int) -> int:
@@ -339,24 +360,26 @@ def packed_prefill_attention(q: mx.array, k_new: mx.array, v_new: mx.array, k_po
     """
     b, hq, length, d = q.shape
     kvh = k_new.shape[1]
-    if d not in HEAD_DIMS or hq % kvh or k_bits not in BITS or v_bits not in BITS:
+    if (d not in HEAD_DIMS or hq % kvh or hq // kvh > MAX_WARPS or k_bits not in BITS
+            or v_bits not in BITS):
         raise ValueError(f"packed prefill kernel: unsupported head dim {d}, heads {hq}/{kvh} "
                          f"or bits {k_bits}/{v_bits}")
     page_tokens = k_pool[0].shape[1]
     qh = rotate(q.astype(mx.float32) * scale).astype(mx.bfloat16)
     kf = rotate(k_new).astype(mx.bfloat16)
     vf = v_new.astype(mx.bfloat16)
-    query_tiles = -(-length // QUERY_TILE)
-    blocks = b * kvh * query_tiles
+    group = hq // kvh
+    qw = query_warps(group, length)
+    blocks = b * kvh * -(-length // (16 * qw))
     if splits is None:
         splits = split_count(blocks, -(-longest_history // KEY_TILE) + -(-length // KEY_TILE))
     parts = b * hq * length * splits if splits > 1 else 1
     out, part, ml = _kernel()(
         inputs=[qh, kf, vf, *k_pool, *v_pool, pages, bounds,
                 _dims(hq, kvh, length, pages.shape[1])],
-        template=[("D", d), ("G", hq // kvh), ("KB", k_bits), ("VB", v_bits),
+        template=[("D", d), ("G", group), ("QW", qw), ("KB", k_bits), ("VB", v_bits),
                   ("PT", page_tokens), ("SPLIT", splits > 1), ("TO", q.dtype)],
-        grid=(blocks * (hq // kvh) * 32, splits, 1), threadgroup=((hq // kvh) * 32, 1, 1),
+        grid=(blocks * group * qw * 32, splits, 1), threadgroup=(group * qw * 32, 1, 1),
         # Unsplit launches write `out` only: the partial outputs get a token allocation.
         output_shapes=[(b, hq, length, d), (parts, d), (parts, 2)],
         output_dtypes=[q.dtype, mx.float32, mx.float32])

@@ -16,7 +16,7 @@ from engine import cuda_check, cuda_packed_prefill
 
 
 def test_split_plan():
-    # SmolLM2-sized chunk of 512 at 4K history: 3 KV heads x 32 query tiles = 96 blocks.
+    # A chunk of 512 at 4K history in 96 blocks: 3 splits reach the target.
     assert cuda_packed_prefill.split_count(96, 64 + 8) == 3
     # Enough blocks already: one split, one launch.
     assert cuda_packed_prefill.split_count(300, 1000) == 1
@@ -27,6 +27,17 @@ def test_split_plan():
     assert cuda_packed_prefill.split_count(4, 513) == cuda_packed_prefill.MAX_SPLITS
     with pytest.raises(ValueError):
         cuda_packed_prefill.split_count(0, 10)
+
+
+def test_query_warps_fill_the_block_but_not_with_padding():
+    assert cuda_packed_prefill.query_warps(4, 512) == 2        # 8 warps: 4 heads x 32 positions
+    assert cuda_packed_prefill.query_warps(3, 512) == 2        # SmolLM2's 3:1 groups
+    assert cuda_packed_prefill.query_warps(1, 512) == cuda_packed_prefill.MAX_QUERY_WARPS
+    assert cuda_packed_prefill.query_warps(8, 512) == 1
+    assert cuda_packed_prefill.query_warps(4, 1) == 1          # decode: one tile of 16
+    assert cuda_packed_prefill.query_warps(1, 20) == 2         # no warp of pure padding
+    for g in (1, 2, 3, 4, 6, 8):
+        assert g * cuda_packed_prefill.query_warps(g, 4096) <= cuda_packed_prefill.MAX_WARPS
 
 
 def test_formats_and_cpu_routing(tmp_path):
