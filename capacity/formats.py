@@ -5,7 +5,9 @@ scale and an FP32 offset per group. A row is laid out as codes, then scales, the
 rotated by a fixed signed, normalized Hadamard transform (block = min(128, head_dim)) after RoPE;
 values are not rotated. Pure Python: no MLX, no Ray.
 
-A format with sink rows (identity v2, `-n<rows><dtype>`) also keeps the first `rows` tokens of
+Identity v2 names what v1 cannot: the key group size (`-g<keys>x64`: int4-k32 quantizes keys in
+groups of 32 channels, twice the key metadata) and native sink rows (`-n<rows><dtype>`, `-n0`
+for none). A format with sink rows also keeps the first `rows` tokens of
 every page unquantized, in the model's dtype, beside their codes: attention reads a sequence's
 first tokens (its attention sinks, which every later query attends to heavily) from that native
 copy. Page-local, so paging, prefix sharing and checkpoints need nothing per sequence; the price
@@ -23,16 +25,20 @@ IDENTITY_VERSION = "v1"
 SINK_IDENTITY_VERSION = "v2"
 MAX_IDENTITY_LEN = 64
 
-# name -> (K bits, V bits, native sink rows per page); None means the model's compute dtype.
-FORMAT_SPECS: dict[str, tuple[int, int, int] | None] = {
+# name -> (K bits, V bits, native sink rows per page, key group size); None means the model's
+# compute dtype. Values always use groups of GROUP_SIZE.
+FORMAT_SPECS: dict[str, tuple[int, int, int, int] | None] = {
     "native": None,
-    "int8": (8, 8, 0),
-    "k8v4": (8, 4, 0),
-    "int4": (4, 4, 0),
-    # int4 plus the first 4 tokens of each page native (a sequence's attention sinks): chosen by
-    # measurement on SmolLM2-135M (docs/quality.md, variants table).
-    "int4-sink": (4, 4, 4),
+    "int8": (8, 8, 0, GROUP_SIZE),
+    "k8v4": (8, 4, 0, GROUP_SIZE),
+    "int4": (4, 4, 0, GROUP_SIZE),
+    # int4 variants measured on SmolLM2-135M (docs/quality.md, variants table): keys in groups
+    # of 32 channels (twice the key metadata), and int4 plus the first 4 tokens of every page
+    # kept native (a sequence's attention sinks among them).
+    "int4-k32": (4, 4, 0, 32),
+    "int4-sink": (4, 4, 4, GROUP_SIZE),
 }
+KEY_GROUPS = (32, GROUP_SIZE)
 FORMAT_BITS: dict[str, tuple[int, int] | None] = {
     n: (spec[0], spec[1]) if spec else None for n, spec in FORMAT_SPECS.items()}
 DTYPE_BYTES = {"float32": 4, "f32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "f16": 2}
@@ -97,6 +103,17 @@ class KVFormat:
         return bits[1] if bits else None
 
     @property
+    def k_group(self) -> int:
+        """Channels per key quantization group (values: always GROUP_SIZE)."""
+        spec = FORMAT_SPECS[self.name]
+        return spec[3] if spec else GROUP_SIZE
+
+    @property
+    def codes_only(self) -> bool:
+        """v1 layout: 64-channel groups for K and V, no native rows (what the CUDA kernels read)."""
+        return self.packed and not self.sink_rows and self.k_group == GROUP_SIZE
+
+    @property
     def sink_rows(self) -> int:
         """Tokens at the start of each page also kept native (0: none)."""
         spec = FORMAT_SPECS[self.name]
@@ -113,7 +130,7 @@ class KVFormat:
     def k_row_bytes(self) -> int:
         if not self.packed:
             return self.head_dim * DTYPE_BYTES[self.native_dtype]
-        return packed_row_bytes(self.head_dim, self.k_bits)
+        return packed_row_bytes(self.head_dim, self.k_bits, self.k_group)
 
     def v_row_bytes(self) -> int:
         if not self.packed:
@@ -141,16 +158,18 @@ class KVFormat:
     def identity(self) -> str:
         if not self.packed:
             return f"native-{IDENTITY_VERSION}-{_DTYPE_SHORT[self.native_dtype]}"
-        if self.sink_rows:
-            return (f"affine-{SINK_IDENTITY_VERSION}-k{self.k_bits}v{self.v_bits}-g{GROUP_SIZE}"
-                    f"-f32-h{self.rotation_block}-s{ROTATION_SEED}"
-                    f"-n{self.sink_rows}{_DTYPE_SHORT[self.native_dtype]}")
+        if not self.codes_only:
+            sinks = f"{self.sink_rows}{_DTYPE_SHORT[self.native_dtype]}" if self.sink_rows else "0"
+            return (f"affine-{SINK_IDENTITY_VERSION}-k{self.k_bits}v{self.v_bits}"
+                    f"-g{self.k_group}x{GROUP_SIZE}-f32-h{self.rotation_block}-s{ROTATION_SEED}"
+                    f"-n{sinks}")
         return (f"affine-{IDENTITY_VERSION}-k{self.k_bits}v{self.v_bits}-g{GROUP_SIZE}-f32"
                 f"-h{self.rotation_block}-s{ROTATION_SEED}")
 
 
 _PACKED_RE = re.compile(r"affine-v1-k(8|4)v(8|4)-g64-f32-h(64|128)-s1")
-_SINK_RE = re.compile(r"affine-v2-k(8|4)v(8|4)-g64-f32-h(64|128)-s1-n([1-9][0-9]?)(f32|bf16|f16)")
+_V2_RE = re.compile(r"affine-v2-k(8|4)v(8|4)-g(32|64)x64-f32-h(64|128)-s1"
+                    r"-n(?:0|([1-9][0-9]?)(f32|bf16|f16))")
 _NATIVE_RE = re.compile(r"native-v1-(f32|bf16|f16)")
 
 
@@ -161,18 +180,21 @@ def parse_identity(identity: str) -> dict:
     if m := _NATIVE_RE.fullmatch(identity):
         return {"name": "native", "dtype": m.group(1)}
     sink_dtype = None
-    if m := _SINK_RE.fullmatch(identity):
-        sinks, sink_dtype = int(m.group(4)), m.group(5)
+    if m := _V2_RE.fullmatch(identity):
+        k_group, block = int(m.group(3)), int(m.group(4))
+        sinks, sink_dtype = int(m.group(5) or 0), m.group(6)
+        if not sinks and k_group == GROUP_SIZE:   # the v1 layout has one name: its v1 identity
+            raise KVFormatError(f"KV format identity {identity!r} aliases a v1 identity")
     elif m := _PACKED_RE.fullmatch(identity):
-        sinks = 0
+        k_group, block, sinks = GROUP_SIZE, int(m.group(3)), 0
     else:
         raise KVFormatError(f"malformed KV format identity {identity!r}")
-    spec = (int(m.group(1)), int(m.group(2)), sinks)
+    spec = (int(m.group(1)), int(m.group(2)), sinks, k_group)
     names = [n for n, s in FORMAT_SPECS.items() if s == spec]
     if not names:
         raise KVFormatError(f"KV format identity {identity!r} names no supported format")
     out = {"name": names[0], "k_bits": spec[0], "v_bits": spec[1], "group": GROUP_SIZE,
-           "rotation_block": int(m.group(3)), "seed": ROTATION_SEED}
+           "k_group": k_group, "rotation_block": block, "seed": ROTATION_SEED}
     if sinks:
         out.update(sink_rows=sinks, dtype=sink_dtype)
     return out

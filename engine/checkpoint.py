@@ -232,7 +232,7 @@ def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[
         k, v = tensors[f"layer{index}.k"], tensors[f"layer{index}.v"]
         if getattr(store, "packed", False):
             d = store.fmt.head_dim
-            store.write_packed(slots, from_row_bytes(k, d, store.fmt.k_bits),
+            store.write_packed(slots, from_row_bytes(k, d, store.fmt.k_bits, store.fmt.k_group),
                                from_row_bytes(v, d, store.fmt.v_bits))
             if f"layer{index}.ksink" in tensors:
                 store.write_sinks(slots, tensors[f"layer{index}.ksink"],

@@ -22,7 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from capacity.formats import GROUP_SIZE
-from engine.quant import Packed
+from engine.quant import Packed, group_of
 
 
 def code_planes(p: Packed, bits: int) -> list[tuple[mx.array, slice]]:
@@ -60,8 +60,9 @@ def scores(rows: mx.array, p: Packed, bits: int, scratch_elements: int = SCRATCH
 
 def _scores(rows: mx.array, p: Packed, bits: int) -> mx.array:
     B, H, R, D = rows.shape
-    g = D // GROUP_SIZE
-    q = rows.reshape(B, H, R, g, GROUP_SIZE).transpose(0, 1, 3, 4, 2)      # (B, H, G, 64, R)
+    size = group_of(p, bits)       # channels per group (64; int4-k32 keys: 32)
+    g = D // size
+    q = rows.reshape(B, H, R, g, size).transpose(0, 1, 3, 4, 2)           # (B, H, G, size, R)
     eye = mx.eye(g, dtype=rows.dtype)
     block = (mx.expand_dims(q, 4) * eye[:, None, :, None]).reshape(B, H, D, g * R)
     raw = sum(plane @ block[:, :, channels, :] for plane, channels in code_planes(p, bits))

@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from capacity.formats import GROUP_SIZE, KVFormat
 from engine import cpu_packed_gemm
-from engine.quant import Packed, dequantize
+from engine.quant import Packed, dequantize, group_of
 from engine.rotation import rotate
 from engine.packed_prefill_tiles import (CAUSAL_BLOCK_CPU, fresh_causal_blocks, fresh_full,
                                          tiled_history)
@@ -69,7 +69,7 @@ def _qmm(x, p: Packed, bits: int, transpose: bool, dtype: mx.Dtype):
         codes = mx.contiguous(codes)
         scales, offsets = mx.contiguous(scales.astype(dtype)), mx.contiguous(offsets.astype(dtype))
     return mx.quantized_matmul(x, codes, scales, offsets, transpose=transpose,
-                               group_size=GROUP_SIZE, bits=bits)
+                               group_size=group_of(p, bits), bits=bits)
 
 
 def _history_scores(rows, keys: Packed, bits: int, dtype: mx.Dtype):

@@ -36,15 +36,15 @@ class PackedLayerCache(PagedLayerCache):
     def kernel_decode_fits(store) -> bool:
         """Whether decode steps of this layer may attend through the CUDA packed-decode kernel
         (the runner asks; it also requires CUDA and one query token per row)."""
-        # The kernel reads codes only: formats with native sink rows attend through MLX ops.
-        return (not store.fmt.sink_rows
+        # The kernel reads the v1 layout only (64-channel groups, no native rows).
+        return (store.fmt.codes_only
                 and cuda_packed_decode.supports(store.fmt.k_bits, store.fmt.v_bits,
                                                 store.geometry.head_dim))
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         self.step.attended += 1
-        # The CUDA kernels read codes only; formats with native sink rows attend through MLX ops.
-        if sinks is None and not self.store.sink_rows and cuda_packed_prefill.applies(
+        # The CUDA kernels read the v1 layout only; other formats attend through MLX ops.
+        if sinks is None and self.store.fmt.codes_only and cuda_packed_prefill.applies(
                 self.store, self.step, queries, self._kernel_decode()):
             # CUDA: packed pages read by page table inside one tensor-core kernel.
             if queries.shape[2] > 1:

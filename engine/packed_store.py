@@ -32,8 +32,8 @@ from engine.quant import Packed, dequantize, quantize
 from engine.rotation import rotate, rotation_matrix
 
 
-def _zeros(num_pages, page_tokens, heads, dim, bits):
-    groups = dim // 64
+def _zeros(num_pages, page_tokens, heads, dim, bits, group=64):
+    groups = dim // group
     return Packed(mx.zeros((num_pages, page_tokens, heads, dim * bits // 32), mx.uint32),
                   mx.zeros((num_pages, page_tokens, heads, groups), mx.float32),
                   mx.zeros((num_pages, page_tokens, heads, groups), mx.float32))
@@ -60,7 +60,7 @@ class PackedLayerStore:
         self.page_tokens = page_tokens
         self.attention = attention or PackedAttention(fmt)
         h, d = geometry.kv_heads, geometry.head_dim
-        self.k = _zeros(num_pages, page_tokens, h, d, fmt.k_bits)
+        self.k = _zeros(num_pages, page_tokens, h, d, fmt.k_bits, fmt.k_group)
         self.v = _zeros(num_pages, page_tokens, h, d, fmt.v_bits)
         self.sink_rows = fmt.sink_rows
         if self.sink_rows > page_tokens:
@@ -77,12 +77,13 @@ class PackedLayerStore:
 
     def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
         """Quantize N new rows ([N, heads, dim], keys after RoPE) into their slots."""
-        if cuda_packed_write.usable(self.fmt.k_bits, self.fmt.v_bits, self.geometry.head_dim):
+        if self.fmt.codes_only and cuda_packed_write.usable(self.fmt.k_bits, self.fmt.v_bits,
+                                                            self.geometry.head_dim):
             # CUDA: the same rotation and quantization in one kernel launch (not ~40 ops).
             self.write_packed(slots, *cuda_packed_write.quantize_kv(
                 k, v, self.fmt.k_bits, self.fmt.v_bits))
         else:
-            self.write_packed(slots, quantize(rotate(k), self.fmt.k_bits),
+            self.write_packed(slots, quantize(rotate(k), self.fmt.k_bits, self.fmt.k_group),
                               quantize(v, self.fmt.v_bits))
         if self.sink_rows:
             self._write_sinks(slots, k, v, self._sink_index(slots))

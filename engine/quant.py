@@ -8,6 +8,8 @@ shifts the grid to make zero exact, which roughly doubles the worst-case error (
 0.50 steps at 4 bits) for no RMS gain, and it stores metadata in the input dtype (bf16 on GPU).
 
 A row's byte layout (checkpoints, byte accounting) is codes | FP32 scales | FP32 offsets.
+Groups are 64 channels unless a format says otherwise (int4-k32 keys: 32); a Packed carries its
+own group size in its shapes (channels / metadata columns), so readers infer it (`group_of`).
 """
 from __future__ import annotations
 
@@ -26,15 +28,17 @@ class Packed(NamedTuple):
     offsets: mx.array
 
 
-def quantize(x: mx.array, bits: int) -> Packed:
-    """Quantize the last axis of x (its length a multiple of 64) in float32."""
+def quantize(x: mx.array, bits: int, group: int = GROUP_SIZE) -> Packed:
+    """Quantize the last axis of x (its length a multiple of `group`) in float32."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if group not in (32, 64):
+        raise ValueError(f"group must be 32 or 64, got {group}")
     d = x.shape[-1]
-    if d % GROUP_SIZE:
-        raise ValueError(f"last axis {d} is not a multiple of {GROUP_SIZE}")
+    if d % group:
+        raise ValueError(f"last axis {d} is not a multiple of {group}")
     lead = x.shape[:-1]
-    g = x.astype(mx.float32).reshape(*lead, d // GROUP_SIZE, GROUP_SIZE)
+    g = x.astype(mx.float32).reshape(*lead, d // group, group)
     lo = g.min(axis=-1, keepdims=True)
     scale = (g.max(axis=-1, keepdims=True) - lo) / (2**bits - 1)
     # A constant group has scale 0: every code is 0 and the offset alone is exact.
@@ -47,12 +51,18 @@ def quantize(x: mx.array, bits: int) -> Packed:
     return Packed(codes, scale.squeeze(-1), lo.squeeze(-1))
 
 
+def group_of(p: Packed, bits: int) -> int:
+    """Channels per group of packed rows: their channel count over their metadata columns."""
+    return p.codes.shape[-1] * (32 // bits) // p.scales.shape[-1]
+
+
 def dequantize(p: Packed, bits: int, dtype=mx.float32) -> mx.array:
-    return mx.dequantize(p.codes, p.scales, p.offsets, group_size=GROUP_SIZE, bits=bits).astype(dtype)
+    return mx.dequantize(p.codes, p.scales, p.offsets, group_size=group_of(p, bits),
+                         bits=bits).astype(dtype)
 
 
-def row_bytes(head_dim: int, bits: int) -> int:
-    return packed_row_bytes(head_dim, bits)
+def row_bytes(head_dim: int, bits: int, group: int = GROUP_SIZE) -> int:
+    return packed_row_bytes(head_dim, bits, group)
 
 
 def to_row_bytes(p: Packed) -> mx.array:
@@ -61,13 +71,13 @@ def to_row_bytes(p: Packed) -> mx.array:
     return mx.concatenate(parts, axis=-1)
 
 
-def from_row_bytes(rows: mx.array, head_dim: int, bits: int) -> Packed:
+def from_row_bytes(rows: mx.array, head_dim: int, bits: int, group: int = GROUP_SIZE) -> Packed:
     """Inverse of to_row_bytes: bit-exact, no arithmetic on the values."""
-    if rows.dtype != mx.uint8 or rows.shape[-1] != row_bytes(head_dim, bits):
-        raise ValueError(f"expected uint8 rows of {row_bytes(head_dim, bits)} bytes, "
+    if rows.dtype != mx.uint8 or rows.shape[-1] != row_bytes(head_dim, bits, group):
+        raise ValueError(f"expected uint8 rows of {row_bytes(head_dim, bits, group)} bytes, "
                          f"got {rows.dtype} {rows.shape}")
     nc = head_dim * bits // 8
-    ng = head_dim // GROUP_SIZE * 4
+    ng = head_dim // group * 4
     codes = rows[..., :nc].view(mx.uint32)
     scales = rows[..., nc:nc + ng].view(mx.float32)
     offsets = rows[..., nc + ng:].view(mx.float32)
