@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 REAL_MODEL := models/smollm2-135m
 RUN_PY := $(BIN)/python -m engine.platform exec $(BIN)/python
 
-.PHONY: serve test real-model test-flakes bootstrap openblas bench clean
+.PHONY: serve test real-model test-flakes bootstrap openblas bench quality clean
 
 bootstrap: openblas $(STAMP)
 
@@ -56,6 +56,13 @@ FLAKE_TESTS := tests/test_engine_lifecycle.py tests/test_engine_generate.py \
 test-flakes: bootstrap
 	$(BIN)/python -m engine.platform exec $(BIN)/python -m pytest --count 10 \
 	  -q $(FLAKE_TESTS) $(PYTEST_ARGS)
+
+# The KV-format quality gate, CI-sized, on SmolLM2 in float32 on the CPU (a few minutes; the full
+# sizes and the recorded results are in docs/quality.md). Exit 1 when a judged format fails.
+QUALITY_FORMATS ?= native,int8,int4,int4-k32
+quality: bootstrap real-model
+	$(RUN_PY) -m engine.quality --model $(REAL_MODEL) --quick --strict \
+	  --formats $(QUALITY_FORMATS) --out out/quality-quick.json $(QUALITY_ARGS)
 
 bench: bootstrap
 	$(BIN)/python -m engine.platform exec $(BIN)/python -m engine.bench $(BENCH_ARGS)

@@ -154,3 +154,37 @@ def probe_candidates(held: HeldOut, tokenizer, per_family: int) -> dict[str, lis
 def _find_all(seq: list[int], sub: list[int]) -> list[int]:
     n = len(sub)
     return [i for i in range(len(seq) - n + 1) if seq[i:i + n] == sub]
+
+
+# ------------------------------------------------------------------ text a real chat model knows
+
+def chat_stream(tokenizer) -> np.ndarray:
+    """Chat-formatted prose: each topic of the Python reference shipped in the stdlib
+    (`pydoc_data.topics`, the text `help()` prints) as one conversation, "Explain <topic>" ->
+    the topic's text, in the ChatML template SmolLM2 was tuned on. English technical prose in
+    the model's chat domain, present on every machine with this interpreter, never trained on
+    by orchard-tiny (stdlib .py files are its corpus, pydoc_data.topics is data not prose code)."""
+    from pydoc_data.topics import topics
+    ids: list[int] = []
+    for name in sorted(topics):
+        ids.extend(tokenizer.encode(
+            f"<|im_start|>user\nExplain the Python topic '{name}'.<|im_end|>\n"
+            f"<|im_start|>assistant\n{topics[name].strip()}<|im_end|>\n",
+            add_special_tokens=False))
+    return np.asarray(ids, np.int64)
+
+
+def code_stream(tokenizer) -> np.ndarray:
+    """orchard-tiny's held-out stdlib files (same selection as load_heldout), this tokenizer."""
+    ids: list[int] = []
+    for rel, text in stdlib_files():
+        if is_heldout(rel):
+            ids.extend(tokenizer.encode(f"# file: {rel}\n{text}", add_special_tokens=False))
+            ids.append(EOS)
+    return np.asarray(ids, np.int64)
+
+
+def text_windows(tokenizer, per_corpus: int, length: int) -> list[np.ndarray]:
+    """`per_corpus` windows of chat prose, then as many of held-out code (even spread)."""
+    return (windows(chat_stream(tokenizer), per_corpus, length)
+            + windows(code_stream(tokenizer), per_corpus, length))

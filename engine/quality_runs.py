@@ -33,7 +33,7 @@ from engine.quant import dequantize, quantize
 from engine.rotation import rotation_matrix
 from engine.runner import SeqChunk
 
-FORMATS = ("native", "int8", "k8v4", "int4", "int4-norot")
+FORMATS = ("native", "int8", "k8v4", "int4", "int4-norot", "int4-sink")
 PAGE_TOKENS = 64
 REF = "__reference__"
 
@@ -114,15 +114,18 @@ def _chunk_metrics(ref: mx.array, out: mx.array, targets: mx.array, valid: mx.ar
 
 
 def teacher_forced(loaded, wins: list[np.ndarray], formats, chunk: int, batch: int,
-                   log=print, reference: str = "native") -> dict[str, WindowScores]:
+                   log=print, reference: str = "native",
+                   make=None) -> dict[str, WindowScores]:
     """Score every window under each format against `reference`, chunk by chunk.
 
     The reference runs in a store of its own, so listing `reference` among `formats` compares two
     independent runs (the control: any nondeterminism or store leak in the harness shows there).
+    `make(loaded, name, num_pages)` builds each runner (default: make_runner).
 
     Positions of the first chunk read no stored history (every format equals native there), so
     only targets predicted from positions >= `chunk` are scored.
     """
+    make = make or make_runner
     length = len(wins[0])
     if chunk >= length - 1:
         raise ValueError(f"chunk {chunk} leaves nothing to score in windows of {length}")
@@ -133,8 +136,8 @@ def teacher_forced(loaded, wins: list[np.ndarray], formats, chunk: int, batch: i
         group = np.stack(wins[b0:b0 + batch]).astype(np.int32)
         n = len(group)
         num_pages, tables = _tables(n, length)
-        runners = {REF: make_runner(loaded, reference, num_pages),
-                   **{f: make_runner(loaded, f, num_pages) for f in formats}}
+        runners = {REF: make(loaded, reference, num_pages),
+                   **{f: make(loaded, f, num_pages) for f in formats}}
         for s in range(0, length, chunk):
             e = min(s + chunk, length)
             chunks = [SeqChunk(i, group[i, s:e].tolist(), s, tables[i]) for i in range(n)]
@@ -202,3 +205,52 @@ def generate(loaded, fmt: str, cases, chunk: int, batch: int, log=None) -> np.nd
         if log:
             log(f"    {fmt}: {min(b0 + batch, len(cases))}/{len(cases)} cases")
     return ok
+
+
+# ------------------------------------------------------------------ graded spans (text suite)
+
+def _cuts(seq, chunk: int) -> list[tuple[int, int]]:
+    """Prefill chunks of one sequence: every `chunk` tokens, and a cut just before each graded
+    span's first predicting position, so its context is read from stored pages as in decode."""
+    n = len(seq.tokens)
+    cuts = set(range(0, n, chunk)) | {a - 1 for a, _ in seq.spans if a > 0}
+    bounds = sorted(cuts) + [n]
+    return [(s, e) for s, e in zip(bounds, bounds[1:]) if e > s]
+
+
+def graded_spans(loaded, seqs, formats, chunk: int, batch: int, log=None,
+                 reference: str = "native", make=None) -> dict[str, np.ndarray]:
+    """1/0 per graded span (in sequence order) for `reference` (key "__reference__", its own
+    store) and each format: argmax at every position of the span equals the forced token
+    (engine.quality_tasks: the same as greedy decoding reproducing it)."""
+    make = make or make_runner
+    names = [REF, *formats]
+    ok = {f: [] for f in names}
+    t0 = time.time()
+    for b0 in range(0, len(seqs), batch):
+        group = seqs[b0:b0 + batch]
+        num_pages, tables = _tables(len(group), max(len(s.tokens) for s in group))
+        runners = {REF: make(loaded, reference, num_pages),
+                   **{f: make(loaded, f, num_pages) for f in formats}}
+        plans = [_cuts(s, chunk) for s in group]
+        right = {f: [np.zeros(len(s.tokens), bool) for s in group] for f in names}
+        for k in range(max(len(p) for p in plans)):
+            rows = [i for i, p in enumerate(plans) if k < len(p)]
+            chunks = [SeqChunk(i, group[i].tokens[plans[i][k][0]:plans[i][k][1]], plans[i][k][0],
+                               tables[i]) for i in rows]
+            for f, r in runners.items():
+                preds = [mx.argmax(x, axis=-1) for x in r.forward_all(chunks)]
+                mx.eval(preds)
+                for i, p in zip(rows, preds):
+                    s, e = plans[i][k]
+                    toks = np.asarray(group[i].tokens)
+                    hit = np.array(p)[:max(0, min(e, len(toks) - 1) - s)] == toks[s + 1:e + 1]
+                    right[f][i][s:s + len(hit)] = hit
+        for f in names:
+            for i, s in enumerate(group):
+                ok[f] += [int(right[f][i][a - 1:b - 1].all()) for a, b in s.spans]
+        del runners
+        if log:
+            log(f"  graded: {min(b0 + batch, len(seqs))}/{len(seqs)} sequences, "
+                f"{time.time() - t0:.0f}s")
+    return {f: np.asarray(v, np.int8) for f, v in ok.items()}

@@ -1,0 +1,194 @@
+"""Which int4 KV variant helps a model most: a quick fake-quantization experiment.
+
+    python -m engine.quality_variants --model models/smollm2-135m --out OUT/variants.json
+
+Every variant runs through the paged runner over one native store whose attention replaces the
+stored history by its quantize-then-dequantize image before attending (the fresh rows of the
+step stay exact, as in the packed stores). That is the same arithmetic as storing codes, for any
+layout (token groups of any size, per-channel key groups over a page, native sink and recent
+tokens), so candidates can be ranked before one is built into the engine. Rows of a page are
+only key-quantized per channel once the page is complete (KIVI): until then they stay native.
+
+Variants name: bits (kKvV), key grouping (`gN` per token, `c` per channel over a page), value
+group, rotation of keys, and native sink / recent token counts. Reported per variant: NLL delta
+(%), KL(native || variant) and top-1 agreement over teacher-forced held-out windows (engine.
+quality_runs' scoring), and bytes per token per KV head at a given context.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from engine.attention import PagedLayerCache
+from engine.kvstore import KVStore, NativeLayerStore
+from engine.rotation import rotate, rotation_matrix
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    k_bits: int = 4
+    v_bits: int = 4
+    k_group: int = 64          # channels per group (per token); 0 = per channel over a page
+    v_group: int = 64
+    rotate: bool = True
+    sinks: int = 0             # first tokens kept native
+    recent: int = 0            # most recent history tokens kept native
+
+    def row_bytes(self, head_dim: int, page: int, context: int, native_bytes: int = 2) -> float:
+        """Average bytes per token per KV head (K + V) at `context` tokens of history."""
+        def part(bits, group):
+            meta = 8 * (head_dim / page if group == 0 else head_dim / group)
+            return head_dim * bits / 8 + meta
+        packed = part(self.k_bits, self.k_group) + part(self.v_bits, self.v_group)
+        extra = min(self.sinks + self.recent, context) * 2 * head_dim * native_bytes
+        if self.k_group == 0:   # the incomplete page stays native: half a page on average
+            extra += min(page / 2, context) * 2 * head_dim * native_bytes
+        return packed + extra / context
+
+
+VARIANTS = {v.name: v for v in [
+    Variant("int8", 8, 8),
+    Variant("k8v4", 8, 4),
+    Variant("int4", 4, 4),
+    Variant("int4-norot", rotate=False),
+    Variant("int4-kg32", k_group=32),
+    Variant("int4-g32", k_group=32, v_group=32),
+    Variant("int4-kg16", k_group=16),
+    Variant("int4-s4", sinks=4),
+    Variant("int4-r64", recent=64),
+    Variant("int4-s4r64", sinks=4, recent=64),
+    Variant("int4-s64", sinks=64),
+    Variant("int4-kivi", k_group=0, rotate=False),
+    Variant("int4-kivi-rot", k_group=0, rotate=True),
+    Variant("int4-kg32-s4r64", k_group=32, sinks=4, recent=64),
+    Variant("k6v4", 6, 4),
+    Variant("k5v4", 5, 4),
+]}
+
+
+def fake_quant(x: mx.array, bits: int, group: int) -> mx.array:
+    """Affine min/max round trip over groups of `group` along the last axis (engine.quant's)."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    g = x.astype(mx.float32).reshape(*lead, d // group, group)
+    lo = g.min(axis=-1, keepdims=True)
+    scale = (g.max(axis=-1, keepdims=True) - lo) / (2 ** bits - 1)
+    safe = mx.where(scale > 0, scale, 1.0)
+    q = mx.clip(mx.round((g - lo) / safe), 0, 2 ** bits - 1)
+    return (q * scale + lo).reshape(x.shape)
+
+
+class VariantCache(PagedLayerCache):
+    def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
+        self.step.attended += 1
+        var: Variant = self.store.variant
+        k, v = self.store.gather(self.view.pages)       # [B, H, P*T, D], this step's rows too
+        b, h, n, d = k.shape
+        t = self.step.page_tokens
+        pos = self.view.base[:, None] + np.arange(n)[None, :]
+        start = self.step.starts[:, None]
+        quantized = (pos < start) & (pos >= var.sinks) & (pos < start - var.recent)
+        if var.k_group == 0:   # per channel over a whole page: only complete pages are packed
+            quantized &= (pos // t + 1) * t <= start
+        kr = rotate(k) if var.rotate else k.astype(mx.float32)
+        if var.k_group == 0:
+            pages = kr.reshape(b, h, n // t, t, d).swapaxes(-1, -2)
+            kq = fake_quant(pages, var.k_bits, t).swapaxes(-1, -2).reshape(b, h, n, d)
+        else:
+            kq = fake_quant(kr, var.k_bits, var.k_group)
+        if var.rotate:
+            kq = kq @ rotation_matrix(d).T
+        vq = fake_quant(v, var.v_bits, var.v_group)
+        sel = mx.array(quantized)[:, None, :, None]
+        k = mx.where(sel, kq.astype(k.dtype), k)
+        v = mx.where(sel, vq.astype(v.dtype), v)
+        return mx.fast.scaled_dot_product_attention(
+            queries, k, v, scale=scale, mask=self.step.page_mask(self.view), sinks=sinks)
+
+
+class VariantStore(NativeLayerStore):
+    cache_class = VariantCache
+
+    def __init__(self, geometry, num_pages, page_tokens, dtype, variant: Variant):
+        super().__init__(geometry, num_pages, page_tokens, dtype)
+        self.variant = variant
+
+
+def make_runner(loaded, name: str, num_pages: int):
+    from engine.packed_cache import PackedModelRunner
+    from engine.quality_runs import PAGE_TOKENS
+    if name == "native":
+        return PackedModelRunner(loaded, KVStore(loaded.geometry, num_pages, PAGE_TOKENS,
+                                                 loaded.dtype))
+    var = VARIANTS[name]
+
+    def factory(g, pages, tokens, dtype):
+        if g.kind != "full":
+            return NativeLayerStore(g, pages, tokens, dtype)
+        return VariantStore(g, pages, tokens, dtype, var)
+
+    runner = PackedModelRunner(loaded, KVStore(loaded.geometry, num_pages, PAGE_TOKENS,
+                                               loaded.dtype, layer_factory=factory))
+    if not runner.direct:
+        raise RuntimeError("variant caches need the SDPA hook on every paged layer")
+    return runner
+
+
+def main(argv=None) -> int:
+    from engine.model import load_model
+    from engine import quality_runs
+    from engine.quality import summarize_nll
+    from engine.quality_data import text_windows
+    ap = argparse.ArgumentParser(prog="python -m engine.quality_variants", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/smollm2-135m")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--windows", type=int, default=8, help="windows per corpus (code, chat)")
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    names = [n.strip() for n in a.variants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    loaded = load_model(a.model)
+    g = next(x for x in loaded.geometry.layers if x.kind == "full")
+    wins = text_windows(loaded.tokenizer, a.windows, a.window)
+    t0 = time.time()
+    scores = quality_runs.teacher_forced(loaded, wins, names, a.chunk, a.batch,
+                                         log=lambda m: print(m, file=sys.stderr, flush=True),
+                                         make=make_runner)
+    rows = {}
+    for n in names:
+        s = summarize_nll(scores[n])
+        var = VARIANTS[n]
+        s["bytes_per_token_head_at_1k"] = var.row_bytes(g.head_dim, 64, 1024)
+        s["bf16_ratio_at_1k"] = s["bytes_per_token_head_at_1k"] / (2 * g.head_dim * 2)
+        s["variant"] = asdict(var)
+        rows[n] = s
+        print(f"{n:18s} nll {s['nll_delta_pct']['estimate']:+.3f}% "
+              f"[{s['nll_delta_pct']['ci95'][0]:+.3f},{s['nll_delta_pct']['ci95'][1]:+.3f}] "
+              f"kl {s['kl']['estimate']:.2e} top1 {s['top1_agreement']['estimate']:.4f} "
+              f"x{s['bf16_ratio_at_1k']:.3f}", flush=True)
+    result = {"command": "python -m engine.quality_variants " + " ".join(sys.argv[1:] if argv is None else argv),
+              "model": a.model, "dtype": loaded.dtype_name, "windows": len(wins),
+              "window": a.window, "chunk": a.chunk, "seconds": round(time.time() - t0, 1),
+              "variants": rows}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    from engine.platform import ensure_openblas_preloaded
+    ensure_openblas_preloaded()
+    raise SystemExit(main())
