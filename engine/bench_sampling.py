@@ -27,7 +27,8 @@ from engine.model_names import MODEL_HELP, model_arg
 
 OPTIONS = {
     "greedy": dict(temperature=0),
-    "sampled": dict(temperature=0.8, top_p=0.95, top_k=50),
+    "temperature": dict(temperature=0.8),
+    "top_p_top_k": dict(temperature=0.8, top_p=0.95, top_k=50),
     "min_p": dict(temperature=0.8, min_p=0.05),
     "logit_bias": dict(temperature=0, logit_bias=tuple((t, -5.0) for t in range(100, 110))),
     "penalties": dict(temperature=0, presence_penalty=0.5, frequency_penalty=0.5,

@@ -144,3 +144,14 @@ def test_bitmask_applies_exactly_the_allowed_tokens():
     raw = np.array(logits)
     assert np.array_equal(got[allowed], raw[allowed])
     assert np.all(got[~allowed] <= MASKED / 2)
+
+
+def test_rows_that_skip_the_sort_draw_as_in_a_sorted_batch():
+    """A temperature-only row skips the sort when alone, and rides along when a top-k row makes
+    the batch sort: the same seed gives the same tokens both ways."""
+    logits = _logits(rows=2)
+    plain = SamplingParams(temperature=0.9, min_p=0.01)
+    alone = [sample(logits[0:1], [RowSpec(plain, 4, i)]).item() for i in range(60)]
+    sorted_batch = [sample(logits, [RowSpec(plain, 4, i), RowSpec(SamplingParams(top_k=5), 1, i)]
+                           ).tolist()[0] for i in range(60)]
+    assert alone == sorted_batch and len(set(alone)) > 3
