@@ -200,7 +200,8 @@ class ServeCluster:
         # The raylet (and so the proxy and controller) inherits the driver's environment.
         os.environ.update(cluster_env)
         ray.init(num_cpus=2, include_dashboard=False, namespace="orchard-bench",
-                 log_to_driver=False, _system_config={"worker_niceness": worker_niceness},
+                 log_to_driver=False,
+                 _system_config={**LOCAL_RAY_SYSTEM_CONFIG, "worker_niceness": worker_niceness},
                  runtime_env={"env_vars": {**openblas_env(), "PYTHONPATH": os.getcwd(),
                                            **cluster_env}})
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})

@@ -188,9 +188,15 @@ def direct_ingress_env(port: int, span: int = 0) -> dict[str, str]:
 # Ray starts its workers at niceness 15 so they yield to its own daemons; here the workers ARE
 # the product (the model replica's engine thread, the ingress), and at 15 any process at normal
 # priority on the box (a client, a tokenizer, the peer in a benchmark) takes the CPU from them:
-# measured +24 ms on a 135M model's first token on a 2-core box. A cluster started with
-# `ray start` gets the same through RAY_worker_niceness=0 (cluster.yaml).
-LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+# measured +24 ms on a 135M model's first token on a 2-core box.
+# Ray's memory monitor kills workers when the whole box passes 95% of its memory. Orchard's
+# replicas allocate their KV pools once, up front, within the memory plan (memory_plan.py), so
+# what crosses the line is some other program; the monitor then killed Serve's controller and
+# replicas (seen on a shared box: "The actor was restarted", the app never became ready).
+# Killing the server does not give the other program memory it can keep, so it is off.
+# A cluster started with `ray start` gets the same through RAY_worker_niceness=0 and
+# RAY_memory_monitor_refresh_ms=0 (cluster.yaml).
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "memory_monitor_refresh_ms": 0}
 
 
 def _connect(address: str | None, namespace: str, start_local: bool,
