@@ -10,7 +10,8 @@ replicas that may share the node, so the defaults always fit together.
 Which replicas share a node: for each model, `max_replicas_per_node` if set, else all its
 replicas (a single box, or a fleet where Serve may pack them). The node's memory:
 `memory.node_bytes` if set, else the smallest `mac_mem_gb` the Ray cluster's nodes advertise
-(cluster.yaml's worker start command), else this machine's device memory.
+(cluster.yaml's worker start command), else this machine's device memory, and then no more than
+most of what is free on it at deploy (AVAILABLE_FRACTION).
 """
 from __future__ import annotations
 
@@ -85,15 +86,31 @@ def compute_itemsize() -> int:
     return 4 if mx.default_device() == mx.cpu else 2
 
 
-def node_memory_bytes(cfg: OrchardConfig) -> int:
+# On this machine, what the plan may use is also bounded by what is free at deploy: a shared
+# box (other programs, a previous deployment still draining) has less than its total share,
+# and replicas allocate their KV pools up front. Seen: a default pool of 0.75 of a 24 GB box
+# beside 8 GB of other work, and the kernel's OOM killer took the replica (Ray gives its
+# workers the highest oom_score_adj). A tenth of what is free stays free for others to grow.
+AVAILABLE_FRACTION = 0.9
+
+
+def node_memory_bytes(cfg: OrchardConfig) -> tuple[int, bool]:
+    """(the node's memory, whether it is this machine's)."""
     if cfg.memory.node_bytes:
-        return cfg.memory.node_bytes
+        return cfg.memory.node_bytes, False
     advertised = _cluster_mac_memory_bytes()
     if advertised:
-        return advertised
+        return advertised, False
     from engine.budget import device_memory_bytes
 
-    return device_memory_bytes()
+    return device_memory_bytes(), True
+
+
+def available_memory_bytes() -> int:
+    """Memory free for new allocations now (psutil's `available`: free + reclaimable)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def _cluster_mac_memory_bytes() -> int | None:
@@ -111,11 +128,21 @@ def _cluster_mac_memory_bytes() -> int | None:
 
 
 def plan_memory(cfg: OrchardConfig, node_bytes: int | None = None,
-                itemsize: int | None = None) -> MemoryPlan:
-    """The per-node plan, or ConfigError naming the numbers when the models cannot fit."""
-    node = node_bytes if node_bytes is not None else node_memory_bytes(cfg)
+                itemsize: int | None = None, available_bytes: int | None = None) -> MemoryPlan:
+    """The per-node plan, or ConfigError naming the numbers when the models cannot fit.
+    `available_bytes`: what is free now, when the node is this machine (measured if None)."""
+    if node_bytes is not None:
+        node, local = node_bytes, available_bytes is not None
+    else:
+        node, local = node_memory_bytes(cfg)
     size = itemsize if itemsize is not None else compute_itemsize()
     usable = int(node * cfg.memory.budget_fraction)
+    limit = ""
+    if local:
+        free = available_bytes if available_bytes is not None else available_memory_bytes()
+        if int(free * AVAILABLE_FRACTION) < usable:
+            usable = int(free * AVAILABLE_FRACTION)
+            limit = f", bounded by {AVAILABLE_FRACTION:g} of the {free / GIB:.2f} GiB free now"
     needs = []
     for m in cfg.models:
         per_node = min(m.replicas, m.max_replicas_per_node or m.replicas)
@@ -134,7 +161,8 @@ def plan_memory(cfg: OrchardConfig, node_bytes: int | None = None,
                  f"(minimum {cfg.memory.min_kv_bytes_per_replica / GIB:.3f} GiB)")
         raise ConfigError(
             f"models do not fit together on one node: {usable / GIB:.2f} GiB usable "
-            f"({cfg.memory.budget_fraction:g} of {node / GIB:.2f} GiB) and the config {short}:\n"
+            f"({cfg.memory.budget_fraction:g} of {node / GIB:.2f} GiB{limit}) and the config "
+            f"{short}:\n"
             f"{plan.table()}\nLower replicas or kv_budget_bytes, set max_replicas_per_node to "
             "spread replicas, or raise memory.budget_fraction / memory.node_bytes.")
     return plan

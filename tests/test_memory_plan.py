@@ -53,6 +53,26 @@ def test_a_default_share_below_the_minimum_is_refused(tiny_llama):
         plan_memory(cfg, itemsize=4)
 
 
+def test_on_this_machine_the_plan_uses_no_more_than_most_of_what_is_free(tiny_llama):
+    """A shared box: 8 GiB total but 2 GiB free now. The default pool must fit in what is
+    free (a tenth of it left for others), not in a share of the total."""
+    cfg = config(tiny_llama, ("a", {}), budget_fraction=0.75)
+    plan = plan_memory(cfg, node_bytes=8 * GIB, available_bytes=2 * GIB, itemsize=4)
+    assert plan.usable_bytes == int(2 * GIB * 0.9)
+    assert plan.kv_share_bytes == plan.usable_bytes - weight_bytes(tiny_llama, 4)
+    roomy = plan_memory(cfg, node_bytes=8 * GIB, available_bytes=7 * GIB, itemsize=4)
+    assert roomy.usable_bytes == 6 * GIB                   # the configured share still rules
+    with pytest.raises(ConfigError, match=r"bounded by 0.9 of the 0.01 GiB free now"):
+        plan_memory(cfg, node_bytes=8 * GIB, available_bytes=10 << 20, itemsize=4)
+
+
+def test_the_measured_default_is_this_machine_bounded_by_what_is_free(tiny_llama):
+    from serve_app.memory_plan import available_memory_bytes
+
+    plan = plan_memory(config(tiny_llama, ("a", {})), itemsize=4)
+    assert plan.usable_bytes <= available_memory_bytes() * 1.05   # measured twice: drift
+
+
 def test_spread_replicas_count_once_per_node(tiny_llama):
     packed = plan_memory(config(tiny_llama, ("a", {"replicas": 4}), node_bytes=4 * GIB),
                          itemsize=4)
