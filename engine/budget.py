@@ -29,18 +29,36 @@ def device_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def available_memory_bytes() -> int | None:
+    """Memory free for new allocations now (RAM: free + reclaimable), or None if unknown."""
+    try:
+        import psutil
+    except ImportError:   # psutil comes with Ray; a plain install has no bound
+        return None
+    return int(psutil.virtual_memory().available)
+
+
 def resolve_budget_bytes(kv_budget_bytes: int | None, kv_memory_fraction: float, page_bytes: int,
                          max_useful_bytes: int, memory_bytes: int | None = None) -> int:
     """KV budget in bytes, rounded down to whole pages, at least one page.
 
-    An explicit budget wins; otherwise a fraction of device memory. Either way it is capped at
+    An explicit budget wins; otherwise a fraction of device memory (of this machine's: no more
+    than 0.9 of what is free now). Either way it is capped at
     `max_useful_bytes` (max_num_seqs requests of the longest allowed length), so a tiny model on a
     big machine does not reserve gigabytes it can never use.
     """
     if kv_budget_bytes is not None:
         budget = kv_budget_bytes
+    elif memory_bytes is not None:
+        budget = int(memory_bytes * kv_memory_fraction)
     else:
-        budget = int((memory_bytes or device_memory_bytes()) * kv_memory_fraction)
+        # The pool is allocated up front: on a shared machine a share of the total can be more
+        # than is free, and the kernel's OOM killer then ends the process. The same bound as
+        # the serving memory plan: no more than 0.9 of what is free now.
+        budget = int(device_memory_bytes() * kv_memory_fraction)
+        free = available_memory_bytes()
+        if free is not None:
+            budget = min(budget, int(free * 0.9))
     budget = min(budget, max_useful_bytes)
     return max(page_bytes, budget // page_bytes * page_bytes)
 

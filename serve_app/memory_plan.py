@@ -107,10 +107,10 @@ def node_memory_bytes(cfg: OrchardConfig) -> tuple[int, bool]:
 
 
 def available_memory_bytes() -> int:
-    """Memory free for new allocations now (psutil's `available`: free + reclaimable)."""
-    import psutil
+    """Memory free for new allocations now (no bound where it cannot be measured)."""
+    from engine.budget import available_memory_bytes as measured, device_memory_bytes
 
-    return int(psutil.virtual_memory().available)
+    return measured() or device_memory_bytes()
 
 
 def _cluster_mac_memory_bytes() -> int | None:
