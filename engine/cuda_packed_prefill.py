@@ -24,9 +24,14 @@ Tiling (FlashAttention-2 style; the one place it is defined, so a Metal twin can
 Keys in history are stored rotated (engine/rotation.py): queries are rotated and the fresh keys
 rotated too, so one query fragment scores both; values are never rotated.
 
-Formats: 4 or 8 bits for K and V independently (int8, int4, k8v4), head dim 64 or 128, any GQA
-group. Checked only on the H200 (`python -m engine.cuda_check`, docs/benchmarks-gpu.md); never
-run on Metal.
+Formats: 4 or 8 bits for K and V independently (int8, int4, k8v4), head dim 64 or 128, up to
+MAX_WARPS query heads per KV head. Checked only on the H200 (`python -m engine.cuda_check`:
+max error 0.016 against the FP32 direct path, bf16 output rounding); never run on Metal.
+Measured there (docs/benchmarks-gpu.md, session 6; synthetic 0.5B geometry, chunks of 512):
+prefill 1.02-1.22x native time at 4K and 1.23-1.32x at 16K, against 2.5x / 3.9x for the MLX-op
+direct path. What bounds it now: one block (8 warps, ~240 registers each) per SM, so a tile's
+unpacking and its MMAs do not overlap across blocks; `cp.async` staging of the raw codes or a
+`wgmma` version would be the next steps.
 """
 from __future__ import annotations
 
@@ -56,8 +61,11 @@ MAX_SPLITS = 16
 # --no-prefill-kernel).
 enabled = True
 # Decode steps (one query per row) through this kernel too, instead of
-# engine/cuda_packed_decode.py: the tile's scores and PV run on tensor cores, where the decode
-# kernel's per-key online-softmax updates were bound by instructions (docs/benchmarks-gpu.md).
+# engine/cuda_packed_decode.py. Off: measured slower on the H200 with this kernel's first
+# version (int4 at 32K batch 8: 0.62x native vs 0.83x; docs/benchmarks-gpu.md session 6): a
+# decode tile has one query row per head, so the MMAs do 1/16 useful work while every block
+# still unpacks whole tiles.
+# `engine.bench_kv --decode-formats int4:tiles` measures it.
 decode_tiles = False
 
 _HEADER = HEADER + """
@@ -131,45 +139,77 @@ for (int n = 0; n < D / 8; ++n) { o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f; 
 float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
 const size_t fresh_base = ((size_t)b * HKV + hk) * L;
 
+// History tiles are unpacked in units of one (key, 64-channel group) of K or of V: a thread
+// loads a unit's 2*bits words as 16-byte vectors plus its scale and offset into registers one
+// tile ahead (the loads of tile n + 1 are in flight during tile n's MMAs), then unpacks it
+// into shared memory. Consecutive threads take consecutive keys: K rows are stored as 16-byte
+// vectors and V columns as 2-byte stores, both without bank conflicts.
+constexpr int UNITS = 2 * KT * NG, UI = (UNITS + NT - 1) / NT;
+unsigned int buf[UI][16];
+float bsc[UI], bof[UI];
+auto load_units = [&](int t0) {
+  #pragma unroll
+  for (int i = 0; i < UI; ++i) {
+    const int u = tid + i * NT;
+    bsc[i] = 0.0f; bof[i] = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < 16; ++j) buf[i][j] = 0u;
+    if (u < UNITS) {
+      const bool is_v = u >= KT * NG;
+      const int uu = is_v ? u - KT * NG : u;
+      const int kr = uu % KT, grp = uu / KT, t = t0 + kr;
+      if (t < S) {
+        const int page = pages[(size_t)b * P + t / PT];
+        const size_t row = ((size_t)page * PT + t % PT) * HKV + hk;
+        const uint4* src = is_v ? reinterpret_cast<const uint4*>(vc + row * VW + grp * 2 * VB)
+                                : reinterpret_cast<const uint4*>(kc + row * KW + grp * 2 * KB);
+        const int vecs = (is_v ? VB : KB) / 2;   // 16-byte vectors per unit
+        #pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          if (x < vecs) {
+            const uint4 v4 = src[x];
+            buf[i][4 * x] = v4.x; buf[i][4 * x + 1] = v4.y;
+            buf[i][4 * x + 2] = v4.z; buf[i][4 * x + 3] = v4.w;
+          }
+        }
+        bsc[i] = (is_v ? vs : ks)[row * NG + grp];
+        bof[i] = (is_v ? vo : ko)[row * NG + grp];
+      }
+    }
+  }
+};
+if (tile0 < min(tile1, nh)) load_units(tile0 * KT);
+
 for (int tile = tile0; tile < tile1; ++tile) {
   const bool hist = tile < nh;
   const int t0 = (hist ? tile : tile - nh) * KT;
   __syncthreads();                 // every warp is done reading the previous tile
   if (hist) {
-    // K: consecutive threads take consecutive words of one key row (coalesced reads,
-    // conflict-free vector stores).
-    for (int e = tid; e < KT * KW; e += NT) {
-      const int kr = e / KW, w = e % KW, t = t0 + kr, c0 = w * KPW;
-      unsigned int pk[4] = {0u, 0u, 0u, 0u};
-      if (t < S) {
-        const int page = pages[(size_t)b * P + t / PT];
-        const size_t row = ((size_t)page * PT + t % PT) * HKV + hk;
-        const unsigned int word = kc[row * KW + w];
-        const float sc = ks[row * NG + c0 / 64], of = ko[row * NG + c0 / 64];
+    #pragma unroll
+    for (int i = 0; i < UI; ++i) {
+      const int u = tid + i * NT;
+      if (u >= UNITS) continue;
+      const bool is_v = u >= KT * NG;
+      const int uu = is_v ? u - KT * NG : u;
+      const int kr = uu % KT, c0 = (uu / KT) * 64;
+      const float sc = bsc[i], of = bof[i];    // rows past the history: all zero, unpack to 0
+      if (!is_v) {
+        __nv_bfloat16* dst = Ks + kr * KS + c0;
         #pragma unroll
-        for (int j = 0; j < KPW; j += 2)
-          pk[j / 2] = pack_bf16(code_f(word, j * KB, KM) * sc + of,
-                                code_f(word, (j + 1) * KB, KM) * sc + of);
-      }
-      unsigned int* dst = reinterpret_cast<unsigned int*>(Ks + kr * KS + c0);
-      if (KPW == 8) *reinterpret_cast<uint4*>(dst) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-      else *reinterpret_cast<uint2*>(dst) = make_uint2(pk[0], pk[1]);
-    }
-    // V, transposed: consecutive threads take consecutive keys of one word, so the 2-byte
-    // stores down a channel row of Vt are conflict-free.
-    for (int e = tid; e < KT * VW; e += NT) {
-      const int kr = e % KT, w = e / KT, t = t0 + kr, c0 = w * VPW;
-      if (t < S) {
-        const int page = pages[(size_t)b * P + t / PT];
-        const size_t row = ((size_t)page * PT + t % PT) * HKV + hk;
-        const unsigned int word = vc[row * VW + w];
-        const float sc = vs[row * NG + c0 / 64], of = vo[row * NG + c0 / 64];
-        #pragma unroll
-        for (int j = 0; j < VPW; ++j)
-          Vt[(c0 + j) * VS + kr] = __float2bfloat16(code_f(word, j * VB, VM) * sc + of);
+        for (int c = 0; c < 64; c += 8) {
+          unsigned int pk[4];
+          #pragma unroll
+          for (int j = 0; j < 8; j += 2)
+            pk[j / 2] = pack_bf16(
+                code_f(buf[i][(c + j) / KPW], ((c + j) % KPW) * KB, KM) * sc + of,
+                code_f(buf[i][(c + j + 1) / KPW], ((c + j + 1) % KPW) * KB, KM) * sc + of);
+          *reinterpret_cast<uint4*>(dst + c) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+        }
       } else {
         #pragma unroll
-        for (int j = 0; j < VPW; ++j) Vt[(c0 + j) * VS + kr] = __float2bfloat16(0.0f);
+        for (int c = 0; c < 64; ++c)
+          Vt[(c0 + c) * VS + kr] =
+              __float2bfloat16(code_f(buf[i][c / VPW], (c % VPW) * VB, VM) * sc + of);
       }
     }
   } else {
@@ -191,6 +231,7 @@ for (int tile = tile0; tile < tile1; ++tile) {
     }
   }
   __syncthreads();
+  if (tile + 1 < min(tile1, nh)) load_units((tile + 1) * KT);   // in flight during the MMAs
 
   // Scores of this warp's 16 positions against the tile's KT keys.
   float s[KT / 8][4];
