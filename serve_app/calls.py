@@ -39,6 +39,7 @@ class GenerateCall:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None   # None = off; k = the sampled token's logprob + k alternatives
     grammar: str | None = None   # structured output / forced tool call: an llguidance grammar
+    tenant: str | None = None   # prefix-cache namespace (one per API key; None = shared)
     # Wall-clock (time.time()) deadline: monotonic clocks differ between processes and nodes.
     first_token_deadline_unix: float | None = None
     # Debug only (ORCHARD_TRACE=1): hop name -> time.time(), filled along the path.

@@ -8,6 +8,7 @@ rather than a broken 200 stream.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -95,6 +96,15 @@ class IngressCore:
                 hmac.compare_digest(token.strip(), k) for k in self.api_keys):
             raise unauthorized("incorrect API key provided", "invalid_api_key")
 
+    def tenant_of(self, request: Request) -> str | None:
+        """The caller's prefix-cache namespace: one per API key (a digest, never the key), so a
+        caller cannot learn from its own first-token time what another key recently sent.
+        Without keys every caller shares the engine's one tenant."""
+        if not self.api_keys:
+            return None
+        token = request.headers.get("authorization", "").partition(" ")[2].strip()
+        return "key-" + hashlib.sha256(token.encode()).hexdigest()[:16]
+
     def deadline_unix(self, request: Request) -> float | None:
         raw = request.headers.get(self.deadline_header)
         if raw is None:
@@ -167,7 +177,7 @@ class IngressCore:
                 raise bad_request(f"{name} names token ids outside the vocabulary "
                                   f"(size {vocab})", param=name)
         base = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        deadline = self.deadline_unix(request)
+        deadline, tenant = self.deadline_unix(request), self.tenant_of(request)
         calls = [GenerateCall(
             request_id=base if req.n == 1 else f"{base}-{i}", model=req.model,
             prompt_ids=prompt_ids, max_tokens=max_tokens,
@@ -182,7 +192,8 @@ class IngressCore:
             else req.repetition_penalty,
             logit_bias=req.logit_bias_ids(), stop_token_ids=list(req.stop_token_ids or ()),
             logprobs=req.logprobs_k(), first_token_deadline_unix=deadline,
-            grammar=grammar, trace=trace if i == 0 else None) for i in range(req.n)]
+            grammar=grammar, tenant=tenant, trace=trace if i == 0 else None)
+            for i in range(req.n)]
         stamp(trace, "ingress_call_built")
         return _Prepared(calls, entry, plan, prompt_text)
 

@@ -106,7 +106,8 @@ class ModelServer:
         try:
             try:
                 req = GenerationRequest(call.request_id, call.prompt_ids, call.sampling_params(),
-                                        first_token_deadline=call.deadline_monotonic())
+                                        first_token_deadline=call.deadline_monotonic(),
+                                        tenant=call.tenant)
                 stream = self.engine.generate(req, coalesce=True)
                 async for d in stream:
                     n_deltas += 1

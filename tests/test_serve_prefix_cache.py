@@ -4,7 +4,7 @@ cached_tokens). Through the deployed app with the openai SDK, for native and int
 import openai
 import pytest
 
-from tests.fixtures.serve import TEST_API_KEY, TEST_MODEL, TEST_MODEL_INT8
+from tests.fixtures.serve import TEST_API_KEY, TEST_API_KEY_OTHER, TEST_MODEL, TEST_MODEL_INT8
 
 HISTORY = " ".join(f"item {i} is a {w}" for i, w in enumerate(["cat", "dog", "fox", "owl"] * 12))
 
@@ -30,3 +30,15 @@ def test_next_turn_prefills_only_what_is_new(client, model):
     # where the two renderings part (the first turn's generation prompt) and the new tail.
     assert cached >= r1.usage.prompt_tokens - 64, (cached, r1.usage.prompt_tokens)
     assert cached < r2.usage.prompt_tokens
+
+
+def test_another_api_key_does_not_share_the_cache(client, orchard_url):
+    other = openai.OpenAI(base_url=orchard_url + "/v1", api_key=TEST_API_KEY_OTHER,
+                          max_retries=3, timeout=120)
+    msg = [{"role": "user", "content": f"[tenants] Remember this list: {HISTORY}"}]
+    kw = dict(model=TEST_MODEL, messages=msg, max_tokens=2, temperature=0)
+    client.chat.completions.create(**kw)
+    same_key = client.chat.completions.create(**kw).usage
+    assert same_key.prompt_tokens_details.cached_tokens >= same_key.prompt_tokens - 64  # page
+    other_key = other.chat.completions.create(**kw).usage
+    assert other_key.prompt_tokens_details.cached_tokens == 0
