@@ -5,25 +5,39 @@ node does not need the model directory: on a Mac fleet the head usually does not
 """
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger("orchard.ingress")
+
 
 def load_tokenizer(files: dict[str, bytes]) -> tuple[Any, Any]:
     """(Hugging Face tokenizer, serve_app.tools.ModelTextFormat) from a replica's files; the
     format (tool-call parser, think markers) is what mlx-lm infers for the same files."""
-    from mlx_lm.tokenizer_utils import load as load_wrapper
     from transformers import AutoTokenizer
-
-    from serve_app.tools import text_format
 
     with tempfile.TemporaryDirectory(prefix="orchard-tok-") as d:
         for name, data in files.items():
             with open(os.path.join(d, name), "wb") as f:
                 f.write(data)
-        return AutoTokenizer.from_pretrained(d), text_format(load_wrapper(Path(d)))
+        return AutoTokenizer.from_pretrained(d), _text_format(Path(d))
+
+
+def _text_format(folder: Path) -> Any:
+    """mlx-lm's reading of the tokenizer files; without it the model still serves plain text
+    (requests with tools are then refused as for a template without a tool format)."""
+    from serve_app.tools import ModelTextFormat, text_format
+
+    try:
+        from mlx_lm.tokenizer_utils import load as load_wrapper
+
+        return text_format(load_wrapper(folder))
+    except Exception:  # noqa: BLE001 - tools and reasoning off, logged once per model
+        log.warning("mlx-lm could not read the tokenizer's tool/think format", exc_info=True)
+        return ModelTextFormat()
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None
