@@ -4,11 +4,14 @@
     resolve_model("orchard-tiny")       -> <repo>/models/orchard-tiny   (embedded)
     resolve_model("models/my-model")    -> the folder itself
     resolve_model("x.Q4_1.gguf")        -> its imported folder (engine.gguf.cache, once)
+    resolve_model("org/name")           -> its snapshot folder in the local Hugging Face cache
+                                           (never the network; `hf download org/name` first)
     served_id("smollm2")                -> "smollm2-135m"  (the id `make serve` serves it as;
                                            load tests request a model by id)
 
 Stdlib only at import time (the load tester imports it before Locust); MLX is imported only
-when a .gguf file has to be imported. docs/models.md describes the flag.
+when a .gguf file has to be imported, huggingface_hub only when a hub id is looked up.
+docs/models.md describes the flag.
 """
 from __future__ import annotations
 
@@ -36,8 +39,9 @@ KNOWN = {
 ALIASES = {m.folder: name for name, m in KNOWN.items() if m.folder != name}
 
 MODEL_HELP = ("a short name (smollm2 = models/smollm2-135m, made by `make real-model`; "
-              "orchard-tiny = the embedded models/orchard-tiny), a model folder, or a .gguf file "
-              "(imported once into a cache folder)")
+              "orchard-tiny = the embedded models/orchard-tiny), a model folder, a .gguf file "
+              "(imported once into a cache folder), or a Hugging Face id already in the local "
+              "cache")
 
 
 class ModelNameError(ValueError):
@@ -76,8 +80,44 @@ def resolve_model(spec: str | Path) -> str:
     if path.is_file():
         raise ModelNameError(f"{text} is a file but not a .gguf file; give a model folder or a "
                              ".gguf file")
+    if looks_like_hub_id(text):
+        return resolve_hub_id(text)
     raise ModelNameError(f"unknown model {text!r}: not a known name ({', '.join(sorted(KNOWN))}) "
                          "and no such folder or .gguf file")
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """`org/name` (one slash, no path syntax): what a Hugging Face repository id looks like. Only
+    asked of strings that name no local folder or file."""
+    org, sep, name = text.partition("/")
+    return bool(sep and org and name and "/" not in name and not text.startswith((".", "~"))
+                and not text.lower().endswith(".gguf"))
+
+
+def resolve_hub_id(repo_id: str) -> str:
+    """The snapshot folder of `repo_id` in the local Hugging Face cache (HF_HUB_CACHE / HF_HOME),
+    never the network: a served model must not download at startup, and the engine and the
+    ingress (which reads tokenizer files) must load the same folder, so it is resolved once."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:   # pragma: no cover - mlx-lm depends on it
+        raise ModelNameError(f"{repo_id!r} looks like a Hugging Face id, but huggingface_hub "
+                             "is not installed") from None
+    from huggingface_hub import constants
+
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as e:
+        raise ModelNameError(
+            f"Hugging Face model {repo_id!r} is not in the local cache ({constants.HF_HUB_CACHE}); "
+            f"Orchard never downloads at startup: fetch it first with `hf download {repo_id}` "
+            f"(or `huggingface-cli download {repo_id}`), or pass a model folder ({e.__class__.__name__})"
+        ) from None
+    if not (folder / "config.json").is_file():
+        raise ModelNameError(f"Hugging Face model {repo_id!r} is cached at {folder} but has no "
+                             "config.json: not a model Orchard can load (download it fully)")
+    return str(folder)
 
 
 def served_id(spec: str) -> str:

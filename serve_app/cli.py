@@ -1,6 +1,9 @@
 """`orchard`: serve, deploy and inspect Orchard on Ray.
 
-  orchard serve [CONFIG]    start (or join) Ray, deploy, wait until healthy, print the URL, block
+  orchard serve [MODEL|CONFIG]  start (or join) Ray, deploy, wait until healthy, print a startup
+                            summary and the URL, block. MODEL: smollm2, orchard-tiny, a model
+                            folder, a .gguf file or a Hugging Face id in the local cache;
+                            CONFIG: a .yaml/.yml file
   orchard deploy CONFIG     deploy onto a running cluster (e.g. inside `ray job submit`), exit
   orchard status            replicas, formats, budgets and caps of the running service
   orchard loadtest ...      headless Locust run against an endpoint (loadtest.runner)
@@ -20,6 +23,12 @@ import time
 from typing import Any
 
 
+def _kv_formats() -> list[str]:
+    from capacity.formats import FORMAT_BITS
+
+    return list(FORMAT_BITS)
+
+
 def _say(msg: str) -> None:
     print(f"[orchard] {msg}", flush=True)
 
@@ -29,15 +38,20 @@ def _parser() -> argparse.ArgumentParser:
                                 "engines and capacity-aware routing.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     s = sub.add_parser("serve", help="start or join Ray, deploy, block until Ctrl-C",
-                       description="Serve CONFIG, or one model folder / .gguf file with "
-                       "--model (default: the embedded models/orchard-tiny).")
-    s.add_argument("config", nargs="?", help="YAML config (see config.example.yaml)")
+                       description="Serve one MODEL with default settings, or a YAML CONFIG "
+                       "(default: the embedded models/orchard-tiny).")
+    s.add_argument("target", nargs="?", metavar="MODEL|CONFIG",
+                   help="a .yaml/.yml config (see config.example.yaml), or one model to serve "
+                   "with no config: smollm2 (models/smollm2-135m, from `make real-model`), "
+                   "orchard-tiny, a model folder, a .gguf file (imported once into a cache "
+                   "folder) or a Hugging Face id (org/name) already in the local cache")
     s.add_argument("--model", default=None, metavar="MODEL",
-                   help="serve this one model with default settings instead of a config: "
-                   "smollm2 (models/smollm2-135m, from `make real-model`), orchard-tiny, a "
-                   "model folder or a .gguf file (imported once into a cache folder)")
+                   help="the same as giving MODEL positionally (kept for older scripts)")
     s.add_argument("--model-id", default=None,
-                   help="the id clients use for --model (default: the folder/file name)")
+                   help="the id clients use for MODEL (default: the folder/file/repo name)")
+    s.add_argument("--kv-format", default=None, metavar="FORMAT",
+                   help="KV cache format for MODEL: " + ", ".join(_kv_formats())
+                   + " (default: native)")
     s.add_argument("--address", default=None,
                    help="Ray address to join (default: start a local Ray)")
     s.add_argument("--host", default=None, help="HTTP host (overrides the config)")
@@ -137,25 +151,67 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _load(path: str | None, model: str | None = None, model_id: str | None = None):
+def is_config_path(target: str) -> bool:
+    """A positional `orchard serve` argument is a config when it names a YAML file."""
+    return target.lower().endswith((".yaml", ".yml"))
+
+
+def _serve_config(args):
+    """The config `orchard serve` deploys: a YAML file, one model (positional or --model), or
+    the embedded default. Everything is resolved here, before Ray starts, so bad input exits 2
+    having touched nothing."""
+    from serve_app.config import ConfigError
+
+    target, model = args.target, args.model
+    if target is not None and model is not None:
+        raise ConfigError("give MODEL|CONFIG or --model, not both")
+    if target is not None and is_config_path(target):
+        if args.kv_format is not None or args.model_id is not None:
+            raise ConfigError("--kv-format and --model-id apply to one MODEL; with a config, "
+                              "set kv_format / id in the config")
+        return _load(target)
+    model = model if model is not None else target
+    if model is None and (args.kv_format is not None or args.model_id is not None):
+        model = "orchard-tiny"    # the embedded default, with the flags applied
+    return _load(None, model, args.model_id, args.kv_format)
+
+
+def _load(path: str | None, model: str | None = None, model_id: str | None = None,
+          kv_format: str | None = None):
     from pathlib import Path
 
-    from serve_app.config import default_config, load_config, parse_config
+    from serve_app.config import ConfigError, default_config, load_config, parse_config
 
     if model is not None:
         if path is not None:
-            raise SystemExit("orchard: give either CONFIG or --model, not both")
-        from engine.model_names import ModelNameError, known_name, resolve_model
+            raise ConfigError("give either CONFIG or --model, not both")
+        from engine.model_names import ModelNameError, known_name, looks_like_hub_id, \
+            resolve_model
 
-        if known_name(model) is not None:   # a short name: its folder (served as its name)
+        spec = model
+        try:
+            # One resolution for the whole service: the engine and the ingress (tokenizer
+            # files) load this same folder, and a hub id never reaches the network.
+            folder = resolve_model(model)
+        except ModelNameError as e:
+            raise ConfigError(str(e)) from None
+        if model_id is None:
+            if known_name(spec) is not None:      # a short name is served as its folder name
+                model_id = Path(folder).name
+            elif looks_like_hub_id(spec) and not Path(spec).exists():
+                model_id = spec.split("/", 1)[1]  # ids may not contain '/'
+            else:
+                model_id = Path(spec).name.removesuffix(".gguf").removesuffix(".GGUF")
+        entry = {"id": model_id, "path": folder}
+        if kv_format is not None:
+            from capacity.formats import KVFormatError, normalize_format_name
+
             try:
-                model = resolve_model(model)
-            except ModelNameError as e:
-                raise SystemExit(f"orchard: {e}") from None
-        mid = model_id or Path(model).name.removesuffix(".gguf")
-        _say(f"serving {model} as {mid!r} with default settings")
-        return parse_config({"models": [{"id": mid, "path": model}]}, source="--model",
-                            base_dir=Path.cwd())
+                entry["kv_format"] = normalize_format_name(kv_format)
+            except KVFormatError as e:
+                raise ConfigError(f"--kv-format: {e}") from None
+        _say(f"serving {spec} as {model_id!r} with default settings")
+        return parse_config({"models": [entry]}, source="MODEL", base_dir=Path.cwd())
     if path is None:
         _say("no config given: serving the embedded default model (models/orchard-tiny)")
         return default_config()
@@ -331,7 +387,7 @@ def wait_healthy(base_url: str, timeout_s: float) -> None:
 
 
 def cmd_serve(args) -> int:
-    cfg = _load(args.config, args.model, args.model_id)
+    cfg = _serve_config(args)
     start_local = args.address is None
     # Direct ingress is a cluster-wide Serve setting: only where we start Ray ourselves.
     direct = start_local and cfg.http.direct_ingress
@@ -342,6 +398,9 @@ def cmd_serve(args) -> int:
              cluster_env=direct_ingress_env(port) if direct else None)
     url = deploy(cfg, args.timeout, args.host, args.port,
                  proxy_port=_free_port() if direct else None)
+    for line in startup_summary(cfg, url, _capacity_snapshot(url + cfg.route_prefix.rstrip("/"),
+                                                              cfg)):
+        _say(line)
     _say(f"ready: {url}/v1  (OpenAI-compatible; Ctrl-C stops)")
     # SIGTERM (service managers, `kill`) drains like Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -357,6 +416,47 @@ def cmd_serve(args) -> int:
             import ray
 
             ray.shutdown()
+
+
+def _capacity_snapshot(base_url: str, cfg) -> dict | None:
+    """GET /v1/models/capacity (the actor's feed: budgets and caps as routing sees them); None
+    when it cannot be read, so the summary still prints what the config knows."""
+    import httpx
+
+    keys = cfg.all_api_keys()
+    headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    try:
+        r = httpx.get(base_url + "/v1/models/capacity", headers=headers, timeout=30)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def startup_summary(cfg, url: str, snapshot: dict | None) -> list[str]:
+    """One screen once healthy: per model its id and folder, KV format, KV budget in tokens
+    (idle headroom on the capacity feed = the budget), concurrency (learned cap and the
+    configured ceiling), then the URL. `snapshot`: /v1/models/capacity's body, or None."""
+    feed = {m.get("model_id"): m for m in (snapshot or {}).get("models") or []
+            if isinstance(m, dict)}
+    lines = ["startup summary"]
+    for m in cfg.models:
+        f = feed.get(m.id) or {}
+        budget = f.get("headroom_raw_tokens")
+        caps = sorted({i.get("cap") for i in f.get("identities") or [] if i.get("cap")})
+        cap = "/".join(str(c) for c in caps) if caps else "unknown"
+        lines += [f"  model        {m.id}  ({m.path})",
+                  f"  KV format    {cfg.kv_format_for(m)}",
+                  "  KV budget    " + (f"{budget:,} tokens across {m.replicas} replica(s)"
+                                       if isinstance(budget, int) else
+                                       "unknown (capacity feed unavailable)")
+                  + (f", largest request {f['max_request_raw_tokens']:,}"
+                     if isinstance(f.get("max_request_raw_tokens"), int) else ""),
+                  f"  concurrency  cap {cap} per replica (learned), ceiling "
+                  f"{m.max_num_seqs} (max_num_seqs), x{m.replicas} replica(s)"]
+    prefix = cfg.route_prefix.rstrip("/")
+    lines += [f"  URL          {url}{prefix}/v1  (OpenAI-compatible; capacity: "
+              f"{url}{prefix}/v1/models/capacity)"]
+    return lines
 
 
 def _interrupt(signum, frame):
