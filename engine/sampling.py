@@ -235,12 +235,47 @@ def _sample_rows(logits: mx.array, rows: list[RowSpec]) -> mx.array:
         # Nothing to rank: skip the sort (on the CPU it is most of a sampled step: 76 ms of CPU
         # for 16 rows of a 49K vocabulary, engine/bench_sampling.py).
         return _draw(_min_p(scaled, scaled.max(axis=-1, keepdims=True), rows), rows)
-    desc = -mx.sort(-scaled, axis=-1)
-    # top-k: keep values >= the k-th largest.
-    k = mx.array([min(r.params.top_k, vocab) if r.params.top_k else vocab for r in rows])
+    kth, pth = _top_k_top_p_thresholds(scaled, rows)
+    masked = mx.where(scaled >= mx.maximum(kth, pth), scaled, -mx.inf)
+    return _draw(_min_p(masked, scaled.max(axis=-1, keepdims=True), rows), rows)
+
+
+# The candidate set is used only when it is this many times smaller than the vocabulary.
+CANDIDATE_FRACTION = 4
+
+
+def _top_k_top_p_thresholds(scaled: mx.array, rows: list[RowSpec]) -> tuple[mx.array, mx.array]:
+    """Per row the top-k threshold (the k-th largest scaled logit) and the top-p one (the
+    smallest logit of the shortest sorted prefix whose mass reaches top_p), both [R, 1]; a
+    token is kept when it is >= both.
+
+    When every row that ranks has a top_k, only the K = max top_k largest logits matter: a
+    row's kept set never extends past its k-th token, so where its nucleus is longer than the
+    candidates the top-k threshold decides alone. The candidates come from a partition
+    (O(V)) and only they are sorted, instead of the whole vocabulary per row (a 49K-entry sort
+    per row was most of a sampled step on the CPU, engine/bench_sampling.py). Both paths
+    compute the thresholds from the same numbers (a float32 sum over the unsorted logits, an
+    inclusive scan whose prefix does not depend on what follows), so a row gets the same
+    tokens whichever path its batch takes. Rows with a top_p but no top_k need the whole
+    sorted vocabulary, without a host sync to check a candidate set's mass (decode steps are
+    queued ahead, engine/decode_pipeline.py), so such a batch sorts it all."""
+    vocab = scaled.shape[-1]
+    ks = [min(r.params.top_k, vocab) if r.params.top_k else 0 for r in rows]
+    ranks_all = all(k or r.params.top_p == 1 for k, r in zip(ks, rows))
+    K = max(ks)
+    if ranks_all and K * CANDIDATE_FRACTION <= vocab:
+        desc = -mx.sort(-mx.topk(scaled, K, axis=-1), axis=-1)      # [R, K], sorted
+    else:
+        desc, K = -mx.sort(-scaled, axis=-1), vocab
+    # top-k: keep values >= the k-th largest (rows without top_k: everything).
+    k = mx.array([k or K for k in ks])
     kth = mx.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-    # top-p: keep the smallest prefix of the sorted tokens whose mass reaches top_p.
-    probs = mx.softmax(desc, axis=-1)
+    kth = mx.where(mx.array([k == 0 for k in ks])[:, None], -mx.inf, kth)
+    # top-p: keep the smallest prefix of the sorted tokens whose mass reaches top_p. The mass
+    # is normalised over the whole vocabulary, summed in its own (unsorted) order.
+    top = desc[:, :1]
+    total = mx.sum(mx.exp(scaled - top), axis=-1, keepdims=True)
+    probs = mx.exp(desc - top) / total
     before = mx.cumsum(probs, axis=-1) - probs
     top_p = mx.array([float(r.params.top_p) for r in rows])[:, None]
     count = mx.maximum(mx.sum(before < top_p, axis=-1), 1)
@@ -248,8 +283,7 @@ def _sample_rows(logits: mx.array, rows: list[RowSpec]) -> mx.array:
     # top_p = 1 keeps everything exactly (a float32 cumsum may reach 1 before the tail), so a
     # row's kept set does not depend on whether another row made this batch sort.
     pth = mx.where(top_p >= 1.0, -mx.inf, pth)
-    masked = mx.where(scaled >= mx.maximum(kth, pth), scaled, -mx.inf)
-    return _draw(_min_p(masked, desc[:, :1], rows), rows)
+    return kth, pth
 
 
 def _min_p(scaled: mx.array, top: mx.array, rows: list[RowSpec]) -> mx.array:

@@ -2,6 +2,7 @@
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from engine.detok import TextStream
@@ -53,6 +54,58 @@ def test_top_k_and_top_p_restrict_the_support():
     assert p5 <= set(order[:nucleus])
     tiny = {sample(logits, [RowSpec(SamplingParams(top_p=1e-6), 5, i)]).item() for i in range(20)}
     assert tiny == {order[0]}
+
+
+def _kept_reference(logits_row: np.ndarray, temperature: float, top_k: int, top_p: float) -> set:
+    """The textbook top-k/top-p support in float64: sort everything, keep the k best, and the
+    shortest sorted prefix whose mass reaches top_p."""
+    scaled = logits_row.astype(np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    probs = np.exp(scaled[order] - scaled[order[0]])
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    n = max(int(np.sum(before < top_p)), 1) if top_p < 1 else len(order)
+    return set(order[:min(n, top_k or len(order))].tolist())
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8, top_k=50, top_p=0.95),
+                                    dict(temperature=1.0, top_k=20),
+                                    dict(temperature=1.5, top_k=200, top_p=0.3)])
+def test_top_k_rows_draw_the_same_tokens_without_sorting_the_vocabulary(params):
+    """A batch whose ranking rows all have a top_k ranks a partitioned candidate set; a top-p
+    row without top_k in the batch makes it sort the whole vocabulary. A seeded row's token
+    must not depend on which path its batch took, and must lie in the textbook support."""
+    vocab = 4096
+    logits = mx.random.normal((8, vocab), key=mx.random.key(3)) * 4
+    sorts_all = RowSpec(SamplingParams(temperature=0.7, top_p=0.9), 1, 0)
+    for i in range(25):
+        rows = [RowSpec(SamplingParams(**params), 100 + r, i) for r in range(8)]
+        fast = sample(logits, rows).tolist()
+        for r in range(8):
+            full = sample(logits[r:r + 1], [rows[r]]), sample(
+                mx.concatenate([logits[r:r + 1], logits[:1]]), [rows[r], sorts_all])
+            assert full[1].tolist()[0] == fast[r], (params, i, r)
+            kept = _kept_reference(np.array(logits[r]), params["temperature"],
+                                   params.get("top_k", 0), params.get("top_p", 1.0))
+            assert fast[r] in kept and full[0].item() == fast[r]
+
+
+def test_top_k_caps_a_long_nucleus_and_top_p_cuts_inside_top_k():
+    logits = mx.random.normal((1, 2048), key=mx.random.key(9))   # flat: a long nucleus
+    order = np.argsort(-np.array(logits[0]), kind="stable").tolist()
+    k10 = {sample(logits, [RowSpec(SamplingParams(top_k=10, top_p=0.99), 4, i)]).item()
+           for i in range(300)}
+    assert k10 == set(order[:10])      # top_k decides: every one of the 10 gets drawn
+    # The same beside a row with a larger top_k (the candidate set is the batch's largest k).
+    pair = mx.concatenate([logits, logits])
+    k10 = {sample(pair, [RowSpec(SamplingParams(top_k=10), 4, i),
+                         RowSpec(SamplingParams(top_k=60), 5, i)]).tolist()[0]
+           for i in range(300)}
+    assert k10 == set(order[:10])
+    peaked = logits * 40
+    cut = {sample(peaked, [RowSpec(SamplingParams(top_k=100, top_p=0.5), 4, i)]).item()
+           for i in range(100)}
+    assert cut <= _kept_reference(np.array(peaked[0]), 1.0, 100, 0.5) and len(cut) < 100
 
 
 def test_temperature_one_matches_softmax_frequencies():
