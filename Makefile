@@ -59,7 +59,7 @@ test-flakes: bootstrap
 
 # The KV-format quality gate, CI-sized, on SmolLM2 in float32 on the CPU (a few minutes; the full
 # sizes and the recorded results are in docs/quality.md). Exit 1 when a judged format fails.
-QUALITY_FORMATS ?= native,int8,int4,int4-k32
+QUALITY_FORMATS ?= native,int8,int4-k32
 quality: bootstrap real-model
 	$(RUN_PY) -m engine.quality --model $(REAL_MODEL) --quick --strict \
 	  --formats $(QUALITY_FORMATS) --out out/quality-quick.json $(QUALITY_ARGS)
