@@ -35,3 +35,19 @@ def served(models: list[dict], **config):
         thread.join(timeout=30)
         for s in servers.values():
             s.shutdown()
+
+
+def tiny_with_template(folder: Path, template) -> str:
+    """orchard-tiny's weights (symlinked) behind another chat template: `template(old)` returns
+    the new Jinja text. For real template behaviour (strict roles, tool formats) on tiny weights."""
+    import json
+    import os
+
+    for name in os.listdir(TINY):
+        if name != "tokenizer_config.json":
+            os.symlink(os.path.join(TINY, name), folder / name)
+    cfg = json.load(open(os.path.join(TINY, "tokenizer_config.json")))
+    cfg["chat_template"] = template(cfg["chat_template"])
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return str(folder)
+

@@ -2,14 +2,12 @@
 official openai SDK: every field is implemented, refused with a 400 naming it, or on the short
 ignored list; errors are OpenAI-shaped JSON; max_tokens defaults and 413s are decided at once."""
 import json
-import os
-import shutil
 
 import httpx
 import openai
 import pytest
 
-from tests.api_server import TINY, served
+from tests.api_server import TINY, served, tiny_with_template
 
 MSG = [{"role": "user", "content": "hello"}]
 KV_TOKENS = 256           # tiny-kv's KV budget, in tokens (float32 K/V on the CPU)
@@ -21,14 +19,9 @@ DEFAULT_MAX_TOKENS = 5
 def url(tmp_path_factory):
     # The same weights behind a chat template that raises for system messages: a real template
     # error, as strict templates (Mistral, Gemma) raise for unsupported roles.
-    strict = tmp_path_factory.mktemp("strict")
-    for name in os.listdir(TINY):
-        if name != "tokenizer_config.json":
-            os.symlink(os.path.join(TINY, name), strict / name)
-    cfg = json.load(open(os.path.join(TINY, "tokenizer_config.json")))
-    cfg["chat_template"] = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception("
-                            "'System role not supported') }}{% endif %}" + cfg["chat_template"])
-    (strict / "tokenizer_config.json").write_text(json.dumps(cfg))
+    strict = tiny_with_template(tmp_path_factory.mktemp("strict"), lambda old: (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception("
+        "'System role not supported') }}{% endif %}" + old))
     small = {"max_num_seqs": 2, "warmup": False}
     with served([{"id": "tiny", "path": TINY, "max_num_seqs": 4, "warmup": False},
                  {"id": "tiny-ctx", "path": TINY, "engine": {"max_model_len": 48}, **small},

@@ -3,14 +3,13 @@ own chat template, a forced call (tool_choice) produced through the grammar samp
 back by mlx-lm's parser for the template's format, streamed as deltas, and round-tripped through
 a second request; plus the output splitter (content / reasoning / tool calls) on its own."""
 import json
-import os
 
 import jsonschema
 import openai
 import pytest
 
 from serve_app.tools import ModelTextFormat, OutputSplitter
-from tests.api_server import TINY, served
+from tests.api_server import TINY, served, tiny_with_template
 
 # A Hermes/Qwen-style template (mlx-lm infers its json_tools parser from it), on orchard-tiny's
 # weights: the tiny model never calls tools by itself, so calls here are forced by tool_choice.
@@ -44,14 +43,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hermes")
-    for name in os.listdir(TINY):
-        if name != "tokenizer_config.json":
-            os.symlink(os.path.join(TINY, name), d / name)
-    cfg = json.load(open(os.path.join(TINY, "tokenizer_config.json")))
-    cfg["chat_template"] = HERMES
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return str(d)
+    return tiny_with_template(tmp_path_factory.mktemp("hermes"), lambda _: HERMES)
 
 
 @pytest.fixture(scope="module")
