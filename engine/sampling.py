@@ -228,62 +228,69 @@ def _counts(rows: list[RowSpec], vocab: int, tokens_of, applies) -> mx.array:
 
 
 def _sample_rows(logits: mx.array, rows: list[RowSpec]) -> mx.array:
-    vocab = logits.shape[-1]
     temps = mx.array([float(r.params.temperature) for r in rows])[:, None]
     scaled = logits / temps
     if all(r.params.top_p == 1 and not r.params.top_k for r in rows):
         # Nothing to rank: skip the sort (on the CPU it is most of a sampled step: 76 ms of CPU
         # for 16 rows of a 49K vocabulary, engine/bench_sampling.py).
         return _draw(_min_p(scaled, scaled.max(axis=-1, keepdims=True), rows), rows)
-    kth, pth = _top_k_top_p_thresholds(scaled, rows)
-    masked = mx.where(scaled >= mx.maximum(kth, pth), scaled, -mx.inf)
+    masked = mx.where(_kept_by_top_k_top_p(scaled, rows), scaled, -mx.inf)
     return _draw(_min_p(masked, scaled.max(axis=-1, keepdims=True), rows), rows)
 
 
-# The candidate set is used only when it is this many times smaller than the vocabulary.
+# A partition is used only when it keeps this many times fewer tokens than the vocabulary.
 CANDIDATE_FRACTION = 4
 
 
-def _top_k_top_p_thresholds(scaled: mx.array, rows: list[RowSpec]) -> tuple[mx.array, mx.array]:
-    """Per row the top-k threshold (the k-th largest scaled logit) and the top-p one (the
-    smallest logit of the shortest sorted prefix whose mass reaches top_p), both [R, 1]; a
-    token is kept when it is >= both.
+def _kept_by_top_k_top_p(scaled: mx.array, rows: list[RowSpec]) -> mx.array:
+    """[R, V] bool: the tokens each row keeps under its top_k (the k largest scaled logits)
+    and top_p (the shortest prefix of the tokens by probability whose mass reaches top_p).
 
-    When every row that ranks has a top_k, only the K = max top_k largest logits matter: a
-    row's kept set never extends past its k-th token, so where its nucleus is longer than the
-    candidates the top-k threshold decides alone. The candidates come from a partition
-    (O(V)) and only they are sorted, instead of the whole vocabulary per row (a 49K-entry sort
-    per row was most of a sampled step on the CPU, engine/bench_sampling.py). Both paths
-    compute the thresholds from the same numbers (a float32 sum over the unsorted logits, an
-    inclusive scan whose prefix does not depend on what follows), so a row gets the same
-    tokens whichever path its batch takes. Rows with a top_p but no top_k need the whole
-    sorted vocabulary, without a host sync to check a candidate set's mass (decode steps are
-    queued ahead, engine/decode_pipeline.py), so such a batch sorts it all."""
+    No full sort where avoidable (a 49K-entry sort per row was most of a sampled step on the
+    CPU, engine/bench_sampling.py): the k-th largest logit comes from a partition of the
+    batch's largest k (O(V)) with only those sorted. Top-p works on the probabilities
+    e = exp(logit - max), normalised by their sum over the unsorted vocabulary; when every
+    ranking row has a top_k it needs only the same K candidates (a row never keeps more than
+    its k best, and past them its nucleus adds nothing), otherwise it sorts e. Either way each
+    row's numbers are the same (the same e, the same sum, an inclusive scan whose prefix does
+    not depend on what follows), so a seeded row draws the same token whichever path its batch
+    takes. Checking whether a candidate set holds a top_k-less row's nucleus would need a host
+    sync, and decode steps are queued ahead (engine/decode_pipeline.py)."""
     vocab = scaled.shape[-1]
     ks = [min(r.params.top_k, vocab) if r.params.top_k else 0 for r in rows]
-    ranks_all = all(k or r.params.top_p == 1 for k, r in zip(ks, rows))
     K = max(ks)
-    if ranks_all and K * CANDIDATE_FRACTION <= vocab:
-        desc = -mx.sort(-mx.topk(scaled, K, axis=-1), axis=-1)      # [R, K], sorted
-    else:
-        desc, K = -mx.sort(-scaled, axis=-1), vocab
-    # top-k: keep values >= the k-th largest (rows without top_k: everything).
-    k = mx.array([k or K for k in ks])
-    kth = mx.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-    kth = mx.where(mx.array([k == 0 for k in ks])[:, None], -mx.inf, kth)
-    # top-p: keep the smallest prefix of the sorted tokens whose mass reaches top_p. The mass
-    # is normalised over the whole vocabulary, summed in its own (unsorted) order.
-    top = desc[:, :1]
-    total = mx.sum(mx.exp(scaled - top), axis=-1, keepdims=True)
-    probs = mx.exp(desc - top) / total
-    before = mx.cumsum(probs, axis=-1) - probs
-    top_p = mx.array([float(r.params.top_p) for r in rows])[:, None]
-    count = mx.maximum(mx.sum(before < top_p, axis=-1), 1)
-    pth = mx.take_along_axis(desc, (count - 1)[:, None], axis=-1)
-    # top_p = 1 keeps everything exactly (a float32 cumsum may reach 1 before the tail), so a
-    # row's kept set does not depend on whether another row made this batch sort.
-    pth = mx.where(top_p >= 1.0, -mx.inf, pth)
-    return kth, pth
+    partition = 0 < K and K * CANDIDATE_FRACTION <= vocab
+
+    def ranked(x: mx.array, use_partition: bool) -> mx.array:   # descending, [R, K or V]
+        return -mx.sort(-(mx.topk(x, K, axis=-1) if use_partition else x), axis=-1)
+
+    keep, desc = None, None
+    if K:
+        desc = ranked(scaled, partition)
+        kth = mx.take_along_axis(desc, mx.array([max(k - 1, 0) for k in ks])[:, None], axis=-1)
+        kth = mx.where(mx.array([k == 0 for k in ks])[:, None], -mx.inf, kth)
+        keep = scaled >= kth
+    if any(r.params.top_p < 1 for r in rows):
+        top = scaled.max(axis=-1, keepdims=True)
+        e = mx.exp(scaled - top)
+        total = mx.sum(e, axis=-1, keepdims=True)
+        if desc is not None and (not partition or all(k or r.params.top_p == 1
+                                                       for k, r in zip(ks, rows))):
+            # exp is monotone and elementwise: the ranked logits' e are e's largest, in order.
+            e_desc = mx.exp(desc - top)
+        else:
+            e_desc = ranked(e, False)
+        probs = e_desc / total
+        before = mx.cumsum(probs, axis=-1) - probs
+        top_p = mx.array([float(r.params.top_p) for r in rows])[:, None]
+        count = mx.maximum(mx.sum(before < top_p, axis=-1), 1)
+        pth = mx.take_along_axis(e_desc, (count - 1)[:, None], axis=-1)
+        # top_p = 1 keeps everything exactly (a float32 cumsum may reach 1 before the tail),
+        # so a row's kept set does not depend on whether another row made this batch rank.
+        pth = mx.where(top_p >= 1.0, -mx.inf, pth)
+        keep_p = e >= pth
+        keep = keep_p if keep is None else keep & keep_p
+    return keep
 
 
 def _min_p(scaled: mx.array, top: mx.array, rows: list[RowSpec]) -> mx.array:
