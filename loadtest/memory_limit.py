@@ -16,6 +16,7 @@ Two ways to hold a process to it, chosen by `make_limit`:
 """
 from __future__ import annotations
 
+import abc
 import os
 import signal
 import threading
@@ -36,7 +37,7 @@ class LimitReport:
     detail: str = ""
 
 
-class MemoryLimit:
+class MemoryLimit(abc.ABC):
     """Base: `adopt(pid)` puts the process under the limit; `report()` says what happened."""
 
     mode = "none"
@@ -47,11 +48,11 @@ class MemoryLimit:
         self.limit_bytes, self.label = limit_bytes, label
         self.pid: int | None = None
 
-    def adopt(self, pid: int) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def adopt(self, pid: int) -> None: ...
 
-    def report(self) -> LimitReport:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def report(self) -> LimitReport: ...
 
     def close(self) -> None:
         pass

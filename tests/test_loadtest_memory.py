@@ -4,11 +4,11 @@ import contextlib
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
 from loadtest import bench_memory, memory_limit
+from tests.fixtures.serve import wait_for
 
 MIB = 1 << 20
 # A child that holds `hold` MiB, says so, then on one line of stdin grows to `grow` MiB more
@@ -22,13 +22,6 @@ more = b"y" * ({grow} << 20)
 print("grew", flush=True)
 sys.stdin.readline()
 """
-
-
-def _wait_for(cond, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met"
-        time.sleep(0.02)
 
 
 def _child(hold: int, grow: int) -> subprocess.Popen:
@@ -77,7 +70,7 @@ def test_a_process_under_the_limit_lives_and_its_peak_is_measured():
         _grow(proc)
         assert proc.stdout.readline().strip() == "grew"
         if limit.mode == "rss":   # the watchdog samples: wait for a sample after the growth
-            _wait_for(lambda: limit.report().peak_bytes >= 100 * MIB)
+            wait_for(lambda: limit.report().peak_bytes >= 100 * MIB, 30, "a watchdog sample")
         rep = limit.report()
         assert not rep.killed and rep.peak_bytes >= 100 * MIB
 

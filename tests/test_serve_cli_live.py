@@ -20,7 +20,7 @@ import httpx
 import yaml
 
 from engine.platform import openblas_env
-from tests.fixtures.serve import TEST_API_KEY, free_port, make_config
+from tests.fixtures.serve import TEST_API_KEY, free_port, make_config, wait_cli_ready
 
 REPO = Path(__file__).resolve().parent.parent
 AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
@@ -85,11 +85,7 @@ def test_orchard_serve_uses_direct_ingress_and_drains_on_sigterm(tiny_llama, tmp
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while "ready:" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(1)
+        wait_cli_ready(proc, log)
         base = f"http://127.0.0.1:{port}"
         assert _listener_is_serve_replica(port)
         # Ray starts workers at niceness 15; the serving workers must not yield the CPU to

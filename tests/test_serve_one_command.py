@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -22,7 +21,7 @@ import pytest
 from engine.platform import openblas_env
 from serve_app.cli import _parser, _serve_config
 from serve_app.config import ConfigError
-from tests.fixtures.serve import free_port
+from tests.fixtures.serve import free_port, wait_cli_ready
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "models" / "orchard-tiny"
@@ -148,11 +147,7 @@ def test_serve_a_cached_hub_id_end_to_end(tmp_path):
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while "ready:" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(1)
+        wait_cli_ready(proc, log)
         text = log.read_text()
         summary = text[text.index("startup summary"):]
         print("\n" + summary)
