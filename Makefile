@@ -61,11 +61,11 @@ test-flakes: bootstrap
 # sizes and the recorded results are in docs/quality.md). Exit 1 when a judged format fails.
 QUALITY_FORMATS ?= native,int8,int4-k32
 quality: bootstrap real-model
-	$(RUN_PY) -m engine.quality --model $(REAL_MODEL) --quick --strict \
+	$(RUN_PY) -m quality.gate --model $(REAL_MODEL) --quick --strict \
 	  --formats $(QUALITY_FORMATS) --out out/quality-quick.json $(QUALITY_ARGS)
 
 bench: bootstrap
-	$(BIN)/python -m engine.platform exec $(BIN)/python -m engine.bench $(BENCH_ARGS)
+	$(BIN)/python -m engine.platform exec $(BIN)/python -m bench.engine $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -25,7 +25,7 @@ Keys in history are stored rotated (engine/rotation.py): queries are rotated and
 rotated too, so one query fragment scores both; values are never rotated.
 
 Formats: 4 or 8 bits for K and V independently (int8, int4, k8v4), head dim 64 or 128, up to
-MAX_WARPS query heads per KV head. Checked only on the H200 (`python -m engine.cuda_check`:
+MAX_WARPS query heads per KV head. Checked only on the H200 (`python -m bench.cuda_check`:
 max error 0.016 against the FP32 direct path, bf16 output rounding); never run on Metal.
 Measured there (docs/benchmarks-gpu.md, session 6; synthetic 0.5B geometry, chunks of 512):
 prefill 1.02-1.22x native time at 4K and 1.23-1.32x at 16K, against 2.5x / 3.9x for the MLX-op
@@ -57,7 +57,7 @@ KEY_TILE = 64
 TARGET_BLOCKS = 264
 MIN_TILES_PER_SPLIT = 8
 MAX_SPLITS = 16
-# Benches switch it off to compare with the MLX-op direct path (engine.bench_kv
+# Benches switch it off to compare with the MLX-op direct path (bench.kv
 # --no-prefill-kernel).
 enabled = True
 # Decode steps (one query per row) through this kernel too, instead of
@@ -65,7 +65,7 @@ enabled = True
 # version (int4 at 32K batch 8: 0.62x native vs 0.83x; docs/benchmarks-gpu.md session 6): a
 # decode tile has one query row per head, so the MMAs do 1/16 useful work while every block
 # still unpacks whole tiles.
-# `engine.bench_kv --decode-formats int4:tiles` measures it.
+# `bench.kv --decode-formats int4:tiles` measures it.
 decode_tiles = False
 
 _HEADER = HEADER + """

@@ -10,7 +10,7 @@ K or V holds the D channels in registers (D/32 per lane), applies the fixed sign
 Sylvester-order fast Walsh-Hadamard transform (in registers, then across lanes by shuffles),
 takes each 64-channel group's min and max by shuffles, and packs codes little-end-first into
 uint32 words. Same FP32 arithmetic and round-half-even as the MLX path, so codes agree except
-where a value sits on a rounding boundary (`python -m engine.cuda_check` reports the fraction).
+where a value sits on a rounding boundary (`python -m bench.cuda_check` reports the fraction).
 
 Head dims 64 and 128 (one Hadamard block), 4 or 8 bits; anything else keeps the MLX ops.
 Checked only on the H200; never run on Metal.
@@ -29,7 +29,7 @@ from engine.rotation import rotation_signs
 HEAD_DIMS = (64, 128)
 BITS = (4, 8)
 WARPS = 4
-# Benches switch it off to compare with the MLX ops (engine.bench_kv --no-write-kernel).
+# Benches switch it off to compare with the MLX ops (bench.kv --no-write-kernel).
 enabled = True
 
 _SOURCE = """

@@ -42,7 +42,7 @@ FUSED_HEAD_DIMS = (64, 128, 256)
 # quantized_matmul on non-CPU devices. Off: on the H200 (MLX 0.32.4 CUDA) it crashed the process
 # with an illegal memory access in int4 decode (4 sequences x 4 KV heads, 4K context), which no
 # probe can guard against. Direct attention unpacks tiles there instead (exact FP32, slower).
-# Re-measure with `python -m engine.bench_kv --gpu-qmm` after an MLX upgrade.
+# Re-measure with `python -m bench.kv --gpu-qmm` after an MLX upgrade.
 gpu_qmm = False
 # Decode scores on the CPU as a BLAS GEMM on the codes (engine.cpu_packed_gemm) instead of MLX's
 # scalar CPU quantized_matmul: 2-3x faster there. Off only to compare (bench_attention).

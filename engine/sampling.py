@@ -232,7 +232,7 @@ def _sample_rows(logits: mx.array, rows: list[RowSpec]) -> mx.array:
     scaled = logits / temps
     if all(r.params.top_p == 1 and not r.params.top_k for r in rows):
         # Nothing to rank: skip the sort (on the CPU it is most of a sampled step: 76 ms of CPU
-        # for 16 rows of a 49K vocabulary, engine/bench_sampling.py).
+        # for 16 rows of a 49K vocabulary, bench/sampling.py).
         return _draw(_min_p(scaled, scaled.max(axis=-1, keepdims=True), rows), rows)
     masked = mx.where(_kept_by_top_k_top_p(scaled, rows), scaled, -mx.inf)
     return _draw(_min_p(masked, scaled.max(axis=-1, keepdims=True), rows), rows)
@@ -247,7 +247,7 @@ def _kept_by_top_k_top_p(scaled: mx.array, rows: list[RowSpec]) -> mx.array:
     and top_p (the shortest prefix of the tokens by probability whose mass reaches top_p).
 
     No full sort where avoidable (a 49K-entry sort per row was most of a sampled step on the
-    CPU, engine/bench_sampling.py): the k-th largest logit comes from a partition of the
+    CPU, bench/sampling.py): the k-th largest logit comes from a partition of the
     batch's largest k (O(V)) with only those sorted. Top-p works on the probabilities
     e = exp(logit - max), normalised by their sum over the unsorted vocabulary; when every
     ranking row has a top_k it needs only the same K candidates (a row never keeps more than

@@ -7,8 +7,8 @@
   orchard deploy CONFIG     deploy onto a running cluster (e.g. inside `ray job submit`), exit
   orchard status            replicas, formats, budgets and caps of the running service
   orchard loadtest ...      headless Locust run against an endpoint (loadtest.runner)
-  orchard bench WHAT ...    benchmarks that print JSON: engine, kv, capacity, serve, serve-path
-  orchard quality ...       KV-format quality gate against native (engine.quality)
+  orchard bench WHAT ...    benchmarks that print JSON (bench/, loadtest/)
+  orchard quality ...       KV-format quality gate against native (quality/)
     (their --model takes smollm2, orchard-tiny, a model folder or a .gguf file:
     engine.model_names)
   orchard import-gguf FILE OUT_DIR   import a llama.cpp/Ollama GGUF into a model folder
@@ -104,12 +104,15 @@ def _parser() -> argparse.ArgumentParser:
 
 # Subcommands that hand their arguments to a module's main(argv); imported only when used.
 BENCHES = {
-    "engine": "engine.bench",          # paged engine vs mlx-lm, OpenBLAS on/off
-    "kv": "engine.bench_kv",           # KV formats: bytes, capacity, prefill/decode ratios
-    "capacity": "serve_app.capacity_bench",      # capacity actor round trips, memory per identity
-    "serve": "loadtest.bench_serve",   # Orchard (started here or given) vs mlx_lm.server, rate sweeps
-    "serve-path": "serve_app.bench",   # TTFT overhead of the HTTP/Serve path
-    "memory": "loadtest.bench_memory",  # Orchard vs mlx_lm.server under one memory limit
+    "engine": "bench.engine",              # paged engine vs mlx-lm, OpenBLAS on/off
+    "kv": "bench.kv",                      # KV formats: bytes, capacity, prefill/decode ratios
+    "attention": "bench.attention",        # packed-history attention variants vs native
+    "sampling": "bench.sampling",          # the batched sampler's cost per step
+    "constrained": "bench.constrained",    # structured output: llguidance vs outlines-core
+    "capacity": "bench.capacity",          # capacity actor round trips, memory per identity
+    "serve": "loadtest.bench_serve",       # Orchard vs mlx_lm.server, rate sweeps
+    "serve-path": "bench.serve_path",      # TTFT overhead of the HTTP/Serve path
+    "memory": "loadtest.bench_memory",     # Orchard vs mlx_lm.server under one memory limit
 }
 
 
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_openblas_preloaded()
     if argv and argv[0] == "quality":
         # Every argument, --help included, belongs to the gate's own parser.
-        return _delegate("engine.quality", argv[1:])
+        return _delegate("quality.gate", argv[1:])
     args = _parser().parse_args(argv)
     from serve_app.config import ConfigError
 

@@ -1,4 +1,4 @@
-"""engine/bench_attention.py: the attention-level path benchmark runs and its paths agree.
+"""bench/attention.py: the attention-level path benchmark runs and its paths agree.
 
 Tiny sizes on the CPU: this checks the script end to end (JSON, every variant timed, ratios to
 native) and that each packed path computes the same attention as native SDPA over the same
@@ -6,7 +6,7 @@ dequantized history (the numbers the bench prints are only meaningful if that ho
 """
 import json
 
-from engine import bench_attention
+from bench import attention as bench_attention
 
 VARIANTS = ("native", "direct_tiled", "direct_qmm", "direct_qmm_mlx", "fused", "scratch_compute_dtype")
 

@@ -3,7 +3,7 @@ think-time pacer reported ~124 pairs/s for a 200/s target because its wall clock
 caller's last think time)."""
 import asyncio
 
-from serve_app.capacity_bench import _paced, _round_trips
+from bench.capacity import _paced, _round_trips
 
 
 class FakeClient:

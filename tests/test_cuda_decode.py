@@ -1,8 +1,8 @@
 """CPU-side tests of the CUDA decode kernels' host logic (engine/cuda_paged_decode.py,
-engine/cuda_packed_decode.py, engine/cuda_check.py).
+engine/cuda_packed_decode.py, bench/cuda_check.py).
 
 The kernels themselves only run on a CUDA GPU: they are exercised there by
-`python -m engine.cuda_check` (results in docs/benchmarks-gpu.md), never in this suite. What
+`python -m bench.cuda_check` (results in docs/benchmarks-gpu.md), never in this suite. What
 runs here: the split plan, which layers may use the kernels, that a CPU runner never routes to
 them, and the reference harness the device check uses (its numpy model of the packed kernel's
 arithmetic and page layout must agree with the engine's own packed attention).
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine import cuda_check, cuda_packed_decode, cuda_paged_decode
+from bench import cuda_check
+from engine import cuda_packed_decode, cuda_paged_decode
 from engine.packed_cache import PackedLayerCache
 
 
@@ -49,7 +50,7 @@ def test_cpu_runner_never_routes_to_the_kernels(tmp_path):
     from engine.packed_cache import PackedModelRunner
     from engine.packed_store import packed_layer_factory
     from engine.runner import ModelRunner
-    from tests.fixtures.tiny_models import build_tiny_model
+    from bench.synthetic import build_tiny_model
 
     assert not cuda_paged_decode.available()
     loaded = load_model(str(build_tiny_model("llama", tmp_path / "m")))

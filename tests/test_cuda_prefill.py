@@ -1,7 +1,7 @@
 """CPU-side tests of the CUDA packed prefill kernel's host logic (engine/cuda_packed_prefill.py)
 and of the reference harness its device check uses (engine/cuda_check.prefill_case).
 
-The kernel itself only runs on a CUDA GPU (`python -m engine.cuda_check` there; results in
+The kernel itself only runs on a CUDA GPU (`python -m bench.cuda_check` there; results in
 docs/benchmarks-gpu.md). What runs here: the split plan, when a packed layer routes to the
 kernel, and that the harness's numpy model of the kernel's contract (pools read by page table,
 per-row history and own-key bounds, NaN padding) agrees with the engine's direct packed
@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import cuda_check, cuda_packed_prefill
+from bench import cuda_check
+from engine import cuda_packed_prefill
 
 
 def test_split_plan():
@@ -45,7 +46,7 @@ def test_formats_and_cpu_routing(tmp_path):
     from engine.kvstore import KVStore
     from engine.model import load_model
     from engine.packed_store import packed_layer_factory
-    from tests.fixtures.tiny_models import build_tiny_model
+    from bench.synthetic import build_tiny_model
     import mlx.core as mx
 
     assert cuda_packed_prefill.supports(8, 4, 64) and cuda_packed_prefill.supports(4, 4, 128)

@@ -99,9 +99,10 @@ def test_orchard_bench_engine_help_mentions_smollm2(capsys):
 
 
 def test_every_model_taking_command_explains_and_resolves_the_flag(capsys):
-    from engine import bench_kv, quality
+    from bench import kv as bench_kv
+    from quality import gate as quality
     from loadtest import bench_serve, runner
-    from serve_app import bench as serve_bench
+    from bench import serve_path as serve_bench
 
     for main in (bench_kv.main, serve_bench.main, lambda a: quality._parser().parse_args(a),
                  lambda a: runner.parser().parse_args(a),

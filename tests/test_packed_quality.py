@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench_kv import quality_section
+from bench.kv import quality_section
 from engine.model import load_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The KV-format quality gate (engine.quality) on the shipped model, reduced to CI size.
+"""The KV-format quality gate (quality.gate) on the shipped model, reduced to CI size.
 
 Substance, not just shape: native against itself must be exactly zero (the harness adds no noise
 of its own), int8 must differ from native by a small positive KL, the no-rotation ablation must
@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import quality
-from engine.quality_stats import (FAIL, INCONCLUSIVE, PASS, Interval, accuracy_delta_interval,
+from quality import gate as quality
+from quality.stats import (FAIL, INCONCLUSIVE, PASS, Interval, accuracy_delta_interval,
                                   combine, relative_delta_interval, verdict_at_most,
                                   verdict_within_points)
 
@@ -71,7 +71,7 @@ def test_retrieval_probes_and_verdicts(gate):
     assert checks["kl <= 0.001"]["verdict"] == PASS      # KL ~1e-5 with a tight interval
     assert r["verdicts"]["int8"]["overall"] == combine([c["verdict"] for c in checks.values()])
     assert r["dtype"] == "float32" and r["sizes"]["chunk"] == 64
-    assert "| int8 |" in md and "python -m engine.quality --quick" in md
+    assert "| int8 |" in md and "python -m quality.gate --quick" in md
     assert "chunks of 64 tokens" in md
 
 
@@ -129,7 +129,7 @@ def test_int4_without_rotation_stores_unrotated_keys_and_attends_exactly():
     from engine.model import LayerGeometry
     from engine.packed_attention import direct_attention
     from engine.packed_store import PackedLayerStore
-    from engine.quality_runs import _UnrotatedAttention, _UnrotatedStore
+    from quality.runs import _UnrotatedAttention, _UnrotatedStore
     from engine.quant import dequantize, quantize
 
     g = LayerGeometry(0, "full", 2, 64, 64)
@@ -171,7 +171,7 @@ def test_int4_without_rotation_stores_unrotated_keys_and_attends_exactly():
 def test_native_control_is_an_independent_run(monkeypatch):
     """The control must come from its own store: a harness that compared the reference with
     itself would report 0 even if runs were nondeterministic or stores leaked."""
-    from engine import quality_runs
+    from quality import runs as quality_runs
     from engine.model import load_model
 
     built = []

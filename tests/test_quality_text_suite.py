@@ -1,4 +1,4 @@
-"""The quality gate's text suite (engine.quality_tasks, graded_spans) on a tiny model.
+"""The quality gate's text suite (quality.tasks, graded_spans) on a tiny model.
 
 The suite's claim is that grading a span teacher-forced is exactly "greedy decoding from the
 span's start reproduces it": checked here against the gate's own greedy decoder on spans the
@@ -11,10 +11,10 @@ import pytest
 
 from capacity.formats import KVFormat
 from engine.model import load_model
-from engine.quality_data import Case
-from engine.quality_runs import _cuts, generate, graded_spans
-from engine.quality_tasks import Spans, probe_conversations, retrieval_sequences
-from engine.quality_variants import VARIANTS
+from quality.data import Case
+from quality.runs import _cuts, generate, graded_spans
+from quality.tasks import Spans, probe_conversations, retrieval_sequences
+from quality.variants import VARIANTS
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def llama(tiny_model_dirs):
 
 def _greedy(loaded, prompt, n):
     """The model's own greedy continuation of `prompt` (native, one token per step)."""
-    from engine.quality_runs import make_runner, _tables
+    from quality.runs import make_runner, _tables
     from engine.runner import SeqChunk
     import mlx.core as mx
     pages, tables = _tables(1, len(prompt) + n)

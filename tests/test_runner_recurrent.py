@@ -14,7 +14,7 @@ from mlx_lm.utils import _get_classes
 from engine.kvstore import KVStore
 from engine.model import load_model
 from engine.runner import ModelRunner, SeqChunk
-from tests.fixtures.tiny_models import SPECIAL_TOKENS, build_tokenizer
+from bench.synthetic import SPECIAL_TOKENS, build_tokenizer
 
 LFM2 = dict(model_type="lfm2", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096, norm_eps=1e-5,

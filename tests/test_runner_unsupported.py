@@ -2,7 +2,7 @@
 
 The case is real: mlx-lm's llama4 gives three of every four layers a ChunkedKVCache (attention
 within fixed chunks), which the geometry probe classifies as kind "other". A tiny random-weight
-llama4 is built offline here, like the fixtures in tests/fixtures/tiny_models.py.
+llama4 is built offline here, like the fixtures in bench/synthetic.py.
 """
 import json
 
@@ -13,7 +13,7 @@ from engine.kvstore import KVStore
 from engine.loop import Engine
 from engine.model import ModelLoadError, load_model
 from engine.runner import ModelRunner
-from tests.fixtures.tiny_models import SPECIAL_TOKENS, build_tokenizer
+from bench.synthetic import SPECIAL_TOKENS, build_tokenizer
 
 REFUSAL = (r"layers 0, 1, 2 keep a ChunkedKVCache \(cache kind 'other'\).*paged attention "
            r"\(full or sliding window\) or per-sequence recurrent state only")

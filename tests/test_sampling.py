@@ -8,7 +8,7 @@ import pytest
 from engine.detok import TextStream
 from engine.errors import InvalidRequest
 from engine.sampling import RowSpec, SamplingParams, sample
-from tests.fixtures.tiny_models import build_tokenizer
+from bench.synthetic import build_tokenizer
 
 
 @pytest.fixture(scope="module")

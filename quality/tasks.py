@@ -6,7 +6,7 @@ the model's argmax at every position of the span is the span's next token. That 
 prefix as the forced one as long as every earlier token was right), so one forward pass grades
 many cases, where decoding them one token per step costs a forward call per token. To read the
 graded tokens' context from stored pages as decode does, the runner cuts a prefill chunk at
-every span start (engine.quality_runs.graded_spans): the context before the answer is then all
+every span start (quality.runs.graded_spans): the context before the answer is then all
 history (packed for packed formats), and only the answer's own tokens are fresh.
 
 - retrieval (no selection; native must score >= 90 % for the task to mean anything): a Python

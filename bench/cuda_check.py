@@ -1,6 +1,6 @@
 """Check the CUDA attention and write kernels against references on the GPU; print (save) JSON.
 
-    python -m engine.cuda_check --out cuda_check.json
+    python -m bench.cuda_check --out cuda_check.json
 
 Runs only where MLX has a CUDA device (the kernels' only backend); nothing here runs in the CPU
 test suite. References: the native kernel against float32 numpy attention over the gathered

@@ -1,7 +1,7 @@
 """KV-format quality gate: each packed KV format against native on the same weights.
 
-    python -m engine.quality --quick                  # CI-sized, minutes on a CPU
-    python -m engine.quality --out out/quality.json --md docs/quality.md   # full sizes
+    python -m quality.gate --quick                  # CI-sized, minutes on a CPU
+    python -m quality.gate --out out/quality.json --md docs/quality.md   # full sizes
 
 Measures, per format (int8, k8v4, int4, int4 without the K rotation; native as a control):
 - teacher-forced next-token NLL delta (%), mean KL(native || format) and top-1 agreement over
@@ -11,7 +11,7 @@ Measures, per format (int8, k8v4, int4, int4 without the K rotation; native as a
   prefill;
 - exact-answer generation probes that native answers correctly;
 with paired bootstrap 95% intervals over windows / cases and verdicts against margins declared
-up front (MARGINS; rule in engine.quality_stats).
+up front (MARGINS; rule in quality.stats).
 """
 from __future__ import annotations
 
@@ -25,24 +25,10 @@ import time
 from pathlib import Path
 
 from engine.model_names import MODEL_HELP, model_arg
-from engine.quality_stats import (FAIL, accuracy_delta_interval, combine, ratio_interval,
-                                  relative_delta_interval, verdict_at_most, verdict_within_points)
+from quality.stats import FAIL
+from quality.verdicts import (MARGINS, PROBE_POINTS, PROBE_POINTS_BY_FORMAT, RETRIEVAL_POINTS,
+                              summarize_accuracy, summarize_nll, verdicts)
 
-# Declared before any run. NLL delta in percent of native mean NLL; KL in nats/token;
-# accuracy margins in points (format minus native).
-MARGINS = {
-    "int8": {"nll_delta_pct": 0.1, "kl": 1e-3},
-    "k8v4": {"nll_delta_pct": 0.5},
-    "int4": {"nll_delta_pct": 1.0},
-    "int4-norot": {"nll_delta_pct": 1.0},
-    # issue 17's bar for the best int4 identity
-    "int4-sink": {"nll_delta_pct": 0.3},
-    "int4-k32": {"nll_delta_pct": 0.3},
-}
-RETRIEVAL_POINTS = 2.0
-PROBE_POINTS = 2.0
-# int4 identities are held to 3 probe points (issue 17), every other format to PROBE_POINTS.
-PROBE_POINTS_BY_FORMAT = {"int4": 3.0, "int4-norot": 3.0, "int4-sink": 3.0, "int4-k32": 3.0}
 TASKS = ("passkey", "kv")
 FULL = {"nll_tokens": 20480, "retrieval_cases": 100, "probes": 200, "lengths": "512,1024,2048,4096"}
 QUICK = {"nll_tokens": 2048, "retrieval_cases": 4, "probes": 8, "lengths": "512"}
@@ -63,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--suite", choices=("card", "text"), default=None,
                     help="card: orchard-tiny's own tasks (its model card's retrieval, greedy "
                     "decode); text: chat prose and held-out code, dict-lookup retrieval and chat "
-                    "probes graded teacher-forced (engine.quality_tasks). Default: card for "
+                    "probes graded teacher-forced (quality.tasks). Default: card for "
                     "orchard-tiny, text for any other model")
     ap.add_argument("--formats", default="native,int8,k8v4,int4,int4-norot",
                     help="formats to judge; 'native' is the control (a second native run)")
@@ -116,66 +102,11 @@ def _log(msg: str) -> None:
     print(f"[quality {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-# ------------------------------------------------------------------ summaries and verdicts
-
-def summarize_nll(scores) -> dict:
-    s = scores
-    return {
-        "nll_delta_pct": relative_delta_interval(s.nll_format, s.nll_native).as_dict(),
-        "kl": ratio_interval(s.kl, s.tokens).as_dict(),
-        "top1_agreement": ratio_interval(s.agree, s.tokens).as_dict(),
-        "native_nll": float(s.nll_native.sum() / s.tokens.sum()),
-        "format_nll": float(s.nll_format.sum() / s.tokens.sum()),
-        "tokens": int(s.tokens.sum()), "windows": int(len(s.tokens)),
-    }
-
-
-def summarize_accuracy(ok, ref) -> dict:
-    d = accuracy_delta_interval(ok, ref)
-    return {"accuracy": float(ok.mean()), "native_accuracy": float(ref.mean()), "cases": int(len(ok)),
-            "delta_points": d.as_dict()}
-
-
-def _iv(d: dict):
-    from engine.quality_stats import Interval
-    return Interval(d["estimate"], *d["ci95"])
-
-
-def verdicts(result: dict) -> dict:
-    """Per format: each declared check with its interval and verdict, and the overall verdict."""
-    out = {}
-    for fmt in result["formats"]:
-        if fmt == "native":
-            continue
-        checks = []
-        nll = result["nll"].get(fmt)
-        for metric, margin in MARGINS.get(fmt, {}).items():
-            if nll is None:
-                continue
-            iv = _iv(nll[metric])
-            checks.append({"check": f"{metric} <= {margin:g}", "estimate": iv.estimate,
-                           "ci95": [iv.low, iv.high], "verdict": verdict_at_most(iv, margin)})
-        for length, cell in result["retrieval"].get(fmt, {}).get("by_length", {}).items():
-            iv = _iv(cell["delta_points"])
-            checks.append({"check": f"retrieval@{length} within {RETRIEVAL_POINTS:g} points",
-                           "estimate": iv.estimate, "ci95": [iv.low, iv.high],
-                           "verdict": verdict_within_points(iv, RETRIEVAL_POINTS)})
-        probes = result["probes"].get("by_format", {}).get(fmt)
-        if probes:
-            iv = _iv(probes["delta_points"])
-            points = result.get("probe_points_by_format", {}).get(fmt, PROBE_POINTS)
-            checks.append({"check": f"probes within {points:g} points", "estimate": iv.estimate,
-                           "ci95": [iv.low, iv.high],
-                           "verdict": verdict_within_points(iv, points)})
-        out[fmt] = {"checks": checks, "overall": combine([c["verdict"] for c in checks])}
-    return out
-
-
 # ------------------------------------------------------------------ the three measurements
 
 def run_nll(loaded, held, a) -> dict:
-    from engine.quality_data import text_windows, windows
-    from engine.quality_runs import teacher_forced
+    from quality.data import text_windows, windows
+    from quality.runs import teacher_forced
     per_window = a.window - 1 - a.chunk
     n = max(2, math.ceil(a.nll_tokens / per_window))
     if a.suite == "text":   # half chat prose, half held-out code
@@ -193,8 +124,8 @@ def run_retrieval(loaded, held, a, checkpoint=lambda part: None) -> dict:
     the summary of the lengths done so far, so a run cut short keeps them."""
     import numpy as np
 
-    from engine.quality_data import retrieval_cases
-    from engine.quality_runs import generate
+    from quality.data import retrieval_cases
+    from quality.runs import generate
     ok: dict[str, dict[tuple, np.ndarray]] = {f: {} for f in {"native", *a.formats}}
     out: dict = {}
     for L in a.lengths:
@@ -219,13 +150,11 @@ def run_retrieval(loaded, held, a, checkpoint=lambda part: None) -> dict:
 
 
 def run_retrieval_text(loaded, held, a, checkpoint=lambda part: None) -> dict:
-    """Text suite: dict lookups over held-out code at each length (engine.quality_tasks),
+    """Text suite: dict lookups over held-out code at each length (quality.tasks),
     graded teacher-forced with a chunk cut before each answer; no selection."""
-    import numpy as np
-
-    from engine.quality_data import code_stream
-    from engine.quality_runs import graded_spans
-    from engine.quality_tasks import retrieval_sequences
+    from quality.data import code_stream
+    from quality.runs import graded_spans
+    from quality.tasks import retrieval_sequences
     code = code_stream(loaded.tokenizer)
     out: dict = {}
     for L in a.lengths:
@@ -246,8 +175,8 @@ def run_probes_text(loaded, held, a) -> dict:
     right (so native is 100 % on the kept set by construction)."""
     import numpy as np
 
-    from engine.quality_runs import graded_spans
-    from engine.quality_tasks import probe_conversations
+    from quality.runs import graded_spans
+    from quality.tasks import probe_conversations
     # About 6 in 10 candidates are native-correct (chat_repeat is the weak family): ask 1.7x.
     convs = probe_conversations(loaded.tokenizer, int(1.7 * a.probes))
     got = graded_spans(loaded, convs, a.formats, a.retrieval_chunk, a.batch, log=_log)
@@ -270,8 +199,8 @@ def run_probes_text(loaded, held, a) -> dict:
 def run_probes(loaded, held, a) -> dict:
     import numpy as np
 
-    from engine.quality_data import probe_candidates
-    from engine.quality_runs import generate
+    from quality.data import probe_candidates
+    from quality.runs import generate
     families = probe_candidates(held, loaded.tokenizer, per_family=max(4, a.probes))
     want = -(-a.probes // len(families))
     kept, selection = [], {}
@@ -326,8 +255,8 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
     import mlx.core as mx
 
     from engine.model import load_model
-    from engine.quality_data import load_heldout
-    from engine.quality_runs import decode_path
+    from quality.data import load_heldout
+    from quality.runs import decode_path
     t0 = time.time()
     loaded = load_model(a.model, dtype=a.dtype)
     a.batch = a.batch or (4 if mx.default_device() == mx.cpu else 64)
@@ -335,7 +264,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
     _log(f"model {a.model} ({loaded.dtype_name}, fingerprint {loaded.fingerprint}); held-out "
          f"{len(held.stream)} tokens, sha {held.sha256} from {held.source}")
     result = {
-        "command": "python -m engine.quality " + " ".join(shlex.quote(x) for x in argv),
+        "command": "python -m quality.gate " + " ".join(shlex.quote(x) for x in argv),
         "suite": a.suite,
         "machine": _machine(a), "dtype": loaded.dtype_name, "model": a.model,
         "fingerprint": loaded.fingerprint, "formats": a.formats,
@@ -384,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(p.strip() for p in a.parts.split(",") if p.strip()) - {"nll", "probes", "retrieval"}
     if unknown:
         _parser().error(f"--parts: unknown {sorted(unknown)}")
-    from engine.quality_report import markdown
+    from quality.report import markdown
     if a.report:
         result = json.loads(Path(a.report).read_text())
         result["verdicts"] = verdicts(result)

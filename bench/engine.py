@@ -1,9 +1,9 @@
 """Engine benchmark: prefill and decode throughput of the paged engine beside mlx-lm, same model,
 same process, same run, plus the OpenBLAS on/off matmul difference.
 
-    python -m engine.bench --synthetic --out bench.json        # default synthetic model
-    python -m engine.bench --model smollm2                     # the real model (make real-model)
-    python -m engine.bench --model /path/to/mlx-model          # or a model folder / .gguf file
+    python -m bench.engine --synthetic --out bench.json        # default synthetic model
+    python -m bench.engine --model smollm2                     # the real model (make real-model)
+    python -m bench.engine --model /path/to/mlx-model          # or a model folder / .gguf file
 
 Prefill: one request of L prompt tokens, max_tokens=1; tok/s = L / time to first token (both
 sides chunk at 2048 tokens). Decode at batch B: B requests of the same prompt length start
@@ -49,7 +49,7 @@ print((time.perf_counter() - t) / {reps})
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=model_arg,
                    help=MODEL_HELP + " (default: --synthetic)")
@@ -71,7 +71,7 @@ def parse_args(argv=None):
 
 
 def build_synthetic(root: Path) -> str:
-    from tests.fixtures.tiny_models import build_tiny_model
+    from bench.synthetic import build_tiny_model
 
     return str(build_tiny_model("llama", root / "synthetic-llama", seed=0, **SYNTHETIC))
 

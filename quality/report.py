@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from engine.quality_stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
+from quality.stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
 
 
 def _ci(d: dict, fmt: str = "{:+.3f}", scale: float = 1.0) -> str:
@@ -97,7 +97,7 @@ def markdown(r: dict, table_only: bool = False) -> str:
     return f"""# KV-format quality gate
 
 Each packed KV format against native on the same weights ({r['model']}, fingerprint
-`{r['fingerprint']}`), produced by `engine/quality.py`. Generated file: rerun the command to refresh.
+`{r['fingerprint']}`), produced by `quality/gate.py`. Generated file: rerun the command to refresh.
 {partial}
 - **Command**: {command}
 - **Machine**: {r['machine']}; compute dtype **{r['dtype']}**; {sec['total']:.0f} s
@@ -161,7 +161,7 @@ matches. Per cell (accuracy %):
 
 {cells(r)}
 
-Probes: candidates from four exact-answer families (`engine/quality_data.py`): chat pass key
+Probes: candidates from four exact-answer families (`quality/data.py`): chat pass key
 (answer "The pass key is NNNNN." plus `<|im_end|>`), the 2nd-4th lookup of a 300-1500-token
 key-value table, the pass key in held-out code at 300-3000 tokens, and restating "a op b =" from
 a chat question with 3-digit operands; greedy decoding must reproduce the expected tokens exactly.
@@ -174,11 +174,11 @@ perturbation. Accuracy (%) by family:
 {by_fam}
 
 int4 without rotation: the shipped store always rotates keys (and attention rotates queries), so
-the ablation is an adapter in `engine/quality_runs.py`: keys are quantized unrotated and the
+the ablation is an adapter in `quality/runs.py`: keys are quantized unrotated and the
 shared direct attention path receives q R^T and k_new R^T, which R's orthogonality turns back
 into q against unrotated stored keys.
 
-<details><summary>The result JSON (engine.quality --out)</summary>
+<details><summary>The result JSON (quality.gate --out)</summary>
 
 ```json
 {raw}

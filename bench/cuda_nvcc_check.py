@@ -1,6 +1,6 @@
 """Compile the CUDA kernels' sources with a local nvcc, without a GPU (a developer's check).
 
-    python -m engine.cuda_nvcc_check [--arch sm_90]
+    python -m bench.cuda_nvcc_check [--arch sm_90]
 
 Device time is scarce and a kernel that does not compile costs a whole run there, so this
 wraps each kernel's source the way `mx.fast.cuda_kernel` does on the device (MLX 0.32's

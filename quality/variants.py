@@ -1,6 +1,6 @@
 """Which int4 KV variant helps a model most: a quick fake-quantization experiment.
 
-    python -m engine.quality_variants --model models/smollm2-135m --out OUT/variants.json
+    python -m quality.variants --model models/smollm2-135m --out OUT/variants.json
 
 Every variant runs through the paged runner over one native store whose attention replaces the
 stored history by its quantize-then-dequantize image before attending (the fresh rows of the
@@ -122,7 +122,7 @@ class VariantStore(NativeLayerStore):
 
 def make_runner(loaded, name: str, num_pages: int):
     from engine.packed_cache import PackedModelRunner
-    from engine.quality_runs import PAGE_TOKENS
+    from quality.runs import PAGE_TOKENS
     if name == "native":
         return PackedModelRunner(loaded, KVStore(loaded.geometry, num_pages, PAGE_TOKENS,
                                                  loaded.dtype))
@@ -142,10 +142,10 @@ def make_runner(loaded, name: str, num_pages: int):
 
 def main(argv=None) -> int:
     from engine.model import load_model
-    from engine import quality_runs
-    from engine.quality import summarize_nll
-    from engine.quality_data import text_windows
-    ap = argparse.ArgumentParser(prog="python -m engine.quality_variants", description=__doc__,
+    from quality import runs as quality_runs
+    from quality.verdicts import summarize_nll
+    from quality.data import text_windows
+    ap = argparse.ArgumentParser(prog="python -m quality.variants", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/smollm2-135m")
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
               f"[{s['nll_delta_pct']['ci95'][0]:+.3f},{s['nll_delta_pct']['ci95'][1]:+.3f}] "
               f"kl {s['kl']['estimate']:.2e} top1 {s['top1_agreement']['estimate']:.4f} "
               f"x{s['bf16_ratio_at_1k']:.3f}", flush=True)
-    result = {"command": "python -m engine.quality_variants " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"command": "python -m quality.variants " + " ".join(sys.argv[1:] if argv is None else argv),
               "model": a.model, "dtype": loaded.dtype_name, "windows": len(wins),
               "window": a.window, "chunk": a.chunk, "seconds": round(time.time() - t0, 1),
               "variants": rows}

@@ -9,13 +9,13 @@ shape every chunk after the first has. Variants, all from engine.packed_attentio
   direct_qmm_mlx  (CPU A/B) direct_qmm with MLX's quantized_matmul for the scores as well
   fused         history dequantized to an FP32 scratch, one SDPA call
   scratch_compute_dtype  (reference, not an engine path) the same in the compute dtype
-  direct_cuda   (GPU only, experiment) engine.cuda_packed_attention: unpack inside the tile
+  direct_cuda   (GPU only, experiment) bench.experiments.cuda_packed_attention: unpack inside the tile
 Times are medians over --repeats after a warm-up, interleaved variant by variant so load drift
 hits all of them; ratios are to native in the same run. `max_err` is the largest absolute
 difference from an FP32 reference computed on the dequantized history (so it measures the path's
 arithmetic, not the quantization error, which all packed paths share).
 
-  python -m engine.bench_attention --dtype bfloat16 --history 3584,15872 --formats int8,int4
+  python -m bench.attention --dtype bfloat16 --history 3584,15872 --formats int8,int4
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def run_case(fmt_name: str, B, Hq, Hkv, L, S, D, dtype, repeats: int,
             scale=scale, mask="causal"),
     }
     if mx.default_device() != mx.cpu:   # the experimental in-tile kernel (CUDA only)
-        from engine.cuda_packed_attention import packed_prefill_attention
+        from bench.experiments.cuda_packed_attention import packed_prefill_attention
         variants["direct_cuda"] = lambda: packed_prefill_attention(q, hist, k_new, v_new,
                                                                    fmt=fmt, scale=scale)
     if only:

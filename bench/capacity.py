@@ -14,7 +14,7 @@
 2. Memory per 10,000 execution identities (tracemalloc of the rate registry: 10,000 sparse ones
    measured; full windows measured on 1,000 and scaled) and the size of their JSON snapshot.
 
-    python -m serve_app.capacity_bench [--callers 200] [--rounds 25] [--paced-rate 200 1000] [--identities 10000]
+    python -m bench.capacity [--callers 200] [--rounds 25] [--paced-rate 200 1000] [--identities 10000]
                              [--full-identities 1000] [--max-inflight 2] [--transport ray fast]
                              [--skip-actor] [--skip-memory]
 

@@ -12,7 +12,7 @@ Two measurements, each option against plain greedy in the same run (alternating,
   Options with penalties or logprobs make a decode step synchronous (no pipelining): that is
   part of their cost and shows here.
 
-    python -m engine.platform exec python -m engine.bench_sampling --model smollm2 \
+    python -m engine.platform exec python -m bench.sampling --model smollm2 \
         --out OUT/x.json
 """
 from __future__ import annotations
@@ -94,7 +94,7 @@ def sampler_ms(vocab: int, batch: int, options: dict, steps: int, repeats: int,
 
 def engine_rates(eng, batch: int, options: dict, prompt: int, tokens: int,
                  repeats: int) -> dict:
-    from engine.bench import Window
+    from bench.engine import Window
     from engine.request import GenerationRequest
     from engine.sampling import SamplingParams
 

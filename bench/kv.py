@@ -1,6 +1,6 @@
 """Issue-3 bench: KV bytes and capacity per format, prefill TTFT and decode speed vs native.
 
-    python -m engine.platform exec .venv/bin/python -m engine.bench_kv --out bench.json
+    python -m engine.platform exec .venv/bin/python -m bench.kv --out bench.json
 
 Every number of one run comes from one process, so ratios to native are fair on a shared machine;
 absolute times mean something only on a dedicated one. The default model is a synthetic
@@ -38,9 +38,10 @@ from engine.kvstore import KVStore, Slots
 from engine.model import load_model
 from engine.model_names import MODEL_HELP, model_arg
 from engine import cuda_packed_prefill, cuda_packed_write, cuda_paged_decode, packed_attention
-from engine.packed_cache import PackedModelRunner
-from engine.packed_store import counters_of, packed_layer_factory
+from engine.packed_store import counters_of
 from engine.runner import ModelRunner, SeqChunk
+from bench.kv_quality import heldout_docs, quality_section
+from bench.kv_runners import PAGE_TOKENS, make_runner, make_store
 
 GOALS = {"int8": 16 / 9, "k8v4": 16 / 7, "int4": 3.2}
 REFERENCE_GEOMETRIES = {
@@ -58,7 +59,6 @@ GEOMETRIES = {
                 num_attention_heads=16, num_key_value_heads=4, head_dim=128,
                 max_position_embeddings=40000),
 }
-PAGE_TOKENS = 16
 
 
 def capacity_table(bytes_per_token: dict[str, int], budget: int, page_tokens: int) -> dict:
@@ -85,22 +85,9 @@ def capacity_section(loaded, budget: int) -> dict:
         bpt = {n: layers * KVFormat(n, dim, "bfloat16").bytes_per_token(heads) for n in FORMAT_BITS}
         result[ref] = capacity_table(bpt, budget, PAGE_TOKENS)
     # The bench model: bytes measured from real allocated stores, not from the formula.
-    bpt = {n: _store(loaded, n, 1).bytes_per_token for n in FORMAT_BITS}
+    bpt = {n: make_store(loaded, n, 1).bytes_per_token for n in FORMAT_BITS}
     result[f"bench-model({loaded.dtype_name})"] = capacity_table(bpt, budget, PAGE_TOKENS)
     return result
-
-
-def _store(loaded, fmt, pages, **kw):
-    return KVStore(loaded.geometry, pages, PAGE_TOKENS, loaded.dtype,
-                   layer_factory=packed_layer_factory(fmt, **kw))
-
-
-def _runner(loaded, fmt, pages, mode="direct"):
-    if fmt == "native":
-        return ModelRunner(loaded, _store(loaded, fmt, pages))
-    # The bench's permit hook always grants: it measures the fused path, not the ledger.
-    return PackedModelRunner(loaded, _store(loaded, fmt, pages, prefill_mode=mode,
-                                            permit=lambda n: True))
 
 
 def prefill_once(runner, tokens, chunk) -> float:
@@ -125,7 +112,7 @@ def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save) 
         tokens = rng.integers(3, vocab, n).tolist()
         variants = [("native", "native", "direct")] + [
             (f"{f}-{m}", f, m) for f in formats for m in ("direct", "fused")]
-        runners = {name: _runner(loaded, f, -(-n // PAGE_TOKENS), m) for name, f, m in variants}
+        runners = {name: make_runner(loaded, f, -(-n // PAGE_TOKENS), m) for name, f, m in variants}
         times = {name: [] for name in runners}
         errors = {}
         for name, r in runners.items():   # warm-up: kernels compile/JIT outside the timing
@@ -195,7 +182,7 @@ def _decode_time(loaded, spec, pages, b, n, room, steps, repeats) -> float:
 
 
 def _decode_steps(loaded, fmt, pages, b, n, room, steps, repeats) -> float:
-    runner = _runner(loaded, fmt, pages)
+    runner = make_runner(loaded, fmt, pages)
     tables = _fill(runner.kvstore, b, n, room)
     pos, best = n, None
     for r in range(repeats + 1):
@@ -230,71 +217,6 @@ def decode_section(loaded, contexts, batches, formats, steps, repeats, out: dict
             out[f"ctx{n}-b{b}"] = row
             save()
     return out
-
-
-def heldout_docs(root: str, n: int, tokens: int, tokenizer) -> list[list[int]]:
-    """Up to n stdlib files that orchard-tiny's training held out (training.corpus's rule)."""
-    import hashlib
-    docs = []
-    for path in sorted(Path(root).rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if "site-packages" in rel or int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 50:
-            continue
-        ids = tokenizer.encode(f"# file: {rel}\n{path.read_text(errors='replace')}")
-        if len(ids) >= tokens:
-            docs.append(ids[:tokens])
-        if len(docs) == n:
-            break
-    return docs
-
-
-def quality_section(loaded, docs, formats, chunk) -> dict:
-    """Teacher-forced NLL and KL(native || packed) per token, prefilled in `chunk`-token steps
-    so that all but the current chunk is read from packed pages (what decode sees)."""
-    def logprobs(fmt, ids):
-        runner = _runner(loaded, fmt, -(-len(ids) // PAGE_TOKENS))
-        table = list(range(runner.kvstore.num_pages))
-        out = []
-        for s in range(0, len(ids) - 1, chunk):
-            part = ids[s:min(s + chunk, len(ids) - 1)]
-            logits = runner.forward_all([SeqChunk(0, part, s, table)])[0]
-            out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-            mx.eval(out[-1])
-        return mx.concatenate(out)
-
-    per = {f: {"nll": [], "kl": [], "agree": []} for f in formats}
-    native_nll = []
-    for ids in docs:
-        target = mx.array(ids[1:])[:, None]
-        ref = logprobs("native", ids)
-        native_nll.append(-mx.take_along_axis(ref, target, axis=-1)[:, 0])
-        for f in formats:
-            lp = logprobs(f, ids)
-            per[f]["nll"].append(-mx.take_along_axis(lp, target, axis=-1)[:, 0])
-            per[f]["kl"].append((mx.exp(ref) * (ref - lp)).sum(axis=-1))
-            per[f]["agree"].append(mx.argmax(lp, -1) == mx.argmax(ref, -1))
-    base = mx.concatenate(native_nll)
-    n = base.size
-    out = {"tokens": n, "docs": len(docs), "chunk": chunk,
-           "native": {"nll": round(base.mean().item(), 5),
-                      "ppl": round(float(np.exp(base.mean().item())), 4)}}
-    for f in formats:
-        nll, kl = mx.concatenate(per[f]["nll"]), mx.concatenate(per[f]["kl"])
-        delta = np.array(nll - base)
-        # 95% interval of the mean NLL change over 64-token blocks (tokens are not independent).
-        blocks = delta[: len(delta) // 64 * 64].reshape(-1, 64).mean(axis=1)
-        half = 1.96 * blocks.std(ddof=1) / np.sqrt(len(blocks))
-        out[f] = {"nll": round(nll.mean().item(), 5),
-                  "ppl_change_pct": _pct(delta.mean()),
-                  "ppl_change_pct_ci95": [_pct(delta.mean() - half), _pct(delta.mean() + half)],
-                  "kl_mean": float(f"{kl.mean().item():.3e}"),
-                  "kl_p99": float(f"{np.percentile(np.array(kl), 99):.3e}"),
-                  "top1_agree": round(mx.concatenate(per[f]["agree"]).mean().item(), 5)}
-    return out
-
-
-def _pct(log_ratio) -> float:
-    return round(float(100 * (np.exp(log_ratio) - 1)), 4)
 
 
 def _ints(text):
@@ -362,7 +284,7 @@ def main(argv=None):
     if args.model:
         model_dir = args.model
     else:
-        from tests.fixtures.tiny_models import build_tiny_model
+        from bench.synthetic import build_tiny_model
         model_dir = str(build_tiny_model("llama", Path(tempfile.mkdtemp()) / "bench",
                                          **GEOMETRIES[args.geometry]))
     loaded = load_model(model_dir, dtype=args.dtype)

@@ -8,7 +8,7 @@ The stream's sha256 is recorded with the results: a different stdlib gives a dif
 
 Retrieval cases come from training.corpus.passkey_case / kv_case (the model card's generators)
 with their own fixed seeds. Probes are exact-answer generation tasks from four families; the gate
-keeps those native answers correctly (see `engine.quality_runs.select_probes`).
+keeps those native answers correctly (see `quality.runs.select_probes`).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """EXPERIMENT (not wired into the engine): packed-history prefill attention as one CUDA kernel.
 
 Why: on the H200 every composition of MLX ops for attention over packed history costs >= 2x
-native fused SDPA (docs/benchmarks-kv.md, engine/bench_attention.py): the dequantize, matmul and
+native fused SDPA (docs/benchmarks-kv.md, bench/attention.py): the dequantize, matmul and
 softmax launches and their intermediate tensors dominate. This kernel unpacks codes inside the
 attention tile instead, flash-attention style: per block 32 query rows of one query head (two
 warps of 16), key tiles of 32 (packed history first, then the chunk's own fresh keys under the
@@ -9,7 +9,7 @@ causal rule), K and V tiles dequantized into shared memory as bf16, QK^T and PV 
 (WMMA bf16 with FP32 accumulators), one online softmax in FP32, O accumulated in FP32 in shared
 memory. Nothing the size of the history is materialized.
 
-Status (2026-11-29, H200, MLX 0.32.4 CUDA, `python -m engine.bench_attention --dtype bfloat16
+Status (2026-11-29, H200, MLX 0.32.4 CUDA, `python -m bench.attention --dtype bfloat16
 --history 3584,15872 --formats int8,int4 --variants direct_tiled,direct_cuda`): **correct, slow.**
 Its max error against the FP32 reference equals the tiled path's (7.6e-4 / 6.2e-4 at 3,584
 history tokens), so the packing layout, masks and online softmax are right and NVRTC compiles

@@ -8,7 +8,7 @@ i allowed, the layout both libraries write) is applied to float32 logits [16, vo
 `engine.logits_processors.apply_bitmask` (timed apart, host unpacking included: both libraries
 ship MLX appliers only as Metal kernels, which the Linux CPU backend cannot run).
 
-    python -m engine.platform exec python -m engine.bench_constrained --model smollm2 \
+    python -m engine.platform exec python -m bench.constrained --model smollm2 \
         --out OUT/x.json
 
 xgrammar is not measured: its wheel depends on torch (pip resolves torch plus the CUDA runtime

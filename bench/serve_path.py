@@ -1,6 +1,6 @@
 """TTFT overhead of the serving path over the in-process engine, at light load.
 
-    python -m serve_app.bench [--model smollm2|DIR|FILE.gguf] [--requests 40] [--out result.json]
+    python -m bench.serve_path [--model smollm2|DIR|FILE.gguf] [--requests 40] [--out result.json]
 
 Three paths serve the same request (chat template, greedy, `--max-tokens` tokens), one request
 at a time (light load), interleaved round by round after a warm-up:
@@ -274,7 +274,7 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m serve_app.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.serve_path", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="orchard-tiny", type=model_arg,
                    help=MODEL_HELP + " (default: orchard-tiny)")

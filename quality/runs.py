@@ -222,7 +222,7 @@ def graded_spans(loaded, seqs, formats, chunk: int, batch: int, log=None,
                  reference: str = "native", make=None) -> dict[str, np.ndarray]:
     """1/0 per graded span (in sequence order) for `reference` (key "__reference__", its own
     store) and each format: argmax at every position of the span equals the forced token
-    (engine.quality_tasks: the same as greedy decoding reproducing it)."""
+    (quality.tasks: the same as greedy decoding reproducing it)."""
     make = make or make_runner
     names = [REF, *formats]
     ok = {f: [] for f in names}

@@ -1,0 +1,1 @@
+"""Experiments not wired into the engine, kept with their measurements (see each module's doc)."""

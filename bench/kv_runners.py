@@ -1,0 +1,22 @@
+"""The KV stores and model runners `bench.kv` times: one per format, on the bench's pages."""
+from __future__ import annotations
+
+from engine.kvstore import KVStore
+from engine.packed_cache import PackedModelRunner
+from engine.packed_store import packed_layer_factory
+from engine.runner import ModelRunner
+
+PAGE_TOKENS = 16
+
+
+def make_store(loaded, fmt, pages, **kw) -> KVStore:
+    return KVStore(loaded.geometry, pages, PAGE_TOKENS, loaded.dtype,
+                   layer_factory=packed_layer_factory(fmt, **kw))
+
+
+def make_runner(loaded, fmt, pages, mode="direct"):
+    if fmt == "native":
+        return ModelRunner(loaded, make_store(loaded, fmt, pages))
+    # The bench's permit hook always grants: it measures the fused path, not the ledger.
+    return PackedModelRunner(loaded, make_store(loaded, fmt, pages, prefill_mode=mode,
+                                               permit=lambda n: True))

@@ -1,0 +1,3 @@
+from quality.gate import main
+
+raise SystemExit(main())
