@@ -51,8 +51,8 @@ test: bootstrap real-model
 
 # The tests most exposed to ordering (engine lifecycle, generate, fused permits, serve capacity)
 # ten times over in one session: any ordering left to the machine's speed shows up here.
-FLAKE_TESTS := tests/test_engine_lifecycle.py tests/test_engine_generate.py \
-	tests/test_engine_kv_fused.py tests/test_serve_capacity.py
+FLAKE_TESTS := tests/engine/test_lifecycle.py tests/engine/test_generate.py \
+	tests/engine/test_kv_fused.py tests/serve_app/test_capacity.py
 test-flakes: bootstrap
 	$(BIN)/python -m engine.platform exec $(BIN)/python -m pytest --count 10 \
 	  -q $(FLAKE_TESTS) $(PYTEST_ARGS)

@@ -20,7 +20,7 @@ native kernel (`cuda_paged_decode.launch_split`): one block per (row, KV head, s
 the head's GQA query heads.
 
 Formats: equal key and value bits (int8, int4), head dim 64 or 128; others (k8v4) keep the
-direct path. Checked only on the H200 (docs/benchmarks-gpu.md); never run on Metal.
+direct path. Checked only on the H200 (docs/lab/benchmarks-gpu.md); never run on Metal.
 """
 from __future__ import annotations
 

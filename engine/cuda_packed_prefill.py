@@ -27,7 +27,7 @@ rotated too, so one query fragment scores both; values are never rotated.
 Formats: 4 or 8 bits for K and V independently (int8, int4, k8v4), head dim 64 or 128, up to
 MAX_WARPS query heads per KV head. Checked only on the H200 (`python -m bench.cuda_check`:
 max error 0.016 against the FP32 direct path, bf16 output rounding); never run on Metal.
-Measured there (docs/benchmarks-gpu.md, session 6; synthetic 0.5B geometry, chunks of 512):
+Measured there (docs/lab/benchmarks-gpu.md, session 6; synthetic 0.5B geometry, chunks of 512):
 prefill 1.02-1.22x native time at 4K and 1.23-1.32x at 16K, against 2.5x / 3.9x for the MLX-op
 direct path. What bounds it now: one block (8 warps, ~240 registers each) per SM, so a tile's
 unpacking and its MMAs do not overlap across blocks; `cp.async` staging of the raw codes or a
@@ -62,7 +62,7 @@ MAX_SPLITS = 16
 enabled = True
 # Decode steps (one query per row) through this kernel too, instead of
 # engine/cuda_packed_decode.py. Off: measured slower on the H200 with this kernel's first
-# version (int4 at 32K batch 8: 0.62x native vs 0.83x; docs/benchmarks-gpu.md session 6): a
+# version (int4 at 32K batch 8: 0.62x native vs 0.83x; docs/lab/benchmarks-gpu.md session 6): a
 # decode tile has one query row per head, so the MMAs do 1/16 useful work while every block
 # still unpacks whole tiles.
 # `bench.kv --decode-formats int4:tiles` measures it.

@@ -3,7 +3,7 @@
 Why: a packed layer's write was ~40 MLX ops per layer and step (rotation: cast, sign multiply,
 Hadamard; then per K and per V: reshape, min, max, subtract, divide, where, round, clip, cast,
 shift, sum, squeezes), and on the H200 a decode step is bound by the host cost of issuing its
-graph (docs/benchmarks-gpu.md): that alone made int4 decode at batch 1 about 0.7x of native.
+graph (docs/lab/benchmarks-gpu.md): that alone made int4 decode at batch 1 about 0.7x of native.
 This kernel computes the same codes, scales and offsets as `quantize(rotate(k))` and
 `quantize(v)` (engine/quant.py, engine/rotation.py) in one launch: one warp per (row, head) of
 K or V holds the D channels in registers (D/32 per lane), applies the fixed signs and the

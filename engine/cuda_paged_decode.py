@@ -29,7 +29,7 @@ import mlx.core as mx
 THREADS = 128          # 4 warps per block
 WARPS = THREADS // 32
 HEAD_DIMS = (64, 128)
-# Split plan (measured on the H200 only at the sizes in docs/benchmarks-gpu.md): aim for about
+# Split plan (measured on the H200 only at the sizes in docs/lab/benchmarks-gpu.md): aim for about
 # TARGET_BLOCKS blocks per layer (132 SMs, a few blocks resident each), never fewer than
 # MIN_KEYS_PER_SPLIT keys per block (below that the partials cost more than they save), at most
 # MAX_SPLITS.

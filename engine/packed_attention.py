@@ -36,7 +36,7 @@ MIN_FUSED_QUERIES = 9
 # Decode rows (one query) score packed rows with quantized_matmul: it reads 2-4x fewer bytes
 # than native. Longer chunks unpack history tile by tile into BLAS matmuls instead: on the CPU
 # MLX's quantized_matmul was 2-3x slower than the tiled path already at 4-16 queries and ~10x at
-# 512 (measured on the 2-core dev box; see docs/benchmarks-kv.md).
+# 512 (measured on the 2-core dev box; see docs/lab/benchmarks-kv.md).
 QMM_MAX_QUERIES = 1
 FUSED_HEAD_DIMS = (64, 128, 256)
 # quantized_matmul on non-CPU devices. Off: on the H200 (MLX 0.32.4 CUDA) it crashed the process
@@ -88,7 +88,7 @@ def _qmm_activation_dtype(bits: int, compute: mx.Dtype, rows: int, dim: int) -> 
     transposed view of the page pool: "No implementation for problem shape") though contiguous
     probes passed; with contiguous rows and metadata cast to bf16 (`_qmm`; at most 2^-9 relative
     error on scale/offset) decode ran, until one int4 shape crashed the process with an illegal
-    memory access (docs/benchmarks-kv.md). A missing kernel only shows when a graph is
+    memory access (docs/lab/benchmarks-kv.md). A missing kernel only shows when a graph is
     evaluated, so each (bits, dtype, rows, head dim) is probed once, in both directions.
     """
     if mx.default_device() == mx.cpu:

@@ -23,7 +23,7 @@ DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "orchard-tiny"
 # Ray Serve per-process settings every replica of the app starts with (`replica_env` entries
 # win): user code and the request router on the replica's own event loop instead of a thread
 # and loop of their own, and gRPC instead of Ray object refs between the ingress and the model
-# replicas. Paired bench: -12 ms p50 on the first token (docs/benchmarks-serve.md).
+# replicas. Paired bench: -12 ms p50 on the first token (docs/lab/benchmarks-serve.md).
 SERVE_FAST_PATH_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                        "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
                        "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}

@@ -1,4 +1,4 @@
-"""`ray job submit` of a deploy against a locally started head; run by tests/test_serve_job.py.
+"""`ray job submit` of a deploy against a locally started head; run by tests/serve_app/test_job.py.
 
 Starts a head node with the dashboard (the Jobs API lives there) through
 `ray.cluster_utils.Cluster`, so shutting it down kills only its own processes (`ray stop`

@@ -1,4 +1,4 @@
-"""Two-node check, run in its own process by tests/test_serve_two_node.py.
+"""Two-node check, run in its own process by tests/serve_app/test_two_node.py.
 
 It needs a Ray cluster of its own (`ray.cluster_utils.Cluster`), which cannot share a process
 with the one-Ray-session-per-run fixture. Both nodes carry the `mac` resource; the head also

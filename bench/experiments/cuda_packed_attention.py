@@ -1,7 +1,7 @@
 """EXPERIMENT (not wired into the engine): packed-history prefill attention as one CUDA kernel.
 
 Why: on the H200 every composition of MLX ops for attention over packed history costs >= 2x
-native fused SDPA (docs/benchmarks-kv.md, bench/attention.py): the dequantize, matmul and
+native fused SDPA (docs/lab/benchmarks-kv.md, bench/attention.py): the dequantize, matmul and
 softmax launches and their intermediate tensors dominate. This kernel unpacks codes inside the
 attention tile instead, flash-attention style: per block 32 query rows of one query head (two
 warps of 16), key tiles of 32 (packed history first, then the chunk's own fresh keys under the
@@ -15,7 +15,7 @@ Its max error against the FP32 reference equals the tiled path's (7.6e-4 / 6.2e-
 history tokens), so the packing layout, masks and online softmax are right and NVRTC compiles
 WMMA through `mx.fast.cuda_kernel`. But it takes 2.0-2.8 ms where native SDPA takes 0.3 ms and
 the tiled MLX-op path 1.6-1.7 ms (6.9-16.6x native; four variants tried, JSON in
-docs/benchmarks-kv/h200-attention-cuda-kernel-v*.json). Why, and what a fast version needs:
+docs/lab/benchmarks-kv/h200-attention-cuda-kernel-v*.json). Why, and what a fast version needs:
 O lives in shared memory and is loaded, rescaled and stored for every key tile (FlashAttention-2
 keeps it in registers: use `mma.sync.m16n8k16` PTX, whose accumulator layout is known, instead
 of WMMA's opaque one); two warps per block and no double buffering leave global latency exposed

@@ -1,4 +1,4 @@
-"""The two-node scenario, run from the client namespace by tests/test_cluster_netns.py.
+"""The two-node scenario, run from the client namespace by tests/cluster/test_netns.py.
 
 Everything here goes over the network namespaces' LAN, as from an operator's laptop: the Jobs
 API and the state API on the head's dashboard (token auth), chat through the head's ingress,

@@ -2,7 +2,7 @@
 
 Text: this repo's engine/quant.py and engine/rotation.py (Python the model never saw), prefilled
 in 32-token chunks so almost every score reads packed history. Bounds are the issue's goals with headroom for a
-short text: the full held-out measurement is in docs/benchmarks-kv.md.
+short text: the full held-out measurement is in docs/lab/benchmarks-kv.md.
 """
 from pathlib import Path
 
@@ -11,7 +11,7 @@ import pytest
 from bench.kv import quality_section
 from engine.model import load_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 
 from tests.cluster.netns import NetnsCluster
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.cluster

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.platform import openblas_env
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_two_nodes_spread_route_and_survive_node_removal(tiny_llama):

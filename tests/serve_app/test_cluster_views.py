@@ -1,4 +1,4 @@
-"""Where replicas run, as the fleet's views say it (fast; tests/test_cluster_netns.py checks the
+"""Where replicas run, as the fleet's views say it (fast; tests/cluster/test_netns.py checks the
 same on a real two-node cluster): the capacity feed's `nodes`, /metrics' `orchard:replica_info`,
 and `capacity.actor_resources`, which pins the capacity actor."""
 import pytest
@@ -6,7 +6,7 @@ import pytest
 from capacity.fleet import Fleet
 from serve_app.config import ConfigError, parse_config
 from serve_app.metrics import Metrics
-from tests.test_capacity_fleet import report
+from tests.capacity.test_fleet import report
 
 
 def test_the_feed_names_each_replicas_node_and_forgets_a_retired_one():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from engine.platform import openblas_env
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_job_submit_deploys_a_serving_app(tiny_llama, tmp_path_factory):

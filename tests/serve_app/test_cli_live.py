@@ -22,7 +22,7 @@ import yaml
 from engine.platform import openblas_env
 from tests.fixtures.serve import TEST_API_KEY, free_port, make_config, wait_cli_ready
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
 
 

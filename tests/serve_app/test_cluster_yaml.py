@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-CLUSTER = Path(__file__).resolve().parent.parent / "cluster.yaml"
+CLUSTER = Path(__file__).resolve().parents[2] / "cluster.yaml"
 
 
 def _config():

@@ -19,7 +19,7 @@ from quality.stats import (FAIL, INCONCLUSIVE, PASS, Interval, accuracy_delta_in
                                   combine, relative_delta_interval, verdict_at_most,
                                   verdict_within_points)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import pytest
 
 from serve_app.config import ConfigError, OrchardConfig, load_config, parse_config
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_minimal_config_gets_defaults():

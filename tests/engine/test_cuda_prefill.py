@@ -2,7 +2,7 @@
 and of the reference harness its device check uses (engine/cuda_check.prefill_case).
 
 The kernel itself only runs on a CUDA GPU (`python -m bench.cuda_check` there; results in
-docs/benchmarks-gpu.md). What runs here: the split plan, when a packed layer routes to the
+docs/lab/benchmarks-gpu.md). What runs here: the split plan, when a packed layer routes to the
 kernel, and that the harness's numpy model of the kernel's contract (pools read by page table,
 per-row history and own-key bounds, NaN padding) agrees with the engine's direct packed
 attention, and catches a kernel that gets the contract wrong.

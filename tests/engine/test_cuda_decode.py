@@ -2,7 +2,7 @@
 engine/cuda_packed_decode.py, bench/cuda_check.py).
 
 The kernels themselves only run on a CUDA GPU: they are exercised there by
-`python -m bench.cuda_check` (results in docs/benchmarks-gpu.md), never in this suite. What
+`python -m bench.cuda_check` (results in docs/lab/benchmarks-gpu.md), never in this suite. What
 runs here: the split plan, which layers may use the kernels, that a CPU runner never routes to
 them, and the reference harness the device check uses (its numpy model of the packed kernel's
 arithmetic and page layout must agree with the engine's own packed attention).

@@ -23,7 +23,7 @@ from serve_app.cli import _parser, _serve_config
 from serve_app.config import ConfigError
 from tests.fixtures.serve import free_port, wait_cli_ready
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "models" / "orchard-tiny"
 HUB_ID = "orchard-test/orchard-tiny"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

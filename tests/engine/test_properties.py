@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine.errors import DeadlineUnmeetable, RequestTooLarge
 from tests.engine_helpers import make_engine, req, wait_idle
-from tests.test_engine_lifecycle import Trace
+from tests.engine.test_lifecycle import Trace
 
 op = st.one_of(
     st.tuples(st.just("submit"), st.integers(1, 120), st.integers(1, 24), st.booleans(),
