@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 REAL_MODEL := models/smollm2-135m
 RUN_PY := $(BIN)/python -m engine.platform exec $(BIN)/python
 
-.PHONY: serve test real-model test-flakes bootstrap openblas bench quality clean
+.PHONY: serve test test-fast real-model test-flakes bootstrap openblas bench quality clean
 
 bootstrap: openblas $(STAMP)
 
@@ -48,6 +48,11 @@ endif
 
 test: bootstrap real-model
 	$(BIN)/python -m engine.platform exec $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The in-process, fast tests (marker `unit`, tests/conftest.py): no Ray, no served app, no real
+# model; under two minutes on a 2-core box. `make test` runs everything.
+test-fast: bootstrap
+	$(BIN)/python -m engine.platform exec $(BIN)/python -m pytest -m unit -q $(PYTEST_ARGS)
 
 # The tests most exposed to ordering (engine lifecycle, generate, fused permits, serve capacity)
 # ten times over in one session: any ordering left to the machine's speed shows up here.

@@ -32,6 +32,7 @@ from engine import packed_attention
 from engine.packed_attention import PackedKV, direct_attention, fused_attention
 from engine.quant import dequantize, quantize
 from engine.rotation import rotate
+from bench.output import emit
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -156,11 +157,7 @@ def main(argv=None) -> int:
             cases.append(case)
     doc = {"device": str(mx.default_device()), "mlx": mx.__version__, "dtype": args.dtype,
            "heads": [hq, hkv], "head_dim": args.head_dim, "batch": args.batch, "cases": cases}
-    text = json.dumps(doc, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    emit(doc, args.out)
     return 0
 
 

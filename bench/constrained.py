@@ -21,6 +21,7 @@ import json
 import time
 
 from engine.model_names import MODEL_HELP, model_arg
+from bench.output import emit
 
 SCHEMA = {
     "type": "object",
@@ -197,11 +198,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    text = json.dumps(run(args), indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(run(args), args.out)
     return 0
 
 

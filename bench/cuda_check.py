@@ -16,9 +16,7 @@ Exit status 1 if any case exceeds its tolerance.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -29,6 +27,7 @@ from engine import (cuda_packed_decode, cuda_packed_prefill, cuda_packed_write,
 from engine.packed_attention import PackedKV, direct_attention
 from engine.quant import Packed, quantize
 from engine.rotation import rotate
+from bench.output import emit
 
 # bf16 output rounding is 2^-8 relative; outputs are O(1) averages of unit-normal values.
 TOLERANCE = 0.03
@@ -314,9 +313,7 @@ def main(argv=None) -> int:
                 cases.append(prefill_case(rng, fmt, hq, kvh, d, history, own, splits=splits))
     result = {"mlx": mx.__version__, "tolerance": TOLERANCE, "cases": cases,
               "all_ok": all(c["ok"] for c in cases)}
-    text = json.dumps(result, indent=1)
-    Path(args.out).write_text(text)
-    print(text)
+    emit(result, args.out)
     return 0 if result["all_ok"] else 1
 
 

@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.output import emit
 from engine.model_names import MODEL_HELP, model_arg
 
 # Synthetic model: a llama big enough that compute, not Python, dominates a step on a CPU.
@@ -338,11 +339,7 @@ def main(argv=None) -> int:
     from engine.platform import ensure_openblas_preloaded
 
     ensure_openblas_preloaded()
-    result = run(args)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(run(args), args.out)
     return 0
 
 

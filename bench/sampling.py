@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
 
 from engine.model_names import MODEL_HELP, model_arg
+from bench.output import emit
 
 OPTIONS = {
     "greedy": dict(temperature=0),
@@ -149,12 +149,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = run(args)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(run(args), args.out)
     return 0
 
 
