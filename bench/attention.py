@@ -1,11 +1,11 @@
 """Attention-level timing of the packed prefill paths against native SDPA (prints JSON).
 
 One prefill chunk of L queries over S tokens of packed history plus its own L fresh tokens, the
-shape every chunk after the first has. Variants, all from engine.packed_attention:
+shape every chunk after the first has. Variants, all from engine.attention.packed:
   native        mx.fast SDPA over compute-dtype K/V of length S+L (what a native layer runs)
   direct_tiled  history unpacked tile by tile under one online softmax (FP32)
   direct_qmm    history scored and summed with quantized_matmul (FP32 accumulation in-kernel);
-                on the CPU the scores are a GEMM on the codes (engine.cpu_packed_gemm)
+                on the CPU the scores are a GEMM on the codes (engine.attention.cpu_gemm)
   direct_qmm_mlx  (CPU A/B) direct_qmm with MLX's quantized_matmul for the scores as well
   fused         history dequantized to an FP32 scratch, one SDPA call
   scratch_compute_dtype  (reference, not an engine path) the same in the compute dtype
@@ -28,10 +28,11 @@ import time
 import mlx.core as mx
 
 from capacity.formats import KVFormat
-from engine import packed_attention
-from engine.packed_attention import PackedKV, direct_attention, fused_attention
-from engine.quant import dequantize, quantize
-from engine.rotation import rotate
+from engine.attention import packed as packed_attention
+from engine.attention.packed import direct_attention, fused_attention
+from engine.kv.quant import PackedKV
+from engine.kv.quant import dequantize, quantize
+from engine.kv.rotation import rotate
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -87,7 +88,7 @@ def run_case(fmt_name: str, B, Hq, Hkv, L, S, D, dtype, repeats: int,
                                                qmm_max_queries=1 << 30),
         "fused": lambda: fused_attention(q, hist, k_new, v_new, fmt=fmt, scale=scale),
         # CPU: the same qmm path with MLX's quantized_matmul for the scores too (the engine
-        # scores decode rows with a GEMM on the codes there, engine.cpu_packed_gemm).
+        # scores decode rows with a GEMM on the codes there, engine.attention.cpu_gemm).
         "direct_qmm_mlx": lambda: _without_code_gemm(
             lambda: direct_attention(q, hist, k_new, v_new, fmt=fmt, scale=scale,
                                      qmm_max_queries=1 << 30)),

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.model_names import MODEL_HELP, model_arg
+from engine.model.names import MODEL_HELP, model_arg
 
 # Synthetic model: a llama big enough that compute, not Python, dominates a step on a CPU.
 SYNTHETIC = dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1408,
@@ -165,7 +165,7 @@ def mlx_decode(model, tokenizer, prompts: list[list[int]], n: int) -> tuple[floa
 
 def engine_prefill(eng, prompt: list[int], rid: str) -> tuple[float, float]:
     from engine.request import GenerationRequest
-    from engine.sampling import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     async def go():
         t = clocks()
@@ -178,7 +178,7 @@ def engine_prefill(eng, prompt: list[int], rid: str) -> tuple[float, float]:
 
 def engine_decode(eng, prompts: list[list[int]], n: int, rid: str) -> tuple[float, float]:
     from engine.request import GenerationRequest
-    from engine.sampling import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     w = Window(len(prompts))
 

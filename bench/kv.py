@@ -34,12 +34,15 @@ import numpy as np
 
 from capacity.formats import FORMAT_BITS, KVFormat
 from capacity.pricing import CostModel
-from engine.kvstore import KVStore, Slots
-from engine.model import load_model
-from engine.model_names import MODEL_HELP, model_arg
-from engine import cuda_packed_prefill, cuda_packed_write, cuda_paged_decode, packed_attention
-from engine.packed_store import counters_of
-from engine.runner import ModelRunner, SeqChunk
+from engine.kv.store import KVStore, Slots
+from engine.model.loader import load_model
+from engine.model.names import MODEL_HELP, model_arg
+from engine.attention.cuda import packed_prefill as cuda_packed_prefill
+from engine.attention.cuda import packed_write as cuda_packed_write
+from engine.attention.cuda import paged_decode as cuda_paged_decode
+from engine.attention import packed as packed_attention
+from engine.attention.packed_store import counters_of
+from engine.runner.paged import ModelRunner, SeqChunk
 from bench.kv_quality import heldout_docs, quality_section
 from bench.kv_runners import PAGE_TOKENS, make_runner, make_store
 
@@ -163,7 +166,7 @@ def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
 
 
 # Decode format variants: "int4:tiles" decodes packed layers through the prefill tile kernel
-# (engine/cuda_packed_prefill.py), "int4:split" through engine/cuda_packed_decode.py; a bare
+# (engine/attention/cuda/packed_prefill.py), "int4:split" through engine/attention/cuda/packed_decode.py; a bare
 # name takes the engine's default (cuda_packed_prefill.decode_tiles).
 DECODE_KERNELS = {"tiles": True, "split": False}
 
@@ -236,22 +239,22 @@ def main(argv=None):
     ap.add_argument("--prefill-formats", default="int8,int4")
     ap.add_argument("--gpu-qmm", action="store_true",
                     help="let direct attention call quantized_matmul on a GPU (off by default: "
-                         "it crashed on MLX 0.32.4 CUDA; see engine.packed_attention.gpu_qmm)")
+                         "it crashed on MLX 0.32.4 CUDA; see engine.attention.packed.gpu_qmm)")
     ap.add_argument("--no-decode-kernel", action="store_true",
                     help="decode without the CUDA decode kernels (engine/cuda_*_decode.py): "
                          "the gather / direct paths they replace, to compare")
     ap.add_argument("--no-prefill-kernel", action="store_true",
                     help="prefill packed layers through the MLX-op direct path, not the CUDA "
-                         "tile kernel (engine/cuda_packed_prefill.py), to compare")
+                         "tile kernel (engine/attention/cuda/packed_prefill.py), to compare")
     ap.add_argument("--prefill-split-target", type=int, default=None,
                     help="blocks per launch the CUDA prefill kernel aims for when it splits the "
-                         "keys (engine.cuda_packed_prefill.TARGET_BLOCKS)")
+                         "keys (engine.attention.cuda.packed_prefill.TARGET_BLOCKS)")
     ap.add_argument("--no-write-kernel", action="store_true",
                     help="quantize packed writes with MLX ops, not the CUDA write kernel "
-                         "(engine/cuda_packed_write.py), to compare")
+                         "(engine/attention/cuda/packed_write.py), to compare")
     ap.add_argument("--split-target", type=int, default=None,
                     help="blocks per layer the CUDA decode kernels aim for when they split a "
-                         "row's history (engine.cuda_paged_decode.TARGET_BLOCKS)")
+                         "row's history (engine.attention.cuda.paged_decode.TARGET_BLOCKS)")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--decode", type=_ints, default=[1024, 4096, 16384])
     ap.add_argument("--batches", type=_ints, default=[1, 4])

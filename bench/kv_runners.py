@@ -1,10 +1,10 @@
 """The KV stores and model runners `bench.kv` times: one per format, on the bench's pages."""
 from __future__ import annotations
 
-from engine.kvstore import KVStore
-from engine.packed_cache import PackedModelRunner
-from engine.packed_store import packed_layer_factory
-from engine.runner import ModelRunner
+from engine.kv.store import KVStore
+from engine.runner.packed import PackedModelRunner
+from engine.attention.packed_store import packed_layer_factory
+from engine.runner.paged import ModelRunner
 
 PAGE_TOKENS = 16
 

@@ -23,9 +23,9 @@ import time
 
 import mlx.core as mx
 
-from engine.runner import SeqChunk
-from engine.sampling import row_spec, sample
-from engine.scheduler import RUNNING, Step
+from engine.runner.paged import SeqChunk
+from engine.sampling.sampler import row_spec, sample
+from engine.sched.seq import RUNNING, Step
 
 log = logging.getLogger("orchard.engine")
 

@@ -1,6 +1,6 @@
 """The engine's side of request checkpoints: restore at admission, save on command or at finish.
 
-What is written and checked lives in engine/checkpoint.py and engine/request_checkpoints.py;
+What is written and checked lives in engine/checkpoint/format.py and engine/checkpoint/requests.py;
 this decides when, and how a failure is reported: a restore that fails fails only its request,
 a save on command reports to its caller, a save at finish goes into the final delta.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from engine.checkpoint import CheckpointError
-from engine.scheduler import Seq
+from engine.checkpoint.format import CheckpointError
+from engine.sched.seq import Seq
 
 log = logging.getLogger("orchard.engine")
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import queue
 import time
 
-from engine.checkpoint import CheckpointError
-from engine.detok import TextStream
-from engine.engine_streams import LiveRequest
+from engine.checkpoint.format import CheckpointError
+from engine.sampling.detok import TextStream
+from engine.streams import LiveRequest
 from engine.errors import (DeadlineUnmeetable, EngineError, EngineOverloaded, EngineShutdown,
                            InvalidRequest, RequestTooLarge)
-from engine.scheduler import Seq
+from engine.sched.seq import Seq
 
 
 class CommandInbox:

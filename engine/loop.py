@@ -23,13 +23,13 @@ to find them); the thread itself never dies on a request.
 
 This file holds the public API and the thread's main loop; each part of the thread's work is a
 mixin in its own file, all sharing the Engine's state (set up by `_start`):
-  engine/engine_startup.py          load the model, size the KV budget, build store/scheduler
-  engine/engine_commands.py         apply callers' commands between steps; admission hook
-  engine/engine_steps.py            run, retire and release one synchronous step
-  engine/decode_pipeline.py         queue steady decode steps ahead of their read-back
-  engine/engine_streams.py          deltas back to callers, after each step's bookkeeping
-  engine/engine_checkpoint_hooks.py restore at admission, save on command or at finish
-  engine/engine_stats.py            the stats() snapshot
+  engine/build.py          load the model, size the KV budget, build store/scheduler
+  engine/loop.py         apply callers' commands between steps; admission hook
+  engine/steps.py            run, retire and release one synchronous step
+  engine/steps.py         queue steady decode steps ahead of their read-back
+  engine/streams.py          deltas back to callers, after each step's bookkeeping
+  engine/checkpoint/requests.py restore at admission, save on command or at finish
+  engine/stats.py            the stats() snapshot
 """
 from __future__ import annotations
 
@@ -49,14 +49,14 @@ from engine.config import EngineConfig
 from engine.decode_pipeline import DecodePipeline
 from engine.engine_checkpoint_hooks import CheckpointHooks
 from engine.engine_commands import CommandInbox
-from engine.engine_startup import EngineStartup
-from engine.engine_stats import collect_stats
-from engine.engine_steps import StepExecution
-from engine.engine_streams import ResultStreams
+from engine.build import EngineStartup
+from engine.stats import collect_stats
+from engine.steps import StepExecution
+from engine.streams import ResultStreams
 from engine.errors import EngineError, EngineShutdown, InvalidRequest
 from engine.request import Delta, GenerationRequest, Usage, merge_deltas
-from engine.sampling import SamplingParams
-from engine.scheduler import Seq
+from engine.sampling.params import SamplingParams
+from engine.sched.seq import Seq
 
 __all__ = ["Engine", "GenerationRequest", "SamplingParams", "Delta", "Usage"]
 

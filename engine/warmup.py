@@ -13,7 +13,7 @@ import random
 import time
 
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 
 WARMUP_PROMPT_TOKENS = 16
 # More steps than the profile's median window, so the steps that paid first-use costs drop out.

@@ -6,7 +6,7 @@ import time
 from engine.config import EngineConfig
 from engine.loop import Engine
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 
 PAGE_BYTES_LLAMA = 16 * 2048   # tiny llama: 2 layers x 2 KV heads x 64 dims x (K+V) x 4 bytes
 

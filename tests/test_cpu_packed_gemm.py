@@ -1,11 +1,11 @@
-"""Decode scores as a GEMM on the codes (engine.cpu_packed_gemm) equal the dequantized math."""
+"""Decode scores as a GEMM on the codes (engine.attention.cpu_gemm) equal the dequantized math."""
 import mlx.core as mx
 import pytest
 
-import engine.packed_attention as pa
+import engine.attention.packed as pa
 from capacity.formats import KVFormat
-from engine.cpu_packed_gemm import code_planes, scores
-from engine.quant import Packed, dequantize, quantize
+from engine.attention.cpu_gemm import code_planes, scores
+from engine.kv.quant import Packed, dequantize, quantize
 
 
 def _gathered(p: Packed) -> Packed:

@@ -5,7 +5,7 @@ import pytest
 
 from engine.errors import InvalidRequest, RequestTooLarge
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine_helpers import collect, make_engine, req, run, started, tokens, wait_idle
 
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from engine.checkpoint import CheckpointError
+from engine.checkpoint.format import CheckpointError
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine_helpers import make_engine, prompt, run, tokens, wait_idle
 
 N = 24   # generated tokens of the original request

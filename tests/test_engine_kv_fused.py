@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-from engine.budget import ByteLedger, build_cost_model
+from engine.kv.budget import ByteLedger, build_cost_model
 from engine.config import EngineConfig
 from engine.errors import DeadlineUnmeetable
 from engine.loop import Engine
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine_helpers import collect, prompt, run, tokens
 
 PAGE = 16 * 576            # int8 tiny llama: 2 layers x 2 heads x (72 + 72) bytes per token

@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from engine.prefix import chain_root
+from engine.kv.prefix import chain_root
 from tests.engine_helpers import PAGE_BYTES_LLAMA, collect, make_engine, prompt, run, tokens
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 
 SHARED = prompt(32, seed=7)                    # two full 16-token pages
 
