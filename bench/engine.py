@@ -302,8 +302,8 @@ def run(args) -> dict:
                           "device": str(mx.default_device()),
                           "loadavg_at_start": os.getloadavg(),
                           "ld_preload": os.environ.get("LD_PRELOAD", "")},
-              "engine": {"page_tokens": eng.stats()["page_tokens"],
-                         "kv_bytes_preallocated": eng.stats()["kv_bytes_total"],
+              "engine": {"page_tokens": eng.stats().page_tokens,
+                         "kv_bytes_preallocated": eng.stats().kv_bytes_total,
                          "format_identity": eng.format_identity},
               "resident_mb": round(mx.get_active_memory() / 2**20, 1),
               "prefill": [], "decode": []}

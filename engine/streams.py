@@ -6,6 +6,8 @@ snapshot, so a caller that sees a request's final delta also sees its pages and 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from engine.bridge import Sink, hand_over
 from engine.sampling.detok import TextStream
 from engine.errors import EngineError
@@ -22,16 +24,43 @@ class LiveRequest:
 
 
 class ResultStreams:
-    """Engine mixin: text decoding, deltas and final deltas of the requests in `_live`."""
+    """Text decoding, deltas and final deltas of the streaming requests (engine thread only).
 
-    def _fail(self, seq: Seq, exc: Exception) -> None:
+    `save_finished(seq)` saves a finished request's KV when it asked for a checkpoint; its
+    manifest (or error) goes into the final delta.
+    """
+
+    def __init__(self, scheduler, tokenizer, save_finished: Callable[[Seq], dict]):
+        self.scheduler, self.tokenizer, self._save_finished = scheduler, tokenizer, save_finished
+        self.live: dict[str, LiveRequest] = {}
+        self._outbox: list[tuple[Sink, Delta]] = []
+        self._token_logprobs: dict = {}   # request id -> its latest sampled token's logprobs
+
+    def open(self, seq: Seq, sink: Sink) -> None:
+        """Start streaming an accepted request's results to `sink`."""
+        self.live[seq.request_id] = LiveRequest(
+            seq, sink, TextStream(self.tokenizer, seq.prompt_ids, seq.params.stop))
+
+    def note_logprobs(self, request_id: str, logprobs) -> None:
+        """The logprobs of the token the request's next delivery carries."""
+        self._token_logprobs[request_id] = logprobs
+
+    def clear_logprobs(self) -> None:
+        self._token_logprobs.clear()
+
+    def fail(self, seq: Seq, exc: Exception) -> None:
+        """Finish a request that failed inside the engine; its caller gets an EngineError."""
+        self.refuse(seq, EngineError(f"request failed inside the engine: {exc!r}"))
+
+    def refuse(self, seq: Seq, error: Exception) -> None:
+        """Finish a request with `error` as its caller's final item (e.g. a failed restore)."""
         self.scheduler.finish(seq, "error")
-        live = self._live.pop(seq.request_id, None)
+        live = self.live.pop(seq.request_id, None)
         if live is not None:
-            live.sink.put(EngineError(f"request failed inside the engine: {exc!r}"), final=True)
+            live.sink.put(error, final=True)
 
-    def _deliver(self, seq: Seq, tok: int) -> None:
-        live = self._live.get(seq.request_id)
+    def deliver(self, seq: Seq, tok: int) -> None:
+        live = self.live.get(seq.request_id)
         logprob = self._token_logprobs.pop(seq.request_id, None)
         if live is None:
             return
@@ -45,7 +74,7 @@ class ResultStreams:
                 elif seq.status == FINISHED:
                     text += live.text.flush()
         except Exception as e:  # noqa: BLE001 - e.g. a tokenizer that cannot decode an id
-            self._fail(seq, e)
+            self.fail(seq, e)
             return
         self._send(live, text, [tok], seq.finish_reason if seq.status == FINISHED else None,
                    None if logprob is None else [logprob])
@@ -65,9 +94,9 @@ class ResultStreams:
                       ckpt, logprobs)
         self._outbox.append((live.sink, delta))
         if reason is not None:
-            self._live.pop(seq.request_id, None)
+            self.live.pop(seq.request_id, None)
 
-    def _flush_outbox(self) -> None:
+    def flush(self) -> None:
         """Hand this iteration's deltas over after reclaim and stats, so a caller that sees a
         final delta also sees its request's pages and bytes back in stats()."""
         out, self._outbox = self._outbox, []
@@ -79,9 +108,9 @@ class ResultStreams:
             if not ok and not final:
                 self.scheduler.cancel(delta.request_id)   # nobody is listening any more
 
-    def _close_finished(self) -> None:
+    def close_finished(self) -> None:
         """Final deltas for requests finished without a token (cancel, deadline, drain)."""
         for seq in self.scheduler.pop_finished():
-            live = self._live.get(seq.request_id)
+            live = self.live.get(seq.request_id)
             if live is not None:
                 self._send(live, "", [], seq.finish_reason)

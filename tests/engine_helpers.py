@@ -61,8 +61,8 @@ def wait_idle(eng, timeout=10.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         s = eng.stats()
-        if (s["num_requests_running"] == 0 and s["num_requests_waiting"] == 0
-                and s["kv_pages_used"] == 0 and s["kv_bytes_reserved"] == 0):
+        if (s.num_requests_running == 0 and s.num_requests_waiting == 0
+                and s.kv_pages_used == 0 and s.kv_bytes_reserved == 0):
             return s
         time.sleep(0.01)
     raise AssertionError(f"engine not idle: {eng.stats()}")

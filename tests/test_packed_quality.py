@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def quality():
     loaded = load_model(str(ROOT / "models" / "orchard-tiny"))
     docs = [loaded.tokenizer.encode((ROOT / "engine" / name).read_text())[:384]
-            for name in ("quant.py", "rotation.py")]
+            for name in ("kv/quant.py", "kv/rotation.py")]
     return quality_section(loaded, docs, ["int8", "k8v4", "int4"], chunk=32)
 
 

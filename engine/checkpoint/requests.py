@@ -1,16 +1,22 @@
-"""Checkpoints of the engine's requests: validate, restore into an admitted request, save.
+"""Checkpoints of the engine's requests: validate at submit, restore at admission, save on
+command or at finish.
 
 The file format and its checks live in engine/checkpoint/format.py; this binds them to one engine's
-store, model fingerprint and HMAC key. Runs on the engine thread only (it touches KV pages).
+store, model fingerprint and HMAC key, and decides how a failure is reported: a restore that fails
+fails only its request, a save on command reports to its caller, a save at finish goes into the
+final delta. Runs on the engine thread only, between steps (the rows it reads have retired).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from engine.checkpoint.format import (CheckpointError, check_compatible, read_manifest,
                                restore_checkpoint, save_checkpoint)
 from engine.sched.seq import Seq
+
+log = logging.getLogger("orchard.engine")
 
 
 @dataclass
@@ -46,3 +52,30 @@ class RequestCheckpoints:
         return save_checkpoint(path, self.kvstore, seq.table.pages,
                                [seq.token_at(i) for i in range(seq.num_computed)],
                                model_fingerprint=self.fingerprint, key=self.key)
+
+    def restore_admitted(self, seq: Seq) -> CheckpointError | None:
+        """Restore an admitted request's checkpoint; the error that fails it, if any."""
+        try:
+            n = self.restore(seq)
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            return e if isinstance(e, CheckpointError) else CheckpointError(repr(e))
+        seq.num_computed = seq.cached_tokens = n
+        return None
+
+    def save_running(self, running: Iterable[Seq], request_id: str, path: str) -> dict:
+        """Save a running request's computed KV on its caller's command (between steps)."""
+        seq = next((s for s in running if s.request_id == request_id), None)
+        if seq is None or seq.num_computed == 0:
+            raise CheckpointError(f"request {request_id!r} is not running with computed KV; "
+                                  "only a running request's KV can be saved")
+        return self.save(seq, path)
+
+    def save_finished(self, seq: Seq) -> dict:
+        """Save a finished request's KV before its pages are reclaimed (its steps retired)."""
+        if seq.table is None or seq.num_computed == 0:
+            return {"error": "the request finished before any of its KV was computed"}
+        try:
+            return self.save(seq, seq.checkpoint_to)
+        except Exception as e:  # noqa: BLE001 - the request itself finished fine
+            log.exception("checkpoint of %s failed", seq.request_id)
+            return {"error": f"checkpoint failed: {e!r}"}
