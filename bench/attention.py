@@ -28,7 +28,7 @@ import time
 import mlx.core as mx
 
 from capacity.formats import KVFormat
-from engine.attention import packed as packed_attention
+from engine.attention.choices import KernelChoices
 from engine.attention.packed import direct_attention, fused_attention
 from engine.kv.quant import PackedKV
 from engine.kv.quant import dequantize, quantize
@@ -57,15 +57,6 @@ def _time(fn, repeats: int) -> list[float]:
     return out
 
 
-def _without_code_gemm(fn):
-    saved = packed_attention.cpu_code_gemm
-    packed_attention.cpu_code_gemm = False
-    try:
-        return fn()
-    finally:
-        packed_attention.cpu_code_gemm = saved
-
-
 def run_case(fmt_name: str, B, Hq, Hkv, L, S, D, dtype, repeats: int,
              only: set[str] | None = None) -> dict:
     fmt = KVFormat(fmt_name, D)
@@ -89,9 +80,9 @@ def run_case(fmt_name: str, B, Hq, Hkv, L, S, D, dtype, repeats: int,
         "fused": lambda: fused_attention(q, hist, k_new, v_new, fmt=fmt, scale=scale),
         # CPU: the same qmm path with MLX's quantized_matmul for the scores too (the engine
         # scores decode rows with a GEMM on the codes there, engine.attention.cpu_gemm).
-        "direct_qmm_mlx": lambda: _without_code_gemm(
-            lambda: direct_attention(q, hist, k_new, v_new, fmt=fmt, scale=scale,
-                                     qmm_max_queries=1 << 30)),
+        "direct_qmm_mlx": lambda: direct_attention(
+            q, hist, k_new, v_new, fmt=fmt, scale=scale, qmm_max_queries=1 << 30,
+            kernels=KernelChoices(cpu_code_gemm=False)),
         # Reference only (not an engine path): the history dequantized to the compute dtype.
         "scratch_compute_dtype": lambda: mx.fast.scaled_dot_product_attention(
             q_rot, mx.concatenate([dequantize(hist.k, fmt.k_bits, dtype),

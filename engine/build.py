@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 from capacity.formats import KVFormat, resolve_kv_format
 from capacity.pricing import CostModel
+from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.checkpoint.requests import RequestCheckpoints
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -64,11 +66,13 @@ class EngineParts:
     counters: Counter            # the engine's own counters (steps, tokens, refusals)
 
 
-def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True) -> EngineParts:
+def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
+          kernels: KernelChoices = DEFAULT_KERNELS) -> EngineParts:
     """Load the model and assemble the engine's parts (on the engine thread).
 
     `pipeline_decode`: whether steady decode may be pipelined (tests switch it off); it is only
-    used where the format and model allow it."""
+    used where the format and model allow it. `kernels`: the attention kernels the runner and
+    the packed stores may use (the defaults are production's)."""
     from engine.attention.packed_store import layer_report, storage_identity
     from engine.kv.store import KVStore
     from engine.model.loader import load_model
@@ -78,7 +82,7 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True) 
     loaded = load_model(cfg.model, dtype=cfg.dtype, allow_hub=cfg.allow_hub)
     check_supported_layers(loaded)   # before any KV memory is sized or allocated
     permits = WorkspacePermits(hooks.emit)
-    factory, make_runner = store_for(kv_format, cfg, permits.permit)
+    factory, make_runner = store_for(kv_format, cfg, permits.permit, kernels)
     probe = KVStore(loaded.geometry, 1, cfg.page_tokens, loaded.dtype, layer_factory=factory)
     page_bytes = probe.page_bytes
     del probe
@@ -94,7 +98,8 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True) 
     runner = make_runner(loaded, kvstore)
     cost_model = build_cost_model(
         budget_bytes=num_pages * page_bytes, bytes_per_token=kvstore.bytes_per_token,
-        page_tokens=cfg.page_tokens, fixed_bytes_per_request=loaded.geometry.state_bytes_per_sequence,
+        page_tokens=cfg.page_tokens,
+        fixed_bytes_per_request=loaded.geometry.state_bytes_per_sequence,
         max_num_seqs=cfg.max_num_seqs, token_limit=token_limit)
     head_dim = next((g.head_dim for g in loaded.geometry.layers if g.paged), 0)
     storage = storage_identity(kvstore)
@@ -147,14 +152,17 @@ def chain_roots(storage: str, fingerprint: str, page_tokens: int) -> Callable[[S
     return root_of
 
 
-def store_for(kv_format: str, cfg: EngineConfig, permit: Callable[[int], bool]):
-    """KV layer-store factory and runner maker for a format (packed formats hook attention)."""
+def store_for(kv_format: str, cfg: EngineConfig, permit: Callable[[int], bool],
+              kernels: KernelChoices = DEFAULT_KERNELS):
+    """KV layer-store factory and runner maker for a format (packed formats hook attention);
+    both get the same kernel choices."""
     from engine.kv.store import NativeLayerStore
     from engine.runner.paged import ModelRunner
 
     if kv_format == "native":
-        return NativeLayerStore, ModelRunner
+        return NativeLayerStore, partial(ModelRunner, kernels=kernels)
     from engine.attention.packed_store import packed_layer_factory
     from engine.runner.packed import PackedModelRunner
 
-    return packed_layer_factory(kv_format, cfg.prefill_mode, permit), PackedModelRunner
+    return (packed_layer_factory(kv_format, cfg.prefill_mode, permit, kernels),
+            partial(PackedModelRunner, kernels=kernels))

@@ -14,7 +14,7 @@ unrotated stored keys, and fresh scores stay q k^T (float32, error ~1e-7 relativ
 identity string is int4's; it never persists anything, so that never matters.
 
 Runners are built exactly as serving builds them, so off the CPU decode goes through the
-direct path's tiled FP32 unpack, as the engine does there (`engine.attention.packed.gpu_qmm`).
+direct path's tiled FP32 unpack, as the engine does there (`KernelChoices.gpu_qmm`).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ REF = "__reference__"
 
 def decode_path() -> str:
     return ("quantized_matmul over packed rows (production)" if mx.default_device() == mx.cpu
-            else "tiled FP32 unpack (production off the CPU: engine.attention.packed.gpu_qmm)")
+            else "tiled FP32 unpack (production off the CPU: KernelChoices.gpu_qmm)")
 
 
 class _UnrotatedAttention(PackedAttention):

@@ -17,7 +17,6 @@ Shapes: q (B, Hq, L, D); fresh k/v (B, Hkv, L, D); history (B, Hkv, S, ...) pack
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Optional
@@ -26,6 +25,7 @@ import mlx.core as mx
 
 from capacity.formats import GROUP_SIZE, KVFormat
 from engine.attention import cpu_gemm as cpu_packed_gemm
+from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.kv.quant import Packed, PackedKV, dequantize, group_of
 from engine.kv.rotation import rotate
 from engine.attention.tiles import (CAUSAL_BLOCK_CPU, fresh_causal_blocks, fresh_full,
@@ -39,16 +39,6 @@ MIN_FUSED_QUERIES = 9
 # 512 (measured on the 2-core dev box; see docs/benchmarks-kv.md).
 QMM_MAX_QUERIES = 1
 FUSED_HEAD_DIMS = (64, 128, 256)
-# quantized_matmul on non-CPU devices. Off: on the H200 (MLX 0.32.4 CUDA) it crashed the process
-# with an illegal memory access in int4 decode (4 sequences x 4 KV heads, 4K context), which no
-# probe can guard against. Direct attention unpacks tiles there instead (exact FP32, slower).
-# Re-measure with `python -m bench.kv --gpu-qmm` after an MLX upgrade.
-gpu_qmm = False
-# Decode scores on the CPU as a BLAS GEMM on the codes (engine.attention.cpu_gemm) instead of MLX's
-# scalar CPU quantized_matmul: 2-3x faster there. Off only to compare (bench_attention).
-cpu_code_gemm = sys.byteorder == "little"
-
-
 def _qmm(x, p: Packed, bits: int, transpose: bool, dtype: mx.Dtype):
     x = x.astype(dtype)
     codes, scales, offsets = p
@@ -61,24 +51,25 @@ def _qmm(x, p: Packed, bits: int, transpose: bool, dtype: mx.Dtype):
                                group_size=group_of(p, bits), bits=bits)
 
 
-def _history_scores(rows, keys: Packed, bits: int, dtype: mx.Dtype):
+def _history_scores(rows, keys: Packed, bits: int, dtype: mx.Dtype, cpu_code_gemm: bool):
     """Scores of query rows against packed history keys (B, Hkv, R, S)."""
     if cpu_code_gemm and dtype == mx.float32 and mx.default_device() == mx.cpu:
         return cpu_packed_gemm.scores(rows.astype(mx.float32), keys, bits)
     return _qmm(rows, keys, bits, True, dtype)
 
 
-def _qmm_activation_dtype(bits: int, compute: mx.Dtype, rows: int, dim: int) -> mx.Dtype | None:
+def _qmm_activation_dtype(bits: int, compute: mx.Dtype, rows: int, dim: int,
+                          gpu_qmm: bool) -> mx.Dtype | None:
     """The activation dtype direct attention gives quantized_matmul, or None to unpack tiles.
 
     CPU: float32 (exact against the FP32 metadata), else the compute dtype. GPUs: None unless
-    `gpu_qmm` is set, then the compute dtype if it is a 16-bit float. What the H200 (MLX 0.32.4
-    CUDA) did: float32 and bf16 activations both failed at run time on gathered history (a
-    transposed view of the page pool: "No implementation for problem shape") though contiguous
-    probes passed; with contiguous rows and metadata cast to bf16 (`_qmm`; at most 2^-9 relative
-    error on scale/offset) decode ran, until one int4 shape crashed the process with an illegal
-    memory access (docs/benchmarks-kv.md). A missing kernel only shows when a graph is
-    evaluated, so each (bits, dtype, rows, head dim) is probed once, in both directions.
+    `gpu_qmm` (a KernelChoices field) is set, then the compute dtype if it is a 16-bit float. What
+    the H200 (MLX 0.32.4 CUDA) did: float32 and bf16 activations both failed at run time on
+    gathered history (a transposed view of the page pool: "No implementation for problem shape")
+    though contiguous probes passed; with contiguous rows and metadata cast to bf16 (`_qmm`; at
+    most 2^-9 relative error on scale/offset) decode ran, until one int4 shape crashed the process
+    with an illegal memory access (docs/benchmarks-kv.md). A missing kernel only shows when a graph
+    is evaluated, so each (bits, dtype, rows, head dim) is probed once, in both directions.
     """
     if mx.default_device() == mx.cpu:
         candidates = (mx.float32, compute)
@@ -118,7 +109,8 @@ def _bool_mask(mask, shape_lq, n_keys):
 
 def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat, scale: float,
                      new_mask="causal", hist_mask=None, sinks=None, tile: int | None = None,
-                     qmm_max_queries: int | None = None, causal_block: int | None = None):
+                     qmm_max_queries: int | None = None, causal_block: int | None = None,
+                     kernels: KernelChoices = DEFAULT_KERNELS):
     """Packed-history attention with FP32 accumulation; see the module docstring.
 
     new_mask: "causal", None or a bool array broadcastable to (B, Hq, L, L) over the fresh keys.
@@ -127,6 +119,7 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     tile / qmm_max_queries / causal_block: None picks the device default (tests pin them to
     exercise every path): history rows unpacked per tile, the longest step scored with
     quantized_matmul, queries per block of the chunk's own causal keys (0 = one block).
+    kernels: whether quantized_matmul may run on a GPU, and the CPU's code GEMM for scores.
     """
     B, Hq, L, D = q.shape
     if hist is None or hist.length == 0:
@@ -148,8 +141,8 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     v_new = mx.expand_dims(v_new.astype(mx.float32), 2)
     act_k = act_v = None
     if L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries):
-        act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype, rep * L, D)
-        act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D)
+        act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype, rep * L, D, kernels.gpu_qmm)
+        act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D, kernels.gpu_qmm)
     if act_k is None or act_v is None:
         on_cpu = mx.default_device() == mx.cpu
         tile = tile or (512 if on_cpu else 4096)
@@ -164,7 +157,8 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     s_new = qn @ k_new.swapaxes(-1, -2)  # (B, Hkv, rep, L, L)
     # One (rep*L)-row matmul per KV head: broadcasting packed rows over a repeat axis instead
     # was ~1.7x slower on the CPU at batch 4 (measured).
-    s_hist = _history_scores(qh.reshape(B, Hkv, rep * L, D), hist.k, fmt.k_bits, act_k)
+    s_hist = _history_scores(qh.reshape(B, Hkv, rep * L, D), hist.k, fmt.k_bits, act_k,
+                             kernels.cpu_code_gemm)
     s_hist = s_hist.reshape(B, Hkv, rep, L, S)
     if hmask is not None:
         s_hist = mx.where(hmask, s_hist, neg)
@@ -176,7 +170,7 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
                                      (B, Hkv, rep, L, 1)))
     p = mx.softmax(mx.concatenate(parts, axis=-1), axis=-1, precise=True)
     out = _qmm(p[..., :S].reshape(B, Hkv, rep * L, S), hist.v, fmt.v_bits, False, act_v)
-    K = k_new.shape[-2]   # the fresh rows, after any native sink rows (engine.attention.packed_cache)
+    K = k_new.shape[-2]   # the fresh rows, after any native sink rows (attention/packed_cache.py)
     out = out.reshape(B, Hkv, rep, L, D) + p[..., S:S + K] @ v_new
     return out.reshape(B, Hq, L, D).astype(q.dtype)
 
@@ -256,6 +250,7 @@ class PackedAttention:
     prefill_mode: str = "direct"
     permit: Optional[Callable[[int], bool]] = None
     counters: PathCounters = field(default_factory=PathCounters)
+    kernels: KernelChoices = DEFAULT_KERNELS
 
     def __post_init__(self):
         if self.prefill_mode not in ("direct", "fused"):
@@ -274,4 +269,4 @@ class PackedAttention:
                 self.counters.fused += 1
                 return fused_attention(q, hist, k_new, v_new, **kw)
         self.counters.direct += 1
-        return direct_attention(q, hist, k_new, v_new, **kw)
+        return direct_attention(q, hist, k_new, v_new, kernels=self.kernels, **kw)

@@ -1,7 +1,7 @@
 """The mlx-lm cache object of a packed layer for one forward call.
 
-mlx-lm layers call `cache.update_and_fetch(k, v)` and then `scaled_dot_product_attention`,
-which the runner's hook (engine.attention.paged.install_sdpa_hook) routes to `cache.attend`. A packed
+mlx-lm layers call `cache.update_and_fetch(k, v)` and then `scaled_dot_product_attention`, which
+the runner's hook (engine.attention.paged.install_sdpa_hook) routes to `cache.attend`. A packed
 layer must (1) write the new rows quantized, (2) hand attention the fresh rows in full precision,
 and (3) read earlier history packed: `update_and_fetch` does (1) and returns the fresh rows,
 `attend` does (2) and (3). PackedLayerStore names this class as its `cache_class`, so the plain
@@ -44,19 +44,22 @@ class PackedLayerCache(PagedLayerCache):
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         self.step.attended += 1
         # The CUDA kernels read the v1 layout only; other formats attend through MLX ops.
+        kernels = self.step.kernels
         if sinks is None and self.store.fmt.codes_only and cuda_packed_prefill.applies(
-                self.store, self.step, queries, self._kernel_decode()):
+                self.store, self.step, queries, self._kernel_decode(), kernels):
             # CUDA: packed pages read by page table inside one tensor-core kernel.
             if queries.shape[2] > 1:
                 self.store.attention.counters.direct += 1   # it is the direct path there
             bounds, longest = cuda_packed_prefill.step_bounds(self.step, self.view)
             return cuda_packed_prefill.packed_prefill_attention(
                 queries, keys, values, self.store.k, self.store.v, self.store.fmt.k_bits,
-                self.store.fmt.v_bits, self.view.pages, bounds, longest, scale)
+                self.store.fmt.v_bits, self.view.pages, bounds, longest, scale,
+                target_blocks=kernels.prefill_split_target)
         if sinks is None and self._kernel_decode():
             return cuda_packed_decode.packed_decode_attention(
                 queries, keys, values, self.store.k, self.store.v, self.store.fmt.k_bits,
-                self.view.pages, self.step.ends, self.step.longest, scale)
+                self.view.pages, self.step.ends, self.step.longest, scale,
+                kernels.decode_split_target)
         ctx = self._context()
         hist, hist_mask, new_mask = ctx.history(self.store), ctx.hist_mask, ctx.new_mask
         rows = self.store.sink_rows

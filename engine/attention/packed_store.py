@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from capacity.formats import KVFormat, KVFormatError
+from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.attention.cuda import packed_write as cuda_packed_write
 from engine.kv.store import NativeLayerStore, Slots
 from engine.model.loader import LayerGeometry
@@ -77,8 +78,9 @@ class PackedLayerStore:
 
     def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
         """Quantize N new rows ([N, heads, dim], keys after RoPE) into their slots."""
-        if self.fmt.codes_only and cuda_packed_write.usable(self.fmt.k_bits, self.fmt.v_bits,
-                                                            self.geometry.head_dim):
+        if (self.fmt.codes_only and self.attention.kernels.write_kernel
+                and cuda_packed_write.usable(self.fmt.k_bits, self.fmt.v_bits,
+                                             self.geometry.head_dim)):
             # CUDA: the same rotation and quantization in one kernel launch (not ~40 ops).
             self.write_packed(slots, *cuda_packed_write.quantize_kv(
                 k, v, self.fmt.k_bits, self.fmt.v_bits))
@@ -175,12 +177,14 @@ class PackedLayerStore:
 
 
 def packed_layer_factory(fmt_name: str, prefill_mode: str = "direct",
-                         permit: Optional[Callable[[int], bool]] = None):
+                         permit: Optional[Callable[[int], bool]] = None,
+                         kernels: KernelChoices = DEFAULT_KERNELS):
     """A KVStore layer_factory: full-attention layers packed in `fmt_name`, others native.
 
     Refuses (KVFormatError) a packed format on a model whose full-attention layers cannot hold
     it, instead of quietly storing them native. One PackedAttention per layer keeps per-layer
-    counters; `counters_of(kvstore)` sums them.
+    counters; `counters_of(kvstore)` sums them. `kernels`: the write kernel and direct
+    attention's choices (the runner takes the same object for its kernels).
     """
 
     def make(geometry: LayerGeometry, num_pages: int, page_tokens: int, dtype: mx.Dtype):
@@ -189,7 +193,7 @@ def packed_layer_factory(fmt_name: str, prefill_mode: str = "direct",
         if not fmt.packed or geometry.kind != "full":
             return NativeLayerStore(geometry, num_pages, page_tokens, dtype)
         return PackedLayerStore(geometry, fmt, num_pages, page_tokens,
-                                PackedAttention(fmt, prefill_mode, permit))
+                                PackedAttention(fmt, prefill_mode, permit, kernels=kernels))
 
     return make
 

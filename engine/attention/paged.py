@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from engine.attention.choices import DEFAULT_KERNELS
 from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.kv.store import LayerStore, Slots
 
@@ -71,8 +72,10 @@ class StepBatch:
         self.attended = 0  # layers that reached `attend` (the runner's routing check)
         self._views: dict[int | None, View] = {}
         # Set by the runner: every row decodes one token and full-attention layers attend
-        # through the CUDA paged-decode kernel (engine/attention/cuda/paged_decode.py) instead of gather.
+        # through the CUDA paged-decode kernel (engine/attention/cuda/paged_decode.py) instead
+        # of gather.
         self.kernel_decode = False
+        self.kernels = DEFAULT_KERNELS   # the runner's KernelChoices (split targets, tiles)
         self._ends: mx.array | None = None
         self.longest = int((self.starts + self.lengths).max())   # keys of the longest row
 
@@ -242,7 +245,7 @@ class PagedLayerCache:
             k_pages, v_pages = self.store.head_major_pages()
             return cuda_paged_decode.paged_decode_attention(
                 queries, k_pages, v_pages, self.view.pages, self.step.ends, scale,
-                self.step.longest)
+                self.step.longest, self.step.kernels.decode_split_target)
         pages = getattr(self.store, "head_major_pages", None)
         group = queries.shape[1] // keys.shape[1]
         # Page-wise PV partials (group*n rows per page) stay no larger than a gathered V copy.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from capacity.formats import KVFormatError
+from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.runner.paged import ModelRunner
 
 
@@ -12,8 +13,9 @@ class PackedModelRunner(ModelRunner):
     load-time one.
     """
 
-    def __init__(self, loaded, kvstore, merge_pad_tokens: int = 32):
-        super().__init__(loaded, kvstore, merge_pad_tokens)
+    def __init__(self, loaded, kvstore, merge_pad_tokens: int = 32,
+                 kernels: KernelChoices = DEFAULT_KERNELS):
+        super().__init__(loaded, kvstore, merge_pad_tokens, kernels)
         if not self.direct and any(getattr(s, "packed", False) for s in kvstore.layers.values()):
             raise KVFormatError("packed KV needs every paged layer to attend through the SDPA "
                                 "hook; this model's attention does not")

@@ -27,14 +27,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.attention.paged import PagedLayerCache, Row, StepBatch, install_sdpa_hook
 from engine.kv.store import KVStore
 from engine.model.loader import LoadedModel, ModelLoadError
 
-# Layer kinds (engine/model/loader.py's probe) the runner can serve: attention it pages, and recurrent
-# state it batches per sequence. Anything else ("other": e.g. a chunked-attention cache, or a
-# rotating cache that pins leading tokens) would be attended wrongly, so the load is refused.
+# Layer kinds (engine/model/loader.py's probe) the runner can serve: attention it pages, and
+# recurrent state it batches per sequence. Anything else ("other": e.g. a chunked-attention cache,
+# or a rotating cache that pins leading tokens) would be attended wrongly, so the load is refused.
 SUPPORTED_KINDS = ("full", "sliding", "recurrent")
 
 
@@ -110,12 +111,14 @@ def check_supported_layers(loaded: LoadedModel) -> None:
 
 
 class ModelRunner:
-    # Decode rows attend through the CUDA paged-decode kernel where it applies (see
-    # `_kernel_decode_fits`); benches and tests may switch it off to compare with the gather path.
-    kernel_decode = True
+    """Runs the model over paged KV. `kernels` picks the attention kernels its steps use (decode
+    rows attend through the CUDA decode kernels where they apply, see `_kernel_decode_fits`;
+    benches and tests pass other choices to compare with the gather path)."""
 
-    def __init__(self, loaded: LoadedModel, kvstore: KVStore, merge_pad_tokens: int = 16):
+    def __init__(self, loaded: LoadedModel, kvstore: KVStore, merge_pad_tokens: int = 16,
+                 kernels: KernelChoices = DEFAULT_KERNELS):
         check_supported_layers(loaded)
+        self.kernels = kernels
         geometry = loaded.geometry
         self.loaded = loaded
         self.kvstore = kvstore
@@ -130,12 +133,12 @@ class ModelRunner:
         self.in_place_decode = mx.default_device() == mx.cpu and kvstore.dtype == mx.float32
         install_sdpa_hook(loaded.model)
         self.direct = self._hook_reaches_every_layer()
-        self.kernel_decode = self.kernel_decode and self._kernel_decode_fits()
+        self.kernel_decode = kernels.decode_kernel and self._kernel_decode_fits()
 
     def _kernel_decode_fits(self) -> bool:
         """The kernels serve pages read in direct mode, on CUDA: native pages of their head
-        sizes (engine/attention/cuda/paged_decode.py), packed ones where the layer's cache class says so
-        (engine/attention/cuda/packed_decode.py)."""
+        sizes (engine/attention/cuda/paged_decode.py), packed ones where the layer's cache class
+        says so (engine/attention/cuda/packed_decode.py)."""
         layers = [g for g in self.loaded.geometry.layers if g.paged]
         return (cuda_paged_decode.available() and self.direct
                 and self.kvstore.dtype in (mx.bfloat16, mx.float16, mx.float32)
@@ -250,6 +253,7 @@ class ModelRunner:
         rows = [Row(c.start, len(c.token_ids), c.page_table) for c in chunks]
         step = StepBatch(rows, self.page_tokens)
         step.kernel_decode = self.kernel_decode and step.width == 1
+        step.kernels = self.kernels
         if tokens is not None and step.width == 1:
             inputs = tokens.reshape(-1, 1).astype(mx.int32)
         else:

@@ -1,9 +1,9 @@
 """Decode attention straight from packed pages as one CUDA kernel (CUDA backend only).
 
-The packed twin of engine/attention/cuda/paged_decode.py, and what a packed decode step attends through
-on CUDA: the codes are dequantized inside the kernel, in registers, one key row at a time, so
-neither a gathered copy of the history nor a dequantized one ever exists (the direct path's
-MLX ops gather every row's pages and unpack them into an FP32 tile per layer and step).
+The packed twin of engine/attention/cuda/paged_decode.py, and what a packed decode step attends
+through on CUDA: the codes are dequantized inside the kernel, in registers, one key row at a time,
+so neither a gathered copy of the history nor a dequantized one ever exists (the direct path's MLX
+ops gather every row's pages and unpack them into an FP32 tile per layer and step).
 
 Layout it reads (engine/attention/packed_store.py): token-major pages, codes [NP, T, Hkv, D*bits/32]
 uint32, FP32 scales and offsets [NP, T, Hkv, D/64]; keys stored in the rotated basis
@@ -28,7 +28,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from engine.attention.cuda.paged_decode import BLOCK_MERGE, HEADER, _dims, _scale, launch_split, split_count
+from engine.attention.cuda.paged_decode import (BLOCK_MERGE, HEADER, _dims, _scale, launch_split,
+                                                split_count)
 from engine.kv.rotation import rotate
 
 HEAD_DIMS = (64, 128)
@@ -168,18 +169,19 @@ def supports(k_bits: int | None, v_bits: int | None, head_dim: int) -> bool:
 
 def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, k_hist, v_hist,
                             bits: int, pages: mx.array, ends: mx.array, longest: int,
-                            scale: float) -> mx.array:
+                            scale: float, target_blocks: int | None = None) -> mx.array:
     """Attention of one query per row q [B, Hq, 1, D] over packed history plus its own key.
 
     k_new/v_new [B, Hkv, 1, D]: the step's fresh rows (model basis). k_hist/v_hist: the
     layer's packed pages (codes, scales, offsets), keys rotated. Row b attends its first
     ends[b] - 1 keys through page table pages[b] and then its own key; `longest` = max(ends)
-    on the host. Returns [B, Hq, 1, D] in q's dtype.
+    on the host (with `target_blocks`, it picks the split count). Returns [B, Hq, 1, D] in q's
+    dtype.
     """
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
     page_tokens = k_hist[0].shape[1]
-    splits = split_count(b, kvh, longest)
+    splits = split_count(b, kvh, longest, target_blocks)
     return launch_split(
         _kernel(), [q, rotate(q), k_new, v_new, *k_hist, *v_hist, pages, ends,
                     _dims(hq, kvh, pages.shape[1]), _scale(float(scale))],

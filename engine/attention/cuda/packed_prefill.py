@@ -1,11 +1,11 @@
 """Prefill attention straight from packed pages as one tensor-core CUDA kernel (CUDA only).
 
-What a packed layer's prefill chunk attends through on CUDA (engine/attention/packed_cache.py calls it
-in direct mode when the chunk has history): the chunk's queries against (1) the row's packed
+What a packed layer's prefill chunk attends through on CUDA (engine/attention/packed_cache.py calls
+it in direct mode when the chunk has history): the chunk's queries against (1) the row's packed
 history, read by page table from the pool itself, and (2) the chunk's own fresh keys in full
-precision under the causal rule, under one FP32 online softmax. Nothing the size of the history
-is ever copied: the direct MLX-op path gathered every row's packed pages (a copy of the
-history per layer and chunk) and unpacked it into FP32 tiles with ~10 launches per tile.
+precision under the causal rule, under one FP32 online softmax. Nothing the size of the history is
+ever copied: the direct MLX-op path gathered every row's packed pages (a copy of the history per
+layer and chunk) and unpacked it into FP32 tiles with ~10 launches per tile.
 
 Tiling (FlashAttention-2 style; the one place it is defined, so a Metal twin can follow it):
 - a block serves one (row, KV head, tile of QT = 16 * QW query positions, split of the keys);
@@ -40,6 +40,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.attention.cuda.packed_prefill_source import kernel as _kernel
 from engine.attention.cuda.paged_decode import _merge_kernel, available
 from engine.kv.rotation import rotate
@@ -58,16 +59,9 @@ KEY_TILE = 64
 TARGET_BLOCKS = 264
 MIN_TILES_PER_SPLIT = 8
 MAX_SPLITS = 16
-# Benches switch it off to compare with the MLX-op direct path (bench.kv
-# --no-prefill-kernel).
-enabled = True
-# Decode steps (one query per row) through this kernel too, instead of
-# engine/attention/cuda/packed_decode.py. Off: measured slower on the H200 with this kernel's first
-# version (int4 at 32K batch 8: 0.62x native vs 0.83x; docs/benchmarks-gpu.md session 6): a
-# decode tile has one query row per head, so the MMAs do 1/16 useful work while every block
-# still unpacks whole tiles.
-# `bench.kv --decode-formats int4:tiles` measures it.
-decode_tiles = False
+# Whether the kernel is used at all, and its split target: KernelChoices (prefill_kernel,
+# prefill_split_target, decode_tiles).
+
 
 def supports(k_bits: int | None, v_bits: int | None, head_dim: int) -> bool:
     """Whether a packed layer of these bits and head size can prefill through the kernel."""
@@ -75,21 +69,23 @@ def supports(k_bits: int | None, v_bits: int | None, head_dim: int) -> bool:
 
 
 def usable(k_bits, v_bits, head_dim: int) -> bool:
-    """Whether a packed store's prefill chunks may attend through the kernel here and now."""
-    return enabled and supports(k_bits, v_bits, head_dim) and available()
+    """Whether a packed store's prefill chunks can attend through the kernel here and now."""
+    return supports(k_bits, v_bits, head_dim) and available()
 
 
-def applies(store, step, queries: mx.array, kernel_decode: bool) -> bool:
-    """Whether a packed layer's call attends through this kernel: CUDA, a supported format,
-    direct prefill mode for chunks (the fused mode stays opt-in), history in some row for
-    chunks; decode steps where the runner chose kernel decode and `decode_tiles` is on."""
+def applies(store, step, queries: mx.array, kernel_decode: bool,
+            kernels: KernelChoices = DEFAULT_KERNELS) -> bool:
+    """Whether a packed layer's call attends through this kernel: the prefill kernel chosen,
+    CUDA, a supported format, direct prefill mode for chunks (the fused mode stays opt-in),
+    history in some row for chunks; decode steps where the runner chose kernel decode and
+    `kernels.decode_tiles` is on."""
     fmt = store.fmt
-    if not usable(fmt.k_bits, fmt.v_bits, store.geometry.head_dim):
+    if not kernels.prefill_kernel or not usable(fmt.k_bits, fmt.v_bits, store.geometry.head_dim):
         return False
     if queries.shape[1] // store.geometry.kv_heads > MAX_WARPS:
         return False   # one warp per query head at least: the block would not fit an SM
     if queries.shape[2] == 1:
-        return kernel_decode and decode_tiles
+        return kernel_decode and kernels.decode_tiles
     return store.attention.prefill_mode == "direct" and bool(step.starts.max() > 0)
 
 
@@ -112,15 +108,16 @@ def query_warps(group: int, length: int) -> int:
     return max(1, min(MAX_QUERY_WARPS, MAX_WARPS // group, -(-length // 16)))
 
 
-def split_count(blocks: int, key_tiles: int) -> int:
+def split_count(blocks: int, key_tiles: int, target_blocks: int | None = None) -> int:
     """Key splits per block for `blocks` blocks whose longest key range is `key_tiles` tiles.
 
-    Pure host arithmetic (tests pin it): enough splits to reach about TARGET_BLOCKS blocks, but
-    no split shorter than MIN_TILES_PER_SPLIT tiles and at most MAX_SPLITS.
+    Pure host arithmetic (tests pin it): enough splits to reach about `target_blocks` blocks
+    (None: TARGET_BLOCKS), but no split shorter than MIN_TILES_PER_SPLIT tiles and at most
+    MAX_SPLITS.
     """
     if blocks < 1 or key_tiles < 0:
         raise ValueError(f"split_count needs positive sizes, got {blocks}, {key_tiles}")
-    by_blocks = -(-TARGET_BLOCKS // blocks)
+    by_blocks = -(-(target_blocks or TARGET_BLOCKS) // blocks)
     by_tiles = key_tiles // MIN_TILES_PER_SPLIT
     return max(1, min(by_blocks, by_tiles, MAX_SPLITS))
 
@@ -133,7 +130,8 @@ def _dims(*values: int) -> mx.array:
 def packed_prefill_attention(q: mx.array, k_new: mx.array, v_new: mx.array, k_pool, v_pool,
                              k_bits: int, v_bits: int, pages: mx.array, bounds: mx.array,
                              longest_history: int, scale: float,
-                             splits: int | None = None) -> mx.array:
+                             splits: int | None = None,
+                             target_blocks: int | None = None) -> mx.array:
     """Attention of a prefill chunk over packed history by page table plus its own keys.
 
     q [B, Hq, L, D]; k_new/v_new [B, Hkv, L, D] the chunk's fresh rows (model basis, right
@@ -141,8 +139,9 @@ def packed_prefill_attention(q: mx.array, k_new: mx.array, v_new: mx.array, k_po
     [pages, page_tokens, Hkv, ...]), keys rotated. pages [B, P] int32 page tables;
     bounds [B, 2] int32: row b attends its first bounds[b, 0] history keys, then its own keys
     0..i (i < bounds[b, 1]) at position i. `longest_history` = max(bounds[:, 0]) on the host
-    (it picks the split count; `splits` pins it, for checks). Returns [B, Hq, L, D] in q's dtype; positions past a row's
-    length hold finite values nobody should read.
+    (it picks the split count, aiming at `target_blocks`; `splits` pins it, for checks).
+    Returns [B, Hq, L, D] in q's dtype; positions past a row's length hold finite values nobody
+    should read.
     """
     b, hq, length, d = q.shape
     kvh = k_new.shape[1]
@@ -158,7 +157,8 @@ def packed_prefill_attention(q: mx.array, k_new: mx.array, v_new: mx.array, k_po
     qw = query_warps(group, length)
     blocks = b * kvh * -(-length // (16 * qw))
     if splits is None:
-        splits = split_count(blocks, -(-longest_history // KEY_TILE) + -(-length // KEY_TILE))
+        splits = split_count(blocks, -(-longest_history // KEY_TILE) + -(-length // KEY_TILE),
+                             target_blocks)
     parts = b * hq * length * splits if splits > 1 else 1
     out, part, ml = _kernel()(
         inputs=[qh, kf, vf, *k_pool, *v_pool, pages, bounds,

@@ -29,9 +29,6 @@ from engine.kv.rotation import rotation_signs
 HEAD_DIMS = (64, 128)
 BITS = (4, 8)
 WARPS = 4
-# Benches switch it off to compare with the MLX ops (bench.kv --no-write-kernel).
-enabled = True
-
 _SOURCE = """
 constexpr int VPT = D / 32;            // channels per lane
 constexpr int LPG = 64 / VPT;          // lanes per 64-channel group
@@ -134,4 +131,4 @@ def quantize_kv(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> tuple[Pac
 
 def usable(k_bits, v_bits, head_dim: int) -> bool:
     """Whether a packed store's writes may go through the kernel here and now."""
-    return enabled and supports(k_bits, v_bits, head_dim) and available()
+    return supports(k_bits, v_bits, head_dim) and available()
