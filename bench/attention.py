@@ -1,11 +1,11 @@
 """Attention-level timing of the packed prefill paths against native SDPA (prints JSON).
 
 One prefill chunk of L queries over S tokens of packed history plus its own L fresh tokens, the
-shape every chunk after the first has. Variants, all from engine.packed_attention:
+shape every chunk after the first has. Variants, all from engine.attention.packed:
   native        mx.fast SDPA over compute-dtype K/V of length S+L (what a native layer runs)
   direct_tiled  history unpacked tile by tile under one online softmax (FP32)
   direct_qmm    history scored and summed with quantized_matmul (FP32 accumulation in-kernel);
-                on the CPU the scores are a GEMM on the codes (engine.cpu_packed_gemm)
+                on the CPU the scores are a GEMM on the codes (engine.attention.cpu_gemm)
   direct_qmm_mlx  (CPU A/B) direct_qmm with MLX's quantized_matmul for the scores as well
   fused         history dequantized to an FP32 scratch, one SDPA call
   scratch_compute_dtype  (reference, not an engine path) the same in the compute dtype
@@ -28,11 +28,12 @@ import time
 import mlx.core as mx
 
 from capacity.formats import KVFormat
-from engine import packed_attention
-from engine.packed_attention import PackedKV, direct_attention, fused_attention
-from engine.quant import dequantize, quantize
-from engine.rotation import rotate
 from bench.output import emit
+from engine.attention.choices import KernelChoices
+from engine.attention.packed import direct_attention, fused_attention
+from engine.kv.quant import PackedKV
+from engine.kv.quant import dequantize, quantize
+from engine.kv.rotation import rotate
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -57,15 +58,6 @@ def _time(fn, repeats: int) -> list[float]:
     return out
 
 
-def _without_code_gemm(fn):
-    saved = packed_attention.cpu_code_gemm
-    packed_attention.cpu_code_gemm = False
-    try:
-        return fn()
-    finally:
-        packed_attention.cpu_code_gemm = saved
-
-
 def run_case(fmt_name: str, B, Hq, Hkv, L, S, D, dtype, repeats: int,
              only: set[str] | None = None) -> dict:
     fmt = KVFormat(fmt_name, D)
@@ -88,10 +80,10 @@ def run_case(fmt_name: str, B, Hq, Hkv, L, S, D, dtype, repeats: int,
                                                qmm_max_queries=1 << 30),
         "fused": lambda: fused_attention(q, hist, k_new, v_new, fmt=fmt, scale=scale),
         # CPU: the same qmm path with MLX's quantized_matmul for the scores too (the engine
-        # scores decode rows with a GEMM on the codes there, engine.cpu_packed_gemm).
-        "direct_qmm_mlx": lambda: _without_code_gemm(
-            lambda: direct_attention(q, hist, k_new, v_new, fmt=fmt, scale=scale,
-                                     qmm_max_queries=1 << 30)),
+        # scores decode rows with a GEMM on the codes there, engine.attention.cpu_gemm).
+        "direct_qmm_mlx": lambda: direct_attention(
+            q, hist, k_new, v_new, fmt=fmt, scale=scale, qmm_max_queries=1 << 30,
+            kernels=KernelChoices(cpu_code_gemm=False)),
         # Reference only (not an engine path): the history dequantized to the compute dtype.
         "scratch_compute_dtype": lambda: mx.fast.scaled_dot_product_attention(
             q_rot, mx.concatenate([dequantize(hist.k, fmt.k_bits, dtype),

@@ -5,7 +5,7 @@ For each library: grammar compile time for one schema, then 16 rows walk the tok
 instance; every step computes the allowed-token bitmask of all 16 rows (timed: `mask_ms_per_step`
 and per row-token), then advances each row by its token. The bitmask (int32 words, bit i = token
 i allowed, the layout both libraries write) is applied to float32 logits [16, vocab] in MLX by
-`engine.logits_processors.apply_bitmask` (timed apart, host unpacking included: both libraries
+`engine.sampling.logits_processors.apply_bitmask` (timed apart, host unpacking included: both libraries
 ship MLX appliers only as Metal kernels, which the Linux CPU backend cannot run).
 
     python -m engine.platform exec python -m bench.constrained --model smollm2 \
@@ -20,8 +20,8 @@ import argparse
 import json
 import time
 
-from engine.model_names import MODEL_HELP, model_arg
 from bench.output import emit
+from engine.model.names import MODEL_HELP, model_arg
 
 SCHEMA = {
     "type": "object",
@@ -163,7 +163,7 @@ def bench_apply(vocab: int, batch: int, repeats: int) -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from engine.logits_processors import apply_bitmask
+    from engine.sampling.logits_processors import apply_bitmask
 
     logits = mx.random.normal((batch, vocab))
     mask = np.random.default_rng(0).integers(-2**31, 2**31 - 1, (batch, (vocab + 31) // 32),
@@ -182,7 +182,7 @@ def bench_apply(vocab: int, batch: int, repeats: int) -> dict:
 def run(args) -> dict:
     from transformers import AutoTokenizer
 
-    from engine.model_names import resolve_model
+    from engine.model.names import resolve_model
 
     path = resolve_model(args.model)
     hf_tok = AutoTokenizer.from_pretrained(path)

@@ -5,10 +5,10 @@
 Runs only where MLX has a CUDA device (the kernels' only backend); nothing here runs in the CPU
 test suite. References: the native kernel against float32 numpy attention over the gathered
 rows; the packed kernel against the engine's own direct packed attention
-(engine.packed_attention.direct_attention, FP32), row by row, over the same packed pages.
+(engine.attention.packed.direct_attention, FP32), row by row, over the same packed pages.
 Page tables are random permutations and row lengths random (some rows long enough to split the
 history over several blocks, some with no history at all), so paging, splits, the merge and the
-step's own key are all exercised. The packed prefill kernel (engine/cuda_packed_prefill.py)
+step's own key are all exercised. The packed prefill kernel (engine/attention/cuda/packed_prefill.py)
 against the same direct attention, row by row, for ragged batches of chunks over packed history
 (rows without history, chunk padding filled with NaN, pinned key splits), and as a decode step.
 Exit status 1 if any case exceeds its tolerance.
@@ -22,12 +22,15 @@ import mlx.core as mx
 import numpy as np
 
 from capacity.formats import KVFormat
-from engine import (cuda_packed_decode, cuda_packed_prefill, cuda_packed_write,
-                    cuda_paged_decode)
-from engine.packed_attention import PackedKV, direct_attention
-from engine.quant import Packed, quantize
-from engine.rotation import rotate
 from bench.output import emit
+from engine.attention.cuda import packed_decode as cuda_packed_decode
+from engine.attention.cuda import packed_prefill as cuda_packed_prefill
+from engine.attention.cuda import packed_write as cuda_packed_write
+from engine.attention.cuda import paged_decode as cuda_paged_decode
+from engine.attention.packed import direct_attention
+from engine.kv.quant import PackedKV
+from engine.kv.quant import Packed, quantize
+from engine.kv.rotation import rotate
 
 # bf16 output rounding is 2^-8 relative; outputs are O(1) averages of unit-normal values.
 TOLERANCE = 0.03

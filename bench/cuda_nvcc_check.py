@@ -42,7 +42,8 @@ def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]
 
 def variants():
     """(label, wrapped source) for every kernel variant the engine launches."""
-    from engine import cuda_packed_prefill as pf
+    from engine.attention.cuda import packed_prefill as pf
+    from engine.attention.cuda import packed_prefill_source as pf_source
     inputs = [("q", "bfloat16"), ("kf", "bfloat16"), ("vf", "bfloat16"),
               ("kc", "uint32"), ("ks", "float32"), ("ko", "float32"),
               ("vc", "uint32"), ("vs", "float32"), ("vo", "float32"),
@@ -53,8 +54,8 @@ def variants():
             for kb, vb in ((8, 8), (4, 4), (8, 4)):
                 for split in (False, True):
                     label = f"prefill d{d} g{g} qw{qw} k{kb}v{vb} split={split}"
-                    yield label, wrap("orchard_packed_prefill", inputs, outputs, pf._SOURCE,
-                                      pf._HEADER, [("D", d), ("G", g), ("QW", qw), ("KB", kb), ("VB", vb),
+                    yield label, wrap("orchard_packed_prefill", inputs, outputs, pf_source._SOURCE,
+                                      pf_source._HEADER, [("D", d), ("G", g), ("QW", qw), ("KB", kb), ("VB", vb),
                                                    ("PT", 16), ("SPLIT", split),
                                                    ("TO", "bfloat16")])
 

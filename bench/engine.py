@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from bench.output import emit
-from engine.model_names import MODEL_HELP, model_arg
+from engine.model.names import MODEL_HELP, model_arg
 
 # Synthetic model: a llama big enough that compute, not Python, dominates a step on a CPU.
 SYNTHETIC = dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1408,
@@ -166,7 +166,7 @@ def mlx_decode(model, tokenizer, prompts: list[list[int]], n: int) -> tuple[floa
 
 def engine_prefill(eng, prompt: list[int], rid: str) -> tuple[float, float]:
     from engine.request import GenerationRequest
-    from engine.sampling import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     async def go():
         t = clocks()
@@ -179,7 +179,7 @@ def engine_prefill(eng, prompt: list[int], rid: str) -> tuple[float, float]:
 
 def engine_decode(eng, prompts: list[list[int]], n: int, rid: str) -> tuple[float, float]:
     from engine.request import GenerationRequest
-    from engine.sampling import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     w = Window(len(prompts))
 
@@ -303,8 +303,8 @@ def run(args) -> dict:
                           "device": str(mx.default_device()),
                           "loadavg_at_start": os.getloadavg(),
                           "ld_preload": os.environ.get("LD_PRELOAD", "")},
-              "engine": {"page_tokens": eng.stats()["page_tokens"],
-                         "kv_bytes_preallocated": eng.stats()["kv_bytes_total"],
+              "engine": {"page_tokens": eng.stats().page_tokens,
+                         "kv_bytes_preallocated": eng.stats().kv_bytes_total,
                          "format_identity": eng.format_identity},
               "resident_mb": round(mx.get_active_memory() / 2**20, 1),
               "prefill": [], "decode": []}

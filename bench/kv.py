@@ -27,6 +27,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,12 +35,15 @@ import numpy as np
 
 from capacity.formats import FORMAT_BITS, KVFormat
 from capacity.pricing import CostModel
-from engine.kvstore import KVStore, Slots
-from engine.model import load_model
-from engine.model_names import MODEL_HELP, model_arg
-from engine import cuda_packed_prefill, cuda_packed_write, cuda_paged_decode, packed_attention
-from engine.packed_store import counters_of
-from engine.runner import ModelRunner, SeqChunk
+from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
+from engine.attention.cuda import packed_prefill as cuda_packed_prefill
+from engine.attention.cuda import packed_write as cuda_packed_write
+from engine.attention.cuda import paged_decode as cuda_paged_decode
+from engine.attention.packed_store import counters_of
+from engine.kv.store import KVStore, Slots
+from engine.model.loader import load_model
+from engine.model.names import MODEL_HELP, model_arg
+from engine.runner.paged import SeqChunk
 from bench.kv_quality import heldout_docs, quality_section
 from bench.kv_runners import PAGE_TOKENS, make_runner, make_store
 
@@ -105,14 +109,16 @@ def progress(message: str) -> None:
     print(f"[bench_kv {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save) -> dict:
+def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save,
+                    kernels: KernelChoices = DEFAULT_KERNELS) -> dict:
     rng = np.random.default_rng(0)
     vocab = loaded.geometry.vocab_size
     for n in contexts:
         tokens = rng.integers(3, vocab, n).tolist()
         variants = [("native", "native", "direct")] + [
             (f"{f}-{m}", f, m) for f in formats for m in ("direct", "fused")]
-        runners = {name: make_runner(loaded, f, -(-n // PAGE_TOKENS), m) for name, f, m in variants}
+        runners = {name: make_runner(loaded, f, -(-n // PAGE_TOKENS), m, kernels)
+                   for name, f, m in variants}
         times = {name: [] for name in runners}
         errors = {}
         for name, r in runners.items():   # warm-up: kernels compile/JIT outside the timing
@@ -163,26 +169,24 @@ def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
 
 
 # Decode format variants: "int4:tiles" decodes packed layers through the prefill tile kernel
-# (engine/cuda_packed_prefill.py), "int4:split" through engine/cuda_packed_decode.py; a bare
-# name takes the engine's default (cuda_packed_prefill.decode_tiles).
+# (engine/attention/cuda/packed_prefill.py), "int4:split" through engine/attention/cuda/packed_decode.py; a bare
+# name takes the bench's kernel choices (KernelChoices.decode_tiles).
 DECODE_KERNELS = {"tiles": True, "split": False}
 
 
-def _decode_time(loaded, spec, pages, b, n, room, steps, repeats) -> float:
-    """Best time of `steps` decode steps of `b` rows at context n (first round is warm-up)."""
+def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:
+    """(format, kernel choices) of a decode format spec FORMAT[:tiles|:split]."""
     fmt, _, kernel = spec.partition(":")
     if kernel and kernel not in DECODE_KERNELS:
         raise ValueError(f"decode format {spec!r}: kernel must be one of {sorted(DECODE_KERNELS)}")
-    default = cuda_packed_prefill.decode_tiles
-    cuda_packed_prefill.decode_tiles = DECODE_KERNELS.get(kernel, default)
-    try:
-        return _decode_steps(loaded, fmt, pages, b, n, room, steps, repeats)
-    finally:
-        cuda_packed_prefill.decode_tiles = default
+    return fmt, replace(kernels, decode_tiles=DECODE_KERNELS[kernel]) if kernel else kernels
 
 
-def _decode_steps(loaded, fmt, pages, b, n, room, steps, repeats) -> float:
-    runner = make_runner(loaded, fmt, pages)
+def _decode_time(loaded, spec, pages, b, n, room, steps, repeats,
+                 kernels: KernelChoices = DEFAULT_KERNELS) -> float:
+    """Best time of `steps` decode steps of `b` rows at context n (first round is warm-up)."""
+    fmt, kernels = decode_kernels(spec, kernels)
+    runner = make_runner(loaded, fmt, pages, kernels=kernels)
     tables = _fill(runner.kvstore, b, n, room)
     pos, best = n, None
     for r in range(repeats + 1):
@@ -197,7 +201,8 @@ def _decode_steps(loaded, fmt, pages, b, n, room, steps, repeats) -> float:
     return best
 
 
-def decode_section(loaded, contexts, batches, formats, steps, repeats, out: dict, save) -> dict:
+def decode_section(loaded, contexts, batches, formats, steps, repeats, out: dict, save,
+                   kernels: KernelChoices = DEFAULT_KERNELS) -> dict:
     for n in contexts:
         for b in batches:
             room = steps * (repeats + 1)
@@ -206,7 +211,7 @@ def decode_section(loaded, contexts, batches, formats, steps, repeats, out: dict
             for fmt in ["native", *formats]:
                 try:
                     row[fmt] = {"tok_s": round(b * steps / _decode_time(
-                        loaded, fmt, pages, b, n, room, steps, repeats), 2)}
+                        loaded, fmt, pages, b, n, room, steps, repeats, kernels), 2)}
                     progress(f"decode ctx {n} batch {b} {fmt}: {row[fmt]['tok_s']} tok/s")
                 except Exception as e:  # a backend missing a kernel: record it, bench the rest
                     row[fmt] = {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -236,22 +241,23 @@ def main(argv=None):
     ap.add_argument("--prefill-formats", default="int8,int4")
     ap.add_argument("--gpu-qmm", action="store_true",
                     help="let direct attention call quantized_matmul on a GPU (off by default: "
-                         "it crashed on MLX 0.32.4 CUDA; see engine.packed_attention.gpu_qmm)")
+                         "it crashed on MLX 0.32.4 CUDA; see KernelChoices.gpu_qmm)")
     ap.add_argument("--no-decode-kernel", action="store_true",
-                    help="decode without the CUDA decode kernels (engine/cuda_*_decode.py): "
+                    help="decode without the CUDA decode kernels "
+                         "(engine/attention/cuda/*_decode.py): "
                          "the gather / direct paths they replace, to compare")
     ap.add_argument("--no-prefill-kernel", action="store_true",
                     help="prefill packed layers through the MLX-op direct path, not the CUDA "
-                         "tile kernel (engine/cuda_packed_prefill.py), to compare")
+                         "tile kernel (engine/attention/cuda/packed_prefill.py), to compare")
     ap.add_argument("--prefill-split-target", type=int, default=None,
                     help="blocks per launch the CUDA prefill kernel aims for when it splits the "
-                         "keys (engine.cuda_packed_prefill.TARGET_BLOCKS)")
+                         "keys (KernelChoices.prefill_split_target)")
     ap.add_argument("--no-write-kernel", action="store_true",
                     help="quantize packed writes with MLX ops, not the CUDA write kernel "
-                         "(engine/cuda_packed_write.py), to compare")
+                         "(engine/attention/cuda/packed_write.py), to compare")
     ap.add_argument("--split-target", type=int, default=None,
                     help="blocks per layer the CUDA decode kernels aim for when they split a "
-                         "row's history (engine.cuda_paged_decode.TARGET_BLOCKS)")
+                         "row's history (KernelChoices.decode_split_target)")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--decode", type=_ints, default=[1024, 4096, 16384])
     ap.add_argument("--batches", type=_ints, default=[1, 4])
@@ -268,18 +274,11 @@ def main(argv=None):
     ap.add_argument("--quality-tokens", type=int, default=1024)
     ap.add_argument("--quality-chunk", type=int, default=32)
     args = ap.parse_args(argv)
-    packed_attention.gpu_qmm = args.gpu_qmm
-    if args.no_decode_kernel:
-        ModelRunner.kernel_decode = False
-    if args.no_write_kernel:
-        cuda_packed_write.enabled = False
-    if args.no_prefill_kernel:
-        cuda_packed_prefill.enabled = False
-    if args.prefill_split_target:
-        cuda_packed_prefill.TARGET_BLOCKS = args.prefill_split_target
-    if args.split_target:
-        cuda_paged_decode.TARGET_BLOCKS = args.split_target
-        cuda_paged_decode.split_count.cache_clear()
+    kernels = KernelChoices(
+        gpu_qmm=args.gpu_qmm, decode_kernel=not args.no_decode_kernel,
+        write_kernel=not args.no_write_kernel, prefill_kernel=not args.no_prefill_kernel,
+        prefill_split_target=args.prefill_split_target or None,
+        decode_split_target=args.split_target or None)
 
     if args.model:
         model_dir = args.model
@@ -295,11 +294,15 @@ def main(argv=None):
                       "geometry": loaded.geometry.describe()[:1], "page_tokens": PAGE_TOKENS,
                       "decode_kernels": (not args.no_decode_kernel
                                          and cuda_paged_decode.available()),
-                      "split_target": cuda_paged_decode.TARGET_BLOCKS,
-                      "write_kernel": cuda_packed_write.usable(8, 8, 128),
-                      "prefill_kernel": cuda_packed_prefill.usable(8, 8, 128),
-                      "decode_tiles_default": cuda_packed_prefill.decode_tiles,
-                      "prefill_split_target": cuda_packed_prefill.TARGET_BLOCKS,
+                      "split_target": (kernels.decode_split_target
+                                       or cuda_paged_decode.TARGET_BLOCKS),
+                      "write_kernel": (kernels.write_kernel
+                                       and cuda_packed_write.usable(8, 8, 128)),
+                      "prefill_kernel": (kernels.prefill_kernel
+                                         and cuda_packed_prefill.usable(8, 8, 128)),
+                      "decode_tiles_default": kernels.decode_tiles,
+                      "prefill_split_target": (kernels.prefill_split_target
+                                               or cuda_packed_prefill.TARGET_BLOCKS),
                       "args": vars(args), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                     time.gmtime())}}
 
@@ -311,10 +314,10 @@ def main(argv=None):
         save()
     if "prefill" in sections:
         prefill_section(loaded, args.prefill, args.prefill_formats.split(","), args.chunk,
-                        args.repeats, result.setdefault("prefill", {}), save)
+                        args.repeats, result.setdefault("prefill", {}), save, kernels)
     if "decode" in sections:
         decode_section(loaded, args.decode, args.batches, args.decode_formats.split(","),
-                       args.steps, args.repeats, result.setdefault("decode", {}), save)
+                       args.steps, args.repeats, result.setdefault("decode", {}), save, kernels)
     if "quality" in sections:
         docs = heldout_docs(args.quality_root, args.quality_docs, args.quality_tokens,
                             loaded.tokenizer)

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from bench.kv_runners import PAGE_TOKENS, make_runner
-from engine.runner import SeqChunk
+from engine.runner.paged import SeqChunk
 
 
 def heldout_docs(root: str, n: int, tokens: int, tokenizer) -> list[list[int]]:

@@ -1,10 +1,11 @@
 """The KV stores and model runners `bench.kv` times: one per format, on the bench's pages."""
 from __future__ import annotations
 
-from engine.kvstore import KVStore
-from engine.packed_cache import PackedModelRunner
-from engine.packed_store import packed_layer_factory
-from engine.runner import ModelRunner
+from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
+from engine.kv.store import KVStore
+from engine.runner.packed import PackedModelRunner
+from engine.attention.packed_store import packed_layer_factory
+from engine.runner.paged import ModelRunner
 
 PAGE_TOKENS = 16
 
@@ -14,9 +15,11 @@ def make_store(loaded, fmt, pages, **kw) -> KVStore:
                    layer_factory=packed_layer_factory(fmt, **kw))
 
 
-def make_runner(loaded, fmt, pages, mode="direct"):
+def make_runner(loaded, fmt, pages, mode="direct", kernels: KernelChoices = DEFAULT_KERNELS):
+    """A runner over `pages` pages in format `fmt`; store and runner share `kernels`."""
     if fmt == "native":
-        return ModelRunner(loaded, make_store(loaded, fmt, pages))
+        return ModelRunner(loaded, make_store(loaded, fmt, pages), kernels=kernels)
     # The bench's permit hook always grants: it measures the fused path, not the ledger.
     return PackedModelRunner(loaded, make_store(loaded, fmt, pages, prefill_mode=mode,
-                                               permit=lambda n: True))
+                                               permit=lambda n: True, kernels=kernels),
+                             kernels=kernels)

@@ -22,8 +22,8 @@ import asyncio
 import random
 import time
 
-from engine.model_names import MODEL_HELP, model_arg
 from bench.output import emit
+from engine.model.names import MODEL_HELP, model_arg
 
 OPTIONS = {
     "greedy": dict(temperature=0),
@@ -56,7 +56,8 @@ def sampler_ms(vocab: int, batch: int, options: dict, steps: int, repeats: int,
                history: int) -> dict:
     import mlx.core as mx
 
-    from engine.sampling import RowSpec, SamplingParams, StepLogprobs, sample
+    from engine.sampling.params import SamplingParams
+    from engine.sampling.sampler import RowSpec, StepLogprobs, sample
 
     logits = mx.random.normal((batch, vocab), key=mx.random.key(0)) * 4
     rng = random.Random(0)
@@ -96,7 +97,7 @@ def engine_rates(eng, batch: int, options: dict, prompt: int, tokens: int,
                  repeats: int) -> dict:
     from bench.engine import Window
     from engine.request import GenerationRequest
-    from engine.sampling import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     rng = random.Random(batch)
     prompts = [[rng.randrange(3, 5000) for _ in range(prompt)] for _ in range(batch)]
@@ -126,7 +127,7 @@ def engine_rates(eng, batch: int, options: dict, prompt: int, tokens: int,
 def run(args) -> dict:
     from engine.config import EngineConfig
     from engine.loop import Engine
-    from engine.model_names import resolve_model
+    from engine.model.names import resolve_model
 
     path = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]

@@ -31,7 +31,7 @@ import time
 
 import httpx
 
-from engine.model_names import MODEL_HELP, model_arg
+from engine.model.names import MODEL_HELP, model_arg
 from serve_app.calls import TRACE_ENV
 from serve_app.cli import LOCAL_RAY_SYSTEM_CONFIG
 from serve_app.config import parse_config
@@ -68,7 +68,7 @@ class EnginePath:
 
     def ttft(self) -> tuple[float, None]:
         from engine.request import GenerationRequest
-        from engine.sampling import SamplingParams
+        from engine.sampling.params import SamplingParams
 
         self.i += 1
         req = GenerationRequest(f"bench-{self.i}", self.ids, SamplingParams(

@@ -6,11 +6,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from capacity.formats import normalize_format_name, normalize_overrides
-from engine.pages import is_power_of_two
-
-# Chosen by measurement in engine/kvstore.py (its DEFAULT_PAGE_TOKENS; a test keeps the two equal):
-# 64-token pages are ~1.06x mlx-lm at batch 1 @ 2K where 16 falls to 0.90x; 128 gains nothing.
-DEFAULT_PAGE_TOKENS = 64
+from engine.kv.pages import DEFAULT_PAGE_TOKENS, is_power_of_two
 
 
 class EngineConfig(BaseModel):

@@ -8,7 +8,8 @@ and emit deltas -> RECLAIM pages and bytes of finished requests whose last step 
 Refunds therefore never precede the retirement of the work that used the memory; `trace`
 (optional) observes the order for tests: ("retire", step), ("refund", request, last_step),
 ("permit", step, nbytes, granted), ("release", step, nbytes, active_before, active_after),
-("arrival", request, ...), ("admit", request, ...).
+("arrival", request, ...), ("admit", request, ...), ("launch", step, ahead, requests) for each
+pipelined decode step queued (ahead=1: built before the previous step was read back).
 
 Workspace permits (fused prefill): a packed layer asks `_permit(nbytes)` while the step's graph
 is built; the bytes are charged to that step in the ledger and returned only right after the
@@ -21,15 +22,15 @@ one, so the retirement time counts against it (and it may expire meanwhile).
 A failure inside a step fails only the requests that caused it (the step is retried row by row
 to find them); the thread itself never dies on a request.
 
-This file holds the public API and the thread's main loop; each part of the thread's work is a
-mixin in its own file, all sharing the Engine's state (set up by `_start`):
-  engine/engine_startup.py          load the model, size the KV budget, build store/scheduler
-  engine/engine_commands.py         apply callers' commands between steps; admission hook
-  engine/engine_steps.py            run, retire and release one synchronous step
-  engine/decode_pipeline.py         queue steady decode steps ahead of their read-back
-  engine/engine_streams.py          deltas back to callers, after each step's bookkeeping
-  engine/engine_checkpoint_hooks.py restore at admission, save on command or at finish
-  engine/engine_stats.py            the stats() snapshot
+This file holds the public API, the thread's main loop and the commands it applies between
+steps. The loop owns parts, assembled by `engine.build.build` on the engine thread, each given
+what it needs explicitly:
+  engine/build.py              load the model, size the KV budget, build store/runner/scheduler
+  engine/steps.py              StepRunner: synchronous and pipelined steps, one finish path;
+                               WorkspacePermits: the step's workspace from the byte ledger
+  engine/streams.py            ResultStreams: deltas back to callers, after each step's bookkeeping
+  engine/checkpoint/requests.py RequestCheckpoints: restore at admission, save on command/finish
+  engine/stats.py              EngineStats: the stats() snapshot
 """
 from __future__ import annotations
 
@@ -39,32 +40,29 @@ import queue
 import random
 import threading
 import time
+from dataclasses import replace
 from typing import AsyncIterator, Callable
 
 import numpy as np
 
 from capacity.pricing import CostModel
 from engine.bridge import Sink
+from engine.build import EngineParts, LoopHooks, build
+from engine.checkpoint.format import CheckpointError
 from engine.config import EngineConfig
-from engine.decode_pipeline import DecodePipeline
-from engine.engine_checkpoint_hooks import CheckpointHooks
-from engine.engine_commands import CommandInbox
-from engine.engine_startup import EngineStartup
-from engine.engine_stats import collect_stats
-from engine.engine_steps import StepExecution
-from engine.engine_streams import ResultStreams
-from engine.errors import EngineError, EngineShutdown, InvalidRequest
+from engine.errors import (DeadlineUnmeetable, EngineError, EngineOverloaded, EngineShutdown,
+                           InvalidRequest, RequestTooLarge)
 from engine.request import Delta, GenerationRequest, Usage, merge_deltas
-from engine.sampling import SamplingParams
-from engine.scheduler import Seq
+from engine.sampling.params import SamplingParams
+from engine.sched.seq import Seq
+from engine.stats import EngineStats, collect_stats
 
 __all__ = ["Engine", "GenerationRequest", "SamplingParams", "Delta", "Usage"]
 
 _IDLE_POLL_S = 0.005   # wait for commands while requests exist but no step can run
 
 
-class Engine(EngineStartup, CommandInbox, StepExecution, DecodePipeline, ResultStreams,
-             CheckpointHooks):
+class Engine:
     # Pipeline steady decode steps (native KV, no recurrent layers); tests may switch it off.
     pipeline_decode = True
 
@@ -83,7 +81,9 @@ class Engine(EngineStartup, CommandInbox, StepExecution, DecodePipeline, ResultS
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._drain_deadline = float("inf")
-        self._stats: dict = {}
+        self._seq_ids = 0
+        self._parts: EngineParts | None = None
+        self._stats: EngineStats | None = None
         self._thread = threading.Thread(target=self._main, name="orchard-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -92,8 +92,20 @@ class Engine(EngineStartup, CommandInbox, StepExecution, DecodePipeline, ResultS
 
     # ---- public API (any thread) -----------------------------------------------------------
 
+    # What the engine runs (set before the constructor returns; read-only for callers).
+    kv_format = property(lambda self: self._parts.kv_format)
+    loaded = property(lambda self: self._parts.loaded)
+    kvstore = property(lambda self: self._parts.kvstore)
+    runner = property(lambda self: self._parts.runner)
+    scheduler = property(lambda self: self._parts.scheduler)
+    format_identity = property(lambda self: self._parts.format_identity)
+    storage_identity = property(lambda self: self._parts.storage_identity)
+    tokenizer = property(lambda self: self._parts.loaded.tokenizer)
+    vocab_size = property(lambda self: self._parts.loaded.geometry.vocab_size)
+    model_id = property(lambda self: self.cfg.model)
+
     def cost_model(self) -> CostModel:
-        return self._cost_model
+        return self._parts.cost_model
 
     async def generate(self, req: GenerationRequest, coalesce: bool = False
                        ) -> AsyncIterator[Delta]:
@@ -115,7 +127,7 @@ class Engine(EngineStartup, CommandInbox, StepExecution, DecodePipeline, ResultS
                                  f"(vocab {self.vocab_size}): {bad[:5]}")
         # The grammar is compiled here, off the engine thread (a bad schema is refused now).
         constraint = None if p.grammar is None else \
-            await asyncio.to_thread(self._grammar_constraints.make, p.grammar)
+            await asyncio.to_thread(self._parts.grammar.make, p.grammar)
         seq = Seq(req.request_id, req.prompt_ids, p,
                   seed=p.seed if p.seed is not None else random.getrandbits(63),
                   deadline=req.first_token_deadline, arrival=time.monotonic(),
@@ -163,8 +175,9 @@ class Engine(EngineStartup, CommandInbox, StepExecution, DecodePipeline, ResultS
         """Evict every cached prefix page no running request shares (asynchronous)."""
         self._inbox.put(("evict",))
 
-    def stats(self) -> dict:
-        return dict(self._stats, engine_alive=self.healthy())
+    def stats(self) -> EngineStats:
+        """The snapshot published after the last step (attributes; `as_dict()` for JSON)."""
+        return replace(self._stats, engine_alive=self.healthy())
 
     def healthy(self) -> bool:
         return self._thread.is_alive() and not (self._stopping.is_set() or self._stopped.is_set())
@@ -192,37 +205,52 @@ class Engine(EngineStartup, CommandInbox, StepExecution, DecodePipeline, ResultS
 
     def _serve(self) -> None:
         try:
-            self._start()
+            self._parts = build(self.cfg, LoopHooks(
+                emit=self._emit, on_admit=self._on_admit, quiet=self._quiet,
+                between_steps=self._between_steps, logits_tap=self._logits_tap),
+                pipeline_decode=self.pipeline_decode)
+            self._publish_stats()
         except BaseException as e:  # noqa: BLE001 - reported to the constructor's caller
             self._startup_error = e if isinstance(e, Exception) else EngineError(repr(e))
             self._ready.set()
             return
         self._ready.set()
+        sch, steps = self._parts.scheduler, self._parts.steps
         while True:
-            self._take_commands(block=self.scheduler.idle and not self._stopping.is_set())
+            self._take_commands(block=sch.idle and not self._stopping.is_set())
             if self._stopping.is_set():
-                if self.scheduler.idle:
+                if sch.idle:
                     break
                 if time.monotonic() >= self._drain_deadline:
-                    for s in [*self.scheduler.waiting, *self.scheduler.running]:
-                        self.scheduler.cancel(s.request_id)
+                    for s in [*sch.waiting, *sch.running]:
+                        sch.cancel(s.request_id)
             self._reclaim()   # cancels just applied free their seats before admission
-            step = self.scheduler.schedule(time.monotonic())
+            step = sch.schedule(time.monotonic())
             if step is not None:
-                self._run_step(step)
-            elif not self.scheduler.idle:
+                steps.run(step)
+            elif not sch.idle:
                 self._take_commands(block=True, timeout=_IDLE_POLL_S)
-            self._close_finished()
-            self._reclaim()
-            self._publish_stats()
-            self._flush_outbox()
-        self.scheduler.evict_cache(self.scheduler.pool.num_pages)
+            self._between_steps()
+        sch.evict_cache(sch.pool.num_pages)
         self._fail_inbox(EngineShutdown("engine shut down"))
         self._publish_stats()
 
+    def _between_steps(self) -> None:
+        """After a step (or an idle turn): final deltas of requests finished without a token,
+        reclaim, the stats snapshot, then the deltas go out (see engine/streams.py)."""
+        streams = self._parts.streams
+        streams.close_finished()
+        self._reclaim()
+        self._publish_stats()
+        streams.flush()
+
+    def _quiet(self) -> bool:
+        return self._inbox.empty() and not self._stopping.is_set()
+
     def _reclaim(self) -> None:
-        for seq in self.scheduler.reclaim(self._retired_step):
-            self.runner.release(seq.seq_id)
+        p = self._parts
+        for seq in p.scheduler.reclaim(p.steps.retired_step):
+            p.runner.release(seq.seq_id)
             self._emit("refund", request=seq.request_id, last_step=seq.last_step)
 
     def _emit(self, event: str, **fields) -> None:
@@ -230,4 +258,81 @@ class Engine(EngineStartup, CommandInbox, StepExecution, DecodePipeline, ResultS
             self._trace(event, **fields)
 
     def _publish_stats(self) -> None:
-        self._stats = collect_stats(self)
+        p, cfg = self._parts, self.cfg
+        self._stats = collect_stats(
+            model_id=cfg.model, format_identity=p.format_identity, kv_format=p.kv_format,
+            prefill_mode=cfg.prefill_mode, storage_identity=p.storage_identity,
+            layer_report=p.layer_report, tenant=cfg.tenant, kvstore=p.kvstore,
+            scheduler=p.scheduler, retired_step=p.steps.retired_step, counters=p.counters)
+
+    # ---- commands: applied on the engine thread, between steps ----------------------------
+
+    def _take_commands(self, block: bool, timeout: float | None = None) -> None:
+        try:
+            cmd = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        p = self._parts
+        if cmd[0] == "submit":
+            _, seq, sink = cmd
+            try:
+                if self._stopping.is_set():
+                    raise EngineShutdown("engine is shutting down")
+                if seq.request_id in p.streams.live:
+                    raise InvalidRequest(f"request id {seq.request_id!r} is already running")
+                now = time.monotonic()
+                ledger = p.scheduler.ledger
+                self._emit("arrival", request=seq.request_id, now=now, deadline=seq.deadline,
+                           retired_step=p.steps.retired_step,
+                           workspace_bytes=ledger.workspace_bytes,
+                           free_bytes=ledger.cost_model.free_bytes(ledger.used_bytes))
+                if seq.restore is not None:
+                    p.checkpoints.check_restorable(seq)
+                p.scheduler.submit(seq, now)
+            except EngineError as e:
+                if not isinstance(e, (RequestTooLarge, EngineOverloaded, DeadlineUnmeetable)):
+                    p.counters[f"refused_{e.reason}"] += 1   # the scheduler counts its own
+                sink.put(e, final=True)
+                return
+            self._seq_ids += 1
+            seq.seq_id = self._seq_ids
+            p.streams.open(seq, sink)
+        elif cmd[0] == "cancel":
+            p.scheduler.cancel(cmd[1])
+        elif cmd[0] == "save":
+            _, request_id, path, done = cmd
+            try:
+                done.set_result(p.checkpoints.save_running(p.scheduler.running, request_id, path))
+            except Exception as e:  # noqa: BLE001 - reported to the caller, never kills the thread
+                done.set_exception(e if isinstance(e, EngineError) else CheckpointError(repr(e)))
+        elif cmd[0] == "evict":
+            p.scheduler.evict_cache(p.scheduler.pool.num_pages)
+
+    def _on_admit(self, seq: Seq) -> None:
+        p = self._parts
+        self._emit("admit", request=seq.request_id, cached_tokens=seq.cached_tokens,
+                   charged=p.scheduler.ledger.held(seq.request_id),
+                   retired_step=p.steps.retired_step)
+        if seq.restore is not None:
+            error = p.checkpoints.restore_admitted(seq)
+            if error is not None:
+                p.streams.refuse(seq, error)
+
+    def _fail_inbox(self, exc: EngineError) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "submit":
+                cmd[2].put(exc, final=True)
+            elif cmd[0] == "save":
+                cmd[3].set_exception(exc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 
 FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "error")
 
@@ -57,7 +57,7 @@ class Delta:
     usage: Usage
     ttft_s: float | None = None  # on the first delta only: seconds from submit to first token
     checkpoint: dict | None = None  # final delta of a checkpoint_to request: manifest or error
-    # Requests with params.logprobs: one engine.sampling.TokenLogprob per token of token_ids.
+    # Requests with params.logprobs: one sampling.sampler.TokenLogprob per token of token_ids.
     logprobs: list | None = None
 
 

@@ -2,7 +2,7 @@
 
 Two things come of it. The first real request does not pay for MLX's first-use costs (kernel
 compilation, allocator growth), and the engine's decode step profile (seconds per pure decode
-step by batch size, `stats()["decode_step_profile"]`) holds a batch-of-1 and a batch-of-N
+step by batch size, `stats().decode_step_profile`) holds a batch-of-1 and a batch-of-N
 measurement, so the capacity actor can fit this model's batch slowdown on this box from its
 first heartbeat instead of assuming another model's.
 """
@@ -13,7 +13,7 @@ import random
 import time
 
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 
 WARMUP_PROMPT_TOKENS = 16
 # More steps than the profile's median window, so the steps that paid first-use costs drop out.
@@ -39,4 +39,4 @@ async def warm_up(engine, batch: int = 8, seed: int = 0) -> dict:
         await asyncio.gather(*(one(i) for i in range(1, batch + 1)))
     engine.evict_prefix_cache()     # random prompts are nobody's prefix
     return {"seconds": time.monotonic() - t0, "batch": batch,
-            "decode_step_profile": engine.stats().get("decode_step_profile", {})}
+            "decode_step_profile": engine.stats().decode_step_profile}

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import psutil
 
-from engine.model_names import MODEL_HELP, model_arg
+from engine.model.names import MODEL_HELP, model_arg
 from loadtest import memory_limit, orchard_proc, peer, probe, prompts
 from loadtest.sse import SSEParser, parse_event
 

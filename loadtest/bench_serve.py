@@ -14,7 +14,7 @@ import re
 import shlex
 import sys
 
-from engine.model_names import MODEL_HELP, model_arg, served_id
+from engine.model.names import MODEL_HELP, model_arg, served_id
 from loadtest import runner
 
 PEER_LABEL = "mlx_lm.server"

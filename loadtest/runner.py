@@ -16,7 +16,7 @@ import tempfile
 import sys
 from dataclasses import dataclass
 
-from engine.model_names import served_id
+from engine.model.names import served_id
 from loadtest import probe, scenarios
 from loadtest.arrivals import DEFAULT_MIX, Schedule
 

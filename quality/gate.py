@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.model_names import MODEL_HELP, model_arg
+from engine.model.names import MODEL_HELP, model_arg
 from quality.stats import FAIL
 from quality.verdicts import (MARGINS, PROBE_POINTS, PROBE_POINTS_BY_FORMAT, RETRIEVAL_POINTS,
                               summarize_accuracy, summarize_nll, verdicts)
@@ -254,7 +254,7 @@ def _machine(a) -> str:
 def run(a: argparse.Namespace, argv: list[str]) -> dict:
     import mlx.core as mx
 
-    from engine.model import load_model
+    from engine.model.loader import load_model
     from quality.data import load_heldout
     from quality.runs import decode_path
     t0 = time.time()

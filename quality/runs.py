@@ -1,6 +1,6 @@
 """What the quality gate runs: paged runners per KV format, teacher-forced scoring, greedy probes.
 
-Every format, native included, runs through the same paged runner (engine.packed_cache's
+Every format, native included, runs through the same paged runner (engine.attention.packed_cache's
 PackedModelRunner over a KVStore), prefilling in chunks so that each chunk after the first reads
 its history from stored pages (packed for packed formats) while attending its own fresh K/V in
 full precision, exactly as serving's chunked prefill does. Generation then decodes one token per
@@ -14,7 +14,7 @@ unrotated stored keys, and fresh scores stay q k^T (float32, error ~1e-7 relativ
 identity string is int4's; it never persists anything, so that never matters.
 
 Runners are built exactly as serving builds them, so off the CPU decode goes through the
-direct path's tiled FP32 unpack, as the engine does there (`engine.packed_attention.gpu_qmm`).
+direct path's tiled FP32 unpack, as the engine does there (`KernelChoices.gpu_qmm`).
 """
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ import mlx.core as mx
 import numpy as np
 
 from capacity.formats import KVFormat
-from engine.kvstore import KVStore, NativeLayerStore
-from engine.packed_attention import PackedAttention, direct_attention
-from engine.packed_cache import PackedModelRunner
-from engine.packed_store import PackedLayerStore, counters_of, packed_layer_factory
-from engine.quant import dequantize, quantize
-from engine.rotation import rotation_matrix
-from engine.runner import SeqChunk
+from engine.kv.store import KVStore, NativeLayerStore
+from engine.attention.packed import PackedAttention, direct_attention
+from engine.runner.packed import PackedModelRunner
+from engine.attention.packed_store import PackedLayerStore, counters_of, packed_layer_factory
+from engine.kv.quant import dequantize, quantize
+from engine.kv.rotation import rotation_matrix
+from engine.runner.paged import SeqChunk
 
 FORMATS = ("native", "int8", "k8v4", "int4", "int4-norot", "int4-sink")
 PAGE_TOKENS = 64
@@ -42,7 +42,7 @@ REF = "__reference__"
 
 def decode_path() -> str:
     return ("quantized_matmul over packed rows (production)" if mx.default_device() == mx.cpu
-            else "tiled FP32 unpack (production off the CPU: engine.packed_attention.gpu_qmm)")
+            else "tiled FP32 unpack (production off the CPU: KernelChoices.gpu_qmm)")
 
 
 class _UnrotatedAttention(PackedAttention):

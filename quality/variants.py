@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.attention import PagedLayerCache
-from engine.kvstore import KVStore, NativeLayerStore
-from engine.rotation import rotate, rotation_matrix
+from engine.attention.paged import PagedLayerCache
+from engine.kv.store import KVStore, NativeLayerStore
+from engine.kv.rotation import rotate, rotation_matrix
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ VARIANTS = {v.name: v for v in [
 
 
 def fake_quant(x: mx.array, bits: int, group: int) -> mx.array:
-    """Affine min/max round trip over groups of `group` along the last axis (engine.quant's)."""
+    """Affine min/max round trip over groups of `group` along the last axis (engine.kv.quant's)."""
     lead, d = x.shape[:-1], x.shape[-1]
     g = x.astype(mx.float32).reshape(*lead, d // group, group)
     lo = g.min(axis=-1, keepdims=True)
@@ -121,7 +121,7 @@ class VariantStore(NativeLayerStore):
 
 
 def make_runner(loaded, name: str, num_pages: int):
-    from engine.packed_cache import PackedModelRunner
+    from engine.runner.packed import PackedModelRunner
     from quality.runs import PAGE_TOKENS
     if name == "native":
         return PackedModelRunner(loaded, KVStore(loaded.geometry, num_pages, PAGE_TOKENS,
@@ -141,7 +141,7 @@ def make_runner(loaded, name: str, num_pages: int):
 
 
 def main(argv=None) -> int:
-    from engine.model import load_model
+    from engine.model.loader import load_model
     from quality import runs as quality_runs
     from quality.verdicts import summarize_nll
     from quality.data import text_windows

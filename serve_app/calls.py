@@ -52,7 +52,7 @@ class GenerateCall:
 
     def sampling_params(self):
         """The engine's SamplingParams for this call (raises engine InvalidRequest)."""
-        from engine.sampling import SamplingParams
+        from engine.sampling.params import SamplingParams
 
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,

@@ -102,7 +102,7 @@ class CapacityLink:
                 # the actor's grammar would quarantine and drop.
                 execution_identity=execution_identity(
                     self.server.engine.format_identity,
-                    self.server.engine.stats().get("prefill_mode", "direct")) or None,
+                    self.server.engine.stats().prefill_mode) or None,
                 finish_reason=telemetry["finish_reason"])
             await self.client.release(request_id, t)
         except Exception:  # noqa: BLE001

@@ -188,7 +188,7 @@ def _load(path: str | None, model: str | None = None, model_id: str | None = Non
     if model is not None:
         if path is not None:
             raise ConfigError("give either CONFIG or --model, not both")
-        from engine.model_names import ModelNameError, known_name, looks_like_hub_id, \
+        from engine.model.names import ModelNameError, known_name, looks_like_hub_id, \
             resolve_model
 
         spec = model
@@ -467,7 +467,7 @@ def _interrupt(signum, frame):
 
 
 def cmd_import_gguf(args) -> int:
-    from engine.gguf import GGUFImportError, import_gguf
+    from engine.model.gguf import GGUFImportError, import_gguf
 
     try:
         import_gguf(args.file, args.out_dir, dtype=args.dtype, overwrite=args.force)

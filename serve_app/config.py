@@ -293,8 +293,8 @@ def _import_gguf_paths(cfg: OrchardConfig, source: str) -> None:
     for i, m in enumerate(cfg.models):
         if not m.path.lower().endswith(".gguf"):
             continue
-        from engine.gguf import GGUFImportError
-        from engine.gguf.cache import imported_model_dir
+        from engine.model.gguf import GGUFImportError
+        from engine.model.gguf.cache import imported_model_dir
 
         if not Path(m.path).expanduser().is_file():
             raise ConfigError(f"{source}: models.{i}.path: no such GGUF file {m.path!r}")

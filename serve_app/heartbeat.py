@@ -46,11 +46,11 @@ def slot_report(server: Any, state: str | None = None) -> SlotReport:
     eng = server.engine
     stats = eng.stats()
     cost = eng.cost_model()
-    running = int(stats.get("num_requests_running", 0))
-    waiting = int(stats.get("num_requests_waiting", 0))
-    execution = execution_identity(eng.format_identity, stats.get("prefill_mode", "direct"))
+    running = stats.num_requests_running
+    waiting = stats.num_requests_waiting
+    execution = execution_identity(eng.format_identity, stats.prefill_mode)
     active = server.active_raw_tokens()
-    step_s = stats.get("decode_step_s")
+    step_s = stats.decode_step_s
     return SlotReport(
         model_id=server.model_id,
         state=state or ("running" if running + waiting or active else "idle"),
@@ -61,12 +61,12 @@ def slot_report(server: Any, state: str | None = None) -> SlotReport:
         raw_budget_used=sum(active.values()),
         max_concurrency=cost.concurrency_ceiling,
         kv_bytes_per_token=cost.bytes_per_token,
-        used_bytes=int(stats.get("kv_bytes_reserved", 0)),
+        used_bytes=stats.kv_bytes_reserved,
         cost_model=CostModelWire.from_cost_model(cost),
         # Each running request gets one token per decode step: per-request tok/s under load.
         observed_decode_tps=(1.0 / step_s) if step_s and running else None,
-        observed_prefill_tps=stats.get("prefill_tokens_per_s") or None,
-        decode_step_profile=sorted(stats.get("decode_step_profile", {}).items())[:64],
+        observed_prefill_tps=stats.prefill_tokens_per_s or None,
+        decode_step_profile=sorted(stats.decode_step_profile.items())[:64],
         active=[ActiveRequest(request_id=rid, raw_tokens=raw)
                 for rid, raw in list(active.items())[:MAX_ACTIVE_LISTED]],
         active_complete=len(active) <= MAX_ACTIVE_LISTED,

@@ -101,14 +101,14 @@ def node_memory_bytes(cfg: OrchardConfig) -> tuple[int, bool]:
     advertised = _cluster_mac_memory_bytes()
     if advertised:
         return advertised, False
-    from engine.budget import device_memory_bytes
+    from engine.kv.budget import device_memory_bytes
 
     return device_memory_bytes(), True
 
 
 def available_memory_bytes() -> int:
     """Memory free for new allocations now (no bound where it cannot be measured)."""
-    from engine.budget import available_memory_bytes as measured, device_memory_bytes
+    from engine.kv.budget import available_memory_bytes as measured, device_memory_bytes
 
     return measured() or device_memory_bytes()
 

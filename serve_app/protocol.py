@@ -239,7 +239,7 @@ def response_grammar(req: ChatCompletionRequest) -> str | None:
     if schema is None:
         return None
     from engine.errors import InvalidRequest
-    from engine.structured import json_grammar
+    from engine.sampling.structured import json_grammar
 
     try:
         return json_grammar(schema)

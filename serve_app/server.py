@@ -145,13 +145,11 @@ class ModelServer:
                     "prompt_tokens": usage.prompt_tokens if usage else len(call.prompt_ids),
                     "completion_tokens": usage.completion_tokens if usage else 0,
                     "cached_tokens": usage.cached_tokens if usage else 0,
-                    "batch_size_at_admission": int(stats_at_admission.get(
-                        "num_requests_running", 0)) + 1,
+                    "batch_size_at_admission": stats_at_admission.num_requests_running + 1,
                     # Seen at admission and at finish: a request is a solo sample only if both
                     # are 1 (the actor takes solo decode rates only from such requests).
-                    "max_batch_size": max(int(stats_at_admission.get("num_requests_running", 0)),
-                                          int(self.engine.stats().get("num_requests_running", 0)))
-                    + 1,
+                    "max_batch_size": max(stats_at_admission.num_requests_running,
+                                          self.engine.stats().num_requests_running) + 1,
                     "ttft_s": ttft,
                     "tpot_s": ((last_t - started - (ttft or 0)) / (usage.completion_tokens - 1)
                                if usage and usage.completion_tokens > 1 else None),
@@ -190,17 +188,17 @@ class ModelServer:
     def routing_stats(self) -> dict:
         stats = self.engine.stats()
         cost = self.engine.cost_model()
-        used = int(stats.get("kv_bytes_reserved", 0))
-        running = int(stats.get("num_requests_running", 0))
+        used = stats.kv_bytes_reserved
+        running = stats.num_requests_running
         return {
             "model_id": self.model_id,
             "format_identity": self.engine.format_identity,
             "num_requests_running": running,
-            "num_requests_waiting": int(stats.get("num_requests_waiting", 0)),
-            "kv_bytes_used": int(stats.get("kv_bytes_used", 0)),
-            "kv_bytes_total": int(stats.get("kv_bytes_total", cost.budget_bytes)),
-            "kv_pages_used": int(stats.get("kv_pages_used", 0)),
-            "kv_pages_total": int(stats.get("kv_pages_total", 0)),
+            "num_requests_waiting": stats.num_requests_waiting,
+            "kv_bytes_used": stats.kv_bytes_used,
+            "kv_bytes_total": stats.kv_bytes_total,
+            "kv_pages_used": stats.kv_pages_used,
+            "kv_pages_total": stats.kv_pages_total,
             "headroom_raw_tokens": int(cost.max_raw_tokens(used, running)),
             "inflight": len(self._inflight),
         }
@@ -222,8 +220,8 @@ class ModelServer:
         if not self.engine.healthy():
             raise RuntimeError(f"engine of {self.model_id} on {self.replica_id} is not healthy")
         stats = self.engine.stats()
-        steps, now = stats.get("steps_total", 0), time.monotonic()
-        busy = stats.get("num_requests_running", 0) + stats.get("num_requests_waiting", 0)
+        steps, now = stats.steps_total, time.monotonic()
+        busy = stats.num_requests_running + stats.num_requests_waiting
         if steps != self._progress[0] or not busy:
             self._progress = (steps, now)
         elif now - self._progress[1] > self.wedge_timeout_s:

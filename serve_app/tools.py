@@ -94,7 +94,7 @@ def plan_tools(req, fmt: ModelTextFormat) -> ToolPlan | None:
                               f"model's is {fmt.tool_parser!r} (use auto)", param="tool_choice",
                               code="unsupported_parameter")
         from engine.errors import InvalidRequest
-        from engine.structured import tool_call_grammar
+        from engine.sampling.structured import tool_call_grammar
 
         calls = [_call_schema(t["function"]) for t in tools if t["function"]["name"] in forced]
         try:

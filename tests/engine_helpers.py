@@ -6,7 +6,7 @@ import time
 from engine.config import EngineConfig
 from engine.loop import Engine
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 
 PAGE_BYTES_LLAMA = 16 * 2048   # tiny llama: 2 layers x 2 KV heads x 64 dims x (K+V) x 4 bytes
 
@@ -61,8 +61,8 @@ def wait_idle(eng, timeout=10.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         s = eng.stats()
-        if (s["num_requests_running"] == 0 and s["num_requests_waiting"] == 0
-                and s["kv_pages_used"] == 0 and s["kv_bytes_reserved"] == 0):
+        if (s.num_requests_running == 0 and s.num_requests_waiting == 0
+                and s.kv_pages_used == 0 and s.kv_bytes_reserved == 0):
             return s
         time.sleep(0.01)
     raise AssertionError(f"engine not idle: {eng.stats()}")

@@ -1,8 +1,9 @@
 """Builders shared by the scheduler tests: a real page pool and ledger on a small budget."""
-from engine.budget import ByteLedger, build_cost_model
-from engine.pages import PagePool
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, Seq
+from engine.kv.budget import ByteLedger, build_cost_model
+from engine.kv.pages import PagePool
+from engine.sampling.params import SamplingParams
+from engine.sched.scheduler import Scheduler
+from engine.sched.seq import Seq
 
 BPT = 100          # bytes per token (any positive number works for bookkeeping)
 PAGE = 4           # tokens per page

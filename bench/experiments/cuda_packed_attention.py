@@ -30,7 +30,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from capacity.formats import GROUP_SIZE
-from engine.rotation import rotate
+from engine.kv.rotation import rotate
 
 QUERY_ROWS = 32     # per block: 2 warps x 16 rows
 KEY_TILE = 32
@@ -226,7 +226,7 @@ def _kernel(head_dim: int):
 
 
 def packed_prefill_attention(q, hist, k_new, v_new, *, fmt, scale: float):
-    """Same contract as engine.packed_attention.direct_attention with the default causal mask,
+    """Same contract as engine.attention.packed.direct_attention with the default causal mask,
     no history mask and no sinks; CUDA only."""
     B, Hq, L, D = q.shape
     Hkv = k_new.shape[1]

@@ -6,12 +6,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.checkpoint import CheckpointError, read_manifest, restore_checkpoint, save_checkpoint
-from engine.kvstore import KVStore
-from engine.model import load_model
-from engine.packed_cache import PackedModelRunner
-from engine.packed_store import packed_layer_factory
-from engine.runner import SeqChunk
+from engine.checkpoint.format import CheckpointError, read_manifest, restore_checkpoint, save_checkpoint
+from engine.kv.store import KVStore
+from engine.model.loader import load_model
+from engine.runner.packed import PackedModelRunner
+from engine.attention.packed_store import packed_layer_factory
+from engine.runner.paged import SeqChunk
 
 KEY = b"orchard-test-key"
 FORMATS = ("native", "int8", "k8v4", "int4")
@@ -169,8 +169,8 @@ def test_unsigned_checkpoint_needs_no_key_but_a_key_demands_a_signature(tmp_path
 def test_checkpoint_rows_are_the_live_store_bytes_and_restore_them_verbatim(tmp_path, models, fmt):
     """The file holds exactly the live store's rows (packed: codes | scales | offsets as stored,
     never dequantized or requantized), and a restore writes those same bytes into new pages."""
-    from engine.checkpoint import _native_rows, _slots
-    from engine.quant import to_row_bytes
+    from engine.checkpoint.format import _native_rows, _slots
+    from engine.kv.quant import to_row_bytes
 
     loaded = models["llama"]
     runner, table, prompt = _saved(tmp_path, loaded, fmt)

@@ -14,7 +14,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.loop import Engine
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine_helpers import PAGE_BYTES_LLAMA, prompt, run, tokens, wait_idle
 
 FORMATS = ("native", "int8", "k8v4", "int4")

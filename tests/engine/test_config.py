@@ -2,7 +2,7 @@
 import pytest
 from pydantic import ValidationError
 
-from engine.budget import ByteLedger, build_cost_model, resolve_budget_bytes
+from engine.kv.budget import ByteLedger, build_cost_model, resolve_budget_bytes
 from engine.config import EngineConfig
 from engine.errors import LedgerError
 
@@ -11,12 +11,6 @@ def test_defaults_are_complete():
     cfg = EngineConfig(model="m")
     assert (cfg.kv_format, cfg.max_num_seqs, cfg.max_step_tokens) == ("native", 16, 512)
     assert cfg.kv_budget_bytes is None and cfg.kv_memory_fraction == 0.5 and not cfg.allow_hub
-
-
-def test_default_page_size_is_the_measured_one():
-    from engine.kvstore import DEFAULT_PAGE_TOKENS
-
-    assert EngineConfig(model="m").page_tokens == DEFAULT_PAGE_TOKENS
 
 
 @pytest.mark.parametrize("bad,field", [
@@ -36,7 +30,7 @@ def test_budget_is_page_rounded_capped_and_at_least_one_page():
     assert resolve_budget_bytes(None, 0.25, page, 10**9, memory_bytes=40_000) == 10_000
     # Measured on this machine: never more than 0.9 of what is free now (the pool is allocated
     # up front; on a shared box a share of the total can exceed what is free).
-    from engine.budget import available_memory_bytes
+    from engine.kv.budget import available_memory_bytes
     free = available_memory_bytes()
     assert resolve_budget_bytes(None, 0.95, page, 10**15) <= free * 0.9 * 1.05 + page
     assert resolve_budget_bytes(10**8, 0.5, page, max_useful_bytes=7_500) == 7_000

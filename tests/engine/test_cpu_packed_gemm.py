@@ -1,11 +1,12 @@
-"""Decode scores as a GEMM on the codes (engine.cpu_packed_gemm) equal the dequantized math."""
+"""Decode scores as a GEMM on the codes (engine.attention.cpu_gemm) equal the dequantized math."""
 import mlx.core as mx
 import pytest
 
-import engine.packed_attention as pa
+import engine.attention.packed as pa
 from capacity.formats import KVFormat
-from engine.cpu_packed_gemm import code_planes, scores
-from engine.quant import Packed, dequantize, quantize
+from engine.attention.choices import KernelChoices
+from engine.attention.cpu_gemm import code_planes, scores
+from engine.kv.quant import Packed, dequantize, quantize
 
 
 def _gathered(p: Packed) -> Packed:
@@ -40,7 +41,7 @@ def test_scores_match_the_dequantized_keys(bits, D, R, S):
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
-def test_decode_attention_agrees_with_mlx_quantized_matmul(name, monkeypatch):
+def test_decode_attention_agrees_with_mlx_quantized_matmul(name):
     fmt = KVFormat(name, 128)
     keys = mx.random.split(mx.random.key(7), 5)
     q = mx.random.normal((3, 8, 1, 128), key=keys[0])
@@ -49,6 +50,6 @@ def test_decode_attention_agrees_with_mlx_quantized_matmul(name, monkeypatch):
     kn, vn = (mx.random.normal((3, 2, 1, 128), key=k) for k in keys[3:5])
     kw = dict(fmt=fmt, scale=128 ** -0.5, new_mask=None)
     ours = pa.direct_attention(q, hist, kn, vn, **kw)
-    monkeypatch.setattr(pa, "cpu_code_gemm", False)
-    mlx_qmm = pa.direct_attention(q, hist, kn, vn, **kw)
+    mlx_qmm = pa.direct_attention(q, hist, kn, vn, kernels=KernelChoices(cpu_code_gemm=False),
+                                  **kw)
     assert mx.abs(ours - mlx_qmm).max().item() < 2e-5

@@ -1,5 +1,5 @@
-"""CPU-side tests of the CUDA decode kernels' host logic (engine/cuda_paged_decode.py,
-engine/cuda_packed_decode.py, bench/cuda_check.py).
+"""CPU-side tests of the CUDA decode kernels' host logic (engine/attention/cuda/paged_decode.py,
+engine/attention/cuda/packed_decode.py, bench/cuda_check.py).
 
 The kernels themselves only run on a CUDA GPU: they are exercised there by
 `python -m bench.cuda_check` (results in docs/lab/benchmarks-gpu.md), never in this suite. What
@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from bench import cuda_check
-from engine import cuda_packed_decode, cuda_paged_decode
-from engine.packed_cache import PackedLayerCache
+from engine.attention.cuda import packed_decode as cuda_packed_decode
+from engine.attention.cuda import paged_decode as cuda_paged_decode
+from engine.attention.packed_cache import PackedLayerCache
 
 
 def test_split_plan_keeps_short_contexts_whole_and_splits_long_ones():
@@ -45,11 +46,11 @@ def test_packed_kernel_formats():
 def test_cpu_runner_never_routes_to_the_kernels(tmp_path):
     import mlx.core as mx
 
-    from engine.kvstore import KVStore
-    from engine.model import load_model
-    from engine.packed_cache import PackedModelRunner
-    from engine.packed_store import packed_layer_factory
-    from engine.runner import ModelRunner
+    from engine.kv.store import KVStore
+    from engine.model.loader import load_model
+    from engine.runner.packed import PackedModelRunner
+    from engine.attention.packed_store import packed_layer_factory
+    from engine.runner.paged import ModelRunner
     from bench.synthetic import build_tiny_model
 
     assert not cuda_paged_decode.available()

@@ -1,4 +1,4 @@
-"""CPU-side tests of the CUDA packed prefill kernel's host logic (engine/cuda_packed_prefill.py)
+"""CPU-side tests of the CUDA packed prefill kernel's host logic (engine/attention/cuda/packed_prefill.py)
 and of the reference harness its device check uses (engine/cuda_check.prefill_case).
 
 The kernel itself only runs on a CUDA GPU (`python -m bench.cuda_check` there; results in
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from bench import cuda_check
-from engine import cuda_packed_prefill
+from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 
 
 def test_split_plan():
@@ -42,10 +42,10 @@ def test_query_warps_fill_the_block_but_not_with_padding():
 
 
 def test_formats_and_cpu_routing(tmp_path):
-    from engine.attention import StepBatch, Row
-    from engine.kvstore import KVStore
-    from engine.model import load_model
-    from engine.packed_store import packed_layer_factory
+    from engine.attention.paged import StepBatch, Row
+    from engine.kv.store import KVStore
+    from engine.model.loader import load_model
+    from engine.attention.packed_store import packed_layer_factory
     from bench.synthetic import build_tiny_model
     import mlx.core as mx
 

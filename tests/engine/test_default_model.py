@@ -27,7 +27,7 @@ def _load_mlx_lm():
 
 
 def _load_engine():
-    from engine.model import load_model
+    from engine.model.loader import load_model
 
     loaded = load_model(str(MODEL_DIR), dtype="float32")
     return loaded.model, loaded.tokenizer

@@ -5,7 +5,7 @@ import pytest
 
 from engine.errors import InvalidRequest, RequestTooLarge
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine_helpers import collect, make_engine, req, run, started, tokens, wait_idle
 
 
@@ -24,10 +24,10 @@ def test_stream_shape_usage_and_ttft(eng):
     assert deltas[-1].usage.prompt_tokens == 10 and deltas[-1].usage.completion_tokens == 6
     assert len(tokens(deltas)) == 6
     s = wait_idle(eng)
-    assert s["requests_finished_length_total"] >= 1
+    assert s.requests["finished_length"] >= 1
     # The preallocated KV never exceeds the configured budget, and the ledger prices it exactly.
-    assert eng.kvstore.nbytes == s["kv_bytes_total"] <= eng.cfg.kv_budget_bytes
-    assert eng.cost_model().budget_bytes == s["kv_bytes_total"]
+    assert eng.kvstore.nbytes == s.kv_bytes_total <= eng.cfg.kv_budget_bytes
+    assert eng.cost_model().budget_bytes == s.kv_bytes_total
 
 
 def test_greedy_alone_equals_batched_with_different_lengths(eng):
@@ -76,7 +76,7 @@ def test_stop_string_ends_text_before_the_match(eng):
 
 
 def test_request_larger_than_budget_is_refused_others_undisturbed(eng):
-    before = eng.stats()["requests_refused_too_large_total"]
+    before = eng.stats().requests["refused_too_large"]
 
     async def scenario():
         ok = asyncio.ensure_future(collect(eng, req("fine", n_prompt=20, max_tokens=20)))
@@ -86,7 +86,7 @@ def test_request_larger_than_budget_is_refused_others_undisturbed(eng):
     deltas = run(scenario())
     assert deltas[-1].finish_reason == "length" and len(tokens(deltas)) == 20
     s = wait_idle(eng)
-    assert s["requests_refused_too_large_total"] == before + 1
+    assert s.requests["refused_too_large"] == before + 1
 
 
 def test_bad_inputs_are_refused_before_the_engine_thread(eng):
@@ -94,7 +94,7 @@ def test_bad_inputs_are_refused_before_the_engine_thread(eng):
         GenerationRequest("x", [], SamplingParams())
     with pytest.raises(InvalidRequest, match="out of range"):
         run(collect(eng, GenerationRequest("x", [10**6], SamplingParams())))
-    before = eng.stats()["requests_refused_invalid_total"]
+    before = eng.stats().requests["refused_invalid"]
 
     async def duplicate():
         # The first "dup" cannot finish on its own before the duplicate arrives: it is running
@@ -106,8 +106,8 @@ def test_bad_inputs_are_refused_before_the_engine_thread(eng):
         return got + [d async for d in first]
     assert run(duplicate())[-1].finish_reason == "cancelled"
     s = wait_idle(eng)
-    assert s["requests_refused_invalid_total"] == before + 1
-    assert s["requests_refused_overloaded_total"] == 0     # every series exists from the start
+    assert s.requests["refused_invalid"] == before + 1
+    assert s.requests["refused_overloaded"] == 0     # every series exists from the start
 
 
 def test_eos_finishes_with_stop_and_is_not_decoded(eng):
@@ -127,13 +127,13 @@ def test_a_consumer_that_falls_behind_gets_merged_deltas_with_every_token(eng):
                                 ignore_eos=True)))
 
     async def slow_reader():
-        before = eng.stats()["requests_finished_length_total"]
+        before = eng.stats().requests["finished_length"]
         agen = eng.generate(req("merged", n_prompt=9, pseed=8, max_tokens=20, ignore_eos=True),
                             coalesce=True)
         out = [await agen.__anext__()]
         # Fall behind on purpose: read on only once the engine reports the request finished
         # (a condition, not a clock). Every non-final delta is queued by then.
-        while eng.stats()["requests_finished_length_total"] < before + 1:
+        while eng.stats().requests["finished_length"] < before + 1:
             await asyncio.sleep(0.01)
         return out + [d async for d in agen]
     got = run(slow_reader())

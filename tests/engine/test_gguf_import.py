@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.gguf import GGUFImportError, import_gguf
+from engine.model.gguf import GGUFImportError, import_gguf
 from tests.engine_helpers import collect, make_engine, run, tokens
 from tests.fixtures.gguf_models import build_gguf_pair
 
@@ -79,7 +79,7 @@ def test_imported_float32_generates_what_the_same_weights_do(pairs, imported, ar
 
 def test_without_the_unpermute_llama_would_differ(pairs, tmp_path):
     """The q/k row permutation matters on these weights (so the test above can catch it)."""
-    from engine.gguf import arch as archs
+    from engine.model.gguf import arch as archs
 
     pair = pairs("llama", "Q8_0")
     original = archs._unpermute
@@ -127,7 +127,7 @@ def test_keep_requantizes_k_quants(imported):
                                         ("llama", "Q4_K")])
 def test_engine_generates_what_mlx_lm_does_on_the_import(imported, arch, qtype):
     from engine.request import GenerationRequest
-    from engine.sampling import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     folder = imported(arch, qtype)
     model, _ = _mlx_lm(folder)
@@ -254,9 +254,9 @@ def test_real_smollm2_engine_equals_mlx_lm_and_knows_paris():
     """SmolLM2-135M-Instruct (models/smollm2-135m, fetched and imported if missing)."""
     from mlx_lm import generate
 
-    from engine.gguf.real_model import ensure_real_model
+    from engine.model.gguf.real_model import ensure_real_model
     from engine.request import GenerationRequest
-    from engine.sampling import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     folder = ensure_real_model()
     model, tok = _mlx_lm(folder)

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from engine.checkpoint import CheckpointError
+from engine.checkpoint.format import CheckpointError
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine_helpers import make_engine, prompt, run, tokens, wait_idle
 
 N = 24   # generated tokens of the original request
@@ -49,7 +49,7 @@ def test_restore_continues_with_the_same_tokens(eng, tmp_path):
     assert tokens(restored) == full[n + 1:]
     assert restored[-1].usage.cached_tokens == n
     s = wait_idle(eng)
-    assert s["kv_bytes_reserved"] == 0
+    assert s.kv_bytes_reserved == 0
 
 
 async def _collect(eng, r):
@@ -74,8 +74,8 @@ def test_bad_checkpoints_are_refused_before_allocating(eng, tiny_llama, tmp_path
     with pytest.raises(CheckpointError, match="not running"):
         eng.save_checkpoint("nobody", tmp_path / "x")
     s = wait_idle(eng)
-    assert s["requests_refused_checkpoint_total"] == 3
-    assert s["steps_total"] == before["steps_total"]          # nothing ran, nothing allocated
+    assert s.requests["refused_checkpoint"] == 3
+    assert s.steps_total == before.steps_total          # nothing ran, nothing allocated
 
 
 def test_other_format_refuses_the_checkpoint(tiny_llama, tmp_path):
@@ -88,7 +88,7 @@ def test_other_format_refuses_the_checkpoint(tiny_llama, tmp_path):
         with pytest.raises(CheckpointError, match="storage"):
             run(_collect(b, greq("x", full[:manifest["num_tokens"] + 1], 2,
                                  restore=str(tmp_path / "ck"))))
-        assert b.stats()["kv_pages_used"] == 0
+        assert b.stats().kv_pages_used == 0
     finally:
         a.shutdown()
         b.shutdown()

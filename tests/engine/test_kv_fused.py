@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-from engine.budget import ByteLedger, build_cost_model
+from engine.kv.budget import ByteLedger, build_cost_model
 from engine.config import EngineConfig
 from engine.errors import DeadlineUnmeetable
 from engine.loop import Engine
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine_helpers import collect, prompt, run, tokens
 
 PAGE = 16 * 576            # int8 tiny llama: 2 layers x 2 heads x (72 + 72) bytes per token
@@ -100,11 +100,11 @@ def test_fused_steps_take_permits_released_at_retirement(tiny_llama):
             return await asyncio.gather(collect(eng, greq("a", 40, 4)),
                                         collect(eng, greq("b", 40, 4, pseed=1)))
         run(both())
-        c = eng.stats()["kv_path_counters"]
+        c = eng.stats().kv_path_counters
         assert c["fused"] >= 2 and c["budget_fallback"] == 0 and c["ineligible_fallback"] > 0
         granted = assert_permits_die_with_their_step(trace)
         assert granted and all(n >= PERMIT for n in granted.values())
-        assert eng.stats()["kv_workspace_bytes"] == 0 and eng.stats()["kv_bytes_reserved"] == 0
+        assert eng.stats().kv_workspace_bytes == 0 and eng.stats().kv_bytes_reserved == 0
     finally:
         eng.shutdown()
 
@@ -129,7 +129,7 @@ def test_cancelling_the_request_does_not_refund_its_steps_permit(tiny_llama):
         release = trace.index("release", step=step)
         assert release < refund                                 # ... until the step retired,
         assert trace.of("refund")[0]["last_step"] == step       # not by the cancel's refund
-        assert eng.stats()["kv_workspace_bytes"] == 0
+        assert eng.stats().kv_workspace_bytes == 0
     finally:
         eng.shutdown()
 
@@ -141,7 +141,7 @@ def test_refused_permit_runs_direct_for_the_whole_call_and_is_counted(tiny_llama
     try:
         got = tokens(run(collect(tight, greq("a", 40, 4))))
         want = tokens(run(collect(direct, greq("a", 40, 4))))
-        c = tight.stats()["kv_path_counters"]
+        c = tight.stats().kv_path_counters
         assert c["budget_fallback"] == 2 and c["fused"] == 0     # the fused step's two layers
         assert [f["granted"] for f in trace.of("permit")] == [False, False]
         assert got == want                                      # fallback = the direct path
@@ -227,7 +227,7 @@ def test_deadline_expires_during_retirement_and_the_prefill_work_is_kept(tiny_ll
     eng = engine(tiny_llama, pages=64, trace=trace)
     try:
         alone = tokens(run(collect(eng, greq("ref", 40, 8))))
-        before = eng.stats()["prompt_tokens_total"]
+        before = eng.stats().prompt_tokens_total
         trace.events.clear()
         r = _arrival_scenario(eng, trace, b_deadline_s=0.05, slow_retirement=True, a_max_tokens=8)
         assert isinstance(r["b_error"], DeadlineUnmeetable)
@@ -241,8 +241,8 @@ def test_deadline_expires_during_retirement_and_the_prefill_work_is_kept(tiny_ll
         # 40 prompt tokens were computed once.
         assert tokens(r["a"]) == alone
         s = eng.stats()
-        assert s["prompt_tokens_total"] - before == 40
-        assert s["requests_refused_deadline_total"] == 1 and s["kv_bytes_reserved"] == 0
+        assert s.prompt_tokens_total - before == 40
+        assert s.requests["refused_deadline"] == 1 and s.kv_bytes_reserved == 0
     finally:
         eng.shutdown()
 

@@ -4,9 +4,10 @@ never exceeds the budget, and everything returns to zero once the cache is evict
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine.errors import DeadlineUnmeetable, EngineOverloaded, RequestTooLarge
-from engine.prefix import PrefixCache
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, Seq
+from engine.kv.prefix import PrefixCache
+from engine.sampling.params import SamplingParams
+from engine.sched.scheduler import Scheduler
+from engine.sched.seq import Seq
 from tests.scheduler_helpers import make_scheduler
 
 PREFIXES = [list(range(100, 112)), list(range(200, 209)), [5] * 8]

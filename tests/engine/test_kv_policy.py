@@ -30,17 +30,17 @@ def test_exact_model_override_selects_the_format_and_stats_report_it(tiny_llama)
                       kv_format_overrides={tiny_llama: "int4", tiny_llama + "-sibling": "int8"})
     try:
         s = eng.stats()
-        assert s["kv_format"] == "int4" and s["prefill_mode"] == "direct"
+        assert s.kv_format == "int4" and s.prefill_mode == "direct"
         assert eng.format_identity == "affine-v1-k4v4-g64-f32-h64-s1"
-        assert s["storage_identity"] == ("0=affine-v1-k4v4-g64-f32-h64-s1;"
+        assert s.storage_identity == ("0=affine-v1-k4v4-g64-f32-h64-s1;"
                                          "1=affine-v1-k4v4-g64-f32-h64-s1")
         # Per layer: int4 rows of 2 KV heads x (32 code bytes + 8 metadata) for K and V.
-        assert s["kv_layers"] == [{"layer": i, "storage": "affine-v1-k4v4-g64-f32-h64-s1",
+        assert s.kv_layers == [{"layer": i, "storage": "affine-v1-k4v4-g64-f32-h64-s1",
                                    "bytes_per_token": 2 * 2 * 40} for i in (0, 1)]
-        assert s["kv_path_counters"] == dict(direct=0, fused=0, budget_fallback=0,
+        assert s.kv_path_counters == dict(direct=0, fused=0, budget_fallback=0,
                                              ineligible_fallback=0)
         run(collect(eng, req("a", n_prompt=40, max_tokens=3, ignore_eos=True)))
-        c = eng.stats()["kv_path_counters"]
+        c = eng.stats().kv_path_counters
         assert c["direct"] > 0 and c["fused"] == 0   # direct mode never takes the fused path
     finally:
         eng.shutdown()
@@ -50,8 +50,8 @@ def test_native_engine_reports_native_layers(tiny_llama):
     eng = make_engine(tiny_llama, pages=4, kv_format_overrides={"someone-else": "int4"})
     try:
         s = eng.stats()
-        assert s["kv_format"] == "native" and s["format_identity"] == "native-v1-f32"
-        assert [r["bytes_per_token"] * 16 for r in s["kv_layers"]] == [PAGE_BYTES_LLAMA // 2] * 2
+        assert s.kv_format == "native" and s.format_identity == "native-v1-f32"
+        assert [r["bytes_per_token"] * 16 for r in s.kv_layers] == [PAGE_BYTES_LLAMA // 2] * 2
         assert tokens(run(collect(eng, req("n", max_tokens=2, ignore_eos=True))))
     finally:
         eng.shutdown()

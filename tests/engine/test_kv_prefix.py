@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from engine.prefix import chain_root
+from engine.kv.prefix import chain_root
 from tests.engine_helpers import PAGE_BYTES_LLAMA, collect, make_engine, prompt, run, tokens
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 
 SHARED = prompt(32, seed=7)                    # two full 16-token pages
 
@@ -34,7 +34,7 @@ def wait_for(eng, **want):
     end = time.monotonic() + 10
     while time.monotonic() < end:
         s = eng.stats()
-        if all(s[k] == v for k, v in want.items()):
+        if all(getattr(s, k) == v for k, v in want.items()):
             return s
         time.sleep(0.01)
     raise AssertionError(f"stats never reached {want}: {eng.stats()}")
@@ -59,10 +59,10 @@ def test_hit_skips_cached_pages_and_generates_the_same_tokens(tiny_llama, plain,
         miss = run(collect(eng, greq("x", first)))
         assert miss[-1].usage.cached_tokens == 0
         s = wait_for(eng, num_requests_running=0, prefix_cache_pages=2)
-        page_bytes = s["kv_bytes_total"] // s["kv_pages_total"]
+        page_bytes = s.kv_bytes_total // s.kv_pages_total
         # Idle: only the cache holds pages, charged to it, but evictable: not reserved for routing.
-        assert s["kv_pages_used"] == 2 and s["prefix_cache_bytes"] == 2 * page_bytes
-        assert s["prefix_cache_evictable_pages"] == 2 and s["kv_bytes_reserved"] == 0
+        assert s.kv_pages_used == 2 and s.prefix_cache_bytes == 2 * page_bytes
+        assert s.prefix_cache_evictable_pages == 2 and s.kv_bytes_reserved == 0
         hit = run(collect(eng, greq("y", second)))
         assert hit[-1].usage.cached_tokens == 32 and hit[-1].usage.prompt_tokens == 37
         assert tokens(hit) == tokens(run(collect(ref, greq("y-ref", second))))
@@ -72,8 +72,8 @@ def test_hit_skips_cached_pages_and_generates_the_same_tokens(tiny_llama, plain,
         assert trace.admit("y")["charged"] == cm.charge_bytes(37 + 6) - 2 * page_bytes
         assert trace.admit("x")["charged"] == cm.charge_bytes(41 + 6)
         s = wait_for(eng, num_requests_running=0)
-        assert s["prefix_hits_total"] == 1 and s["prefix_hit_tokens_total"] == 32
-        assert s["prompt_tokens_total"] == 41 + 37 - 32           # the hit computed 5 tokens
+        assert s.prefix_hits_total == 1 and s.prefix_hit_tokens_total == 32
+        assert s.prompt_tokens_total == 41 + 37 - 32           # the hit computed 5 tokens
     finally:
         eng.shutdown()
         if ref is not plain:
@@ -95,10 +95,10 @@ def test_tenants_and_formats_never_share(tiny_llama):
         assert run(collect(eng, greq("d", ids, tenant="t2")))[-1].usage.cached_tokens == 32
         # Another format is another storage identity, hence another chain root.
         s_native, s_int4 = eng.stats(), other.stats()
-        assert s_native["storage_identity"] != s_int4["storage_identity"]
+        assert s_native.storage_identity != s_int4.storage_identity
         fp = eng.loaded.fingerprint
-        assert (chain_root(s_native["storage_identity"], fp, "t1", 16)
-                != chain_root(s_int4["storage_identity"], fp, "t1", 16))
+        assert (chain_root(s_native.storage_identity, fp, "t1", 16)
+                != chain_root(s_int4.storage_identity, fp, "t1", 16))
         assert run(collect(other, greq("e", ids)))[-1].usage.cached_tokens == 0
     finally:
         eng.shutdown()
@@ -112,13 +112,13 @@ def test_short_of_pages_evicts_and_nothing_leaks(tiny_llama):
         for i in range(3):
             run(collect(eng, greq(f"fill{i}", prompt(33, seed=20 + i), max_tokens=2)))
         s = wait_for(eng, num_requests_running=0, prefix_cache_pages=6)
-        assert s["prefix_cache_bytes"] == 6 * PAGE_BYTES_LLAMA and s["kv_bytes_reserved"] == 0
+        assert s.prefix_cache_bytes == 6 * PAGE_BYTES_LLAMA and s.kv_bytes_reserved == 0
         big = run(collect(eng, greq("big", prompt(90, seed=30), max_tokens=10)))
         assert big[-1].finish_reason == "length"
         s = wait_for(eng, num_requests_running=0)
-        assert s["prefix_evicted_pages_total"] >= 5
-        assert s["prefix_cache_bytes"] == s["prefix_cache_pages"] * PAGE_BYTES_LLAMA
-        assert s["kv_pages_used"] == s["prefix_cache_pages"] == s["prefix_cache_evictable_pages"]
+        assert s.prefix_evicted_pages_total >= 5
+        assert s.prefix_cache_bytes == s.prefix_cache_pages * PAGE_BYTES_LLAMA
+        assert s.kv_pages_used == s.prefix_cache_pages == s.prefix_cache_evictable_pages
 
         async def concurrent():   # two requests sharing cached pages at once
             ids = prompt(90, seed=30)
@@ -130,6 +130,6 @@ def test_short_of_pages_evicts_and_nothing_leaks(tiny_llama):
         eng.evict_prefix_cache()
         s = wait_for(eng, kv_pages_used=0, kv_bytes_reserved=0, prefix_cache_pages=0,
                      prefix_cache_bytes=0)
-        assert s["kv_raw_tokens_reserved"] == 0 and s["kv_workspace_bytes"] == 0
+        assert s.kv_raw_tokens_reserved == 0 and s.kv_workspace_bytes == 0
     finally:
         eng.shutdown()

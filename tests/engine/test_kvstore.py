@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from capacity.formats import KVFormat
-from engine.kvstore import KVStore, NativeLayerStore, Slots
-from engine.model import LayerGeometry, ModelGeometry
+from engine.kv.store import KVStore, NativeLayerStore, Slots
+from engine.model.loader import LayerGeometry, ModelGeometry
 
 GEOM = ModelGeometry(layers=(LayerGeometry(0, "full", 2, 64, 64),
                              LayerGeometry(1, "sliding", 2, 64, 64, window=16),

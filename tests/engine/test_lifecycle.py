@@ -76,7 +76,7 @@ def test_cancel_mid_decode_and_by_closing_the_stream(traced):
     assert got[-1].finish_reason == "cancelled" and 3 <= len(tokens(got)) < 200
     assert len(closed) == 2
     s = wait_idle(eng)                          # closing the iterator cancelled "closer"
-    assert s["requests_finished_cancelled_total"] == 2
+    assert s.requests["finished_cancelled"] == 2
     assert trace.assert_refunds_follow_retirement() == 2
 
 
@@ -110,8 +110,8 @@ def test_deadline_expires_while_queued_and_unmeetable_is_refused(tiny_llama):
         assert big[-1].finish_reason == "length"
         assert [d.finish_reason for d in late] == ["deadline"] and tokens(late) == []
         s = wait_idle(eng)
-        assert s["requests_finished_deadline_total"] == 1
-        assert s["requests_refused_deadline_total"] == 1
+        assert s.requests["finished_deadline"] == 1
+        assert s.requests["refused_deadline"] == 1
     finally:
         eng.shutdown()
 
@@ -119,7 +119,7 @@ def test_deadline_expires_while_queued_and_unmeetable_is_refused(tiny_llama):
 def test_forecast_refuses_a_deadline_it_cannot_meet(traced):
     eng, _ = traced
     run(collect(eng, req("warm", n_prompt=64, max_tokens=2)))     # measure prefill speed
-    tps = eng.stats()["prefill_tokens_per_s"]
+    tps = eng.stats().prefill_tokens_per_s
     assert tps > 0
     with pytest.raises(DeadlineUnmeetable) as e:
         run(collect(eng, req("tight", n_prompt=500, max_tokens=2,
@@ -165,7 +165,7 @@ def test_shutdown_drains_then_refuses(tiny_llama):
     with pytest.raises(EngineShutdown):
         run(collect(eng, req("after")))
     s = eng.stats()
-    assert s["kv_pages_used"] == 0 and s["kv_bytes_reserved"] == 0
+    assert s.kv_pages_used == 0 and s.kv_bytes_reserved == 0
 
 
 def test_shutdown_timeout_cancels_what_is_left(tiny_llama):
@@ -177,4 +177,4 @@ def test_shutdown_timeout_cancels_what_is_left(tiny_llama):
         return got + [d async for d in running]
     deltas = run(scenario())
     assert deltas[-1].finish_reason == "cancelled"
-    assert eng.stats()["kv_bytes_reserved"] == 0
+    assert eng.stats().kv_bytes_reserved == 0

@@ -7,7 +7,7 @@ import shutil
 import mlx.core as mx
 import pytest
 
-from engine.model import ModelLoadError, load_model, default_compute_dtype
+from engine.model.loader import ModelLoadError, load_model, default_compute_dtype
 
 EXPECTED_KINDS = {
     "llama": ["full", "full"],

@@ -1,4 +1,4 @@
-"""`--model` on the benchmark, quality and load-test commands (engine.model_names): short names
+"""`--model` on the benchmark, quality and load-test commands (engine.model.names): short names
 resolve to their folders under models/, a missing real model says to run `make real-model`, an
 unknown name lists the known ones, a .gguf file goes through the one-time import cache, and each
 command's --help and parser use the one shared resolver. Nothing is benchmarked; no Ray."""
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from engine import model_names
-from engine.model_names import ModelNameError, resolve_model, served_id
+from engine.model import names as model_names
+from engine.model.names import ModelNameError, resolve_model, served_id
 
 
 @pytest.fixture

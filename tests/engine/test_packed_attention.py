@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from capacity.formats import KVFormat
-from engine.packed_attention import (
+from engine.attention.packed import (
     PackedAttention, PackedKV, direct_attention, fused_attention, fused_workspace_bytes)
-from engine.quant import dequantize, quantize
-from engine.rotation import rotate
+from engine.kv.quant import dequantize, quantize
+from engine.kv.rotation import rotate
 
 NATIVE_TOL = {"int8": (0.02, 0.004), "k8v4": (0.25, 0.06), "int4": (0.35, 0.07)}
 EXACT_TOL = 2e-5
@@ -183,9 +183,10 @@ def test_router_counts_paths_and_takes_one_permit_per_fused_call():
 _NO_TOOLCHAIN_SCRIPT = """
 import mlx.core as mx, numpy as np, sys
 from capacity.formats import KVFormat
-from engine.packed_attention import PackedKV, direct_attention
-from engine.quant import quantize
-from engine.rotation import rotate
+from engine.attention.packed import direct_attention
+from engine.kv.quant import PackedKV
+from engine.kv.quant import quantize
+from engine.kv.rotation import rotate
 keys = mx.random.split(mx.random.key(3), 5)
 q = mx.random.normal((1, 4, 40, 64), key=keys[0])
 kh, vh = (mx.random.normal((1, 2, 70, 64), key=k) for k in keys[1:3])

@@ -8,11 +8,11 @@ path has no such tie, and every other divergence must happen at a native near-ti
 import mlx.core as mx
 import pytest
 
-from engine.kvstore import KVStore
-from engine.model import load_model
-from engine.packed_cache import PackedModelRunner
-from engine.packed_store import counters_of, packed_layer_factory
-from engine.runner import ModelRunner, SeqChunk
+from engine.kv.store import KVStore
+from engine.model.loader import load_model
+from engine.runner.packed import PackedModelRunner
+from engine.attention.packed_store import counters_of, packed_layer_factory
+from engine.runner.paged import ModelRunner, SeqChunk
 
 ARCHS = ("llama", "qwen3", "gemma3_text", "gpt_oss")
 TIE = 0.15            # about 2x the largest int8 logit error measured on these models

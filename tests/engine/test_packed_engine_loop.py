@@ -7,7 +7,7 @@ from capacity.formats import KVFormat
 from engine.config import EngineConfig
 from engine.loop import Engine
 from engine.request import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.engine_helpers import collect, run, tokens, wait_idle
 
 BUDGET = 64 * 16 * 2048   # 64 native pages of the tiny llama

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from capacity.formats import KVFormat, KVFormatError
-from engine.kvstore import KVStore, NativeLayerStore, Slots
-from engine.model import LayerGeometry, ModelGeometry
-from engine.packed_store import PackedLayerStore, layer_report, packed_layer_factory
-from engine.quant import quantize
-from engine.rotation import rotate
+from engine.kv.store import KVStore, NativeLayerStore, Slots
+from engine.model.loader import LayerGeometry, ModelGeometry
+from engine.attention.packed_store import PackedLayerStore, layer_report, packed_layer_factory
+from engine.kv.quant import quantize
+from engine.kv.rotation import rotate
 
 GEOM = ModelGeometry(layers=(
     LayerGeometry(0, "sliding", 2, 64, 64, window=16),

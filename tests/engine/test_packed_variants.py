@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from capacity.formats import KVFormat, KVFormatError, format_from_identity, parse_identity
-from engine.checkpoint import restore_checkpoint, save_checkpoint
-from engine.kvstore import KVStore, Slots
-from engine.model import LayerGeometry, ModelGeometry, load_model
-from engine.packed_cache import PackedModelRunner
-from engine.packed_store import PackedLayerStore, layer_report, packed_layer_factory
-from engine.runner import ModelRunner, SeqChunk
+from engine.checkpoint.format import restore_checkpoint, save_checkpoint
+from engine.kv.store import KVStore, Slots
+from engine.model.loader import LayerGeometry, ModelGeometry, load_model
+from engine.runner.packed import PackedModelRunner
+from engine.attention.packed_store import PackedLayerStore, layer_report, packed_layer_factory
+from engine.runner.paged import ModelRunner, SeqChunk
 
 T = 16   # page tokens: several pages per sequence, each with its own sink rows
 

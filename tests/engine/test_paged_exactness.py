@@ -12,9 +12,10 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.kvstore import DEFAULT_PAGE_TOKENS, KVStore
-from engine.model import load_model
-from engine.runner import ModelRunner, SeqChunk
+from engine.kv.pages import DEFAULT_PAGE_TOKENS
+from engine.kv.store import KVStore
+from engine.model.loader import load_model
+from engine.runner.paged import ModelRunner, SeqChunk
 
 ARCHS = ["llama", "qwen3", "gemma3_text", "gpt_oss"]
 TOL = 1e-3

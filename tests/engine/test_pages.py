@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from engine.errors import PageError
-from engine.pages import PagePool, PageTable, pages_for
+from engine.kv.pages import PagePool, PageTable, pages_for
 
 
 def test_pages_for_rounds_tails_up():

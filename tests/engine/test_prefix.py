@@ -1,8 +1,8 @@
 """Prefix cache bookkeeping: hits, misses, isolation by format/model/tenant, sharing, eviction."""
 import pytest
 
-from engine.pages import PagePool, PageTable
-from engine.prefix import PrefixCache, chain_root, page_hashes
+from engine.kv.pages import PagePool, PageTable
+from engine.kv.prefix import PrefixCache, chain_root, page_hashes
 
 T = 4
 INT4 = "0=affine-v1-k4v4-g64-f32-h64-s1;1=affine-v1-k4v4-g64-f32-h64-s1"

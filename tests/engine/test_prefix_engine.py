@@ -2,13 +2,13 @@
 import mlx.core as mx
 import pytest
 
-from engine.kvstore import KVStore
-from engine.model import load_model
-from engine.packed_cache import PackedModelRunner
-from engine.packed_store import packed_layer_factory, storage_identity
-from engine.pages import PagePool, PageTable
-from engine.prefix import PrefixCache, chain_root
-from engine.runner import SeqChunk
+from engine.kv.store import KVStore
+from engine.model.loader import load_model
+from engine.runner.packed import PackedModelRunner
+from engine.attention.packed_store import packed_layer_factory, storage_identity
+from engine.kv.pages import PagePool, PageTable
+from engine.kv.prefix import PrefixCache, chain_root
+from engine.runner.paged import SeqChunk
 
 T = 16
 

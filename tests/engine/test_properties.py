@@ -65,7 +65,7 @@ def test_random_traffic_leaves_nothing_behind(traced, ops):
 
     asyncio.run(scenario())
     after = wait_idle(eng)
-    assert after["kv_pages_used"] == 0 and after["kv_bytes_reserved"] == 0
+    assert after.kv_pages_used == 0 and after.kv_bytes_reserved == 0
     # Every admitted request was refunded exactly once, each after its last step retired.
-    assert trace.assert_refunds_follow_retirement() == after.get("requests_admitted_total", 0)
-    assert after["steps_total"] >= before["steps_total"]
+    assert trace.assert_refunds_follow_retirement() == after.requests["admitted"]
+    assert after.steps_total >= before.steps_total

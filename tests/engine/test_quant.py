@@ -3,7 +3,7 @@ import mlx.core as mx
 import pytest
 
 from capacity.formats import KVFormat
-from engine.quant import Packed, dequantize, from_row_bytes, quantize, row_bytes, to_row_bytes
+from engine.kv.quant import Packed, dequantize, from_row_bytes, quantize, row_bytes, to_row_bytes
 
 
 def _data(shape, seed=0):

@@ -2,8 +2,8 @@
 import mlx.core as mx
 import pytest
 
-from engine.quant import dequantize, quantize
-from engine.rotation import rotate, rotation_matrix, rotation_signs
+from engine.kv.quant import dequantize, quantize
+from engine.kv.rotation import rotate, rotation_matrix, rotation_signs
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -53,7 +53,7 @@ def test_rotation_cuts_int4_error_on_outlier_channels():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_dense_fallback_is_the_same_rotation(head_dim):
     # Backends without mx.hadamard_transform use a dense matrix; it must be the same R.
-    from engine.rotation import _block_diag_hadamard, _signs
+    from engine.kv.rotation import _block_diag_hadamard, _signs
     x = mx.random.normal((5, head_dim), key=mx.random.key(7))
     dense = (x * _signs(head_dim)) @ _block_diag_hadamard(head_dim)
     assert mx.allclose(dense, rotate(x), atol=1e-5).item()

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.kvstore import KVStore
-from engine.model import load_model
-from engine.runner import ModelRunner, SeqChunk
+from engine.kv.store import KVStore
+from engine.model.loader import load_model
+from engine.runner.paged import ModelRunner, SeqChunk
 
 ARCHS = ["llama", "qwen3", "gemma3_text", "gpt_oss"]
 

@@ -11,9 +11,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from engine.kvstore import KVStore
-from engine.model import load_model
-from engine.runner import ModelRunner, SeqChunk
+from engine.kv.store import KVStore
+from engine.model.loader import load_model
+from engine.runner.paged import ModelRunner, SeqChunk
 from bench.synthetic import SPECIAL_TOKENS, build_tokenizer
 
 LFM2 = dict(model_type="lfm2", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,

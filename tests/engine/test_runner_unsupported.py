@@ -9,10 +9,10 @@ import json
 import pytest
 
 from engine.config import EngineConfig
-from engine.kvstore import KVStore
+from engine.kv.store import KVStore
 from engine.loop import Engine
-from engine.model import ModelLoadError, load_model
-from engine.runner import ModelRunner
+from engine.model.loader import ModelLoadError, load_model
+from engine.runner.paged import ModelRunner
 from bench.synthetic import SPECIAL_TOKENS, build_tokenizer
 
 REFUSAL = (r"layers 0, 1, 2 keep a ChunkedKVCache \(cache kind 'other'\).*paged attention "

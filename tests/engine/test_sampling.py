@@ -5,9 +5,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.detok import TextStream
+from engine.sampling.detok import TextStream
 from engine.errors import InvalidRequest
-from engine.sampling import RowSpec, SamplingParams, sample
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import RowSpec, sample
 from bench.synthetic import build_tokenizer
 
 

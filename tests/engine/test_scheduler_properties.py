@@ -6,7 +6,7 @@ ledger: no leaks, no double frees (the pool raises on one), ledger back at zero 
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from engine.errors import DeadlineUnmeetable, EngineOverloaded, RequestTooLarge
-from engine.scheduler import RUNNING
+from engine.sched.seq import RUNNING
 from tests.scheduler_helpers import make_scheduler, seq
 
 op = st.one_of(

@@ -14,7 +14,7 @@ def test_warm_up_measures_alone_and_batched_and_leaves_the_engine_idle(tiny_llam
         profile = done["decode_step_profile"]
         assert 1 in profile and 4 in profile and all(t > 0 for t in profile.values())
         s = wait_idle(eng)
-        assert s["decode_step_profile"] == profile
-        assert s["prefix_cache_pages"] == 0          # random prompts are nobody's prefix
+        assert s.decode_step_profile == profile
+        assert s.prefix_cache_pages == 0          # random prompts are nobody's prefix
     finally:
         eng.shutdown()

@@ -125,12 +125,12 @@ def test_sizes_presets():
 
 def test_int4_without_rotation_stores_unrotated_keys_and_attends_exactly():
     from capacity.formats import KVFormat
-    from engine.kvstore import Slots
-    from engine.model import LayerGeometry
-    from engine.packed_attention import direct_attention
-    from engine.packed_store import PackedLayerStore
+    from engine.kv.store import Slots
+    from engine.model.loader import LayerGeometry
+    from engine.attention.packed import direct_attention
+    from engine.attention.packed_store import PackedLayerStore
     from quality.runs import _UnrotatedAttention, _UnrotatedStore
-    from engine.quant import dequantize, quantize
+    from engine.kv.quant import dequantize, quantize
 
     g = LayerGeometry(0, "full", 2, 64, 64)
     fmt = KVFormat("int4", 64)
@@ -172,7 +172,7 @@ def test_native_control_is_an_independent_run(monkeypatch):
     """The control must come from its own store: a harness that compared the reference with
     itself would report 0 even if runs were nondeterministic or stores leaked."""
     from quality import runs as quality_runs
-    from engine.model import load_model
+    from engine.model.loader import load_model
 
     built = []
     real = quality_runs.make_runner

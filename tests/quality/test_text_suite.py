@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from capacity.formats import KVFormat
-from engine.model import load_model
+from engine.model.loader import load_model
 from quality.data import Case
 from quality.runs import _cuts, generate, graded_spans
 from quality.tasks import Spans, probe_conversations, retrieval_sequences
@@ -25,7 +25,7 @@ def llama(tiny_model_dirs):
 def _greedy(loaded, prompt, n):
     """The model's own greedy continuation of `prompt` (native, one token per step)."""
     from quality.runs import make_runner, _tables
-    from engine.runner import SeqChunk
+    from engine.runner.paged import SeqChunk
     import mlx.core as mx
     pages, tables = _tables(1, len(prompt) + n)
     r = make_runner(loaded, "native", pages)

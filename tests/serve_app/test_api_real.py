@@ -16,7 +16,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def folder():
-    from engine.gguf.real_model import ensure_real_model
+    from engine.model.gguf.real_model import ensure_real_model
 
     return str(ensure_real_model())
 

@@ -1,4 +1,4 @@
-"""Per-row sampler options (engine/sampling.py): logit_bias, penalties, min_p, logprobs and
+"""Per-row sampler options (engine/sampling/sampler.py): logit_bias, penalties, min_p, logprobs and
 stop token ids, each applied to its own row inside one batched call; rows without options
 are untouched; in the engine, a batch mixing options gives each request its solo output."""
 import asyncio
@@ -10,7 +10,8 @@ import pytest
 
 from engine.errors import InvalidRequest
 from engine.request import GenerationRequest
-from engine.sampling import RowSpec, SamplingParams, StepLogprobs, process_logits, sample
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import RowSpec, StepLogprobs, process_logits, sample
 from tests.engine_helpers import collect, make_engine, prompt, tokens
 
 V = 32
@@ -132,7 +133,7 @@ def test_stop_token_ids_finish_with_stop(eng):
 
 
 def test_bitmask_applies_exactly_the_allowed_tokens():
-    from engine.logits_processors import MASKED, apply_bitmask
+    from engine.sampling.logits_processors import MASKED, apply_bitmask
 
     rng = np.random.default_rng(1)
     vocab = 70   # not a multiple of 32: the last word is partly padding

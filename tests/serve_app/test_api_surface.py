@@ -342,7 +342,7 @@ def test_cors_allows_the_configured_origin_only(url):
 
 
 def test_n_choices_share_the_prompt_pages_through_the_prefix_cache(client):
-    from engine.config import DEFAULT_PAGE_TOKENS
+    from engine.kv.pages import DEFAULT_PAGE_TOKENS
 
     prompt = list(range(300, 300 + 2 * DEFAULT_PAGE_TOKENS + 5))   # 2 full pages and a tail
     kw = dict(prompt=prompt, max_tokens=3, temperature=1.0, seed=1, n=3)

@@ -18,7 +18,7 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(tiny_llama):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://orchard", timeout=120) as c:
             running = asyncio.create_task(c.post("/v1/chat/completions", json=body))
-            while server.engine.stats().get("num_requests_running", 0) == 0:
+            while server.engine.stats().num_requests_running == 0:
                 await asyncio.sleep(0.01)
             drain = asyncio.create_task(asyncio.to_thread(server.shutdown))
             while server.engine.healthy():

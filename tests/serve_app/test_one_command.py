@@ -78,7 +78,7 @@ def test_hub_id_resolves_to_the_cached_snapshot_once(hub_cache):
 def test_hub_id_loads_in_the_engine_and_the_ingress_tokenizer(hub_cache):
     """The snapshot of symlinks is a loadable model: the engine's loader and the tokenizer the
     ingress builds both read it."""
-    from engine.model import load_model
+    from engine.model.loader import load_model
     from transformers import AutoTokenizer
 
     [m] = config_for(HUB_ID).models

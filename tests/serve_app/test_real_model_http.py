@@ -15,7 +15,7 @@ def test_greedy_http_completions_equal_mlx_lm_on_smollm2():
     from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from engine.gguf.real_model import ensure_real_model
+    from engine.model.gguf.real_model import ensure_real_model
     from serve_app.app import build_local_app
     from serve_app.config import parse_config
 

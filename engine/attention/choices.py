@@ -1,0 +1,47 @@
+"""Which attention kernels and paths a runner and its packed stores may take.
+
+One frozen `KernelChoices` is passed to the runner (`ModelRunner(..., kernels=)`: CUDA decode
+kernels, the packed prefill tile kernel, their split targets) and to the packed stores
+(`packed_layer_factory(..., kernels=)`: the CUDA write kernel, direct attention's
+quantized_matmul / code-GEMM choices). The defaults are what production runs; benches and tests
+pass other choices to compare paths, instead of flipping module globals.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelChoices:
+    # CUDA decode kernels (engine/attention/cuda/paged_decode.py, packed_decode.py) where they
+    # fit; off: the gather / direct paths they replace.
+    decode_kernel: bool = True
+    # Blocks per layer the decode kernels aim for when they split a row's history
+    # (None: cuda/paged_decode.TARGET_BLOCKS).
+    decode_split_target: int | None = None
+    # Packed prefill chunks through the CUDA tile kernel (cuda/packed_prefill.py); off: the
+    # MLX-op direct path.
+    prefill_kernel: bool = True
+    # Blocks per launch the prefill kernel aims for when it splits the keys
+    # (None: cuda/packed_prefill.TARGET_BLOCKS).
+    prefill_split_target: int | None = None
+    # Decode steps of packed layers through the prefill tile kernel instead of
+    # cuda/packed_decode.py. Off: measured slower on the H200 with this kernel's first version
+    # (int4 at 32K batch 8: 0.62x native vs 0.83x; docs/lab/benchmarks-gpu.md session 6): a decode
+    # tile has one query row per head, so the MMAs do 1/16 useful work while every block still
+    # unpacks whole tiles. `bench.kv --decode-formats int4:tiles` measures it.
+    decode_tiles: bool = False
+    # Quantize packed writes with the CUDA write kernel (cuda/packed_write.py); off: MLX ops.
+    write_kernel: bool = True
+    # Let direct attention call quantized_matmul on a GPU. Off: on the H200 (MLX 0.32.4 CUDA)
+    # it failed on gathered history and one int4 shape crashed the process, a failure no
+    # probe can guard against; direct attention unpacks tiles there instead (exact FP32,
+    # slower). Re-measure with `python -m bench.kv --gpu-qmm` after an MLX upgrade.
+    gpu_qmm: bool = False
+    # Decode scores on the CPU as a BLAS GEMM on the codes (engine/attention/cpu_gemm.py)
+    # instead of MLX's scalar CPU quantized_matmul: 2-3x faster there.
+    cpu_code_gemm: bool = sys.byteorder == "little"
+
+
+DEFAULT_KERNELS = KernelChoices()

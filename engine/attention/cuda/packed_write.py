@@ -1,0 +1,134 @@
+"""Rotate and quantize a step's new K/V rows in one CUDA kernel (CUDA backend only).
+
+Why: a packed layer's write was ~40 MLX ops per layer and step (rotation: cast, sign multiply,
+Hadamard; then per K and per V: reshape, min, max, subtract, divide, where, round, clip, cast,
+shift, sum, squeezes), and on the H200 a decode step is bound by the host cost of issuing its
+graph (docs/lab/benchmarks-gpu.md): that alone made int4 decode at batch 1 about 0.7x of native.
+This kernel computes the same codes, scales and offsets as `quantize(rotate(k))` and
+`quantize(v)` (engine/kv/quant.py, engine/kv/rotation.py) in one launch: one warp per (row, head) of
+K or V holds the D channels in registers (D/32 per lane), applies the fixed signs and the
+Sylvester-order fast Walsh-Hadamard transform (in registers, then across lanes by shuffles),
+takes each 64-channel group's min and max by shuffles, and packs codes little-end-first into
+uint32 words. Same FP32 arithmetic and round-half-even as the MLX path, so codes agree except
+where a value sits on a rounding boundary (`python -m bench.cuda_check` reports the fraction).
+
+Head dims 64 and 128 (one Hadamard block), 4 or 8 bits; anything else keeps the MLX ops.
+Checked only on the H200; never run on Metal.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from capacity.formats import GROUP_SIZE
+from engine.attention.cuda.paged_decode import HEADER, available
+from engine.kv.quant import Packed
+from engine.kv.rotation import rotation_signs
+
+HEAD_DIMS = (64, 128)
+BITS = (4, 8)
+WARPS = 4
+_SOURCE = """
+constexpr int VPT = D / 32;            // channels per lane
+constexpr int LPG = 64 / VPT;          // lanes per 64-channel group
+const int N = dims[0], H = dims[1];
+const int lane = threadIdx.x % 32;
+const int wi = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+if (wi >= 2 * N * H) return;           // whole warps only: shuffles below see every lane
+const bool is_k = wi < N * H;
+const int r = is_k ? wi : wi - N * H;  // row * H + head
+const int bits = is_k ? KB : VB;
+const int vpw = 32 / bits;             // channels per packed word
+const float top = (float)((1 << bits) - 1);
+float x[VPT];
+#pragma unroll
+for (int i = 0; i < VPT; ++i) x[i] = to_f((is_k ? k : v)[(size_t)r * D + lane * VPT + i]);
+if (is_k) {   // x R: signs, then the normalised Hadamard transform (natural order)
+  #pragma unroll
+  for (int i = 0; i < VPT; ++i) x[i] *= signs[lane * VPT + i];
+  #pragma unroll
+  for (int h = 1; h < VPT; h <<= 1) {
+    #pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      if (!(i & h)) { const float a = x[i], b = x[i + h]; x[i] = a + b; x[i + h] = a - b; }
+    }
+  }
+  #pragma unroll
+  for (int h = 1; h < 32; h <<= 1) {
+    #pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const float o = __shfl_xor_sync(0xffffffff, x[i], h);
+      x[i] = (lane & h) ? o - x[i] : x[i] + o;
+    }
+  }
+  const float norm = rsqrtf((float)D);
+  #pragma unroll
+  for (int i = 0; i < VPT; ++i) x[i] *= norm;
+}
+float lo = x[0], hi = x[0];
+#pragma unroll
+for (int i = 1; i < VPT; ++i) { lo = fminf(lo, x[i]); hi = fmaxf(hi, x[i]); }
+#pragma unroll
+for (int o = 1; o < LPG; o <<= 1) {
+  lo = fminf(lo, __shfl_xor_sync(0xffffffff, lo, o));
+  hi = fmaxf(hi, __shfl_xor_sync(0xffffffff, hi, o));
+}
+const float sc = (hi - lo) / top;
+const float safe = sc > 0.0f ? sc : 1.0f;
+unsigned int word = 0;
+#pragma unroll
+for (int i = 0; i < VPT; ++i) {
+  const float qf = fminf(fmaxf(rintf((x[i] - lo) / safe), 0.0f), top);
+  word |= ((unsigned int)qf) << (((lane * VPT + i) % vpw) * bits);
+}
+const int lpw = vpw / VPT;             // lanes sharing one packed word
+for (int o = 1; o < lpw; o <<= 1) word |= __shfl_xor_sync(0xffffffff, word, o);
+const int words = D / vpw, c0 = lane * VPT;
+if (c0 % vpw == 0) (is_k ? kc : vc)[(size_t)r * words + c0 / vpw] = word;
+if (c0 % 64 == 0) {
+  (is_k ? ks : vs)[(size_t)r * (D / 64) + c0 / 64] = sc;
+  (is_k ? ko : vo)[(size_t)r * (D / 64) + c0 / 64] = lo;
+}
+"""
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="orchard_packed_write", input_names=["k", "v", "signs", "dims"],
+        output_names=["kc", "ks", "ko", "vc", "vs", "vo"], source=_SOURCE, header=HEADER,
+        ensure_row_contiguous=True)
+
+
+def supports(k_bits: int | None, v_bits: int | None, head_dim: int) -> bool:
+    return k_bits in BITS and v_bits in BITS and head_dim in HEAD_DIMS
+
+
+@lru_cache(maxsize=None)
+def _signs(head_dim: int) -> mx.array:
+    return mx.array(rotation_signs(head_dim), dtype=mx.float32)
+
+
+@lru_cache(maxsize=256)
+def _dims(n: int, h: int) -> mx.array:
+    return mx.array([n, h], dtype=mx.int32)
+
+
+def quantize_kv(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> tuple[Packed, Packed]:
+    """(quantize(rotate(k), k_bits), quantize(v, v_bits)) for rows [N, H, D] in one launch."""
+    n, h, d = k.shape
+    warps = 2 * n * h
+    kc, ks, ko, vc, vs, vo = _kernel()(
+        inputs=[k, v, _signs(d), _dims(n, h)],
+        template=[("D", d), ("KB", k_bits), ("VB", v_bits), ("TI", k.dtype)],
+        grid=(-(-warps // WARPS) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(n, h, d * k_bits // 32), (n, h, d // GROUP_SIZE), (n, h, d // GROUP_SIZE),
+                       (n, h, d * v_bits // 32), (n, h, d // GROUP_SIZE), (n, h, d // GROUP_SIZE)],
+        output_dtypes=[mx.uint32, mx.float32, mx.float32, mx.uint32, mx.float32, mx.float32])
+    return Packed(kc, ks, ko), Packed(vc, vs, vo)
+
+
+def usable(k_bits, v_bits, head_dim: int) -> bool:
+    """Whether a packed store's writes may go through the kernel here and now."""
+    return supports(k_bits, v_bits, head_dim) and available()

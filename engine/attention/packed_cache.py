@@ -1,0 +1,135 @@
+"""The mlx-lm cache object of a packed layer for one forward call.
+
+mlx-lm layers call `cache.update_and_fetch(k, v)` and then `scaled_dot_product_attention`, which
+the runner's hook (engine.attention.paged.install_sdpa_hook) routes to `cache.attend`. A packed
+layer must (1) write the new rows quantized, (2) hand attention the fresh rows in full precision,
+and (3) read earlier history packed: `update_and_fetch` does (1) and returns the fresh rows,
+`attend` does (2) and (3). PackedLayerStore names this class as its `cache_class`, so the plain
+ModelRunner builds it for packed layers and PagedLayerCache for native ones.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from capacity.formats import KVFormatError
+from engine.attention.cuda import packed_decode as cuda_packed_decode
+from engine.attention.cuda import packed_prefill as cuda_packed_prefill
+from engine.attention.paged import PagedLayerCache, StepBatch
+
+
+class PackedLayerCache(PagedLayerCache):
+    """One packed full-attention layer over one forward call."""
+
+    def __init__(self, store, step: StepBatch, window, direct: bool = False,
+                 in_place_decode: bool = False):
+        if not direct:
+            # Without the hook the model would attend over the fresh rows only: refuse, loudly.
+            raise KVFormatError("packed KV needs every paged layer to attend through the SDPA "
+                                "hook; this model's attention does not (runner is in gather mode)")
+        super().__init__(store, step, window, direct, in_place_decode)
+
+    # update_and_fetch is the base class's direct path: the store packs the new rows on write,
+    # and the step's own rows go back to attention unquantized; history is read packed in attend().
+
+    @staticmethod
+    def kernel_decode_fits(store) -> bool:
+        """Whether decode steps of this layer may attend through the CUDA packed-decode kernel
+        (the runner asks; it also requires CUDA and one query token per row)."""
+        # The kernel reads the v1 layout only (64-channel groups, no native rows).
+        return (store.fmt.codes_only
+                and cuda_packed_decode.supports(store.fmt.k_bits, store.fmt.v_bits,
+                                                store.geometry.head_dim))
+
+    def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
+        self.step.attended += 1
+        # The CUDA kernels read the v1 layout only; other formats attend through MLX ops.
+        kernels = self.step.kernels
+        if sinks is None and self.store.fmt.codes_only and cuda_packed_prefill.applies(
+                self.store, self.step, queries, self._kernel_decode(), kernels):
+            # CUDA: packed pages read by page table inside one tensor-core kernel.
+            if queries.shape[2] > 1:
+                self.store.attention.counters.direct += 1   # it is the direct path there
+            bounds, longest = cuda_packed_prefill.step_bounds(self.step, self.view)
+            return cuda_packed_prefill.packed_prefill_attention(
+                queries, keys, values, self.store.k, self.store.v, self.store.fmt.k_bits,
+                self.store.fmt.v_bits, self.view.pages, bounds, longest, scale,
+                target_blocks=kernels.prefill_split_target)
+        if sinks is None and self._kernel_decode():
+            return cuda_packed_decode.packed_decode_attention(
+                queries, keys, values, self.store.k, self.store.v, self.store.fmt.k_bits,
+                self.view.pages, self.step.ends, self.step.longest, scale,
+                kernels.decode_split_target)
+        ctx = self._context()
+        hist, hist_mask, new_mask = ctx.history(self.store), ctx.hist_mask, ctx.new_mask
+        rows = self.store.sink_rows
+        if rows and ctx.span:
+            # The first `rows` tokens of every history page (a sequence's attention sinks among
+            # them) are attended from their native copy as extra fresh-like keys; their packed
+            # copies are masked out.
+            sk, sv = self.store.gather_sinks(ctx.pages)
+            keys = mx.concatenate([sk.astype(keys.dtype), keys], axis=2)
+            values = mx.concatenate([sv.astype(values.dtype), values], axis=2)
+            hist_mask, new_mask = ctx.sink_masks(rows)
+        return self.store.attention(queries, hist, keys, values, scale=scale, new_mask=new_mask,
+                                    hist_mask=hist_mask, sinks=sinks)
+
+    def _context(self) -> "_StepContext":
+        """Index work for packed history, built once per step and shared by layers."""
+        ctx = self.view.masks.get("packed")
+        if ctx is None:
+            ctx = _StepContext(self.step, self.view.pages)
+            self.view.masks["packed"] = ctx
+        return ctx
+
+
+class _StepContext:
+    """Index work common to every packed layer of one forward call."""
+
+    def __init__(self, step: StepBatch, pages: mx.array):
+        self.step = step
+        self._sink_masks: dict[int, tuple] = {}
+        t = step.page_tokens
+        starts, lengths, width = step.starts, step.lengths, step.width
+        self.span = int(starts.max())
+        self.pages = pages[:, :-(-self.span // t)] if self.span else None
+        self.hist_mask = None
+        if self.span and not (starts == self.span).all():
+            # Rows with shorter histories hide the tail of the gathered span.
+            pos = np.arange(self.span)[None, :] < starts[:, None]
+            self.hist_mask = mx.array(pos)[:, None, None, :]
+        if (lengths == width).all():
+            self.new_mask = "causal" if width > 1 else None
+        else:
+            i, j = np.arange(width)[:, None], np.arange(width)[None, :]
+            m = (j <= i)[None] & (j[None] < lengths[:, None, None])
+            self.new_mask = mx.array(m)[:, None]
+
+    def sink_masks(self, rows: int) -> tuple[mx.array, mx.array]:
+        """(history mask, fresh mask) when the first `rows` positions of every history page are
+        read from native sink rows placed ahead of the fresh keys: history hides those positions
+        (and each row's padding); a row sees a sink row only if it is in its history."""
+        if rows not in self._sink_masks:
+            starts, width, t = self.step.starts, self.step.width, self.step.page_tokens
+            pos = np.arange(self.span)[None, :]
+            hist = (pos % t >= rows) & (pos < starts[:, None])
+            n_pages = self.pages.shape[1]
+            sink_pos = (np.arange(n_pages)[:, None] * t + np.arange(rows)[None, :]).reshape(-1)
+            sink = np.broadcast_to((sink_pos[None, :] < starts[:, None])[:, None, :],
+                                   (len(starts), width, len(sink_pos)))
+            new = self.new_mask
+            if new is None:
+                fresh = np.ones((len(starts), width, width), bool)
+            elif isinstance(new, str):
+                fresh = np.broadcast_to(np.tri(width, dtype=bool), (len(starts), width, width))
+            else:
+                fresh = np.array(new)[:, 0]
+            both = np.concatenate([sink, fresh], axis=-1)
+            self._sink_masks[rows] = (mx.array(hist)[:, None, None, :], mx.array(both)[:, None])
+        return self._sink_masks[rows]
+
+    def history(self, store):
+        if not self.span:
+            return None
+        hist = store.gather_packed(self.pages)
+        return type(hist)(*(type(p)(*(a[..., :self.span, :] for a in p)) for p in hist))

@@ -1,0 +1,226 @@
+"""Packed paged layer store: K/V rows kept as affine codes + FP32 scales + FP32 offsets.
+
+Implements engine.kv.store's per-layer store protocol (page_bytes, nbytes, write, gather, arrays)
+so KVStore can hold packed and native layers side by side. Keys are rotated (engine.kv.rotation)
+before they are quantized; values are not. Pages are token-major like the native store,
+[num_pages, page_tokens, kv_heads, words], so a write is one scatter per array and a gather is
+one take plus a free reshape.
+
+Attention does not use `gather` (that returns dequantized, un-rotated rows for tools and tests);
+it reads `gather_packed` through engine.attention.packed_cache, and checkpoints move rows with
+`read_packed`/`write_packed`, which never requantize.
+
+Formats with sink rows (capacity.formats) also keep the first `sink_rows` tokens of every page
+in the model's dtype, unrotated, in [num_pages, sink_rows, kv_heads, dim] arrays beside the codes
+(`read_sinks`/`write_sinks` move them verbatim); attention reads a sequence's first tokens from
+its first page's native rows (engine.attention.packed_cache).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from capacity.formats import KVFormat, KVFormatError
+from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
+from engine.attention.cuda import packed_write as cuda_packed_write
+from engine.kv.store import NativeLayerStore, Slots
+from engine.model.loader import LayerGeometry
+from engine.attention.packed import PackedAttention
+from engine.attention.packed_cache import PackedLayerCache
+from engine.kv.quant import Packed, PackedKV, dequantize, quantize
+from engine.kv.rotation import rotate, rotation_matrix
+
+
+def _zeros(num_pages, page_tokens, heads, dim, bits, group=64):
+    groups = dim // group
+    return Packed(mx.zeros((num_pages, page_tokens, heads, dim * bits // 32), mx.uint32),
+                  mx.zeros((num_pages, page_tokens, heads, groups), mx.float32),
+                  mx.zeros((num_pages, page_tokens, heads, groups), mx.float32))
+
+
+class PackedLayerStore:
+    """One full-attention layer's pages in a packed format."""
+
+    packed = True
+    cache_class = PackedLayerCache   # the runner builds this cache for packed layers
+
+    def __init__(self, geometry: LayerGeometry, fmt: KVFormat, num_pages: int, page_tokens: int,
+                 attention: Optional[PackedAttention] = None):
+        if geometry.kind != "full":
+            raise KVFormatError(f"layer {geometry.index} is {geometry.kind}; only full-attention "
+                                "layers are packed")
+        if geometry.v_head_dim != geometry.head_dim:
+            raise KVFormatError(f"layer {geometry.index}: packed KV needs equal K and V head dims")
+        if fmt.head_dim != geometry.head_dim:
+            raise KVFormatError(f"format bound to head_dim {fmt.head_dim}, layer has "
+                                f"{geometry.head_dim}")
+        self.geometry = geometry
+        self.fmt = fmt
+        self.page_tokens = page_tokens
+        self.attention = attention or PackedAttention(fmt)
+        h, d = geometry.kv_heads, geometry.head_dim
+        self.k = _zeros(num_pages, page_tokens, h, d, fmt.k_bits, fmt.k_group)
+        self.v = _zeros(num_pages, page_tokens, h, d, fmt.v_bits)
+        self.sink_rows = fmt.sink_rows
+        if self.sink_rows > page_tokens:
+            raise KVFormatError(f"format {fmt.name} keeps {self.sink_rows} native rows per page; "
+                                f"pages of {page_tokens} tokens cannot hold them")
+        self.sinks: tuple[mx.array, ...] = ()
+        if self.sink_rows:
+            dtype = getattr(mx, fmt.native_dtype)
+            self.sinks = (mx.zeros((num_pages, self.sink_rows, h, d), dtype),
+                          mx.zeros((num_pages, self.sink_rows, h, d), dtype))
+        mx.eval(*self.arrays())
+        self.nbytes = sum(a.nbytes for a in self.arrays())
+        self.page_bytes = self.nbytes // num_pages
+
+    def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
+        """Quantize N new rows ([N, heads, dim], keys after RoPE) into their slots."""
+        if (self.fmt.codes_only and self.attention.kernels.write_kernel
+                and cuda_packed_write.usable(self.fmt.k_bits, self.fmt.v_bits,
+                                             self.geometry.head_dim)):
+            # CUDA: the same rotation and quantization in one kernel launch (not ~40 ops).
+            self.write_packed(slots, *cuda_packed_write.quantize_kv(
+                k, v, self.fmt.k_bits, self.fmt.v_bits))
+        else:
+            self.write_packed(slots, quantize(rotate(k), self.fmt.k_bits, self.fmt.k_group),
+                              quantize(v, self.fmt.v_bits))
+        if self.sink_rows:
+            self._write_sinks(slots, k, v, self._sink_index(slots))
+
+    def _sink_index(self, slots: Slots) -> mx.array | None:
+        """Which of the slots land in a page's native sink rows (None: none), once per step."""
+        key = ("sink_rows", self.sink_rows)
+        if key not in slots._by_heads:   # the step's per-layer index cache, shared by layers
+            keep = np.flatnonzero(np.array(slots.offset) < self.sink_rows)
+            slots._by_heads[key] = mx.array(keep.astype(np.int32)) if keep.size else None
+        return slots._by_heads[key]
+
+    def _write_sinks(self, slots: Slots, k: mx.array, v: mx.array, idx: mx.array | None):
+        if idx is None:
+            return
+        page, offset = slots.page[idx], slots.offset[idx]
+        for dst, rows in zip(self.sinks, (k, v)):
+            dst[page, offset] = rows[idx].astype(dst.dtype)
+
+    def read_sinks(self, slots: Slots) -> tuple[mx.array, mx.array] | None:
+        """Native sink rows [M, heads, dim] of the slots with offset < sink_rows, in slot order."""
+        if not self.sink_rows:
+            return None
+        idx = self._sink_index(slots)
+        if idx is None:
+            d = self.geometry.head_dim
+            empty = mx.zeros((0, self.geometry.kv_heads, d), self.sinks[0].dtype)
+            return empty, empty
+        page, offset = slots.page[idx], slots.offset[idx]
+        return tuple(a[page, offset] for a in self.sinks)
+
+    def write_sinks(self, slots: Slots, k: mx.array, v: mx.array) -> None:
+        """Store native sink rows read by `read_sinks` verbatim (checkpoint restore)."""
+        idx = self._sink_index(slots)
+        n = 0 if idx is None else idx.size
+        if k.shape[0] != n or v.shape[0] != n:
+            raise KVFormatError(f"expected {n} sink rows for these slots, got {k.shape[0]}")
+        if n:
+            page, offset = slots.page[idx], slots.offset[idx]
+            for dst, rows in zip(self.sinks, (k, v)):
+                dst[page, offset] = rows.astype(dst.dtype)
+
+    def gather_sinks(self, pages: mx.array) -> tuple[mx.array, mx.array]:
+        """Native sink rows of page tables [B, P] as K, V [B, heads, P*sink_rows, dim] (model
+        basis), page by page."""
+        b, p = pages.shape
+        return tuple(a[pages].reshape(b, p * self.sink_rows, *a.shape[2:]).transpose(0, 2, 1, 3)
+                     for a in self.sinks)
+
+    def write_packed(self, slots: Slots, k: Packed, v: Packed) -> None:
+        """Store already-packed rows verbatim (checkpoint restore, prefix import)."""
+        for dst, src in ((self.k, k), (self.v, v)):
+            for a, b in zip(dst, src):
+                # mx.array.__setitem__ updates `a` itself (the object the tuple holds); as the
+                # sole reference MLX can write the buffer in place instead of copying the pool.
+                a[slots.page, slots.offset] = b
+
+    def read_packed(self, slots: Slots) -> tuple[Packed, Packed]:
+        """Packed rows [N, heads, ...] of N slots, exactly as stored."""
+        return (Packed(*(a[slots.page, slots.offset] for a in self.k)),
+                Packed(*(a[slots.page, slots.offset] for a in self.v)))
+
+    def gather_packed(self, pages: mx.array) -> PackedKV:
+        """History for page tables [B, P] as packed [B, heads, P*page_tokens, ...]."""
+        b, p = pages.shape
+
+        def take(a):
+            g = a[pages].reshape(b, p * self.page_tokens, *a.shape[2:])
+            return g.transpose(0, 2, 1, 3)
+
+        return PackedKV(Packed(*(take(a) for a in self.k)), Packed(*(take(a) for a in self.v)))
+
+    def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]:
+        """Dequantized K (back in the model's basis) and V, [B, heads, P*page_tokens, dim]."""
+        hist = self.gather_packed(pages)
+        k = dequantize(hist.k, self.fmt.k_bits) @ rotation_matrix(self.fmt.head_dim).T
+        v = dequantize(hist.v, self.fmt.v_bits)
+        if self.sink_rows:   # what attention reads: each page's first rows are native
+            b, p = pages.shape
+            t, s = self.page_tokens, self.sink_rows
+            native = [a[pages].astype(mx.float32).transpose(0, 3, 1, 2, 4) for a in self.sinks]
+            k, v = (x.reshape(b, x.shape[1], p, t, -1) for x in (k, v))
+            k = mx.concatenate([native[0], k[:, :, :, s:]], axis=3).reshape(b, -1, p * t, k.shape[-1])
+            v = mx.concatenate([native[1], v[:, :, :, s:]], axis=3).reshape(b, -1, p * t, v.shape[-1])
+        return k, v
+
+    def arrays(self) -> list[mx.array]:
+        return [*self.k, *self.v, *self.sinks]
+
+
+def packed_layer_factory(fmt_name: str, prefill_mode: str = "direct",
+                         permit: Optional[Callable[[int], bool]] = None,
+                         kernels: KernelChoices = DEFAULT_KERNELS):
+    """A KVStore layer_factory: full-attention layers packed in `fmt_name`, others native.
+
+    Refuses (KVFormatError) a packed format on a model whose full-attention layers cannot hold
+    it, instead of quietly storing them native. One PackedAttention per layer keeps per-layer
+    counters; `counters_of(kvstore)` sums them. `kernels`: the write kernel and direct
+    attention's choices (the runner takes the same object for its kernels).
+    """
+
+    def make(geometry: LayerGeometry, num_pages: int, page_tokens: int, dtype: mx.Dtype):
+        dtype_name = str(dtype).removeprefix("mlx.core.")
+        fmt = KVFormat(fmt_name, geometry.head_dim, dtype_name)
+        if not fmt.packed or geometry.kind != "full":
+            return NativeLayerStore(geometry, num_pages, page_tokens, dtype)
+        return PackedLayerStore(geometry, fmt, num_pages, page_tokens,
+                                PackedAttention(fmt, prefill_mode, permit, kernels=kernels))
+
+    return make
+
+
+def counters_of(kvstore) -> dict:
+    total: dict[str, int] = {}
+    for store in kvstore.layers.values():
+        if getattr(store, "packed", False):
+            for k, v in store.attention.counters.as_dict().items():
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+def layer_report(kvstore) -> list[dict]:
+    """Per paged layer: what it stores (format identity and exact bytes per token)."""
+    out = []
+    for index, store in sorted(kvstore.layers.items()):
+        if getattr(store, "packed", False):
+            ident = store.fmt.identity
+        else:
+            g = kvstore.geometry.layers[index]
+            ident = KVFormat("native", g.head_dim, str(kvstore.dtype).removeprefix("mlx.core.")).identity
+        out.append({"layer": index, "storage": ident,
+                    "bytes_per_token": store.page_bytes // kvstore.page_tokens})
+    return out
+
+
+def storage_identity(kvstore) -> str:
+    """One string naming every paged layer's storage: what prefix keys and checkpoints bind."""
+    return ";".join(f"{r['layer']}={r['storage']}" for r in layer_report(kvstore))

@@ -1,0 +1,126 @@
+"""Prefix reuse: full KV pages found again by content, shared by refcount. No MLX.
+
+A page's key is a hash chain: h_0 = root, h_i = sha256(h_{i-1} | tokens of page i). The root
+binds the KV storage identity (per-layer formats), the model fingerprint, the tenant namespace
+and the page size, so two requests can share a page only if the same model wrote the same tokens
+in the same format for the same tenant: native and packed pages, or two tenants' pages, never
+alias. Only full pages are cached (a partly filled tail page is still being written), and a hit
+always leaves at least the last prompt token to compute, because its logits are needed.
+
+The cache holds one pool reference per cached page; a hit adds the request's own reference, so
+a shared page is allocated (and charged) once. Eviction frees least recently used leaves (pages
+no longer held by any request and with no cached continuation), keeping every chain walkable.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from engine.kv.pages import PagePool
+
+
+def chain_root(storage_identity: str, model_fingerprint: str, tenant: str,
+               page_tokens: int) -> bytes:
+    for name, value in (("storage identity", storage_identity),
+                        ("model fingerprint", model_fingerprint), ("tenant", tenant)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"prefix chain root needs a non-empty {name}")
+    text = "\x1f".join(["orchard-prefix-v1", storage_identity, model_fingerprint, tenant,
+                        str(page_tokens)])
+    return hashlib.sha256(text.encode()).digest()
+
+
+def page_hashes(root: bytes, token_ids: list[int], page_tokens: int) -> list[bytes]:
+    """Chain hashes of every full page of token_ids."""
+    out, h = [], root
+    for start in range(0, len(token_ids) - page_tokens + 1, page_tokens):
+        page = token_ids[start:start + page_tokens]
+        h = hashlib.sha256(h + b"".join(int(t).to_bytes(8, "little", signed=True)
+                                        for t in page)).digest()
+        out.append(h)
+    return out
+
+
+@dataclass
+class _Entry:
+    page: int
+    parent: bytes | None
+    last_used: int
+    children: int = 0
+
+
+class PrefixCache:
+    """Content-addressed full pages over one PagePool."""
+
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+        self._entries: dict[bytes, _Entry] = {}
+        self._clock = 0
+        self.queries = 0
+        self.hits = 0
+        self.hit_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, root: bytes, token_ids: list[int]) -> list[int]:
+        """Pages of the longest cached prefix (leaving >= 1 token to compute), now shared by
+        the caller, who frees them with the rest of its page table."""
+        self.queries += 1
+        pages = []
+        for h in page_hashes(root, token_ids[:-1], self.pool.page_tokens):
+            entry = self._entries.get(h)
+            if entry is None:
+                break
+            pages.append(entry)
+        self._clock += 1
+        for entry in pages:
+            entry.last_used = self._clock
+        found = [e.page for e in pages]
+        self.pool.share(found)
+        if found:
+            self.hits += 1
+            self.hit_tokens += len(found) * self.pool.page_tokens
+        return found
+
+    def insert(self, root: bytes, token_ids: list[int], page_table: list[int]) -> int:
+        """Register the full pages of a request whose KV for token_ids is written (retired).
+
+        Returns how many pages were newly cached; already-cached content is not duplicated.
+        """
+        added = 0
+        parent = None
+        self._clock += 1
+        for i, h in enumerate(page_hashes(root, token_ids, self.pool.page_tokens)):
+            entry = self._entries.get(h)
+            if entry is None:
+                self.pool.share([page_table[i]])
+                entry = self._entries[h] = _Entry(page_table[i], parent, self._clock)
+                if parent is not None:
+                    self._entries[parent].children += 1
+                added += 1
+            entry.last_used = self._clock
+            parent = h
+        return added
+
+    def evict(self, pages_wanted: int) -> int:
+        """Free up to `pages_wanted` pages held only by the cache, oldest leaves first."""
+        freed = 0
+        while freed < pages_wanted:
+            leaves = [(e.last_used, h) for h, e in self._entries.items()
+                      if e.children == 0 and self.pool.refcount(e.page) == 1]
+            if not leaves:
+                break
+            _, h = min(leaves)
+            entry = self._entries.pop(h)
+            if entry.parent is not None:
+                self._entries[entry.parent].children -= 1
+            self.pool.free([entry.page])
+            freed += 1
+        return freed
+
+    def clear(self) -> None:
+        """Drop every cache reference (engine shutdown or format change)."""
+        for entry in self._entries.values():
+            self.pool.free([entry.page])
+        self._entries.clear()

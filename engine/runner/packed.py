@@ -1,0 +1,21 @@
+"""The runner for packed KV formats: the plain runner, refusing up front what it cannot run."""
+from __future__ import annotations
+
+from capacity.formats import KVFormatError
+from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
+from engine.runner.paged import ModelRunner
+
+
+class PackedModelRunner(ModelRunner):
+    """ModelRunner that refuses up front a model whose attention bypasses the hook.
+
+    Packed stores already pick their cache class; this only turns a mid-forward error into a
+    load-time one.
+    """
+
+    def __init__(self, loaded, kvstore, merge_pad_tokens: int = 32,
+                 kernels: KernelChoices = DEFAULT_KERNELS):
+        super().__init__(loaded, kvstore, merge_pad_tokens, kernels)
+        if not self.direct and any(getattr(s, "packed", False) for s in kvstore.layers.values()):
+            raise KVFormatError("packed KV needs every paged layer to attend through the SDPA "
+                                "hook; this model's attention does not")
