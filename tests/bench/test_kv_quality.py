@@ -11,6 +11,8 @@ import pytest
 from bench.kv import quality_section
 from engine.model.loader import load_model
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

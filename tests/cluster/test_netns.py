@@ -14,6 +14,8 @@ import pytest
 
 from tests.cluster.netns import NetnsCluster
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -10,11 +10,14 @@ arithmetic and page layout must agree with the engine's own packed attention).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from bench import cuda_check
 from engine.attention.cuda import packed_decode as cuda_packed_decode
 from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.attention.packed_cache import PackedLayerCache
+
+pytestmark = pytest.mark.gpu
 
 
 def test_split_plan_keeps_short_contexts_whole_and_splits_long_ones():
@@ -32,7 +35,6 @@ def test_split_plan_keeps_short_contexts_whole_and_splits_long_ones():
 
 
 def test_split_plan_refuses_empty_sizes():
-    import pytest
     with pytest.raises(ValueError):
         cuda_paged_decode.split_count(0, 4, 100)
 

@@ -15,6 +15,8 @@ import pytest
 from bench import cuda_check
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 
+pytestmark = pytest.mark.gpu
+
 
 def test_split_plan():
     # A chunk of 512 at 4K history in 96 blocks: 3 splits reach the target.

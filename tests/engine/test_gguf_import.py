@@ -249,6 +249,7 @@ def test_serving_config_imports_a_gguf_once(pairs, tmp_path, monkeypatch, capfd)
         parse_config({"models": [{"id": "g", "path": str(tmp_path / "missing.gguf")}]})
 
 
+@pytest.mark.slow
 @pytest.mark.real
 def test_real_smollm2_engine_equals_mlx_lm_and_knows_paris():
     """SmolLM2-135M-Instruct (models/smollm2-135m, fetched and imported if missing)."""

@@ -28,6 +28,7 @@ def test_docs_section_is_replaced_in_place(tmp_path):
     assert "second $1 \\1" in text and "keep me" in text and text.startswith("# Benchmarks")
 
 
+@pytest.mark.slow
 def test_same_schedule_against_two_targets(openai_stub, tmp_path):
     # Stubs, not real servers: this checks the orchestration (one schedule, every target, one
     # comparison); serving numbers come from the live tests and the recorded benchmark.
@@ -61,6 +62,8 @@ def test_rates_are_parsed_and_refused_clearly():
             bench_serve._rates(bad)
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_sweep_starts_orchard_and_the_peer_and_compares_each_rate(tmp_path):
     """The real side-by-side, small: `orchard serve --model orchard-tiny` (its own Ray, fresh
     learned rates) and mlx_lm.server on the same folder, two rates, one schedule per rate."""

@@ -8,9 +8,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.fixtures.peer_server import FIRST_TOKEN_S, TOKENS
 
 
+@pytest.mark.slow
 def test_overload_classification_against_stub(openai_stub, tmp_path):
     stub_url = openai_stub(faults=True)
     out = tmp_path / "out"
@@ -45,6 +48,7 @@ def test_overload_classification_against_stub(openai_stub, tmp_path):
     assert "ttft_ms [stub|-]" in stats and "delivery_error_ms [stub|-]" in stats
 
 
+@pytest.mark.slow
 def test_refused_requests_are_retried_after_retry_after(openai_stub, tmp_path):
     url = openai_stub(refuse_every=2)  # streams 0, 2, 4, ... are refused once (429, 0.2 s)
     out = tmp_path / "out"

@@ -6,6 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 SMOKE = ["--scenario", "smoke", "--duration", "8", "--rate", "2", "--context", "512",
          "--max-tokens", "16", "--stream-timeout", "60", "--drain-timeout", "60"]
 

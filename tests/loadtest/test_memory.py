@@ -90,6 +90,8 @@ def test_bad_arguments_are_refused_clearly():
     assert bench_memory.main([]) == 2
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_ramp_against_orchard_and_the_peer(tmp_path):
     """The real thing, small: both servers started here, each model process under a 1.5 GiB
     limit, two levels of short conversations; every turn served, TTFT and peaks recorded."""

@@ -19,6 +19,8 @@ from quality.stats import (FAIL, INCONCLUSIVE, PASS, Interval, accuracy_delta_in
                                   combine, relative_delta_interval, verdict_at_most,
                                   verdict_within_points)
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

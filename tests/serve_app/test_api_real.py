@@ -11,6 +11,8 @@ import pytest
 
 from tests.api_server import served
 
+pytestmark = pytest.mark.slow
+
 PROMPT = "The capital of France is"
 
 

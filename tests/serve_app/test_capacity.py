@@ -108,6 +108,7 @@ def test_disconnect_mid_stream_frees_the_reservation(http, orchard_url):
     wait_for(lambda: idle(http), timeout_s=5, what="reservation freed after disconnect")
 
 
+@pytest.mark.slow
 def test_saturated_fleet_refuses_with_429_and_retry_after(http, orchard_url):
     """Open long streams until the actor's cap is reached: the next one waits in the capacity
     queue for queue_timeout_s (3 s in the fixture), then is refused cleanly."""

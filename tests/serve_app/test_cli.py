@@ -16,6 +16,7 @@ def orchard(*args, **kw) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, expect", [
     ((), "serve"), (("serve",), "CONFIG"), (("deploy",), "--address"), (("status",), "--app"),
     (("loadtest",), "--scenario"), (("bench",), "serve-path"), (("bench", "capacity"), "--callers"),

@@ -23,6 +23,8 @@ import pytest
 from tests.fixtures.serve import TEST_API_KEY, make_config, wait_http_ok
 from tests.fixtures.serve import wait_for as _wait_for
 
+pytestmark = pytest.mark.slow
+
 AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
 # Recovery from a killed process (a replacement replica loading its model) takes longer than a
 # settle: every wait of this suite allows a minute.

@@ -11,11 +11,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from engine.platform import openblas_env
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_job_submit_deploys_a_serving_app(tiny_llama, tmp_path_factory):
     ray_tmp = tempfile.mkdtemp(prefix="ort", dir="/tmp")  # short: Unix socket paths
     env = {**os.environ, **openblas_env(), "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp,

@@ -129,6 +129,8 @@ def test_unknown_kv_format_is_refused_with_the_list():
     assert "starting a local Ray" not in r.stdout
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_serve_a_cached_hub_id_end_to_end(tmp_path):
     """The real CLI: a hub id from the local cache, int8 KV, a local Ray of its own; the startup
     summary names the model, folder, format, budget in tokens, ceiling and URL; /health is 200

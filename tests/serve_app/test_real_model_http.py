@@ -6,6 +6,8 @@ import asyncio
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a small village,", "import numpy as np\n\nx = np."]
 

@@ -10,11 +10,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from engine.platform import openblas_env
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_two_nodes_spread_route_and_survive_node_removal(tiny_llama):
     env = {**os.environ, **openblas_env(), "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_raylet_start_wait_time_s": "180",
