@@ -18,7 +18,7 @@ log = logging.getLogger("orchard.capacity_link")
 
 def make_client(settings: dict[str, Any]) -> Any:
     """A CapacityClient for these settings; it creates the actor the same way if it is gone."""
-    from capacity.actor import CapacityClient
+    from capacity.transport.client import CapacityClient
     from serve_app.config import CapacitySettings
 
     cfg = CapacitySettings.model_validate(settings)

@@ -34,7 +34,7 @@ def _label(state) -> str:
 
 def _snapshot(namespace: str) -> dict | None:
     try:
-        from capacity.actor import CapacityClient
+        from capacity.transport.client import CapacityClient
 
         return asyncio.run(CapacityClient(namespace=namespace, create=False).snapshot())
     except Exception:  # noqa: BLE001 - status must still print Serve's view
