@@ -29,6 +29,8 @@ def _kv_formats() -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from serve_app.config import CapacitySettings, OrchardConfig
+
     p = argparse.ArgumentParser(prog="orchard", description="Serve LLMs on Ray Serve with MLX "
                                 "engines and capacity-aware routing.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -60,8 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--timeout", type=float, default=600, help="seconds to wait for healthy")
     st = sub.add_parser("status", help="show replicas, formats, budgets and caps")
     st.add_argument("--address", default="auto")
-    st.add_argument("--app", default="orchard", help="Serve application name")
-    st.add_argument("--namespace", default="orchard", help="capacity actor namespace")
+    st.add_argument("--app", default=OrchardConfig.model_fields["app_name"].default,
+                    help="Serve application name")
+    st.add_argument("--namespace", default=CapacitySettings.model_fields["namespace"].default,
+                    help="capacity actor namespace")
     lt = sub.add_parser("loadtest", help="headless Locust run (see `orchard loadtest --help`)",
                         add_help=False)
     lt.add_argument("rest", nargs=argparse.REMAINDER)

@@ -140,12 +140,12 @@ def wait_running(app_name: str, timeout_s: float) -> None:
         app = serve.status().applications.get(app_name)
         if app is not None:
             for name, dep in app.deployments.items():
-                line = f"{_label(dep.status)} " + ", ".join(
-                    f"{n} {_label(s)}" for s, n in dep.replica_states.items())
+                line = f"{label(dep.status)} " + ", ".join(
+                    f"{n} {label(s)}" for s, n in dep.replica_states.items())
                 if last.get(name) != line:
                     say(f"  {name}: {line}")
                     last[name] = line
-            status = _label(app.status).upper()
+            status = label(app.status).upper()
             if status == "RUNNING":
                 return
             if status in ("DEPLOY_FAILED", "UNHEALTHY"):
@@ -155,7 +155,7 @@ def wait_running(app_name: str, timeout_s: float) -> None:
         time.sleep(1.0)
 
 
-def _label(state) -> str:
+def label(state) -> str:
     """Serve status fields are enums in some places and plain strings in others."""
     return str(getattr(state, "value", state)).lower()
 
