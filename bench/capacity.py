@@ -8,7 +8,7 @@
    over a fixed window of callers * rounds / R seconds; latency from the scheduled arrival).
    Each load runs once per transport (`--transport ray fast`, both by default, same actor):
    `ray` sends every client batch as a Ray actor call; `fast` uses the direct connection
-   (capacity/fastpath.py) once the client has discovered it (the bench checks it did).
+   (capacity/transport/fastpath.py) once the client has discovered it (the bench checks it did).
    `pacer_floor` runs the paced loads against a client that answers at once: the latency the
    driver process alone adds (late wake-ups on a shared box), a floor under every paced row.
 2. Memory per 10,000 execution identities (tracemalloc of the rate registry: 10,000 sparse ones

@@ -1,7 +1,7 @@
-"""The direct hot-path transport (capacity/fastpath.py) against a real capacity actor: batches go
-over it once discovered; a bad token or a garbage frame closes only that connection; killing the
-actor mid-stream falls back to Ray calls, then reconnects to the restarted actor (new port, new
-token) and reservations come back from heartbeats as before. Session-wide Ray
+"""The direct hot-path transport (capacity/transport/fastpath.py) against a real capacity actor:
+batches go over it once discovered; a bad token or a garbage frame closes only that connection;
+killing the actor mid-stream falls back to Ray calls, then reconnects to the restarted actor (new
+port, new token) and reservations come back from heartbeats as before. Session-wide Ray
 (tests/fixtures/ray_session.py)."""
 import asyncio
 import logging
