@@ -73,5 +73,4 @@ class BatchOps:
 
     def _hold(self, op: HoldOp, owner):
         """Refusals come back as data, not exceptions: cheaper, and no RayTaskError unwrapping."""
-        return self.waits.hold(op.model_id, op.raw_tokens, op.request_id, op.prompt_tokens,
-                               tuple(op.exclude), float(op.wait_s or 0.0), owner)
+        return self.waits.hold(op, owner)
