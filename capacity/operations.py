@@ -83,7 +83,7 @@ def encode_op(op: Op) -> list:
 def decode_op(raw: Any) -> Op:
     """An operation from its wire form (an Op passes through). Raises TypeError for the wrong
     arity or shape, ValueError for an empty one, CapacityError for an unknown name."""
-    if isinstance(raw, tuple(OPS.values())):
+    if isinstance(raw, _OP_TYPES):
         return raw
     name, *args = raw
     cls = OPS.get(name) if isinstance(name, str) else None
@@ -92,4 +92,5 @@ def decode_op(raw: Any) -> Op:
     return cls(*args)
 
 
-_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in OPS.values()}
+_OP_TYPES = tuple(OPS.values())
+_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _OP_TYPES}
