@@ -31,6 +31,9 @@ class HoldOp:
     exclude: tuple = ()
     wait_s: float = 0.0
 
+    def __post_init__(self):
+        object.__setattr__(self, "exclude", tuple(self.exclude))   # msgpack sends a list
+
     def waiting(self, wait_s: float) -> "HoldOp":
         """The same hold, waiting up to `wait_s` at the actor."""
         return replace(self, wait_s=wait_s)
