@@ -8,7 +8,7 @@
    over a fixed window of callers * rounds / R seconds; latency from the scheduled arrival).
    Each load runs once per transport (`--transport ray fast`, both by default, same actor):
    `ray` sends every client batch as a Ray actor call; `fast` uses the direct connection
-   (capacity/fastpath.py) once the client has discovered it (the bench checks it did).
+   (capacity/transport/fastpath.py) once the client has discovered it (the bench checks it did).
    `pacer_floor` runs the paced loads against a client that answers at once: the latency the
    driver process alone adds (late wake-ups on a shared box), a floor under every paced row.
 2. Memory per 10,000 execution identities (tracemalloc of the rate registry: 10,000 sparse ones
@@ -172,7 +172,7 @@ async def _actor_bench(args) -> dict:
 
 
 async def _transport_bench(args, ns: str, name: str, actor, transport: str, seqs: list) -> dict:
-    from capacity.actor import CapacityClient
+    from capacity.transport.client import CapacityClient
 
     client = CapacityClient(namespace=ns, name=name, snapshot_path="", call_timeout_s=30,
                             max_inflight=args.max_inflight,

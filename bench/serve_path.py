@@ -33,7 +33,7 @@ import httpx
 
 from engine.model.names import MODEL_HELP, model_arg
 from serve_app.calls import TRACE_ENV
-from serve_app.cli import LOCAL_RAY_SYSTEM_CONFIG
+from serve_app.launch import LOCAL_RAY_SYSTEM_CONFIG
 from serve_app.config import parse_config
 
 PROMPT = [{"role": "user", "content": "Write one short sentence about apple orchards."}]
@@ -193,7 +193,7 @@ class ServeCluster:
         self.model = model
         self.direct_port = None
         if direct_ingress:
-            from serve_app.cli import direct_ingress_env
+            from serve_app.launch import direct_ingress_env
 
             self.direct_port = _free_port()
             cluster_env = {**direct_ingress_env(self.direct_port, span=16), **cluster_env}

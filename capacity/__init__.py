@@ -1,7 +1,10 @@
-"""capacity/: the physics and bookkeeping of the fleet. Pure Python except actor.py (Ray).
+"""capacity/: the physics and bookkeeping of the fleet. Pure Python except actor.py and
+transport/client.py (Ray).
 
 formats (KV bytes, format identity) -> identity (execution keys, quarantine) -> pricing (cost model)
 -> ledger (two-phase reservations) / rates (histories, batch fit, TTFT calibration) -> caps,
-forecast, anomaly -> fleet (the actor's state machine) -> actor (Ray actor + CapacityClient).
-protocol holds the pydantic wire models; errors the exception hierarchy; ring a compact window.
+forecast, anomaly -> fleet (the actor's state machine) -> ops + waiting (the actor's batch path)
+-> actor (the Ray actor). operations holds the batched operations and their codec, protocol the
+pydantic wire models, errors the exception hierarchy, ring a compact window; transport/ is how
+clients reach the actor (CapacityClient, the direct connection, batching, the local fallback).
 """

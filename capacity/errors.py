@@ -38,3 +38,7 @@ class CapacityRefused(CapacityError):
     def __reduce__(self):
         # Ray pickles exceptions across processes; keep the structured fields.
         return (type(self), (self.reason, self.retry_after_s, self.detail))
+
+
+class CapacityUnavailable(CapacityError):
+    """The actor could not be reached (dead, restarting past the timeout, or never created)."""

@@ -1,12 +1,6 @@
 """The capacity actor's one batch path, shared by both transports (Ray calls and the direct
-connection), without Ray: a batch of (op, args...) applied in order against a Fleet.
-
-    ("hold", model_id, raw_tokens, request_id, prompt_tokens=None, exclude=(), wait_s=0.0)
-    ("commit", request_id, replica_id, raw_tokens=None, model_id=None)
-    ("release", request_id, telemetry=None)
-    ("cancel", request_id)
-    ("heartbeat", report)
-    ("retire", [replica_id, ...])     # replicas the serving layer saw go away
+connection), without Ray: a batch of operations (capacity/operations.py, decoded here from
+their wire form) applied in order against a Fleet.
 
 A hold's result is {"ok": True, "hold": Hold} or refusal data; a hold with wait_s > 0 that finds
 no room yields a future of the same (capacity/waiting.py), and every other op that may have made
@@ -20,6 +14,8 @@ from typing import Any
 
 from capacity.errors import CapacityError
 from capacity.fleet import Fleet
+from capacity.operations import (CancelOp, CommitOp, HeartbeatOp, HoldOp, Op, ReleaseOp,
+                                 RetireOp, decode_op)
 from capacity.waiting import WaitQueues
 
 
@@ -38,8 +34,7 @@ class BatchOps:
         out = []
         for op in ops:
             try:
-                name, *args = op
-                out.append(self._apply_one(name, args, owner))
+                out.append(self._apply_one(decode_op(op), owner))
             except CapacityError as e:       # one bad report must not fail its batch-mates
                 out.append({"error": type(e).__name__, "detail": str(e)})
             except ValueError as e:          # pydantic validation of a malformed report
@@ -54,30 +49,28 @@ class BatchOps:
             self.waits.drain()
         return gone
 
-    def _apply_one(self, op: str, args: list, owner: object | None) -> Any:
-        if op == "hold":
-            return self._hold(owner, *args)
+    def _apply_one(self, op: Op, owner: object | None) -> Any:
+        if isinstance(op, HoldOp):
+            return self._hold(op, owner)
         now = self.clock()
-        if op == "commit":
-            out = self.fleet.commit(args[0], args[1], now, *args[2:])
-        elif op == "release":
-            out = self.fleet.release(args[0], args[1] if len(args) > 1 else None)
-        elif op == "cancel":
-            out = self.fleet.cancel(args[0])
-            known = out or self.fleet.ledger.outcome(args[0]) is not None
-            out = self.waits.cancel(args[0], known) or out
-        elif op == "heartbeat":
-            out = self.fleet.heartbeat(args[0], now)
-        elif op == "retire":
-            out = self.fleet.retire(list(args[0]))
+        if isinstance(op, CommitOp):
+            out = self.fleet.commit(op.request_id, op.replica_id, now, op.raw_tokens, op.model_id)
+        elif isinstance(op, ReleaseOp):
+            out = self.fleet.release(op.request_id, op.telemetry)
+        elif isinstance(op, CancelOp):
+            out = self.fleet.cancel(op.request_id)
+            known = out or self.fleet.ledger.outcome(op.request_id) is not None
+            out = self.waits.cancel(op.request_id, known) or out
+        elif isinstance(op, HeartbeatOp):
+            out = self.fleet.heartbeat(op.report, now)
+        elif isinstance(op, RetireOp):
+            out = self.fleet.retire(list(op.replica_ids))
         else:
             raise CapacityError(f"unknown op {op!r}")
         if len(self.waits):          # anything but a hold may have made room for a waiter
             self.waits.drain()
         return out
 
-    def _hold(self, owner, model_id, raw_tokens, request_id, prompt_tokens=None, exclude=(),
-              wait_s=0.0):
+    def _hold(self, op: HoldOp, owner):
         """Refusals come back as data, not exceptions: cheaper, and no RayTaskError unwrapping."""
-        return self.waits.hold(model_id, raw_tokens, request_id, prompt_tokens, tuple(exclude),
-                               float(wait_s or 0.0), owner)
+        return self.waits.hold(op, owner)

@@ -1,8 +1,8 @@
 """Holds that wait for capacity, per model, first come first served (no Ray; runs on one loop).
 
-`hold(..., wait_s > 0)` that finds no room is parked as a future instead of being refused; it is
-granted in arrival order as soon as room appears (the actor calls `drain()` after every release,
-cancel, commit, heartbeat and expiry), or answered with the usual "no_capacity" refusal when its
+A hold (a HoldOp, capacity/operations.py) with wait_s > 0 that finds no room is parked as a
+future instead of being refused; it is granted in arrival order as soon as room appears (the
+actor calls `drain()` after every release, cancel, commit, heartbeat and expiry), or answered with the usual "no_capacity" refusal when its
 wait runs out. While anyone waits for a model, a newcomer never overtakes: a waiting hold joins
 the back of the queue and a non-waiting one is refused. Nothing is debited until a grant, and a
 grant is an ordinary `Fleet.hold`, so the ledger's invariants are untouched.
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from capacity.errors import CapacityRefused
 from capacity.fleet import Fleet
 from capacity.ledger import RELEASED
+from capacity.operations import HoldOp
 
 TOMBSTONES = 10_000     # ids cancelled before their waiting hold arrived, remembered
 
@@ -79,10 +80,10 @@ class WaitQueues:
 
     # ---- entry -----------------------------------------------------------------------------
 
-    def hold(self, model: str, raw_tokens: int, request_id: str, prompt_tokens: int | None = None,
-             exclude=(), wait_s: float = 0.0, owner: object | None = None):
+    def hold(self, op: HoldOp, owner: object | None = None):
         """A result dict now, or a future of one (the hold waits)."""
-        exclude = tuple(exclude)
+        model, raw_tokens, request_id = op.model_id, op.raw_tokens, op.request_id
+        prompt_tokens, exclude, wait_s = op.prompt_tokens, tuple(op.exclude), float(op.wait_s or 0)
         waiting = wait_s > 0
         if waiting and request_id in self._tombstones:
             return refusal("cancelled", 0.0, request_id)

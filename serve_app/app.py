@@ -13,7 +13,8 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from serve_app.config import OrchardConfig, load_config, parse_config
+from serve_app.capacity_link import make_client, negotiate_format
+from serve_app.config import CapacitySettings, ModelConfig, OrchardConfig, load_config, parse_config
 from serve_app.ingress import IngressCore, build_fastapi_app
 from serve_app.memory_plan import plan_memory, with_kv_budgets
 from serve_app.server import ModelServer
@@ -32,40 +33,30 @@ def deployment_name(model_id: str) -> str:
 class ModelDeployment(ModelServer):
     """ModelServer as a Serve replica: reporting starts on the replica's event loop."""
 
-    async def __init__(self, model: dict[str, Any], kv_format: str,  # type: ignore[misc]
-                       capacity: dict[str, Any] | None, drain_timeout_s: float = 30.0):
-        from serve_app.capacity_link import negotiate_format
-
+    async def __init__(self, model: ModelConfig, kv_format: str,  # type: ignore[misc]
+                       capacity: CapacitySettings | None, drain_timeout_s: float):
         self.kv_format_requested = kv_format
         kv_format, self.kv_format_reason = await negotiate_format(kv_format, capacity)
         ModelServer.__init__(self, model, kv_format, capacity, drain_timeout_s)
-        if model.get("warmup", True):
+        if model.warmup:
             # Before the first heartbeat: the actor learns this box's batch slowdown from it.
             from engine.warmup import warm_up
 
             done = await warm_up(self.engine, batch=8)
-            log.info("%s warmed up in %.1f s; decode step profile %s", model["id"],
+            log.info("%s warmed up in %.1f s; decode step profile %s", model.id,
                      done["seconds"], done["decode_step_profile"])
         await self.start()
 
 
 @serve.ingress()
 class OrchardIngress:
-    def __init__(self, config: dict[str, Any], handles: dict[str, Any]):
+    def __init__(self, config: OrchardConfig, handles: dict[str, Any]):
         from serve_app.backends import RayBackend
         from serve_app.router_registry import replica_views, router_events
 
-        cfg = OrchardConfig.model_validate(config)
-        capacity = None
-        try:
-            from serve_app.capacity_link import make_client
-
-            capacity = make_client(cfg.capacity.model_dump())
-        except ImportError:
-            pass
-        self.core = IngressCore(cfg, {mid: RayBackend(h) for mid, h in handles.items()},
-                                capacity=capacity, replica_views=replica_views,
-                                router_events=router_events)
+        self.core = IngressCore(config, {mid: RayBackend(h) for mid, h in handles.items()},
+                                capacity=make_client(config.capacity),
+                                replica_views=replica_views, router_events=router_events)
 
     def pid(self) -> int:
         """This ingress replica's process (fault tests and operators kill it by pid)."""
@@ -115,12 +106,11 @@ def build_app(config: OrchardConfig | dict[str, Any]):
     for m, model in zip(cfg.models, with_kv_budgets(cfg, plan)):
         dep = serve.deployment(ModelDeployment, **model_deployment_options(cfg, m))
         handles[m.id] = dep.bind(model=model, kv_format=cfg.kv_format_for(m),
-                                 capacity=cfg.capacity.model_dump(),
-                                 drain_timeout_s=cfg.drain_timeout_s)
+                                 capacity=cfg.capacity, drain_timeout_s=cfg.drain_timeout_s)
     ingress = serve.deployment(OrchardIngress, name=INGRESS_NAME, num_replicas=1,
                                ray_actor_options=actor_options(cfg, cfg.ingress_resources),
                                max_ongoing_requests=10_000)
-    return ingress.bind(cfg.model_dump(), handles)
+    return ingress.bind(cfg, handles)
 
 
 def app_builder(args: dict[str, Any]):

@@ -1,7 +1,8 @@
 """A replica's link to the capacity actor: commit, release with telemetry, heartbeats.
 
 Never fails a request because the actor is unreachable: the engine still admits by its own
-byte ledger, and the actor rebuilds its view from the next heartbeat.
+byte ledger, and the actor rebuilds its view from the next heartbeat. The link knows its replica
+only as a ReplicaReporter (what it reports), so the dependency points one way.
 """
 from __future__ import annotations
 
@@ -9,29 +10,49 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from capacity.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from capacity.protocol import HeartbeatReport
+    from capacity.transport.client import CapacityClient
+    from serve_app.config import CapacitySettings
 
 log = logging.getLogger("orchard.capacity_link")
 
 
-def make_client(settings: dict[str, Any]) -> Any:
-    """A CapacityClient for these settings; it creates the actor the same way if it is gone."""
-    from capacity.actor import CapacityClient
-    from serve_app.config import CapacitySettings
+class ReplicaReporter(Protocol):
+    """What a CapacityLink needs from its replica (serve_app.server.ModelServer has it)."""
 
-    cfg = CapacitySettings.model_validate(settings)
-    return CapacityClient(namespace=cfg.namespace, snapshot_path=cfg.snapshot_path,
-                          config=cfg.actor_config(), resources=cfg.actor_resources or None)
+    replica_id: str
+    model_id: str
+
+    def active_raw_tokens(self) -> dict[str, int]:
+        """Requests being served now -> raw tokens."""
+
+    def heartbeat_report(self, incarnation: int, seq: int) -> "HeartbeatReport":
+        """The replica's sequence-numbered heartbeat (serve_app/heartbeat.py)."""
+
+    def execution_identity(self) -> str | None:
+        """The loaded engine's execution identity in wire form; None for native."""
+
+
+def make_client(settings: "CapacitySettings") -> "CapacityClient":
+    """A CapacityClient for these settings; it creates the actor the same way if it is gone."""
+    from capacity.transport.client import CapacityClient
+
+    return CapacityClient(namespace=settings.namespace, snapshot_path=settings.snapshot_path,
+                          config=settings.actor_config(),
+                          resources=settings.actor_resources or None)
 
 
 class CapacityLink:
-    def __init__(self, settings: dict[str, Any], server: Any):
+    def __init__(self, settings: "CapacitySettings", reporter: ReplicaReporter):
         self.settings = settings
-        self.server = server
+        self.reporter = reporter
         self.client = make_client(settings)
-        self.interval_s = float(settings.get("heartbeat_interval_s", 2.0))
+        self.interval_s = settings.heartbeat_interval_s
         self.incarnation = int(time.time() * 1000)
         self.seq = 0
         self._task: asyncio.Task | None = None
@@ -54,11 +75,9 @@ class CapacityLink:
             await self.beat()
 
     async def beat(self) -> None:
-        from serve_app.heartbeat import build_report
-
         self.seq += 1
         try:
-            await self.client.heartbeat(build_report(self.server, self.incarnation, self.seq))
+            await self.client.heartbeat(self.reporter.heartbeat_report(self.incarnation, self.seq))
             self.heartbeats_sent += 1
         except Exception:  # noqa: BLE001 - the next beat retries
             self.faults += 1
@@ -67,9 +86,9 @@ class CapacityLink:
     async def commit(self, request_id: str) -> bool:
         try:
             # raw tokens and model let a restarted actor re-establish the reservation.
-            await self.client.commit(request_id, self.server.replica_id,
-                                     self.server.active_raw_tokens().get(request_id),
-                                     self.server.model_id)
+            await self.client.commit(request_id, self.reporter.replica_id,
+                                     self.reporter.active_raw_tokens().get(request_id),
+                                     self.reporter.model_id)
             return True
         except Exception as e:  # noqa: BLE001 - unknown when routed without a hold (fallback)
             log.debug("commit %s: %s", request_id, e)
@@ -78,9 +97,9 @@ class CapacityLink:
     def commit_soon(self, request_id: str) -> None:
         self._spawn(self.commit(request_id))
 
-    def release_soon(self, call: Any, telemetry: dict[str, Any]) -> None:
+    def release_soon(self, request_id: str, telemetry: dict[str, Any]) -> None:
         """Release from a `finally` that may run during cancellation: schedule, don't await."""
-        self._spawn(self._release(call.request_id, telemetry))
+        self._spawn(self._release(request_id, telemetry))
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -88,7 +107,6 @@ class CapacityLink:
         task.add_done_callback(self._pending.discard)
 
     async def _release(self, request_id: str, telemetry: dict[str, Any]) -> None:
-        from capacity.identity import execution_identity
         from capacity.protocol import RequestTelemetry
 
         try:
@@ -98,11 +116,7 @@ class CapacityLink:
                 batch_size=max(1, telemetry["batch_size_at_admission"]),
                 ttft_s=telemetry["ttft_s"] or None, tpot_s=telemetry["tpot_s"] or None,
                 max_batch_size=max(1, telemetry.get("max_batch_size", 1)),
-                # The wire form (kvq-v1:...:prefill=...), not the bare format identity, which
-                # the actor's grammar would quarantine and drop.
-                execution_identity=execution_identity(
-                    self.server.engine.format_identity,
-                    self.server.engine.stats().prefill_mode) or None,
+                execution_identity=self.reporter.execution_identity(),
                 finish_reason=telemetry["finish_reason"])
             await self.client.release(request_id, t)
         except Exception:  # noqa: BLE001
@@ -113,7 +127,8 @@ class CapacityLink:
 NEGOTIATION_RETRY_S = (0.5, 1.0, 2.0, 5.0)
 
 
-async def negotiate_format(requested: str, settings: dict[str, Any] | None) -> tuple[str, str]:
+async def negotiate_format(requested: str, settings: "CapacitySettings | None"
+                          ) -> tuple[str, str]:
     """Confirm a packed KV format with the capacity actor before the replica becomes ready.
 
     Retries (with a log line each time) while the actor is unreachable and raises ProtocolError
@@ -124,7 +139,7 @@ async def negotiate_format(requested: str, settings: dict[str, Any] | None) -> t
 
     if requested == "native":
         return requested, "no negotiation needed"
-    if not settings:
+    if settings is None:
         raise ProtocolError(f"KV format {requested!r} needs the capacity actor to confirm "
                             "per-format histories, and no capacity settings were given")
     client = make_client(settings)

@@ -288,7 +288,7 @@ def parse_config(data: Any, source: str = "config", base_dir: Path | None = None
 
 
 def _import_gguf_paths(cfg: OrchardConfig, source: str) -> None:
-    """A model `path:` naming a .gguf file becomes its imported folder (engine.gguf.cache:
+    """A model `path:` naming a .gguf file becomes its imported folder (engine.model.gguf.cache:
     imported once per file content, with progress on stderr)."""
     for i, m in enumerate(cfg.models):
         if not m.path.lower().endswith(".gguf"):

@@ -136,10 +136,8 @@ def from_exception(exc: BaseException) -> APIError:
 
 def _is_replica_lost(exc: BaseException) -> bool:
     """A replica process died or became unreachable (Serve restarts it): retryable, not a bug."""
-    try:
-        from ray.exceptions import RayActorError
-    except ImportError:   # in-process use without Ray
-        return False
+    from ray.exceptions import RayActorError
+
     return isinstance(exc, RayActorError)
 
 

@@ -19,9 +19,8 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from serve_app.config import ConfigError, OrchardConfig
+from serve_app.config import ConfigError, ModelConfig, OrchardConfig
 
 GIB = 1 << 30
 # Floating weights are held at the compute dtype (float32 on the CPU backend): 16-bit files
@@ -168,6 +167,7 @@ def plan_memory(cfg: OrchardConfig, node_bytes: int | None = None,
     return plan
 
 
-def with_kv_budgets(cfg: OrchardConfig, plan: MemoryPlan) -> list[dict[str, Any]]:
-    """Model dicts for the deployments, each with its planned per-replica KV budget."""
-    return [{**m.model_dump(), "kv_budget_bytes": plan.kv_budget_for(m.id)} for m in cfg.models]
+def with_kv_budgets(cfg: OrchardConfig, plan: MemoryPlan) -> list[ModelConfig]:
+    """The models' configs for the deployments, each with its planned per-replica KV budget."""
+    return [m.model_copy(update={"kv_budget_bytes": plan.kv_budget_for(m.id)})
+            for m in cfg.models]

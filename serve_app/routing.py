@@ -18,8 +18,11 @@ from typing import Any
 
 from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRouter, RunningReplica
 
+from capacity.errors import CapacityRefused
 from serve_app import router_registry
 from serve_app.calls import GenerateCall, stamp
+from serve_app.capacity_link import make_client
+from serve_app.config import CapacitySettings
 
 log = logging.getLogger("ray.serve")
 
@@ -43,17 +46,12 @@ def headroom(replica: RunningReplica) -> int:
 class CapacityRouter(LocalityMixin, RequestRouter):
     def initialize_state(self, capacity: dict[str, Any] | None = None, **_: Any) -> None:
         """`capacity`: serve_app.config.CapacitySettings as a dict (router kwargs are JSON)."""
-        settings = capacity or {}
-        try:
-            from serve_app.capacity_link import make_client
-
-            self.client = make_client(settings)
-        except ImportError:  # a build without the capacity actor: power-of-two only
-            self.client = None
-        self.max_fault_retries = int(settings.get("max_fault_retries", 3))
-        self.fallback_cooldown_s = float(settings.get("fallback_cooldown_s", 10.0))
-        self.queue_timeout_s = float(settings.get("queue_timeout_s", 30.0))
-        self.max_queued = int(settings.get("max_queued", 64))
+        settings = CapacitySettings.model_validate(capacity or {})
+        self.client = make_client(settings)
+        self.max_fault_retries = settings.max_fault_retries
+        self.fallback_cooldown_s = settings.fallback_cooldown_s
+        self.queue_timeout_s = settings.queue_timeout_s
+        self.max_queued = settings.max_queued
         self.waiting: dict[str, int] = {}   # model -> holds of this router now in the call
         self.fallback_until = 0.0
         self.consecutive_faults = 0
@@ -70,15 +68,14 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         super().update_replicas(replicas)
         live = {r.replica_id.unique_id for r in replicas}
         gone, self._live_replicas = self._live_replicas - live, live
-        if self.client is not None:
-            # While the actor is unreachable the client admits locally up to this many requests
-            # per model; Serve's per-replica ceiling is the honest bound then.
-            self.client.fallback_cap = max(1, sum(r.max_ongoing_requests for r in replicas))
-            if gone:
-                # Serve dropped these replicas (died, or scaled away): the actor stops counting
-                # them and drops their reservations now, not after its silence timeout.
-                log.info("replicas gone: %s; retiring them at the capacity actor", sorted(gone))
-                self._spawn(self._retire(sorted(gone)))
+        # While the actor is unreachable the client admits locally up to this many requests
+        # per model; Serve's per-replica ceiling is the honest bound then.
+        self.client.fallback_cap = max(1, sum(r.max_ongoing_requests for r in replicas))
+        if gone:
+            # Serve dropped these replicas (died, or scaled away): the actor stops counting
+            # them and drops their reservations now, not after its silence timeout.
+            log.info("replicas gone: %s; retiring them at the capacity actor", sorted(gone))
+            self._spawn(self._retire(sorted(gone)))
 
     async def _retire(self, replica_ids: list[str]) -> None:
         try:
@@ -89,7 +86,7 @@ class CapacityRouter(LocalityMixin, RequestRouter):
     async def _choose_replica_for_request(self, pending_request: PendingRequest, *,
                                           is_retry: bool = False) -> RunningReplica:
         call = _call_of(pending_request)
-        if call is None or self.client is None or time.monotonic() < self.fallback_until:
+        if call is None or time.monotonic() < self.fallback_until:
             if call is not None:
                 self.stats["fallback_routes"] += 1
             return await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
@@ -121,8 +118,6 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         max_queued holds of this router already wait for the model, a newcomer does not queue:
         it is refused at once (a full queue refuses rather than grows without bound).
         """
-        from capacity.errors import CapacityRefused
-
         budget = self.queue_timeout_s
         if call.first_token_deadline_unix is not None:
             budget = min(budget, call.deadline_monotonic() - time.monotonic())
@@ -195,7 +190,7 @@ class CapacityRouter(LocalityMixin, RequestRouter):
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         entry = self.holds.pop(internal_request_id, None)
-        if entry is not None and self.client is not None:
+        if entry is not None:
             request_id, hold = entry
             # A local (fallback) hold lives in this process only: settle it now.
             self._cancel_soon(request_id, 0.0 if hold.fallback else LEAK_GUARD_DELAY_S)

@@ -10,12 +10,17 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import asdict
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from serve_app.calls import GenerateCall, stamp
+from serve_app.capacity_link import CapacityLink
 from serve_app.errors import from_exception
-from serve_app.heartbeat import chip_class
+from serve_app.heartbeat import build_report, chip_class
+from serve_app.wire import ReplicaDelta, ReplicaError, ReplicaItem, TokenUsage
+
+if TYPE_CHECKING:
+    from capacity.protocol import HeartbeatReport
+    from serve_app.config import CapacitySettings, ModelConfig
 
 log = logging.getLogger("orchard.server")
 
@@ -52,23 +57,26 @@ SERVED_ENGINE_DEFAULTS = {"enable_prefix_caching": True}
 
 
 class ModelServer:
-    """Engine + capacity reporting for one model replica (usable in-process as well)."""
+    """Engine + capacity reporting for one model replica (usable in-process as well).
 
-    def __init__(self, model: dict[str, Any], kv_format: str, capacity: dict[str, Any] | None,
-                 drain_timeout_s: float = 30.0):
+    It is the ReplicaReporter its CapacityLink reports for (serve_app/capacity_link.py)."""
+
+    def __init__(self, model: "ModelConfig", kv_format: str, capacity: "CapacitySettings | None",
+                 drain_timeout_s: float):
+        """`model`: its config with the planned KV budget (serve_app.memory_plan.with_kv_budgets)."""
         from engine.config import EngineConfig
 
-        self.model_id = model["id"]
-        self.model_path = model["path"]
+        self.model_id = model.id
+        self.model_path = model.path
         self.drain_timeout_s = drain_timeout_s
-        engine_cfg = EngineConfig(model=model["path"], kv_format=kv_format,
-                                  kv_budget_bytes=model.get("kv_budget_bytes"),
-                                  max_num_seqs=model.get("max_num_seqs", 16),
-                                  **{**SERVED_ENGINE_DEFAULTS, **model.get("engine", {})})
+        engine_cfg = EngineConfig(model=model.path, kv_format=kv_format,
+                                  kv_budget_bytes=model.kv_budget_bytes,
+                                  max_num_seqs=model.max_num_seqs,
+                                  **{**SERVED_ENGINE_DEFAULTS, **model.engine})
         self.engine = self._make_engine(engine_cfg)
         self.replica_id = _replica_id()
         self.node_id = _node_id()
-        self.capacity = _capacity_link(capacity, self) if capacity else None
+        self.capacity = CapacityLink(capacity, self) if capacity is not None else None
         self._started = False
         self.wedge_timeout_s = WEDGE_TIMEOUT_S
         self._progress = (0, time.monotonic())   # (engine steps, when they last changed)
@@ -89,8 +97,8 @@ class ModelServer:
 
     # --- requests -----------------------------------------------------------------------
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[dict]:
-        """Stream delta dicts; an error before the first delta comes as one `{"error": ...}`."""
+    async def generate(self, call: GenerateCall) -> AsyncIterator[ReplicaItem]:
+        """Stream ReplicaDeltas; an error before the first delta comes as one ReplicaError."""
         from engine.request import GenerationRequest
 
         stamp(call.trace, "replica_in")
@@ -115,19 +123,20 @@ class ModelServer:
                     if d.ttft_s is not None:
                         ttft = d.ttft_s
                     usage, finish = d.usage, d.finish_reason
-                    item = {"text": d.text, "token_ids": list(d.token_ids),
-                            "finish_reason": d.finish_reason, "usage": asdict(d.usage),
-                            "ttft_s": d.ttft_s}
-                    if d.logprobs is not None:
-                        item["logprobs"] = [[e.logprob, [list(a) for a in e.top]]
-                                            for e in d.logprobs]
-                    if n_deltas == 1:
-                        item["replica_id"] = self.replica_id
-                        if call.trace is not None:
-                            stamp(call.trace, "replica_first_delta")
-                            call.trace["engine_ttft_s"] = d.ttft_s
-                            item["trace"] = call.trace
-                    yield item
+                    first = n_deltas == 1
+                    if first and call.trace is not None:
+                        stamp(call.trace, "replica_first_delta")
+                        call.trace["engine_ttft_s"] = d.ttft_s
+                    yield ReplicaDelta(
+                        text=d.text, token_ids=tuple(d.token_ids),
+                        finish_reason=d.finish_reason,
+                        usage=TokenUsage(d.usage.prompt_tokens, d.usage.completion_tokens,
+                                         d.usage.cached_tokens),
+                        ttft_s=d.ttft_s,
+                        logprobs=None if d.logprobs is None else tuple(
+                            (e.logprob, tuple(tuple(a) for a in e.top)) for e in d.logprobs),
+                        replica_id=self.replica_id if first else None,
+                        trace=call.trace if first else None)
             except Exception as e:  # noqa: BLE001 - mapped once to an HTTP error
                 if n_deltas:
                     raise
@@ -135,13 +144,13 @@ class ModelServer:
                 if err.status >= 500 and err.code == "internal_error":
                     log.exception("request %s failed", call.request_id)
                 finish = f"refused:{err.reason}"
-                yield {"error": err.to_wire()}
+                yield ReplicaError(err.to_wire())
         finally:
             self._inflight.pop(call.request_id, None)
             # Safe at any point and idempotent: covers client disconnects mid-stream.
             self.engine.cancel(call.request_id)
             if self.capacity is not None:
-                self.capacity.release_soon(call, {
+                self.capacity.release_soon(call.request_id, {
                     "prompt_tokens": usage.prompt_tokens if usage else len(call.prompt_ids),
                     "completion_tokens": usage.completion_tokens if usage else 0,
                     "cached_tokens": usage.cached_tokens if usage else 0,
@@ -179,9 +188,23 @@ class ModelServer:
         """Most raw tokens (prompt + completion) one request may have on this replica."""
         return int(self.engine.cost_model().token_limit)
 
+    # --- ReplicaReporter (what the capacity link reports) -------------------------------
+
     def active_raw_tokens(self) -> dict[str, int]:
         """Requests this replica is serving now -> raw tokens (the heartbeat's active list)."""
         return dict(self._inflight)
+
+    def heartbeat_report(self, incarnation: int, seq: int) -> "HeartbeatReport":
+        return build_report(self, incarnation, seq)
+
+    def execution_identity(self) -> str | None:
+        """The wire form (kvq-v1:...:prefill=...), not the bare format identity, which the
+        actor's grammar would quarantine and drop; None for native."""
+        from capacity.identity import execution_identity
+
+        return execution_identity(
+            self.engine.format_identity,
+            self.engine.stats().prefill_mode) or None
 
     # --- Serve hooks --------------------------------------------------------------------
 
@@ -241,16 +264,6 @@ class ModelServer:
                 self.shutdown()
         except Exception:  # noqa: BLE001
             log.exception("drain failed")
-
-
-def _capacity_link(settings: dict[str, Any], server: "ModelServer") -> Any:
-    try:
-        from serve_app.capacity_link import CapacityLink
-
-        return CapacityLink(settings, server)
-    except ImportError:  # a build without capacity/actor.py: the engine's ledger still admits
-        log.warning("capacity actor client unavailable; not reporting to the capacity actor")
-        return None
 
 
 def _node_ip() -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+from serve_app.launch import label
+
 
 def print_status(app_name: str, namespace: str) -> int:
     from ray import serve
@@ -15,10 +17,10 @@ def print_status(app_name: str, namespace: str) -> int:
         print(f"no Serve application named {app_name!r} on this cluster "
               f"(running: {', '.join(status.applications) or 'none'})")
         return 1
-    print(f"application {app_name}: {_label(app.status)}")
+    print(f"application {app_name}: {label(app.status)}")
     for name, dep in app.deployments.items():
-        states = ", ".join(f"{n} {_label(s)}" for s, n in dep.replica_states.items())
-        print(f"  {name}: {_label(dep.status)} ({states or 'no replicas'})")
+        states = ", ".join(f"{n} {label(s)}" for s, n in dep.replica_states.items())
+        print(f"  {name}: {label(dep.status)} ({states or 'no replicas'})")
     snapshot = _snapshot(namespace)
     if snapshot is None:
         print("capacity: actor unreachable")
@@ -28,13 +30,9 @@ def print_status(app_name: str, namespace: str) -> int:
     return 0
 
 
-def _label(state) -> str:
-    return str(getattr(state, "value", state)).lower()
-
-
 def _snapshot(namespace: str) -> dict | None:
     try:
-        from capacity.actor import CapacityClient
+        from capacity.transport.client import CapacityClient
 
         return asyncio.run(CapacityClient(namespace=namespace, create=False).snapshot())
     except Exception:  # noqa: BLE001 - status must still print Serve's view

@@ -7,7 +7,7 @@ mlx-lm from the template): text between the tool-call markers is parsed into `to
 between think markers becomes `reasoning_content`, the rest is `content`.
 
 `tool_choice: "required"` or a named function forces one call through the grammar sampler
-(engine/structured.py); that needs the JSON tool-call format (Hermes/Qwen style:
+(engine/sampling/structured.py); that needs the JSON tool-call format (Hermes/Qwen style:
 `<tool_call>{"name": ..., "arguments": ...}</tool_call>`), the only one whose call is one JSON
 object. Other formats serve `auto` only.
 """

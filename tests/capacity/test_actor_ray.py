@@ -6,7 +6,8 @@ import json
 import time
 import uuid
 
-from capacity.actor import CapacityClient, get_or_create_actor
+from capacity.actor import get_or_create_actor
+from capacity.transport.client import CapacityClient
 from capacity.errors import CapacityRefused
 
 NS = "orchard-test"

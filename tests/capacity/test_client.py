@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from capacity.actor import CapacityClient
+from capacity.transport.client import CapacityClient
 
 
 class StubClient(CapacityClient):

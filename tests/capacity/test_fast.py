@@ -1,7 +1,7 @@
-"""The direct hot-path transport (capacity/fastpath.py) against a real capacity actor: batches go
-over it once discovered; a bad token or a garbage frame closes only that connection; killing the
-actor mid-stream falls back to Ray calls, then reconnects to the restarted actor (new port, new
-token) and reservations come back from heartbeats as before. Session-wide Ray
+"""The direct hot-path transport (capacity/transport/fastpath.py) against a real capacity actor:
+batches go over it once discovered; a bad token or a garbage frame closes only that connection;
+killing the actor mid-stream falls back to Ray calls, then reconnects to the restarted actor (new
+port, new token) and reservations come back from heartbeats as before. Session-wide Ray
 (tests/fixtures/ray_session.py)."""
 import asyncio
 import logging
@@ -11,9 +11,10 @@ import uuid
 
 import pytest
 
-from capacity.actor import CapacityClient, get_or_create_actor
-from capacity.fast_link import FastLink
-from capacity.fastpath import FastConnection, FastFailed, encode
+from capacity.actor import get_or_create_actor
+from capacity.transport.client import CapacityClient
+from capacity.transport.fast_link import FastLink
+from capacity.transport.fastpath import FastConnection, FastFailed, encode
 
 NS = "orchard-test"
 
@@ -237,7 +238,7 @@ def test_one_client_from_two_event_loops(actor_name):
 
 def test_an_unframeable_batch_goes_through_ray_and_keeps_the_connection(actor_name, monkeypatch):
     name, _ = actor_name
-    import capacity.fastpath as fastpath
+    import capacity.transport.fastpath as fastpath
 
     async def scenario():
         client = CapacityClient(namespace=NS, name=name, snapshot_path="", call_timeout_s=30)

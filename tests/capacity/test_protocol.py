@@ -75,3 +75,24 @@ def test_anomaly_flags_slow_native_buckets_only():
     assert check(slow[:2]) == []                                # fewer than 3 samples
     assert check([_obs(None, 100.0) for _ in range(3)]) == []   # 0.41: healthy
     assert check(quantized, AnomalyConfig(min_samples=1)) == []
+
+
+def test_batched_operations_have_one_codec_and_malformed_ones_fail_alone():
+    import msgpack
+
+    from capacity.fleet import Fleet
+    from capacity.operations import (CancelOp, CommitOp, HeartbeatOp, HoldOp, ReleaseOp,
+                                     RetireOp, decode_op, encode_op)
+    from capacity.ops import BatchOps
+
+    ops = [HoldOp("m", 10, "a", 4, ("r1",), 2.5), CommitOp("a", "r0", 10, "m"),
+           ReleaseOp("a", {"prompt_tokens": 4}), CancelOp("a"), HeartbeatOp({"seq": 1}),
+           RetireOp(["r0"])]
+    for op in ops:
+        wire = msgpack.unpackb(msgpack.packb(encode_op(op)))   # as the direct connection does
+        assert wire[0] == op.name and decode_op(wire) == decode_op(op) == op.__class__(*wire[1:])
+    # Older clients' shorter forms still decode (trailing optional fields default).
+    assert decode_op(("hold", "m", 10, "b")) == HoldOp("m", 10, "b")
+    out = BatchOps(Fleet()).apply([("nope", 1), ("cancel",), ("cancel", "x")])
+    assert out[0]["error"] == "CapacityError" and out[1]["error"] == "MalformedOp"
+    assert out[2] is False

@@ -6,7 +6,8 @@ import uuid
 
 import pytest
 
-from capacity.actor import CapacityClient, get_or_create_actor
+from capacity.actor import get_or_create_actor
+from capacity.transport.client import CapacityClient
 from capacity.errors import CapacityRefused
 
 NS = "orchard-test"

@@ -92,7 +92,7 @@ def test_orchard_serve_uses_direct_ingress_and_drains_on_sigterm(tiny_llama, tmp
         base = f"http://127.0.0.1:{port}"
         assert _listener_is_serve_replica(port)
         # Ray starts workers at niceness 15; the serving workers must not yield the CPU to
-        # every other process on the box (serve_app.cli.LOCAL_RAY_SYSTEM_CONFIG): they keep the
+        # every other process on the box (serve_app.launch.LOCAL_RAY_SYSTEM_CONFIG): they keep the
         # niceness of the `orchard serve` that started them (this test's own, when run under nice).
         pids = {int(m) for l in _listeners(port) for m in re.findall(r"pid=(\d+)", l)}
         own = os.nice(0)

@@ -35,7 +35,7 @@ def test_queue_and_serve_defaults():
 
 
 def test_direct_ingress_env_pins_the_public_port():
-    from serve_app.cli import direct_ingress_env
+    from serve_app.launch import direct_ingress_env
 
     env = direct_ingress_env(8000)
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"

@@ -22,7 +22,7 @@ def test_default_kv_budgets_are_shares_that_fit_together(tiny_llama):
     plan = plan_memory(cfg, itemsize=4)
     weights = weight_bytes(tiny_llama, 4)
     assert plan.kv_share_bytes == (2 * GIB - 3 * weights) // 3
-    budgets = {m["id"]: m["kv_budget_bytes"] for m in with_kv_budgets(cfg, plan)}
+    budgets = {m.id: m.kv_budget_bytes for m in with_kv_budgets(cfg, plan)}
     assert budgets == {"a": plan.kv_share_bytes, "b": plan.kv_share_bytes}
     # Together: weights + KV of every replica within the usable share of the node.
     assert 3 * (weights + plan.kv_share_bytes) <= plan.usable_bytes

@@ -13,6 +13,7 @@ import pytest
 from capacity.errors import ProtocolError
 from capacity.protocol import ActorInfo
 from serve_app import capacity_link
+from serve_app.config import CapacitySettings
 
 
 class FlakyClient:
@@ -28,7 +29,7 @@ class FlakyClient:
 def negotiate(monkeypatch, client, fmt="int4"):
     monkeypatch.setattr(capacity_link, "make_client", lambda settings: client)
     monkeypatch.setattr(capacity_link, "NEGOTIATION_RETRY_S", (0.001,))
-    return asyncio.run(capacity_link.negotiate_format(fmt, {"namespace": "x"}))
+    return asyncio.run(capacity_link.negotiate_format(fmt, CapacitySettings(namespace="x")))
 
 
 def test_packed_format_waits_for_the_actor_and_logs_why(monkeypatch, caplog):

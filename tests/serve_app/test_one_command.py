@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from engine.platform import openblas_env
-from serve_app.cli import _parser, _serve_config
+from serve_app.cli import _parser
+from serve_app.commands import serve_config
 from serve_app.config import ConfigError
 from tests.fixtures.serve import free_port, wait_cli_ready
 
@@ -62,7 +63,7 @@ def hub_cache(tmp_path, monkeypatch):
 
 
 def config_for(*argv: str):
-    return _serve_config(_parser().parse_args(["serve", *argv]))
+    return serve_config(_parser().parse_args(["serve", *argv]))
 
 
 def test_hub_id_resolves_to_the_cached_snapshot_once(hub_cache):

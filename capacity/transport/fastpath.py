@@ -6,7 +6,7 @@ own event loop, and clients send their batches over one persistent TCP connectio
 
     frame    = 4-byte big-endian length + msgpack body (at most MAX_FRAME bytes)
     hello    = {"token": <per-incarnation secret>, "v": 1}  ->  {"ok": true, "v": 1} or close
-    request  = [id, ops]            ops exactly as `CapacityActor.apply` takes them, applied in order
+    request  = [id, ops]            ops in their wire form (capacity/operations.py), in order
     reply    = [id, results]        or [id, null, "<error>"]; replies may come out of order
 
 The first frame must be the hello (at most MAX_HELLO bytes, within HELLO_TIMEOUT_S); a bad token,

@@ -1,8 +1,8 @@
 """The client side of the direct transport: one connection per event loop, found in the background.
 
-CapacityClient (capacity/actor.py) sends a batch here when `conn()` has a live connection and
-through Ray otherwise. This file owns the state that decision needs: where the actor listens
-(asked through a `discover` coroutine, so no Ray here), the connection of each event loop
+CapacityClient (capacity/transport/client.py) sends a batch here when `conn()` has a live
+connection and through Ray otherwise. This file owns the state that decision needs: where the
+actor listens (asked through a `discover` coroutine, so no Ray here), the connection of each loop
 (asyncio streams are bound to the loop that opened them; a Serve router and a replica may share
 one client from different loops), and the backoff after failures: any failure forgets the
 endpoint (a restarted actor has a new port and token) and waits `retry_s`, doubling up to
@@ -17,7 +17,7 @@ import time
 import weakref
 from typing import Awaitable, Callable
 
-from capacity.fastpath import FastConnection, FastFailed
+from capacity.transport.fastpath import FastConnection, FastFailed
 
 log = logging.getLogger("orchard.capacity")
 

@@ -1,0 +1,99 @@
+"""The operations a client batches to the capacity actor, as dataclasses, and their one codec.
+
+On both transports (Ray calls and the direct connection) an operation travels as a plain list,
+`[name, field, ...]` in field order, so msgpack and pickle carry the same thing and a client
+older or newer by a trailing optional field still decodes:
+
+    ["hold", model_id, raw_tokens, request_id, prompt_tokens=None, exclude=(), wait_s=0.0]
+    ["commit", request_id, replica_id, raw_tokens=None, model_id=None]
+    ["release", request_id, telemetry=None]
+    ["cancel", request_id]
+    ["heartbeat", report]
+    ["retire", [replica_id, ...]]     # replicas the serving layer saw go away
+
+`encode_op` is the client's side, `decode_op` the actor's (capacity/ops.py). Pure Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar, Union
+
+from capacity.errors import CapacityError
+
+
+@dataclass(frozen=True, slots=True)
+class HoldOp:
+    name: ClassVar[str] = "hold"
+    model_id: str
+    raw_tokens: int
+    request_id: str
+    prompt_tokens: int | None = None
+    exclude: tuple = ()
+    wait_s: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "exclude", tuple(self.exclude))   # msgpack sends a list
+
+    def waiting(self, wait_s: float) -> "HoldOp":
+        """The same hold, waiting up to `wait_s` at the actor."""
+        return replace(self, wait_s=wait_s)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitOp:
+    name: ClassVar[str] = "commit"
+    request_id: str
+    replica_id: str
+    raw_tokens: int | None = None    # with model_id: lets a restarted actor re-establish it
+    model_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseOp:
+    name: ClassVar[str] = "release"
+    request_id: str
+    telemetry: dict | None = None    # RequestTelemetry's wire form
+
+
+@dataclass(frozen=True, slots=True)
+class CancelOp:
+    name: ClassVar[str] = "cancel"
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatOp:
+    name: ClassVar[str] = "heartbeat"
+    report: dict                     # HeartbeatReport's wire form
+
+
+@dataclass(frozen=True, slots=True)
+class RetireOp:
+    name: ClassVar[str] = "retire"
+    replica_ids: list
+
+
+Op = Union[HoldOp, CommitOp, ReleaseOp, CancelOp, HeartbeatOp, RetireOp]
+OPS: dict[str, type] = {cls.name: cls for cls in (HoldOp, CommitOp, ReleaseOp, CancelOp,
+                                                   HeartbeatOp, RetireOp)}
+
+
+def encode_op(op: Op) -> list:
+    """The wire form of an operation: [name, field, ...]."""
+    return [op.name, *(getattr(op, f) for f in _FIELDS[type(op)])]
+
+
+def decode_op(raw: Any) -> Op:
+    """An operation from its wire form (an Op passes through). Raises TypeError for the wrong
+    arity or shape, ValueError for an empty one, CapacityError for an unknown name."""
+    if isinstance(raw, _OP_TYPES):
+        return raw
+    name, *args = raw
+    cls = OPS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise CapacityError(f"unknown op {name!r}")
+    return cls(*args)
+
+
+_OP_TYPES = tuple(OPS.values())
+_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _OP_TYPES}

@@ -1,0 +1,176 @@
+"""Start or join Ray, deploy the Serve application and wait until it is healthy (`orchard serve`
+and `orchard deploy`, serve_app/commands.py)."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+
+def say(msg: str) -> None:
+    print(f"[orchard] {msg}", flush=True)
+
+
+def _runtime_env(extra: dict[str, str] | None = None) -> dict[str, Any]:
+    from engine.platform import openblas_env
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**openblas_env(), "PYTHONPATH": os.pathsep.join(
+        p for p in (repo, os.environ.get("PYTHONPATH", "")) if p), **(extra or {})}
+    return {"env_vars": env}
+
+
+def direct_ingress_env(port: int, span: int = 0) -> dict[str, str]:
+    """Ray Serve settings for direct ingress: the ingress replica serves HTTP on `port` itself
+    (ports port..port+span), so requests skip the Serve proxy hop and the body fetch back to it
+    (about 12 ms of the first token on a 2-core box). Cluster-wide: the controller allocates
+    the ports, so they must be in the environment Ray starts with."""
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + span + 1),   # exclusive
+            # A restarted ingress must get the same port back at once.
+            "RAY_SERVE_PORT_QUARANTINE_S": "0",
+            # Serve's default holds an ingress for 30 s on shutdown for external load balancers.
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+
+
+# Ray starts its workers at niceness 15 so they yield to its own daemons; here the workers ARE
+# the product (the model replica's engine thread, the ingress), and at 15 any process at normal
+# priority on the box (a client, a tokenizer, the peer in a benchmark) takes the CPU from them:
+# measured +24 ms on a 135M model's first token on a 2-core box.
+# Ray's memory monitor kills workers when the whole box passes 95% of its memory. Orchard's
+# replicas allocate their KV pools once, up front, within the memory plan (memory_plan.py), so
+# what crosses the line is some other program; the monitor then killed Serve's controller and
+# replicas (seen on a shared box: "The actor was restarted", the app never became ready).
+# Killing the server does not give the other program memory it can keep, so it is off.
+# A cluster started with `ray start` gets the same through RAY_worker_niceness=0 and
+# RAY_memory_monitor_refresh_ms=0 (cluster.yaml).
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "memory_monitor_refresh_ms": 0}
+
+
+def connect(address: str | None, namespace: str, start_local: bool,
+             cluster_env: dict[str, str] | None = None) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    say("starting a local Ray instance" if start_local else f"connecting to Ray at {address}")
+    if cluster_env:
+        # A local Ray's controller and proxy inherit this process's environment.
+        os.environ.update(cluster_env)
+    ray.init(address=None if start_local else address, namespace=namespace,
+             runtime_env=_runtime_env(cluster_env),
+             include_dashboard=False if start_local else None, log_to_driver=False,
+             _system_config=LOCAL_RAY_SYSTEM_CONFIG if start_local else None)
+
+
+def wait_port_free(host: str, port: int, timeout_s: float = 30.0) -> None:
+    """Direct ingress gets exactly one port, and Serve blocks a port it once failed to bind: wait
+    out a previous server's lingering workers rather than deploy an ingress with no port."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                return
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"HTTP port {host}:{port} is in use ({e.strerror}); "
+                                       "stop what holds it or pass --port") from None
+        time.sleep(0.5)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deploy(cfg, timeout_s: float, host: str | None = None, port: int | None = None,
+           proxy_port: int | None = None) -> str:
+    """Deploy the app on the connected cluster, report progress, return the healthy URL.
+
+    `proxy_port`: with direct ingress the ingress replica owns the public port, and Serve's
+    proxy (still started on the head) listens here instead."""
+    from ray import serve
+
+    http_host = host or cfg.http.host
+    http_port = port or cfg.http.port
+    serve.start(http_options={"host": http_host, "port": proxy_port or http_port})
+    _ensure_capacity_actor(cfg)
+    say(f"deploying {len(cfg.models)} model(s): "
+         + ", ".join(f"{m.id} x{m.replicas} [{cfg.kv_format_for(m)}]" for m in cfg.models))
+    _run_nonblocking(cfg)
+    wait_running(cfg.app_name, timeout_s)
+    url = f"http://{'127.0.0.1' if http_host in ('0.0.0.0', '::') else http_host}:{http_port}"
+    wait_healthy(url + cfg.route_prefix.rstrip("/"), timeout_s)
+    return url
+
+
+def _run_nonblocking(cfg) -> None:
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    from serve_app.app import build_app
+
+    serve.run_many([RunTarget(target=build_app(cfg), name=cfg.app_name,
+                              route_prefix=cfg.route_prefix)],
+                   wait_for_applications_running=False)
+
+
+def _ensure_capacity_actor(cfg) -> None:
+    from capacity.actor import get_or_create_actor
+
+    get_or_create_actor(namespace=cfg.capacity.namespace, config=cfg.capacity.actor_config(),
+                        snapshot_path=cfg.capacity.snapshot_path,
+                        resources=cfg.capacity.actor_resources or None)
+
+
+def wait_running(app_name: str, timeout_s: float) -> None:
+    """Poll Serve status, printing each deployment's state as it changes (model loads)."""
+    from ray import serve
+
+    deadline, last = time.monotonic() + timeout_s, {}
+    while True:
+        app = serve.status().applications.get(app_name)
+        if app is not None:
+            for name, dep in app.deployments.items():
+                line = f"{label(dep.status)} " + ", ".join(
+                    f"{n} {label(s)}" for s, n in dep.replica_states.items())
+                if last.get(name) != line:
+                    say(f"  {name}: {line}")
+                    last[name] = line
+            status = label(app.status).upper()
+            if status == "RUNNING":
+                return
+            if status in ("DEPLOY_FAILED", "UNHEALTHY"):
+                raise RuntimeError(f"application {app_name} {status.lower()}: {app.message}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"application {app_name} not running after {timeout_s:.0f} s")
+        time.sleep(1.0)
+
+
+def label(state) -> str:
+    """Serve status fields are enums in some places and plain strings in others."""
+    return str(getattr(state, "value", state)).lower()
+
+
+def wait_healthy(base_url: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r = httpx.get(base_url + "/health", timeout=30)
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{base_url}/health not healthy after {timeout_s:.0f} s")
+        time.sleep(0.5)
