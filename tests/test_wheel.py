@@ -4,6 +4,7 @@ product or tooling module may need the source tree (issue 16: benches used to im
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,9 +20,18 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def unpacked_wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # Built from a copy of the files git knows (tracked, or new and not ignored): a build inside
+    # the checkout would leave build/lib behind, whose stale modules the next wheel would carry.
+    src = out / "src"
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, check=True,
+                            capture_output=True, text=True).stdout.split("\n")
+    for name in filter(None, listed):
+        if (REPO / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
     # --no-build-isolation: setuptools from this venv, so the build needs no network.
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(out), str(REPO)], check=True, cwd=out)
+                    "-w", str(out), str(src)], check=True, cwd=out)
     (wheel,) = out.glob("orchard-*.whl")
     root = out / "site"
     zipfile.ZipFile(wheel).extractall(root)
