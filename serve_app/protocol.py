@@ -19,7 +19,7 @@ from serve_app.errors import bad_request
 
 MAX_STOP_STRINGS = 4
 MAX_N = 8                 # choices per request (each is a full request to the engine)
-MAX_TOP_LOGPROBS = 20     # OpenAI's limit; the engine's too (engine.sampling.MAX_LOGPROBS)
+MAX_TOP_LOGPROBS = 20     # OpenAI's limit; the engine's too (engine.sampling.params.MAX_LOGPROBS)
 MAX_LOGIT_BIAS = 300      # entries, as OpenAI
 
 # Accepted and ignored: they change nothing about the tokens a request gets.

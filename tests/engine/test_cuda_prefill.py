@@ -1,5 +1,5 @@
 """CPU-side tests of the CUDA packed prefill kernel's host logic (engine/attention/cuda/packed_prefill.py)
-and of the reference harness its device check uses (engine/cuda_check.prefill_case).
+and of the reference harness its device check uses (bench/cuda_check.py, prefill_case).
 
 The kernel itself only runs on a CUDA GPU (`python -m bench.cuda_check` there; results in
 docs/lab/benchmarks-gpu.md). What runs here: the split plan, when a packed layer routes to the
