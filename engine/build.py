@@ -129,9 +129,11 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
         runner=runner, kvstore=kvstore, scheduler=scheduler, streams=streams, permits=permits,
         counters=counters, emit=hooks.emit, quiet=hooks.quiet,
         between_steps=hooks.between_steps, logits_tap=hooks.logits_tap,
-        # Pipelined decode needs steps that never ask for workspace (packed formats' fused
-        # paths do) and no per-sequence state outside the pages (recurrent layers).
-        pipeline=pipeline_decode and kv_format == "native" and runner.recurrent is None)
+        # Pipelined decode needs no per-sequence state outside the pages (recurrent layers).
+        # Every KV format: only pure decode steps are pipelined, and a decode step never asks
+        # for workspace (packed formats' fused path is for prefill chunks only; a permit would
+        # still be charged to its own step and released when that step retired).
+        pipeline=pipeline_decode and runner.recurrent is None)
     return EngineParts(
         kv_format=kv_format, loaded=loaded, kvstore=kvstore, runner=runner,
         cost_model=cost_model,

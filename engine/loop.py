@@ -63,7 +63,7 @@ _IDLE_POLL_S = 0.005   # wait for commands while requests exist but no step can 
 
 
 class Engine:
-    # Pipeline steady decode steps (native KV, no recurrent layers); tests may switch it off.
+    # Pipeline steady decode steps (every KV format, no recurrent layers); tests may switch it off.
     pipeline_decode = True
 
     def __init__(self, cfg: EngineConfig, trace: Callable[..., None] | None = None,

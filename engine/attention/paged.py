@@ -65,10 +65,17 @@ class StepBatch:
         # RoPE positions: an int for one row (as mlx-lm does), per-row offsets for a batch.
         self.offset = (int(self.starts[0]) if self.size == 1
                        else mx.array(self.starts.astype(np.int32)))
-        self.slots = Slots.from_flat(self._slot_ids(), page_tokens)
-        # Padded positions produce K/V too; keep only real tokens when any row is padded.
-        real = np.arange(self.width)[None, :] < self.lengths[:, None]
-        self.valid = None if real.all() else mx.array(np.flatnonzero(real).astype(np.int32))
+        if self.width == 1:
+            # Decode rows: one slot each, read straight off the page tables (no per-row arrays).
+            t = page_tokens
+            self.slots = Slots([r.page_table[r.start // t] for r in rows], self.starts % t)
+            self.valid = None
+        else:
+            self.slots = Slots.from_flat(self._slot_ids(), page_tokens)
+            # Padded positions produce K/V too; keep only real tokens when any row is padded.
+            real = np.arange(self.width)[None, :] < self.lengths[:, None]
+            self.valid = (None if real.all()
+                          else mx.array(np.flatnonzero(real).astype(np.int32)))
         self.attended = 0  # layers that reached `attend` (the runner's routing check)
         self._views: dict[int | None, View] = {}
         # Set by the runner: every row decodes one token and full-attention layers attend
@@ -207,6 +214,17 @@ class PagedLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b, h, n, d = keys.shape
+        write_decode = getattr(self.store, "write_decode", None)
+        if n == 1 and write_decode is not None:   # one token per row, written as it comes
+            write_decode(self.step.slots, keys, values)
+        else:
+            self._write(keys, values)
+        if self.direct:
+            return keys, values  # attend() reads the pages; these are only passed back to it
+        return self.gathered()
+
+    def _write(self, keys: mx.array, values: mx.array) -> None:
+        b, h, n, d = keys.shape
         if n == 1:   # one token per row: [B, h, 1, d] is already token-major
             k, v = keys.reshape(b, h, d), values.reshape(b, h, values.shape[-1])
         else:
@@ -215,9 +233,6 @@ class PagedLayerCache:
         if self.step.valid is not None:
             k, v = k[self.step.valid], v[self.step.valid]
         self.store.write(self.step.slots, k, v)
-        if self.direct:
-            return keys, values  # attend() reads the pages; these are only passed back to it
-        return self.gathered()
 
     def _kernel_decode(self) -> bool:
         return self.step.kernel_decode and self.view.window is None

@@ -11,11 +11,12 @@ packed (quantized) layer store can replace the native one without touching the r
     arrays() -> list[mx.array]               what must be evaluated for a step to retire
 
 Optional: `cache_class`, a `PagedLayerCache` subclass the runner uses for this layer (packed
-stores attend over codes), and `head_major_pages()` for in-place decode (engine/attention/paged.py).
+stores attend over codes), `head_major_pages()` for in-place decode (engine/attention/paged.py),
+and `write_decode(slots, keys, values)` for a one-token-per-row write in the model's own layout
+([N, kv_heads, 1, dim]: no transpose or reshape of the rows before the scatter).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import mlx.core as mx
@@ -25,34 +26,69 @@ from engine.kv.pages import DEFAULT_PAGE_TOKENS
 from engine.model.loader import LayerGeometry, ModelGeometry
 
 
-@dataclass(frozen=True)
 class Slots:
-    """Where N new tokens go: physical page and in-page offset, computed once per step."""
+    """Where N new tokens go: physical page and in-page offset, computed once per step.
 
-    page: mx.array     # [N] int32
-    offset: mx.array   # [N] int32
-    count: int
-    _by_heads: dict = field(default_factory=dict, compare=False, repr=False)
+    Held as host arrays; the device index arrays a store asks for (`page`, `offset`,
+    `head_major`, `token_major`) are made on first use and shared by every layer of the step,
+    so a step pays only for the forms its stores use.
+    """
+
+    __slots__ = ("page_np", "offset_np", "count", "_page", "_offset", "_by_heads")
+
+    def __init__(self, page: np.ndarray, offset: np.ndarray):
+        self.page_np = np.asarray(page, dtype=np.int32)       # [N]
+        self.offset_np = np.asarray(offset, dtype=np.int32)   # [N]
+        self.count = int(self.page_np.size)
+        self._page = self._offset = None
+        self._by_heads: dict = {}
 
     @classmethod
     def from_flat(cls, slots: np.ndarray, page_tokens: int) -> "Slots":
         slots = np.asarray(slots, dtype=np.int64)
-        return cls(page=mx.array((slots // page_tokens).astype(np.int32)),
-                   offset=mx.array((slots % page_tokens).astype(np.int32)),
-                   count=int(slots.size))
+        return cls(slots // page_tokens, slots % page_tokens)
+
+    @property
+    def page(self) -> mx.array:
+        """[N] int32 physical page of each token."""
+        if self._page is None:
+            self._page = mx.array(self.page_np)
+        return self._page
+
+    @property
+    def offset(self) -> mx.array:
+        """[N] int32 offset of each token in its page."""
+        if self._offset is None:
+            self._offset = mx.array(self.offset_np)
+        return self._offset
 
     def head_major(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
         """(head, page, offset) index arrays [heads, N] for head-major pages, built once per
         step and shared by every layer: a write indexed by them is one scatter, where slicing
         the head axis costs each layer's write an arange, index casts and broadcasts (on CUDA,
         where a decode step is bound by the nodes it issues, 10 fewer nodes per layer)."""
-        if heads not in self._by_heads:
+        key = ("head", heads)
+        if key not in self._by_heads:
             shape = (heads, self.count)
-            self._by_heads[heads] = tuple(
+            self._by_heads[key] = tuple(
                 mx.array(np.ascontiguousarray(np.broadcast_to(a, shape)))
                 for a in (np.arange(heads, dtype=np.int32)[:, None],
-                          np.array(self.page)[None, :], np.array(self.offset)[None, :]))
-        return self._by_heads[heads]
+                          self.page_np[None, :], self.offset_np[None, :]))
+        return self._by_heads[key]
+
+    def token_major(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
+        """(head, page, offset) index arrays [N, heads, 1] for head-major pages: indexing the
+        pages with them selects [N, heads, 1, dim], the layout a decode step's keys and values
+        already have ([B, heads, 1, dim]), so a one-token write is one scatter with no
+        transpose or reshape of the rows first (2 nodes per array instead of 4)."""
+        key = ("token", heads)
+        if key not in self._by_heads:
+            shape = (self.count, heads, 1)
+            self._by_heads[key] = tuple(
+                mx.array(np.ascontiguousarray(np.broadcast_to(a, shape)))
+                for a in (np.arange(heads, dtype=np.int32)[None, :, None],
+                          self.page_np[:, None, None], self.offset_np[:, None, None]))
+        return self._by_heads[key]
 
 
 class LayerStore(Protocol):
@@ -89,6 +125,15 @@ class NativeLayerStore:
         heads, pages, offsets = slots.head_major(self.k.shape[0])
         self.k[heads, pages, offsets] = k.swapaxes(0, 1)
         self.v[heads, pages, offsets] = v.swapaxes(0, 1)
+
+    def write_decode(self, slots: Slots, keys: mx.array, values: mx.array) -> None:
+        """One token per row, in the model's layout: keys [N, kv_heads, 1, head_dim] (values
+        likewise) go to `slots` by one scatter each (`Slots.token_major`)."""
+        if keys.dtype != self.k.dtype:
+            keys, values = keys.astype(self.k.dtype), values.astype(self.v.dtype)
+        heads, pages, offsets = slots.token_major(self.k.shape[0])
+        self.k[heads, pages, offsets] = keys
+        self.v[heads, pages, offsets] = values
 
     def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]:
         b, p = pages.shape

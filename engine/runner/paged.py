@@ -134,6 +134,10 @@ class ModelRunner:
         install_sdpa_hook(loaded.model)
         self.direct = self._hook_reaches_every_layer()
         self.kernel_decode = kernels.decode_kernel and self._kernel_decode_fits()
+        # Per paged layer, what its step cache is made of (class, store, window), looked up
+        # once instead of per layer and step; None for layers whose state is not paged.
+        self._layer_caches = [(self._cache_class(i), kvstore.layer(i), w) if i in self._paged
+                              else None for i, w in enumerate(self._windows)]
 
     def _kernel_decode_fits(self) -> bool:
         """The kernels serve pages read in direct mode, on CUDA: native pages of their head
@@ -174,7 +178,10 @@ class ModelRunner:
         int array [len(chunks)] (pipelined decode passes the previous step's sampled array
         whole instead of a slice per row)."""
         self._validate(chunks)
-        groups = self._groups(chunks)
+        if decode_tokens is not None or all(len(c.token_ids) == 1 for c in chunks):
+            groups = [list(range(len(chunks)))]   # one-token rows: always one call, in order
+        else:
+            groups = self._groups(chunks)
         if len(groups) == 1 and groups[0] == list(range(len(chunks))):
             # One call in chunk order (e.g. every decode step): its rows are the result.
             return self._run(chunks, last_only=True, tokens=decode_tokens).astype(mx.float32)
@@ -259,9 +266,9 @@ class ModelRunner:
         else:
             inputs = _input_tokens(chunks, step.width)
         native = self.recurrent.batch(chunks, step.lengths) if self.recurrent else {}
-        caches = [self._cache_class(i)(self.kvstore.layer(i), step, w, self.direct,
-                                       self.in_place_decode) if i in self._paged else native[i]
-                  for i, w in enumerate(self._windows)]
+        direct, in_place = self.direct, self.in_place_decode
+        caches = [native[i] if lc is None else lc[0](lc[1], step, lc[2], direct, in_place)
+                  for i, lc in enumerate(self._layer_caches)]
         out = self._call(inputs, caches, step, last_only)
         if native:
             self.recurrent.keep(chunks, native)

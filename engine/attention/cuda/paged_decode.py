@@ -206,20 +206,33 @@ def launch_split(kernel, inputs: list, template: list, rows: int, kv_heads: int,
                  head_dim: int, splits: int, dtype: mx.Dtype) -> mx.array:
     """Launch a decode kernel built on BLOCK_MERGE over (rows * kv_heads, splits) blocks and
     return [rows, hq, 1, head_dim] in `dtype` (merging the partials when splits > 1)."""
-    parts = splits if splits > 1 else 1
-    out, part, ml = kernel(
-        inputs=inputs, template=[*template, ("SPLIT", splits > 1), ("TO", dtype)],
-        grid=(rows * kv_heads * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(rows, hq, 1, head_dim), (rows * hq * parts, head_dim),
-                       (rows * hq * parts, 2)],
-        output_dtypes=[dtype, mx.float32, mx.float32])
+    out, part, ml = kernel(inputs=inputs, **_launch_args(tuple(template), rows, kv_heads, hq,
+                                                         head_dim, splits, dtype))
     if splits == 1:
         return out
-    (merged,) = _merge_kernel()(
-        inputs=[part, ml, _dims(splits)], template=[("D", head_dim), ("TO", dtype)],
-        grid=(rows * hq * head_dim, 1, 1), threadgroup=(head_dim, 1, 1),
-        output_shapes=[(rows, hq, 1, head_dim)], output_dtypes=[dtype])
+    (merged,) = _merge_kernel()(inputs=[part, ml, _dims(splits)],
+                                **_merge_args(rows, hq, head_dim, dtype))
     return merged
+
+
+@lru_cache(maxsize=1024)
+def _launch_args(template: tuple, rows: int, kv_heads: int, hq: int, head_dim: int,
+                 splits: int, dtype: mx.Dtype) -> dict:
+    """The launch's keyword arguments, built once per shape (every layer of a step, and every
+    step of a batch size, launches with the same ones)."""
+    parts = splits if splits > 1 else 1
+    return dict(template=[*template, ("SPLIT", splits > 1), ("TO", dtype)],
+                grid=(rows * kv_heads * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
+                output_shapes=[(rows, hq, 1, head_dim), (rows * hq * parts, head_dim),
+                               (rows * hq * parts, 2)],
+                output_dtypes=[dtype, mx.float32, mx.float32])
+
+
+@lru_cache(maxsize=1024)
+def _merge_args(rows: int, hq: int, head_dim: int, dtype: mx.Dtype) -> dict:
+    return dict(template=[("D", head_dim), ("TO", dtype)], grid=(rows * hq * head_dim, 1, 1),
+                threadgroup=(head_dim, 1, 1), output_shapes=[(rows, hq, 1, head_dim)],
+                output_dtypes=[dtype])
 
 
 def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, pages: mx.array,

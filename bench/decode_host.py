@@ -1,0 +1,156 @@
+"""Host cost of a decode step: the engine's steady decode on a model so small that Python, not
+arithmetic, is the step (SmolLM2's 30 layers and head layout, hidden 72 by default).
+
+    python -m bench.decode_host --batches 1,8 --tokens 128 --repeats 3 [--profile prof.txt]
+
+Prints JSON: per batch, engine ms per decode step (wall and process CPU time, best and median of
+`--repeats` runs of `--tokens` tokens per row after a warm-up), and mlx-lm's per-step time on
+the same model in the same process (stream_generate at batch 1, BatchGenerator above), so a
+change's host cost shows as engine ms per step beside a reference that did not change.
+`--profile FILE`: cProfile of the engine thread over one more run per batch (cumulative
+top 60), written to FILE.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.engine import Window, mlx_decode
+from bench.output import emit
+
+SHAPE = dict(hidden_size=72, num_hidden_layers=30, intermediate_size=128,
+             num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+             max_position_embeddings=4096)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.decode_host", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="a model folder (default: the small SmolLM2-shaped llama)")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-mlx-lm", action="store_true")
+    p.add_argument("--profile", help="write a cProfile of the engine thread here")
+    p.add_argument("--out")
+    return p.parse_args(argv)
+
+
+def engine_steps(eng, prompts, n: int, rid: str) -> tuple[float, float]:
+    """ms per decode step (wall, process CPU) over the window where every row decodes."""
+    from engine.request import GenerationRequest
+    from engine.sampling.params import SamplingParams
+
+    w = Window(len(prompts))
+
+    async def row(i, p):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        async for d in eng.generate(GenerationRequest(f"{rid}-{i}", p, params)):
+            w.add(i, len(d.token_ids))
+
+    async def go():
+        await asyncio.gather(*(row(i, p) for i, p in enumerate(prompts)))
+    asyncio.run(go())
+    wall, cpu = w.rate()
+    return 1000 * len(prompts) / wall, 1000 * len(prompts) / cpu
+
+
+def run(args) -> dict:
+    import random
+
+    from mlx_lm.utils import load
+
+    from bench.synthetic import build_tiny_model
+    from engine.config import EngineConfig
+    from engine.loop import Engine
+
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = args.model or str(build_tiny_model("llama", Path(tmp.name) / "m", seed=0,
+                                                   **SHAPE))
+    batches = [int(x) for x in args.batches.split(",") if x]
+    rng = random.Random(0)
+    eng = Engine(EngineConfig(model=model_dir, max_num_seqs=max(batches),
+                              max_model_len=args.prompt + args.tokens + 16))
+    model = tokenizer = None
+    if not args.no_mlx_lm:
+        model, tokenizer = load(model_dir)
+        tokenizer.eos_token_ids = []
+    out = {"model": args.model or {"smollm2_layers_small": SHAPE}, "decode": []}
+    prof_text = io.StringIO()
+    try:
+        for b in batches:
+            ps = [[rng.randrange(3, 200) for _ in range(args.prompt)] for _ in range(b)]
+            engine_steps(eng, ps, 8, f"warm{b}")
+            if model is not None:
+                mlx_decode(model, tokenizer, ps, 8)
+            eng_ms, ref_ms = [], []
+            for i in range(args.repeats):
+                eng_ms.append(engine_steps(eng, ps, args.tokens, f"b{b}-{i}"))
+                if model is not None:
+                    wall, cpu = mlx_decode(model, tokenizer, ps, args.tokens)
+                    ref_ms.append((1000 * b / wall, 1000 * b / cpu))
+            point = {"batch": b}
+            for name, ms in (("engine", eng_ms), ("mlx_lm", ref_ms)):
+                if not ms:
+                    continue
+                for k, clock in enumerate(("wall", "cpu")):
+                    xs = [m[k] for m in ms]
+                    point[f"{name}_ms_{clock}_best"] = round(min(xs), 3)
+                    point[f"{name}_ms_{clock}_median"] = round(statistics.median(xs), 3)
+            if ref_ms:
+                point["ratio_cpu_median"] = round(statistics.median(
+                    r[1] / e[1] for e, r in zip(eng_ms, ref_ms)), 3)
+            out["decode"].append(point)
+            print(json.dumps(point), file=sys.stderr)
+            if args.profile:
+                prof = cProfile.Profile()
+                _profile_engine_thread(eng, prof, lambda: engine_steps(eng, ps, args.tokens,
+                                                                       f"prof{b}"))
+                prof_text.write(f"==== batch {b}\n")
+                pstats.Stats(prof, stream=prof_text).sort_stats("cumulative").print_stats(60)
+    finally:
+        eng.shutdown()
+        tmp.cleanup()
+    if args.profile:
+        Path(args.profile).write_text(prof_text.getvalue())
+    return out
+
+
+def _profile_engine_thread(eng, prof: cProfile.Profile, work) -> None:
+    """Profile the engine thread's step runs while `work` runs (StepRunner.run is wrapped)."""
+    steps = eng._parts.steps
+    original = steps.run
+
+    def run(step):
+        prof.enable()
+        try:
+            original(step)
+        finally:
+            prof.disable()
+    steps.run = run
+    try:
+        t = time.perf_counter()
+        work()
+        print(f"profiled run: {time.perf_counter() - t:.2f}s", file=sys.stderr)
+    finally:
+        steps.run = original
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    emit(run(args), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
