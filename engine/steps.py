@@ -267,6 +267,8 @@ class StepRunner:
                 except Exception:  # noqa: BLE001 - never kill the thread; later steps fail rows
                     log.exception("KV arrays failed to evaluate after step %d", cur.step.step_id)
                 mx.synchronize()
+            # Its device results are dropped inside the release, as a synchronous step's are.
+            self.permits.arrays.extend(a for a in (cur.logits, cur.drawn) if a is not None)
             cur.logits = cur.drawn = None
             self._finish(cur.step, tokens, t0)
             t0 = time.perf_counter()
