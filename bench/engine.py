@@ -66,6 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--page-tokens", type=int, default=None, help="engine page size")
     p.add_argument("--repeats", type=int, default=2,
                    help="alternating runs per point; each side's best is kept")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="unrecorded runs of each side per point before the repeats (a GPU's "
+                        "kernels compile on first use: without one, repeat 1 pays for it)")
     p.add_argument("--no-openblas-check", action="store_true", help="skip the matmul A/B")
     p.add_argument("--out", help="write the JSON here as well as to stdout")
     return p.parse_args(argv)
@@ -194,7 +197,7 @@ def engine_decode(eng, prompts: list[list[int]], n: int, rid: str) -> tuple[floa
     return w.rate()
 
 
-def measure_pair(ours, ref, repeats: int) -> dict:
+def measure_pair(ours, ref, repeats: int, warmup: int = 0) -> dict:
     """Alternate engine and mlx-lm runs `repeats` times (so load on a shared machine hits both
     alike; the side that goes first alternates too); keep each side's best wall and CPU-time
     rate, and its peak memory ABOVE what was resident before the run (MB). Resident memory
@@ -208,6 +211,9 @@ def measure_pair(ours, ref, repeats: int) -> dict:
     out = {f"{side}_{k}": 0.0 for side in ("engine", "mlx_lm")
            for k in ("tok_s", "tok_s_cpu", "peak_over_resident_mb")}
     samples = {side: {"wall": [], "cpu": []} for side in ("engine", "mlx_lm")}
+    for i in range(warmup):   # unrecorded (ids -1, -2, ...)
+        ours(-1 - i)
+        ref(-1 - i)
     for i in range(repeats):
         sides = (("engine", ours), ("mlx_lm", ref))
         for side, fn in (sides if i % 2 == 0 else sides[::-1]):
@@ -306,6 +312,7 @@ def run(args) -> dict:
               "engine": {"page_tokens": eng.stats().page_tokens,
                          "kv_bytes_preallocated": eng.stats().kv_bytes_total,
                          "format_identity": eng.format_identity},
+              "warmup_runs": args.warmup,
               "resident_mb": round(mx.get_active_memory() / 2**20, 1),
               "prefill": [], "decode": []}
     try:
@@ -313,7 +320,7 @@ def run(args) -> dict:
             p = prompt(n)
             point = {"prompt_tokens": n, **measure_pair(
                 lambda i: engine_prefill(eng, p, f"pf{n}-{i}"),
-                lambda i: mlx_prefill(model, tokenizer, p), args.repeats)}
+                lambda i: mlx_prefill(model, tokenizer, p), args.repeats, args.warmup)}
             result["prefill"].append(point)
             print(json.dumps(point), file=sys.stderr)
         for b in batches:
@@ -322,7 +329,7 @@ def run(args) -> dict:
                      **measure_pair(
                          lambda i: engine_decode(eng, ps, args.decode_tokens, f"dc{b}-{i}"),
                          lambda i: mlx_decode(model, tokenizer, ps, args.decode_tokens),
-                         args.repeats)}
+                         args.repeats, args.warmup)}
             result["decode"].append(point)
             print(json.dumps(point), file=sys.stderr)
     finally:
