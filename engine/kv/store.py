@@ -128,9 +128,18 @@ class NativeLayerStore:
 
     def write_decode(self, slots: Slots, keys: mx.array, values: mx.array) -> None:
         """One token per row, in the model's layout: keys [N, kv_heads, 1, head_dim] (values
-        likewise) go to `slots` by one scatter each (`Slots.token_major`)."""
+        likewise) go to `slots` by one scatter each (`Slots.token_major`), or for one row by
+        one slice update each."""
         if keys.dtype != self.k.dtype:
             keys, values = keys.astype(self.k.dtype), values.astype(self.v.dtype)
+        if slots.count == 1:
+            # One row (batch-1 decode): a slice update at host-known coordinates, as mlx-lm's
+            # own cache writes (a scatter's indices with a leading 1 cost a squeeze and a
+            # broadcast more). [1, heads, 1, dim] -> [heads, 1, 1, dim].
+            page, offset = int(slots.page_np[0]), int(slots.offset_np[0])
+            self.k[:, page:page + 1, offset:offset + 1] = keys.swapaxes(0, 1)
+            self.v[:, page:page + 1, offset:offset + 1] = values.swapaxes(0, 1)
+            return
         heads, pages, offsets = slots.token_major(self.k.shape[0])
         self.k[heads, pages, offsets] = keys
         self.v[heads, pages, offsets] = values
