@@ -1,8 +1,9 @@
 """Checkpoints through the Engine reproduce the next-token logits bit for bit, per KV format.
 
-A request runs (prefill in chunks, then decode, pipelined for native KV), its checkpoint is saved
-between two steps, and a new request whose prompt is what the checkpoint covers plus the next
-token restores it: in the same engine and in a fresh Engine of the same configuration. The
+A request runs (prefill in chunks, then decode, pipelined), its checkpoint is saved when it
+finishes, and a new request whose prompt is what the checkpoint covers plus the next token
+restores it: in the same engine and in a fresh Engine of the same configuration; a longer run of
+the same request, alone, is the reference for the tokens after the checkpoint. The
 restored request computes that next token as a one-token chunk at the same position, over the same
 KV rows (copied verbatim into other physical pages), alone in its step, exactly as the original
 computed it in its decode step; so its logits, read through `Engine(logits_tap=...)`, must equal
@@ -18,8 +19,8 @@ from engine.sampling.params import SamplingParams
 from tests.engine_helpers import PAGE_BYTES_LLAMA, prompt, run, tokens, wait_idle
 
 FORMATS = ("native", "int8", "k8v4", "int4")
-N = 12        # tokens the original request generates
-SAVE_AT = 4   # deltas streamed before its checkpoint is saved
+N = 12        # tokens the reference request generates
+SAVE_AT = 4   # tokens the checkpointed request generates before it finishes and is saved
 MORE = 3      # tokens the restored request generates (each one's logits compared)
 
 
@@ -34,18 +35,14 @@ class Tap:
         self.logits[(request_id, index)] = logits
 
 
-def greq(rid, ids, max_tokens, restore=None):
+def greq(rid, ids, max_tokens, restore=None, checkpoint_to=None):
     return GenerationRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                      ignore_eos=True), restore_from=restore)
+                                                      ignore_eos=True), restore_from=restore,
+                             checkpoint_to=checkpoint_to)
 
 
-async def _collect(eng, r, save_after=None, path=None):
-    out, manifest = [], None
-    async for d in eng.generate(r):
-        out.append(d)
-        if len(out) == save_after:
-            manifest = eng.save_checkpoint(r.request_id, path)
-    return out, manifest
+async def _collect(eng, r):
+    return [d async for d in eng.generate(r)]
 
 
 def _engine(model_dir, fmt, tap):
@@ -74,8 +71,15 @@ def test_restored_request_reproduces_next_token_logits_bit_for_bit(tiny_model_di
     fresh = None
     try:
         ids = prompt(21, seed=7)   # 16 + 5 tokens: two prefill chunks, the second reads pages
-        out, manifest = run(_collect(eng, greq("orig", ids, N), SAVE_AT, tmp_path / "ck"))
+        # Saved at the request's finish, between steps: what the checkpoint covers cannot depend
+        # on how far the engine ran ahead of this reader (a save asked for mid-stream raced the
+        # request's end on a slow box).
+        saved = run(_collect(eng, greq("saved", ids, SAVE_AT, checkpoint_to=str(tmp_path / "ck"))))
+        manifest = saved[-1].checkpoint
+        assert manifest and "error" not in manifest, manifest
+        out = run(_collect(eng, greq("orig", ids, N)))
         full = ids + tokens(out)
+        assert tokens(saved) == tokens(out)[:SAVE_AT]
         n = manifest["num_tokens"]
         assert len(ids) < n and n + 1 + MORE <= len(full)
         # Every generated token's logits were reported once, and greedy picked their argmax.
@@ -85,16 +89,16 @@ def test_restored_request_reproduces_next_token_logits_bit_for_bit(tiny_model_di
         k = n + 1 - len(ids)
         restored_ids = full[:n + 1]
 
-        back, _ = run(_collect(eng, greq("restored", restored_ids, MORE,
-                                         restore=str(tmp_path / "ck"))))
+        back = run(_collect(eng, greq("restored", restored_ids, MORE,
+                                      restore=str(tmp_path / "ck"))))
         assert back[-1].usage.cached_tokens == n
         assert tokens(back) == full[n + 1:n + 1 + MORE]
         _assert_same_logits(tap, "orig", k, tap, "restored", MORE)
         wait_idle(eng)
 
         fresh = _engine(model_dir, fmt, fresh_tap)
-        back, _ = run(_collect(fresh, greq("restored", restored_ids, MORE,
-                                           restore=str(tmp_path / "ck"))))
+        back = run(_collect(fresh, greq("restored", restored_ids, MORE,
+                                        restore=str(tmp_path / "ck"))))
         assert back[-1].usage.cached_tokens == n
         _assert_same_logits(tap, "orig", k, fresh_tap, "restored", MORE)
         wait_idle(fresh)
