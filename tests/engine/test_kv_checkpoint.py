@@ -9,7 +9,10 @@ from engine.request import GenerationRequest
 from engine.sampling.params import SamplingParams
 from tests.engine_helpers import make_engine, prompt, run, tokens, wait_idle
 
-N = 24   # generated tokens of the original request
+# The original request may generate this many tokens: far more than the reader needs before it
+# asks for the save, so the request is still running then however the reader lags the engine
+# thread; it is cancelled once saved.
+N = 200
 
 
 def greq(rid, ids, max_tokens, restore=None):
@@ -17,14 +20,22 @@ def greq(rid, ids, max_tokens, restore=None):
                                                       ignore_eos=True), restore_from=restore)
 
 
+MORE = 4   # tokens streamed after those the checkpoint covers, before the cancel
+
+
 def generate_and_save(eng, ids, path, after=4):
-    """Stream a request; after `after` deltas save its checkpoint (between two steps)."""
+    """Stream a request; after `after` deltas save its checkpoint (between two steps); cancel it
+    once MORE tokens past what the checkpoint covers have streamed; return the deltas and the
+    manifest."""
     async def go():
         out, manifest = [], None
         async for d in eng.generate(greq("orig", ids, N)):
             out.append(d)
             if len(out) == after:
                 manifest = eng.save_checkpoint("orig", path)
+            streamed = len(ids) + len(tokens(out))
+            if manifest is not None and streamed >= manifest["num_tokens"] + 1 + MORE:
+                eng.cancel("orig")
         return out, manifest
     return run(go())
 
@@ -44,9 +55,9 @@ def test_restore_continues_with_the_same_tokens(eng, tmp_path):
     n = manifest["num_tokens"]
     assert len(ids) < n < len(full) and manifest["hmac"]
     # The new request's prompt is what the checkpoint covers plus the next token.
-    restored = run(_collect(eng, greq("restored", full[:n + 1], len(full) - n - 1,
+    restored = run(_collect(eng, greq("restored", full[:n + 1], MORE,
                                       restore=str(tmp_path / "ck"))))
-    assert tokens(restored) == full[n + 1:]
+    assert tokens(restored) == full[n + 1:n + 1 + MORE]
     assert restored[-1].usage.cached_tokens == n
     s = wait_idle(eng)
     assert s.kv_bytes_reserved == 0
