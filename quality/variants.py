@@ -40,6 +40,7 @@ class Variant:
     rotate: bool = True
     sinks: int = 0             # first tokens kept native
     recent: int = 0            # most recent history tokens kept native
+    tail: bool = False         # a sequence's incomplete last page kept native (page-granular)
 
     def row_bytes(self, head_dim: int, page: int, context: int, native_bytes: int = 2) -> float:
         """Average bytes per token per KV head (K + V) at `context` tokens of history."""
@@ -48,7 +49,7 @@ class Variant:
             return head_dim * bits / 8 + meta
         packed = part(self.k_bits, self.k_group) + part(self.v_bits, self.v_group)
         extra = min(self.sinks + self.recent, context) * 2 * head_dim * native_bytes
-        if self.k_group == 0:   # the incomplete page stays native: half a page on average
+        if self.k_group == 0 or self.tail:   # the incomplete page stays native: half a page on average
             extra += min(page / 2, context) * 2 * head_dim * native_bytes
         return packed + extra / context
 
@@ -68,6 +69,9 @@ VARIANTS = {v.name: v for v in [
     Variant("int4-kivi", k_group=0, rotate=False),
     Variant("int4-kivi-rot", k_group=0, rotate=True),
     Variant("int4-kg32-s4r64", k_group=32, sinks=4, recent=64),
+    Variant("int4-tail", tail=True),
+    Variant("int4-kg32-tail", k_group=32, tail=True),
+    Variant("int4-s4-tail", sinks=4, tail=True),
     Variant("k6v4", 6, 4),
     Variant("k5v4", 5, 4),
 ]}
@@ -94,7 +98,7 @@ class VariantCache(PagedLayerCache):
         pos = self.view.base[:, None] + np.arange(n)[None, :]
         start = self.step.starts[:, None]
         quantized = (pos < start) & (pos >= var.sinks) & (pos < start - var.recent)
-        if var.k_group == 0:   # per channel over a whole page: only complete pages are packed
+        if var.k_group == 0 or var.tail:   # only complete pages are packed
             quantized &= (pos // t + 1) * t <= start
         kr = rotate(k) if var.rotate else k.astype(mx.float32)
         if var.k_group == 0:
