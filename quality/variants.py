@@ -9,6 +9,12 @@ layout (token groups of any size, per-channel key groups over a page, native sin
 tokens), so candidates can be ranked before one is built into the engine. Rows of a page are
 only key-quantized per channel once the page is complete (KIVI): until then they stay native.
 
+`tail` keeps a sequence's incomplete last page native (page-granular, as int4-tail stores it).
+With `--chunk` a multiple of the page size (the default 128 over 64-token pages) every chunk
+starts on a page boundary, so there is no incomplete page of history and a tail variant equals
+its base exactly (so does int4-kivi's native partial page): measure tails with a chunk that is
+not a multiple of the page (e.g. 16), closer to decode, where the tail holds 0-63 recent tokens.
+
 Variants name: bits (kKvV), key grouping (`gN` per token, `c` per channel over a page), value
 group, rotation of keys, and native sink / recent token counts. Reported per variant: NLL delta
 (%), KL(native || variant) and top-1 agreement over teacher-forced held-out windows (engine.

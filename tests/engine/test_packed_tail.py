@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from capacity.formats import KVFormat, KVFormatError, format_from_identity, parse_identity
+from engine.attention.packed_cache import PackedLayerCache
 from engine.attention.packed_store import PackedLayerStore, layer_report, packed_layer_factory
 from engine.checkpoint.format import restore_checkpoint, save_checkpoint
 from engine.kv.pages import PagePool
@@ -75,6 +76,9 @@ def test_store_bytes_match_the_format_and_pages_go_native_until_full():
     assert store.tail_bytes_per_sequence == 2 * fmt.tail_bytes_per_request(2, T)
     assert store.nbytes == 4 * store.page_bytes + 3 * store.tail_bytes_per_sequence
     assert layer_report(store)[0]["storage"] == "affine-v2-k4v4-g64x64-f32-h64-s1-n0-tf32"
+    # never the CUDA kernels: they read the v1 layout only
+    assert not store.layers[0].fmt.codes_only
+    assert not PackedLayerCache.kernel_decode_fits(store.layers[0])
     rng = np.random.default_rng(0)
     k = mx.array(rng.standard_normal((T + 5, 2, 64)).astype(np.float32))
     v = mx.array(rng.standard_normal((T + 5, 2, 64)).astype(np.float32))
