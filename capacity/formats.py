@@ -48,6 +48,7 @@ FORMAT_SPECS: dict[str, tuple[int, int, int, int, bool] | None] = {
     # int4 plus each running sequence's partial last page kept native (the recent-token window
     # of the variants table, page-granular).
     "int4-tail": (4, 4, 0, GROUP_SIZE, True),
+    "int4-k32-tail": (4, 4, 0, 32, True),   # both: int4-k32's keys and int4-tail's tail page
 }
 KEY_GROUPS = (32, GROUP_SIZE)
 FORMAT_BITS: dict[str, tuple[int, int] | None] = {

@@ -30,9 +30,9 @@ def llama(tiny_model_dirs):
     return load_model(tiny_model_dirs["llama"])
 
 
-def _store(loaded, pages=24, slots=4):
+def _store(loaded, pages=24, slots=4, fmt=FMT):
     return KVStore(loaded.geometry, pages, T, loaded.dtype,
-                   layer_factory=packed_layer_factory(FMT, tail_slots=slots))
+                   layer_factory=packed_layer_factory(fmt, tail_slots=slots))
 
 
 def test_identity_bytes_and_refusals():
@@ -45,6 +45,10 @@ def test_identity_bytes_and_refusals():
     assert fmt.tail_bytes_per_request(3, 64) == 3 * 64 * 2 * 64 * 2
     assert KVFormat("int4-tail", 64, "float32").tail_bytes_per_request(1, 16) == 16 * 2 * 64 * 4
     assert not fmt.codes_only and fmt.native_tail and not KVFormat("int4", 64).native_tail
+    both = KVFormat("int4-k32-tail", 64, "bfloat16")
+    assert both.identity == "affine-v2-k4v4-g32x64-f32-h64-s1-n0-tbf16"
+    assert format_from_identity(both.identity, 64, "float32") == both
+    assert both.bytes_per_token(1, 64) == 88 and both.tail_bytes_per_request(1, 64) == 16384
     for name in ("native", "int8", "k8v4", "int4", "int4-k32", "int4-sink"):   # unchanged
         assert KVFormat(name, 64).tail_bytes_per_request(3, 64) == 0
     for bad in ("affine-v2-k4v4-g64x64-f32-h64-s1-n0-t", "affine-v2-k4v4-g64x64-f32-h64-s1-tbf16",
@@ -119,14 +123,15 @@ def _gathered_native(loaded, packed: KVStore, table):
     return native
 
 
+@pytest.mark.parametrize("fmt", [FMT, "int4-k32-tail"])
 @pytest.mark.parametrize("cut", [3, 16, 20, 37])
-def test_attention_equals_dequantize_then_attend(llama, cut):
+def test_attention_equals_dequantize_then_attend(llama, cut, fmt):
     """Prefill `cut` tokens, then a chunk that crosses a page boundary, then a decode step: the
     logits equal a native runner's over the packed store's own rows (codes for full pages, the
     native tail for the partial one)."""
     seq = list(range(5, 5 + 48))
     table = [2, 7, 4, 9]
-    runner = PackedModelRunner(llama, _store(llama))
+    runner = PackedModelRunner(llama, _store(llama, fmt=fmt))
     runner.forward([SeqChunk(0, seq[:cut], 0, table)])
     mx.eval(runner.kvstore.arrays())
     ref = ModelRunner(llama, _gathered_native(llama, runner.kvstore, table))
