@@ -33,7 +33,8 @@ from engine.kv.quant import dequantize, quantize
 from engine.kv.rotation import rotation_matrix
 from engine.runner.paged import SeqChunk
 
-FORMATS = ("native", "int8", "k8v4", "int4", "int4-norot", "int4-sink", "int4-tail")
+FORMATS = ("native", "int8", "k8v4", "int4", "int4-norot", "int4-sink", "int4-tail",
+           "int4-k32-tail")
 PAGE_TOKENS = 64
 REF = "__reference__"
 
