@@ -12,6 +12,14 @@ every page unquantized, in the model's dtype, beside their codes: attention read
 first tokens (its attention sinks, which every later query attends to heavily) from that native
 copy. Page-local, so paging, prefix sharing and checkpoints need nothing per sequence; the price
 is rows * 2 * head_dim * dtype bytes per page per KV head, counted in bytes per token.
+
+A format with a native tail (`-t<dtype>`, int4-tail) keeps the page a sequence is still filling
+(its tail page) in the model's dtype as well: attention reads a sequence's full pages as codes and
+its last partial page from a native pool of one page per running sequence (the rows a page
+holds are quantized token-locally, so a page's codes are the same whether written row by row or
+when the page fills; the native copy is what attention reads until the page is full). The pool
+is priced per request, not per token: `tail_bytes_per_request`, the cost model's
+`fixed_bytes_per_request`. Prefix sharing only ever shares full pages, which are all codes.
 """
 from __future__ import annotations
 
@@ -25,18 +33,22 @@ IDENTITY_VERSION = "v1"
 SINK_IDENTITY_VERSION = "v2"
 MAX_IDENTITY_LEN = 64
 
-# name -> (K bits, V bits, native sink rows per page, key group size); None means the model's
-# compute dtype. Values always use groups of GROUP_SIZE.
-FORMAT_SPECS: dict[str, tuple[int, int, int, int] | None] = {
+# name -> (K bits, V bits, native sink rows per page, key group size, native tail page); None
+# means the model's compute dtype. Values always use groups of GROUP_SIZE.
+FORMAT_SPECS: dict[str, tuple[int, int, int, int, bool] | None] = {
     "native": None,
-    "int8": (8, 8, 0, GROUP_SIZE),
-    "k8v4": (8, 4, 0, GROUP_SIZE),
-    "int4": (4, 4, 0, GROUP_SIZE),
+    "int8": (8, 8, 0, GROUP_SIZE, False),
+    "k8v4": (8, 4, 0, GROUP_SIZE, False),
+    "int4": (4, 4, 0, GROUP_SIZE, False),
     # int4 variants measured on SmolLM2-135M (docs/quality.md, variants table): keys in groups
     # of 32 channels (twice the key metadata), and int4 plus the first 4 tokens of every page
     # kept native (a sequence's attention sinks among them).
-    "int4-k32": (4, 4, 0, 32),
-    "int4-sink": (4, 4, 4, GROUP_SIZE),
+    "int4-k32": (4, 4, 0, 32, False),
+    "int4-sink": (4, 4, 4, GROUP_SIZE, False),
+    # int4 plus each running sequence's partial last page kept native (the recent-token window
+    # of the variants table, page-granular).
+    "int4-tail": (4, 4, 0, GROUP_SIZE, True),
+    "int4-k32-tail": (4, 4, 0, 32, True),   # both: int4-k32's keys and int4-tail's tail page
 }
 KEY_GROUPS = (32, GROUP_SIZE)
 FORMAT_BITS: dict[str, tuple[int, int] | None] = {
@@ -111,7 +123,21 @@ class KVFormat:
     @property
     def codes_only(self) -> bool:
         """v1 layout: 64-channel groups for K and V, no native rows (what the CUDA kernels read)."""
-        return self.packed and not self.sink_rows and self.k_group == GROUP_SIZE
+        return (self.packed and not self.sink_rows and not self.native_tail
+                and self.k_group == GROUP_SIZE)
+
+    @property
+    def native_tail(self) -> bool:
+        """Whether each running sequence's partial last page is also kept (and read) native."""
+        spec = FORMAT_SPECS[self.name]
+        return bool(spec and spec[4])
+
+    def tail_bytes_per_request(self, kv_heads: int, page_tokens: int) -> int:
+        """Bytes of one sequence's native tail page in one layer (K and V; 0 without a tail):
+        the pool holds one per running sequence, so it is priced per request."""
+        if not self.native_tail:
+            return 0
+        return kv_heads * page_tokens * 2 * self.head_dim * DTYPE_BYTES[self.native_dtype]
 
     @property
     def sink_rows(self) -> int:
@@ -160,16 +186,17 @@ class KVFormat:
             return f"native-{IDENTITY_VERSION}-{_DTYPE_SHORT[self.native_dtype]}"
         if not self.codes_only:
             sinks = f"{self.sink_rows}{_DTYPE_SHORT[self.native_dtype]}" if self.sink_rows else "0"
+            tail = f"-t{_DTYPE_SHORT[self.native_dtype]}" if self.native_tail else ""
             return (f"affine-{SINK_IDENTITY_VERSION}-k{self.k_bits}v{self.v_bits}"
                     f"-g{self.k_group}x{GROUP_SIZE}-f32-h{self.rotation_block}-s{ROTATION_SEED}"
-                    f"-n{sinks}")
+                    f"-n{sinks}{tail}")
         return (f"affine-{IDENTITY_VERSION}-k{self.k_bits}v{self.v_bits}-g{GROUP_SIZE}-f32"
                 f"-h{self.rotation_block}-s{ROTATION_SEED}")
 
 
 _PACKED_RE = re.compile(r"affine-v1-k(8|4)v(8|4)-g64-f32-h(64|128)-s1")
 _V2_RE = re.compile(r"affine-v2-k(8|4)v(8|4)-g(32|64)x64-f32-h(64|128)-s1"
-                    r"-n(?:0|([1-9][0-9]?)(f32|bf16|f16))")
+                    r"-n(?:0|([1-9][0-9]?)(f32|bf16|f16))(?:-t(f32|bf16|f16))?")
 _NATIVE_RE = re.compile(r"native-v1-(f32|bf16|f16)")
 
 
@@ -183,20 +210,28 @@ def parse_identity(identity: str) -> dict:
     if m := _V2_RE.fullmatch(identity):
         k_group, block = int(m.group(3)), int(m.group(4))
         sinks, sink_dtype = int(m.group(5) or 0), m.group(6)
-        if not sinks and k_group == GROUP_SIZE:   # the v1 layout has one name: its v1 identity
+        tail, tail_dtype = m.group(7) is not None, m.group(7)
+        if not sinks and not tail and k_group == GROUP_SIZE:   # v1's layout: one name, v1's
             raise KVFormatError(f"KV format identity {identity!r} aliases a v1 identity")
+        if sinks and tail and sink_dtype != tail_dtype:
+            raise KVFormatError(f"KV format identity {identity!r} names two native dtypes")
+        sink_dtype = sink_dtype or tail_dtype
     elif m := _PACKED_RE.fullmatch(identity):
-        k_group, block, sinks = GROUP_SIZE, int(m.group(3)), 0
+        k_group, block, sinks, tail = GROUP_SIZE, int(m.group(3)), 0, False
     else:
         raise KVFormatError(f"malformed KV format identity {identity!r}")
-    spec = (int(m.group(1)), int(m.group(2)), sinks, k_group)
+    spec = (int(m.group(1)), int(m.group(2)), sinks, k_group, tail)
     names = [n for n, s in FORMAT_SPECS.items() if s == spec]
     if not names:
         raise KVFormatError(f"KV format identity {identity!r} names no supported format")
     out = {"name": names[0], "k_bits": spec[0], "v_bits": spec[1], "group": GROUP_SIZE,
            "k_group": k_group, "rotation_block": block, "seed": ROTATION_SEED}
     if sinks:
-        out.update(sink_rows=sinks, dtype=sink_dtype)
+        out.update(sink_rows=sinks)
+    if tail:
+        out.update(native_tail=True)
+    if sink_dtype:
+        out.update(dtype=sink_dtype)
     return out
 
 
@@ -263,7 +298,7 @@ def format_from_identity(identity: str, head_dim: int, native_dtype: str = "floa
     """
     parsed = parse_identity(identity)
     dtype = native_dtype
-    if "dtype" in parsed:   # native, and formats with native sink rows, name their dtype
+    if "dtype" in parsed:   # native, and formats with native rows (sinks, tail), name their dtype
         dtype = {v: k for k, v in _DTYPE_SHORT.items()}[parsed["dtype"]]
     fmt = KVFormat(parsed["name"], head_dim, dtype)
     if fmt.identity != identity:

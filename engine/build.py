@@ -85,26 +85,38 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
     factory, make_runner = store_for(kv_format, cfg, permits.permit, kernels)
     probe = KVStore(loaded.geometry, 1, cfg.page_tokens, loaded.dtype, layer_factory=factory)
     page_bytes = probe.page_bytes
+    # Native-tail formats: one native page per running sequence, allocated up front for
+    # max_num_seqs sequences (a replica arena: see below).
+    tail_pool = cfg.max_num_seqs * probe.tail_bytes_per_sequence
     del probe
     if page_bytes <= 0:
         raise EngineError(f"{cfg.model}: no layer keeps paged KV; nothing to budget")
     token_limit = cfg.max_model_len or int(loaded.config.get("max_position_embeddings") or 8192)
     budget = resolve_budget_bytes(
         cfg.kv_budget_bytes, cfg.kv_memory_fraction, page_bytes,
-        max_useful_bytes=cfg.max_num_seqs * pages_for(token_limit, cfg.page_tokens) * page_bytes)
-    num_pages = budget // page_bytes
+        max_useful_bytes=cfg.max_num_seqs * pages_for(token_limit, cfg.page_tokens) * page_bytes
+        + tail_pool)
+    num_pages = (budget - tail_pool) // page_bytes
+    if num_pages < 1:
+        raise EngineError(f"{cfg.model}: a KV budget of {budget} bytes cannot hold the native tail "
+                          f"pool ({cfg.max_num_seqs} sequences x {tail_pool // cfg.max_num_seqs} "
+                          f"bytes) and one page of {page_bytes} bytes")
     kvstore = KVStore(loaded.geometry, num_pages, cfg.page_tokens, loaded.dtype,
                       layer_factory=factory)
     runner = make_runner(loaded, kvstore)
+    # The tail pool is priced as a fixed arena of the replica (CostModel.workspace.fixed), not
+    # per request: it is allocated for max_num_seqs sequences whether they run or not, and a
+    # per-request charge would let fewer, longer requests take more pages than the pool holds.
     cost_model = build_cost_model(
-        budget_bytes=num_pages * page_bytes, bytes_per_token=kvstore.bytes_per_token,
+        budget_bytes=num_pages * page_bytes + tail_pool, bytes_per_token=kvstore.bytes_per_token,
         page_tokens=cfg.page_tokens,
         fixed_bytes_per_request=loaded.geometry.state_bytes_per_sequence,
-        max_num_seqs=cfg.max_num_seqs, token_limit=token_limit)
+        max_num_seqs=cfg.max_num_seqs, token_limit=token_limit, arena_bytes=tail_pool)
     head_dim = next((g.head_dim for g in loaded.geometry.layers if g.paged), 0)
     storage = storage_identity(kvstore)
     eos = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
-    pool = PagePool(num_pages, cfg.page_tokens)
+    pool = PagePool(num_pages, cfg.page_tokens,
+                    on_free=kvstore.release_pages if tail_pool else None)
     prefix = root_of = None
     if cfg.enable_prefix_caching:
         if loaded.geometry.unpaged_layers:
@@ -166,5 +178,6 @@ def store_for(kv_format: str, cfg: EngineConfig, permit: Callable[[int], bool],
     from engine.attention.packed_store import packed_layer_factory
     from engine.runner.packed import PackedModelRunner
 
-    return (packed_layer_factory(kv_format, cfg.prefill_mode, permit, kernels),
+    return (packed_layer_factory(kv_format, cfg.prefill_mode, permit, kernels,
+                                 tail_slots=cfg.max_num_seqs),
             partial(PackedModelRunner, kernels=kernels))

@@ -33,7 +33,8 @@ from engine.kv.quant import dequantize, quantize
 from engine.kv.rotation import rotation_matrix
 from engine.runner.paged import SeqChunk
 
-FORMATS = ("native", "int8", "k8v4", "int4", "int4-norot", "int4-sink")
+FORMATS = ("native", "int8", "k8v4", "int4", "int4-norot", "int4-sink", "int4-tail",
+           "int4-k32-tail")
 PAGE_TOKENS = 64
 REF = "__reference__"
 
@@ -77,7 +78,10 @@ def _unrotated_int4_factory(geometry, num_pages, page_tokens, dtype):
 
 def make_runner(loaded, fmt: str, num_pages: int) -> PackedModelRunner:
     # Every other format: exactly what serving builds.
-    factory = _unrotated_int4_factory if fmt == "int4-norot" else packed_layer_factory(fmt)
+    # A native-tail format needs a tail slot per sequence; a gate runner holds at most one
+    # sequence per page table, so one slot per page can never run out (memory is no concern here).
+    factory = (_unrotated_int4_factory if fmt == "int4-norot"
+               else packed_layer_factory(fmt, tail_slots=num_pages))
     store = KVStore(loaded.geometry, num_pages, PAGE_TOKENS, loaded.dtype, layer_factory=factory)
     return PackedModelRunner(loaded, store)
 

@@ -9,6 +9,12 @@ layout (token groups of any size, per-channel key groups over a page, native sin
 tokens), so candidates can be ranked before one is built into the engine. Rows of a page are
 only key-quantized per channel once the page is complete (KIVI): until then they stay native.
 
+`tail` keeps a sequence's incomplete last page native (page-granular, as int4-tail stores it).
+With `--chunk` a multiple of the page size (the default 128 over 64-token pages) every chunk
+starts on a page boundary, so there is no incomplete page of history and a tail variant equals
+its base exactly (so does int4-kivi's native partial page): measure tails with a chunk that is
+not a multiple of the page (e.g. 16), closer to decode, where the tail holds 0-63 recent tokens.
+
 Variants name: bits (kKvV), key grouping (`gN` per token, `c` per channel over a page), value
 group, rotation of keys, and native sink / recent token counts. Reported per variant: NLL delta
 (%), KL(native || variant) and top-1 agreement over teacher-forced held-out windows (engine.
@@ -40,6 +46,7 @@ class Variant:
     rotate: bool = True
     sinks: int = 0             # first tokens kept native
     recent: int = 0            # most recent history tokens kept native
+    tail: bool = False         # a sequence's incomplete last page kept native (page-granular)
 
     def row_bytes(self, head_dim: int, page: int, context: int, native_bytes: int = 2) -> float:
         """Average bytes per token per KV head (K + V) at `context` tokens of history."""
@@ -48,7 +55,7 @@ class Variant:
             return head_dim * bits / 8 + meta
         packed = part(self.k_bits, self.k_group) + part(self.v_bits, self.v_group)
         extra = min(self.sinks + self.recent, context) * 2 * head_dim * native_bytes
-        if self.k_group == 0:   # the incomplete page stays native: half a page on average
+        if self.k_group == 0 or self.tail:   # the incomplete page stays native: half a page on average
             extra += min(page / 2, context) * 2 * head_dim * native_bytes
         return packed + extra / context
 
@@ -68,6 +75,9 @@ VARIANTS = {v.name: v for v in [
     Variant("int4-kivi", k_group=0, rotate=False),
     Variant("int4-kivi-rot", k_group=0, rotate=True),
     Variant("int4-kg32-s4r64", k_group=32, sinks=4, recent=64),
+    Variant("int4-tail", tail=True),
+    Variant("int4-kg32-tail", k_group=32, tail=True),
+    Variant("int4-s4-tail", sinks=4, tail=True),
     Variant("k6v4", 6, 4),
     Variant("k5v4", 5, 4),
 ]}
@@ -94,7 +104,7 @@ class VariantCache(PagedLayerCache):
         pos = self.view.base[:, None] + np.arange(n)[None, :]
         start = self.step.starts[:, None]
         quantized = (pos < start) & (pos >= var.sinks) & (pos < start - var.recent)
-        if var.k_group == 0:   # per channel over a whole page: only complete pages are packed
+        if var.k_group == 0 or var.tail:   # only complete pages are packed
             quantized &= (pos // t + 1) * t <= start
         kr = rotate(k) if var.rotate else k.astype(mx.float32)
         if var.k_group == 0:

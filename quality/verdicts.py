@@ -18,11 +18,14 @@ MARGINS = {
     # issue 17's bar for the best int4 identity
     "int4-sink": {"nll_delta_pct": 0.3},
     "int4-k32": {"nll_delta_pct": 0.3},
+    "int4-tail": {"nll_delta_pct": 0.3},
+    "int4-k32-tail": {"nll_delta_pct": 0.3},
 }
 RETRIEVAL_POINTS = 2.0
 PROBE_POINTS = 2.0
 # int4 identities are held to 3 probe points (issue 17), every other format to PROBE_POINTS.
-PROBE_POINTS_BY_FORMAT = {"int4": 3.0, "int4-norot": 3.0, "int4-sink": 3.0, "int4-k32": 3.0}
+PROBE_POINTS_BY_FORMAT = {"int4": 3.0, "int4-norot": 3.0, "int4-sink": 3.0, "int4-k32": 3.0,
+                          "int4-tail": 3.0, "int4-k32-tail": 3.0}
 
 # ------------------------------------------------------------------ summaries and verdicts
 

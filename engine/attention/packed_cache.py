@@ -71,8 +71,19 @@ class PackedLayerCache(PagedLayerCache):
             keys = mx.concatenate([sk.astype(keys.dtype), keys], axis=2)
             values = mx.concatenate([sv.astype(values.dtype), values], axis=2)
             hist_mask, new_mask = ctx.sink_masks(rows)
-        return self.store.attention(queries, hist, keys, values, scale=scale, new_mask=new_mask,
-                                    hist_mask=hist_mask, sinks=sinks)
+        tails = getattr(self.store, "tails", None)
+        if tails is not None and ctx.span:
+            # Each row's partial last page (as the step began) is attended from its native copy,
+            # as extra fresh-like keys; history hides that page's packed rows.
+            tk, tv = self.store.gather_tail(ctx.tail_slots(tails))
+            keys = mx.concatenate([tk.astype(keys.dtype), keys], axis=2)
+            values = mx.concatenate([tv.astype(values.dtype), values], axis=2)
+            hist_mask, new_mask = ctx.tail_masks()
+        out = self.store.attention(queries, hist, keys, values, scale=scale, new_mask=new_mask,
+                                   hist_mask=hist_mask, sinks=sinks)
+        if tails is not None:
+            self.store.flush_tail()   # this step's new tail rows, after the old tails were read
+        return out
 
     def _context(self) -> "_StepContext":
         """Index work for packed history, built once per step and shared by layers."""
@@ -127,6 +138,34 @@ class _StepContext:
             both = np.concatenate([sink, fresh], axis=-1)
             self._sink_masks[rows] = (mx.array(hist)[:, None, None, :], mx.array(both)[:, None])
         return self._sink_masks[rows]
+
+    def tail_slots(self, tails) -> np.ndarray:
+        """Per row, the native tail slot its partial last page had when the step began."""
+        if "tail_slots" not in self._sink_masks:
+            self._sink_masks["tail_slots"] = tails.tails_before(np.array(self.pages),
+                                                                self.step.starts)
+        return self._sink_masks["tail_slots"]
+
+    def tail_masks(self) -> tuple[mx.array, mx.array]:
+        """(history mask, fresh mask) when each row's partial last page is read from a native
+        page placed ahead of the fresh keys: history shows full pages only; a row sees the
+        first `start % page_tokens` native rows (its tail) and its fresh keys as before."""
+        if "tail" not in self._sink_masks:
+            starts, width, t = self.step.starts, self.step.width, self.step.page_tokens
+            full = starts // t * t
+            hist = np.arange(self.span)[None, :] < full[:, None]
+            tail = np.arange(t)[None, :] < (starts - full)[:, None]
+            tail = np.broadcast_to(tail[:, None, :], (len(starts), width, t))
+            new = self.new_mask
+            if new is None:
+                fresh = np.ones((len(starts), width, width), bool)
+            elif isinstance(new, str):
+                fresh = np.broadcast_to(np.tri(width, dtype=bool), (len(starts), width, width))
+            else:
+                fresh = np.array(new)[:, 0]
+            both = np.concatenate([tail, fresh], axis=-1)
+            self._sink_masks["tail"] = (mx.array(hist)[:, None, None, :], mx.array(both)[:, None])
+        return self._sink_masks["tail"]
 
     def history(self, store):
         if not self.span:

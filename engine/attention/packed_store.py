@@ -14,6 +14,13 @@ Formats with sink rows (capacity.formats) also keep the first `sink_rows` tokens
 in the model's dtype, unrotated, in [num_pages, sink_rows, kv_heads, dim] arrays beside the codes
 (`read_sinks`/`write_sinks` move them verbatim); attention reads a sequence's first tokens from
 its first page's native rows (engine.attention.packed_cache).
+
+Formats with a native tail (int4-tail) also keep each sequence's partial last page native, in a
+pool of `tails.num_slots` pages per layer ([slots, page_tokens, kv_heads, dim] for K and V) that
+every layer indexes through one shared engine.kv.tails.TailMap. Codes are written for every row
+as usual (token-local groups: the same codes a page would get if quantized when it fills); the
+native copy is what attention reads until the page is full. A layer writes its native tail rows
+after its attention (`flush_tail`), so a step still reads the tails it began with.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from engine.attention.packed import PackedAttention
 from engine.attention.packed_cache import PackedLayerCache
 from engine.kv.quant import Packed, PackedKV, dequantize, quantize
 from engine.kv.rotation import rotate, rotation_matrix
+from engine.kv.tails import TailMap
 
 
 def _zeros(num_pages, page_tokens, heads, dim, bits, group=64):
@@ -47,7 +55,7 @@ class PackedLayerStore:
     cache_class = PackedLayerCache   # the runner builds this cache for packed layers
 
     def __init__(self, geometry: LayerGeometry, fmt: KVFormat, num_pages: int, page_tokens: int,
-                 attention: Optional[PackedAttention] = None):
+                 attention: Optional[PackedAttention] = None, tails: Optional[TailMap] = None):
         if geometry.kind != "full":
             raise KVFormatError(f"layer {geometry.index} is {geometry.kind}; only full-attention "
                                 "layers are packed")
@@ -72,9 +80,28 @@ class PackedLayerStore:
             dtype = getattr(mx, fmt.native_dtype)
             self.sinks = (mx.zeros((num_pages, self.sink_rows, h, d), dtype),
                           mx.zeros((num_pages, self.sink_rows, h, d), dtype))
+        self.tails = tails if fmt.native_tail else None
+        self.tail: tuple[mx.array, ...] = ()
+        self._pending = None
+        if fmt.native_tail:
+            if tails is None:
+                raise KVFormatError(f"format {fmt.name} keeps each sequence's tail page native: "
+                                    "it needs a TailMap sized by concurrency (tail_slots)")
+            if self.sink_rows:
+                raise KVFormatError(f"format {fmt.name}: sink rows and a native tail together "
+                                    "are not supported")
+            if tails.page_tokens != page_tokens:
+                raise KVFormatError(f"tail map for pages of {tails.page_tokens} tokens, store "
+                                    f"has {page_tokens}")
+            dtype = getattr(mx, fmt.native_dtype)
+            self.tail = tuple(mx.zeros((tails.num_slots, page_tokens, h, d), dtype)
+                              for _ in range(2))
         mx.eval(*self.arrays())
         self.nbytes = sum(a.nbytes for a in self.arrays())
-        self.page_bytes = self.nbytes // num_pages
+        # The tail pool is priced per running sequence, not per page (capacity.formats).
+        self.tail_bytes = sum(a.nbytes for a in self.tail)
+        self.tail_bytes_per_request = self.tail_bytes // tails.num_slots if self.tail else 0
+        self.page_bytes = (self.nbytes - self.tail_bytes) // num_pages
 
     def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
         """Quantize N new rows ([N, heads, dim], keys after RoPE) into their slots."""
@@ -89,6 +116,66 @@ class PackedLayerStore:
                               quantize(v, self.fmt.v_bits))
         if self.sink_rows:
             self._write_sinks(slots, k, v, self._sink_index(slots))
+        if self.tails is not None:
+            self.flush_tail()
+            plan = self._tail_plan(slots)
+            if plan.rows is not None:
+                idx = mx.array(plan.rows)
+                self._pending = (mx.array(plan.slots), slots.offset[idx], k[idx], v[idx])
+
+    # ---- native tail (formats with native_tail) ------------------------------------------------
+
+    def _tail_plan(self, slots: Slots):
+        """The step's tail plan, computed by the first layer that writes and shared by all."""
+        key = ("tail_plan", id(self.tails))
+        if key not in slots._by_heads:
+            slots._by_heads[key] = self.tails.plan(np.array(slots.page), np.array(slots.offset))
+        return slots._by_heads[key]
+
+    def flush_tail(self) -> None:
+        """Write the last write's native tail rows into their slots (after attention read the
+        tails the step began with; also before anything else reads the pool)."""
+        if self._pending is None:
+            return
+        slot, offset, k, v = self._pending
+        self._pending = None
+        for dst, rows in zip(self.tail, (k, v)):
+            dst[slot, offset] = rows.astype(dst.dtype)
+
+    def gather_tail(self, slot_per_row: np.ndarray) -> tuple[mx.array, mx.array]:
+        """Native tail pages of B rows (slot -1: none, reads slot 0; callers mask it) as K, V
+        [B, heads, page_tokens, dim], model basis."""
+        idx = mx.array(np.maximum(slot_per_row, 0).astype(np.int32))
+        return tuple(a[idx].transpose(0, 2, 1, 3) for a in self.tail)
+
+    def read_tail(self, slots: Slots) -> tuple[mx.array, mx.array]:
+        """Native rows [M, heads, dim] of the slots whose page is a partial tail, in slot order."""
+        self.flush_tail()
+        idx, where = self._tail_rows(slots)
+        if idx is None:
+            empty = mx.zeros((0, self.geometry.kv_heads, self.geometry.head_dim), self.tail[0].dtype)
+            return empty, empty
+        return tuple(a[mx.array(where), slots.offset[idx]] for a in self.tail)
+
+    def write_tail(self, slots: Slots, k: mx.array, v: mx.array) -> None:
+        """Store native tail rows verbatim (checkpoint restore): each slot's page takes a tail
+        slot if it has none."""
+        self.flush_tail()
+        pages = np.array(slots.page)
+        where = np.array([self.tails.claim(int(p)) for p in pages], dtype=np.int32)
+        if k.shape[0] != len(where) or v.shape[0] != len(where):
+            raise KVFormatError(f"expected {len(where)} tail rows, got {k.shape[0]}")
+        if len(where):
+            for dst, rows in zip(self.tail, (k, v)):
+                dst[mx.array(where), slots.offset] = rows.astype(dst.dtype)
+
+    def _tail_rows(self, slots: Slots):
+        pages = np.array(slots.page)
+        keep = [i for i, p in enumerate(pages) if int(p) in self.tails.slot_of]
+        if not keep:
+            return None, None
+        where = np.array([self.tails.slot_of[int(pages[i])] for i in keep], dtype=np.int32)
+        return mx.array(np.array(keep, dtype=np.int32)), where
 
     def _sink_index(self, slots: Slots) -> mx.array | None:
         """Which of the slots land in a page's native sink rows (None: none), once per step."""
@@ -159,7 +246,9 @@ class PackedLayerStore:
         return PackedKV(Packed(*(take(a) for a in self.k)), Packed(*(take(a) for a in self.v)))
 
     def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]:
-        """Dequantized K (back in the model's basis) and V, [B, heads, P*page_tokens, dim]."""
+        """Dequantized K (back in the model's basis) and V, [B, heads, P*page_tokens, dim]; a
+        partial tail page (native-tail formats) is its native copy."""
+        self.flush_tail()
         hist = self.gather_packed(pages)
         k = dequantize(hist.k, self.fmt.k_bits) @ rotation_matrix(self.fmt.head_dim).T
         v = dequantize(hist.v, self.fmt.v_bits)
@@ -170,15 +259,35 @@ class PackedLayerStore:
             k, v = (x.reshape(b, x.shape[1], p, t, -1) for x in (k, v))
             k = mx.concatenate([native[0], k[:, :, :, s:]], axis=3).reshape(b, -1, p * t, k.shape[-1])
             v = mx.concatenate([native[1], v[:, :, :, s:]], axis=3).reshape(b, -1, p * t, v.shape[-1])
+        if self.tails is not None and self.tails.slot_of:
+            k, v = self._with_tails(np.array(pages), k, v)
         return k, v
 
+    def _with_tails(self, pages: np.ndarray, k: mx.array, v: mx.array):
+        t = self.page_tokens
+        pos, src = [], []
+        for (b, j), page in np.ndenumerate(pages):
+            if int(page) in self.tails.slot_of:
+                pos.append((b, j))
+                src.append(self.tails.slot_of[int(page)])
+        if not pos:
+            return k, v
+        out = []
+        for x, pool in zip((k, v), self.tail):
+            x = x.reshape(x.shape[0], x.shape[1], pages.shape[1], t, -1)
+            for (b, j), slot in zip(pos, src):
+                x[b, :, j] = pool[slot].transpose(1, 0, 2).astype(x.dtype)
+            out.append(x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1]))
+        return tuple(out)
+
     def arrays(self) -> list[mx.array]:
-        return [*self.k, *self.v, *self.sinks]
+        self.flush_tail()
+        return [*self.k, *self.v, *self.sinks, *self.tail]
 
 
 def packed_layer_factory(fmt_name: str, prefill_mode: str = "direct",
                          permit: Optional[Callable[[int], bool]] = None,
-                         kernels: KernelChoices = DEFAULT_KERNELS):
+                         kernels: KernelChoices = DEFAULT_KERNELS, tail_slots: int = 0):
     """A KVStore layer_factory: full-attention layers packed in `fmt_name`, others native.
 
     Refuses (KVFormatError) a packed format on a model whose full-attention layers cannot hold
@@ -187,13 +296,20 @@ def packed_layer_factory(fmt_name: str, prefill_mode: str = "direct",
     attention's choices (the runner takes the same object for its kernels).
     """
 
+    tails: dict[int, TailMap] = {}   # one map per page size, shared by every layer
+
     def make(geometry: LayerGeometry, num_pages: int, page_tokens: int, dtype: mx.Dtype):
         dtype_name = str(dtype).removeprefix("mlx.core.")
         fmt = KVFormat(fmt_name, geometry.head_dim, dtype_name)
         if not fmt.packed or geometry.kind != "full":
             return NativeLayerStore(geometry, num_pages, page_tokens, dtype)
+        tail = None
+        if fmt.native_tail:
+            if page_tokens not in tails:
+                tails[page_tokens] = TailMap(tail_slots, page_tokens)
+            tail = tails[page_tokens]
         return PackedLayerStore(geometry, fmt, num_pages, page_tokens,
-                                PackedAttention(fmt, prefill_mode, permit, kernels=kernels))
+                                PackedAttention(fmt, prefill_mode, permit, kernels=kernels), tail)
 
     return make
 

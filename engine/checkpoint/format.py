@@ -52,8 +52,8 @@ def storage_layout(kvstore: KVStore) -> list[dict]:
     return out
 
 
-def _slots(page_table: list[int], num_tokens: int, page_tokens: int) -> Slots:
-    pos = np.arange(num_tokens)
+def _slots(page_table: list[int], num_tokens: int, page_tokens: int, first: int = 0) -> Slots:
+    pos = np.arange(first, num_tokens)
     pages = np.asarray(page_table, dtype=np.int64)[pos // page_tokens]
     return Slots.from_flat(pages * page_tokens + pos % page_tokens, page_tokens)
 
@@ -101,6 +101,13 @@ def save_checkpoint(directory: str | Path, kvstore: KVStore, page_table: list[in
             if getattr(store, "sink_rows", 0):   # native first rows of each page (formats v2)
                 tensors[f"layer{index}.ksink"], tensors[f"layer{index}.vsink"] = \
                     store.read_sinks(slots)
+            if getattr(store, "tails", None) is not None and n % kvstore.page_tokens:
+                # native tail formats: the partial last page's rows, read from its native copy
+                tail = _slots(page_table, n, kvstore.page_tokens, first=n - n % kvstore.page_tokens)
+                k_t, v_t = store.read_tail(tail)
+                if k_t.shape[0] != n % kvstore.page_tokens:
+                    raise CheckpointError(f"layer {index}: the partial last page has no native copy")
+                tensors[f"layer{index}.ktail"], tensors[f"layer{index}.vtail"] = k_t, v_t
         else:
             k, v = _native_rows(store, page_table, n, kvstore.page_tokens)
         tensors[f"layer{index}.k"], tensors[f"layer{index}.v"] = k, v
@@ -200,10 +207,18 @@ def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[
     names = {f"layer{i}.{kv}" for i in kvstore.layers for kv in "kv"}
     sinks = {f"layer{i}.{kv}sink" for i, s in kvstore.layers.items()
              if getattr(s, "sink_rows", 0) for kv in "kv"}
-    if set(tensors) != names | sinks or set(expected) != names | sinks:
-        raise CheckpointError("checkpoint tensors do not cover this engine's paged layers")
     n = manifest["num_tokens"]
     t = kvstore.page_tokens
+    tails = {f"layer{i}.{kv}tail" for i, s in kvstore.layers.items()
+             if getattr(s, "tails", None) is not None and n % t for kv in "kv"}
+    if set(tensors) != names | sinks | tails or set(expected) != names | sinks | tails:
+        raise CheckpointError("checkpoint tensors do not cover this engine's paged layers")
+    for name in tails:   # rows of the partial last page, in order
+        a, store = tensors[name], kvstore.layers[int(name[5:name.index(".")])]
+        if (str(a.dtype).removeprefix("mlx.core.") != expected[name]["dtype"]
+                or list(a.shape) != expected[name]["shape"]
+                or tuple(a.shape) != (n % t, store.geometry.kv_heads, store.geometry.head_dim)):
+            raise CheckpointError(f"checkpoint tensor {name} has the wrong shape or dtype")
     for name in sinks:   # rows of the positions at page offsets < sink_rows, in order
         a, store = tensors[name], kvstore.layers[int(name[5:name.index(".")])]
         rows = sum(1 for i in range(n) if i % t < store.sink_rows)
@@ -212,7 +227,7 @@ def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[
                 or tuple(a.shape) != (rows, store.geometry.kv_heads, store.geometry.head_dim)):
             raise CheckpointError(f"checkpoint tensor {name} has the wrong shape or dtype")
     for name, a in tensors.items():
-        if name in sinks:
+        if name in sinks or name in tails:
             continue
         if (str(a.dtype).removeprefix("mlx.core.") != expected[name]["dtype"]
                 or list(a.shape) != expected[name]["shape"]
@@ -237,6 +252,9 @@ def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[
             if f"layer{index}.ksink" in tensors:
                 store.write_sinks(slots, tensors[f"layer{index}.ksink"],
                                   tensors[f"layer{index}.vsink"])
+            if f"layer{index}.ktail" in tensors:
+                store.write_tail(_slots(page_table, n, t, first=n - n % t),
+                                 tensors[f"layer{index}.ktail"], tensors[f"layer{index}.vtail"])
         else:
             store.write(slots, k, v)
     mx.eval(*kvstore.arrays())

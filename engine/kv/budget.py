@@ -65,10 +65,12 @@ def resolve_budget_bytes(kv_budget_bytes: int | None, kv_memory_fraction: float,
 
 def build_cost_model(budget_bytes: int, bytes_per_token: int, page_tokens: int,
                      fixed_bytes_per_request: int, max_num_seqs: int,
-                     token_limit: int) -> CostModel:
+                     token_limit: int, arena_bytes: int = 0) -> CostModel:
+    """`arena_bytes`: memory inside the budget allocated once for the replica (native tail
+    pools), never chargeable to requests."""
     return CostModel(budget_bytes=budget_bytes, bytes_per_token=bytes_per_token,
                      page_tokens=page_tokens, fixed_bytes_per_request=fixed_bytes_per_request,
-                     workspace=Workspace(), concurrency_ceiling=max_num_seqs,
+                     workspace=Workspace(fixed=arena_bytes), concurrency_ceiling=max_num_seqs,
                      token_limit=token_limit)
 
 

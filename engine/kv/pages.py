@@ -34,7 +34,7 @@ def is_power_of_two(n: int) -> bool:
 class PagePool:
     """Fixed set of page ids with refcounts and a FIFO free list."""
 
-    def __init__(self, num_pages: int, page_tokens: int):
+    def __init__(self, num_pages: int, page_tokens: int, on_free=None):
         if num_pages < 1:
             raise PageError(f"a page pool needs at least one page, got {num_pages}")
         if not is_power_of_two(page_tokens):
@@ -44,6 +44,9 @@ class PagePool:
         self._refs = [0] * num_pages
         # FIFO: a freed page is reused last, which later keeps cached prefixes alive longest.
         self._free: deque[int] = deque(range(num_pages))
+        # Called with the pages a `free` returned to the free list (the KV store drops state
+        # kept per page outside the pages themselves: native tails, engine/kv/tails.py).
+        self.on_free = on_free
 
     @property
     def num_free(self) -> int:
@@ -88,10 +91,14 @@ class PagePool:
             drops[p] = drops.get(p, 0) + 1
             if drops[p] > self._refs[p]:
                 raise PageError(f"double free of page {p} (refcount {self._refs[p]})")
+        gone = []
         for p in pages:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
+                gone.append(p)
+        if gone and self.on_free is not None:
+            self.on_free(gone)
 
     def check_consistent(self) -> None:
         """Free list and refcounts agree (used by tests and debug assertions)."""

@@ -195,6 +195,19 @@ class KVStore:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.layers.values())
 
+    @property
+    def tail_bytes_per_sequence(self) -> int:
+        """Native tail bytes one running sequence holds, summed over layers (0 unless the format
+        keeps a native tail page: capacity.formats.KVFormat.tail_bytes_per_request)."""
+        return sum(getattr(s, "tail_bytes_per_request", 0) for s in self.layers.values())
+
+    def release_pages(self, pages) -> None:
+        """Pages went back to the free list: a native tail they held is gone (PagePool.on_free)."""
+        maps = {id(m): m for s in self.layers.values()
+                if (m := getattr(s, "tails", None)) is not None}
+        for m in maps.values():
+            m.release(pages)
+
     def arrays(self) -> list[mx.array]:
         return [a for s in self.layers.values() for a in s.arrays()]
 

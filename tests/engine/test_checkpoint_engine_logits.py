@@ -18,7 +18,7 @@ from engine.request import GenerationRequest
 from engine.sampling.params import SamplingParams
 from tests.engine_helpers import PAGE_BYTES_LLAMA, prompt, run, tokens, wait_idle
 
-FORMATS = ("native", "int8", "k8v4", "int4")
+FORMATS = ("native", "int8", "k8v4", "int4", "int4-tail")
 N = 12        # tokens the reference request generates
 SAVE_AT = 4   # tokens the checkpointed request generates before it finishes and is saved
 MORE = 3      # tokens the restored request generates (each one's logits compared)

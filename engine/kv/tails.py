@@ -1,0 +1,101 @@
+"""Which pages are some sequence's partial last page, and which native tail slot holds each.
+
+Formats with a native tail (capacity.formats, int4-tail) keep the page a sequence is still filling
+in the model's dtype, in a pool of `slots` native pages per layer (one per running sequence). This
+is the bookkeeping every layer of one KVStore shares: no MLX, ids only.
+
+A write's rows decide the map once per step (`plan`): a page whose last offset was written is full
+and gives its slot back; a page written but not full keeps its slot or takes a free one. Attention
+in that step still reads the tails as they were before the step (`before`): a page that a step
+completes was partial when the step began, and its rows are read native, as the sequence's tail.
+Each layer writes the new native rows after its attention (engine.attention.packed_store), so a
+slot handed from a page that filled to a new page is never overwritten before it was read.
+Pages freed by the page pool give their slots back (`release`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from capacity.formats import KVFormatError
+
+
+class TailPlan:
+    """One step's tail bookkeeping, computed once and shared by every layer."""
+
+    def __init__(self, rows: np.ndarray | None, slots: np.ndarray | None):
+        self.rows = rows      # indices of the step's rows that land in a partial page
+        self.slots = slots    # their native slot, per row
+
+
+class TailMap:
+    """page id -> native tail slot, for the pages that are some sequence's partial last page."""
+
+    def __init__(self, slots: int, page_tokens: int):
+        if slots < 1:
+            raise KVFormatError("a native-tail format needs at least one tail slot (one per "
+                                "running sequence); got none")
+        self.num_slots = slots
+        self.page_tokens = page_tokens
+        self.slot_of: dict[int, int] = {}
+        self.before: dict[int, int] = {}
+        self._free = list(range(slots - 1, -1, -1))   # pop() hands out slot 0 first
+
+    @property
+    def used(self) -> int:
+        return len(self.slot_of)
+
+    def plan(self, page: np.ndarray, offset: np.ndarray) -> TailPlan:
+        """Update the map for a write of rows at (page, offset) and say where their native copies
+        go. Rows of pages the write fills (their last offset is among the rows) need none."""
+        self.before = dict(self.slot_of)
+        page, offset = np.asarray(page), np.asarray(offset)
+        if page.size == 0:
+            return TailPlan(None, None)
+        pages = np.unique(page)
+        full = {int(p) for p in pages
+                if (offset[page == p] == self.page_tokens - 1).any()}
+        for p in full:
+            s = self.slot_of.pop(p, None)
+            if s is not None:
+                self._free.append(s)
+        partial = [int(p) for p in pages if int(p) not in full]
+        for p in partial:
+            if p not in self.slot_of:
+                if not self._free:
+                    raise KVFormatError(
+                        f"native tail pool exhausted: {self.num_slots} slots, all held by "
+                        "partial pages (more running sequences than the pool was sized for)")
+                self.slot_of[p] = self._free.pop()
+        if not partial:
+            return TailPlan(None, None)
+        keep = np.flatnonzero(np.isin(page, partial))
+        return TailPlan(keep.astype(np.int32),
+                        np.array([self.slot_of[int(p)] for p in page[keep]], dtype=np.int32))
+
+    def claim(self, page: int) -> int:
+        """The slot of `page`, taking a free one if it has none (checkpoint restore)."""
+        if page not in self.slot_of:
+            if not self._free:
+                raise KVFormatError(f"native tail pool exhausted: {self.num_slots} slots")
+            self.slot_of[page] = self._free.pop()
+        return self.slot_of[page]
+
+    def release(self, pages) -> None:
+        """Pages returned to the free list: their tails (if any) are gone."""
+        for p in pages:
+            s = self.slot_of.pop(int(p), None)
+            if s is not None:
+                self._free.append(s)
+
+    def tails_before(self, pages_np: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """Per row, the slot holding its tail page when the step began (-1: none): the page at
+        position `start` of each row's table when `start` is not on a page boundary."""
+        t = self.page_tokens
+        out = np.full(len(starts), -1, dtype=np.int32)
+        for i, s in enumerate(starts):
+            if s % t:
+                page = int(pages_np[i, s // t])
+                if page not in self.before:
+                    raise KVFormatError(f"page {page} holds a partial tail with no native copy")
+                out[i] = self.before[page]
+        return out
