@@ -39,7 +39,7 @@ QUICK = {"nll_tokens": 2048, "retrieval_cases": 4, "probes": 8, "lengths": "512"
 # Retrieval cases are candidates (6 graded lookups per sequence), judged where native wins by
 # MIN_MARGIN_NATS (about 8 in 10 at 512): 240 leave ~190, enough for a 0-loss pass (-1.9 points).
 FULL_TEXT = {"nll_tokens": 16384, "retrieval_cases": 240, "probes": 200, "lengths": "512"}
-QUICK_TEXT = {"nll_tokens": 1024, "retrieval_cases": 12, "probes": 12, "lengths": "512"}
+QUICK_TEXT = {"nll_tokens": 1024, "retrieval_cases": 6, "probes": 12, "lengths": "512"}
 # Probe candidates per probe asked for: about 6 in 10 pass the margin rule (15 of 26 in the
 # --quick run; chat_repeat is the weak family).
 PROBE_ASK = 2.0

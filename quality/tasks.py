@@ -9,15 +9,20 @@ graded tokens' context from stored pages as decode does, the runner cuts a prefi
 every span start (quality.runs.graded_spans): the context before the answer is then all
 history (packed for packed formats), and only the answer's own tokens are fresh.
 
-- retrieval (no selection; native must score >= 90 % for the task to mean anything): a Python
-  dict of `facts` entries "word-word": "dddd" at the top of a file, held-out stdlib code as
-  filler up to the target length, then one `assert CODES["word-word"] == "` line per entry in a
-  shuffled order; graded: the 4 digits. Every query reaches back over the whole filler.
-- probes (kept when native solves them): a multi-turn ChatML conversation, one probe per user
-  turn, families: chat_passkey (a pass key between noise words, "What is the pass key?" ->
-  "The pass key is " + graded digits), chat_lookup ("the <thing> is <color>" facts, asked for
-  one -> "The <thing> is " + graded color), chat_repeat ("Repeat exactly: w1 w2 ..." -> graded
-  word list). Earlier turns stay in the conversation, so later probes read more history.
+- retrieval (native must score >= 90 % over every case for the task to mean anything;
+  RETRIEVAL_TASK): a Python dict of 8 entries "word-word": "dddd" at the top of a file,
+  held-out stdlib code as filler up to the target length, then the dict's lines again under
+  `BACKUP = {` in a shuffled order, the first 2 given whole (they show the task), the other 6
+  ending at `    "word-word": "` with the 4 digits graded. Every lookup reaches back over the
+  whole filler. (The older `assert CODES["k"] == "` form is kept as style "assert".)
+- probes: a multi-turn ChatML conversation, one probe per user turn, families: chat_passkey (a
+  pass key between noise words, "What is the pass key?" -> "The pass key is " + graded digits),
+  chat_lookup ("the <thing> is <color>" facts, asked for one -> "The <thing> is " + graded
+  color), chat_repeat ("Repeat exactly: w1 w2 ..." -> graded word list). Earlier turns stay in
+  the conversation, so later probes read more history.
+
+Both are judged only on cases native answers by a margin (quality.verdicts.MIN_MARGIN_NATS,
+quality.gate.select_by_margin): near-ties that any rounding flips do not decide a format.
 """
 from __future__ import annotations
 
@@ -32,8 +37,10 @@ RETRIEVAL_SEED = 4243
 # does), the rest graded. Measured on native SmolLM2-135M FP32 at 512 tokens, 2026-12-01: the
 # earlier `assert CODES["k"] == "` queries scored 81 % (rank 1 of 8 queries: 12 %, later
 # ranks 75-100 %: the model missed what the first query asked, not where the value was); 4
-# entries, 3 or 2 digits, or word values did no better (71-75 %); copying lines with 2 given:
-# 92.5 % of 120. Only 512 is judged: the model itself fails past ~1K tokens.
+# entries, 3 or 2 digits, or word values did no better (71-75 % of 48 each); a ChatML
+# "What is the code for k?" conversation with 2 turns given: 77 % of 60; copying the dict's
+# lines with 2 given: 92.5 % of 120 (pilots: the gate's graded_spans, native only). Only 512
+# is judged: the model itself fails past ~1K tokens.
 RETRIEVAL_TASK = {"facts": 8, "digits": 4, "style": "copy", "demos": 2}
 PROBE_SEED = 31338
 SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
