@@ -5,8 +5,9 @@ from its paired bootstrap interval (rule in quality.stats).
 """
 from __future__ import annotations
 
-from quality.stats import (Interval, accuracy_delta_interval, combine, ratio_interval,
-                           relative_delta_interval, verdict_at_most, verdict_within_points)
+from quality.stats import (INCONCLUSIVE, PASS, Interval, accuracy_delta_interval, combine,
+                           ratio_interval, relative_delta_interval, verdict_at_most,
+                           verdict_within_points)
 
 # Declared before any run. NLL delta in percent of native mean NLL; KL in nats/token;
 # accuracy margins in points (format minus native).
@@ -77,9 +78,14 @@ def verdicts(result: dict) -> dict:
                            "ci95": [iv.low, iv.high], "verdict": verdict_at_most(iv, margin)})
         for length, cell in result["retrieval"].get(fmt, {}).get("by_length", {}).items():
             iv = _iv(cell["delta_points"])
+            verdict = verdict_within_points(iv, RETRIEVAL_POINTS)
+            # A task native is bad at cannot clear a format (issue 17): no pass below the bar.
+            if (verdict == PASS and "native_accuracy_all" in cell
+                    and cell["native_accuracy_all"] < RETRIEVAL_NATIVE_MIN):
+                verdict = INCONCLUSIVE
             checks.append({"check": f"retrieval@{length} within {RETRIEVAL_POINTS:g} points",
                            "estimate": iv.estimate, "ci95": [iv.low, iv.high],
-                           "verdict": verdict_within_points(iv, RETRIEVAL_POINTS)})
+                           "verdict": verdict})
         probes = result["probes"].get("by_format", {}).get(fmt)
         if probes:
             iv = _iv(probes["delta_points"])

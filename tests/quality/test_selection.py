@@ -168,3 +168,17 @@ def test_text_presets_have_cases_for_a_decision():
     assert a.suite == "text" and a.lengths == [512]
     # a 0-loss pass needs ~185 judged cases; about 8 in 10 candidates pass the margin rule
     assert a.retrieval_cases * 0.75 >= 180 and a.probes >= 185
+
+
+def test_a_retrieval_task_native_is_bad_at_cannot_pass_a_format():
+    from quality.verdicts import verdicts
+    cell = {"accuracy": 1.0, "native_accuracy": 1.0, "cases": 300,
+            "delta_points": {"estimate": 0.0, "ci95": [-1.2, 1.2]}, "native_accuracy_all": 0.95}
+    result = {"formats": ["int8"], "nll": {}, "probes": {},
+              "retrieval": {"int8": {"by_length": {"512": cell}}}}
+    assert verdicts(result)["int8"]["checks"][0]["verdict"] == "pass"
+    cell["native_accuracy_all"] = RETRIEVAL_NATIVE_MIN - 0.01
+    assert verdicts(result)["int8"]["checks"][0]["verdict"] == "inconclusive"
+    # a clear loss still fails
+    cell["delta_points"] = {"estimate": -10.0, "ci95": [-14.0, -6.0]}
+    assert verdicts(result)["int8"]["checks"][0]["verdict"] == "fail"
