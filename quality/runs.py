@@ -37,6 +37,9 @@ FORMATS = ("native", "int8", "k8v4", "int4", "int4-norot", "int4-sink", "int4-ta
            "int4-k32-tail")
 PAGE_TOKENS = 64
 REF = "__reference__"
+# graded_spans' per-span margin of the reference run: min over the span's positions of the forced
+# token's log-prob minus the best other token's (negative where the reference gets it wrong).
+REF_MARGIN = "__reference_margin__"
 
 
 # ------------------------------------------------------------------ attention adapters
@@ -222,14 +225,27 @@ def _cuts(seq, chunk: int) -> list[tuple[int, int]]:
     return [(s, e) for s, e in zip(bounds, bounds[1:]) if e > s]
 
 
+def forced_margin(logits: mx.array, targets: mx.array) -> mx.array:
+    """Per position: log p(target) - max over other tokens of log p (= the logit gap, since both
+    share one normalizer). Positive exactly where the target is the unique argmax."""
+    vocab = mx.arange(logits.shape[-1])
+    x = logits.astype(mx.float32)
+    forced = mx.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+    other = mx.max(mx.where(vocab == targets[..., None], -mx.inf, x), axis=-1)
+    return forced - other
+
+
 def graded_spans(loaded, seqs, formats, chunk: int, batch: int, log=None,
                  reference: str = "native", make=None) -> dict[str, np.ndarray]:
     """1/0 per graded span (in sequence order) for `reference` (key "__reference__", its own
     store) and each format: argmax at every position of the span equals the forced token
-    (quality.tasks: the same as greedy decoding reproducing it)."""
+    (quality.tasks: the same as greedy decoding reproducing it). Key "__reference_margin__":
+    the reference's margin per span (forced_margin, minimum over the span's positions), which
+    selects the cases a format is judged on (quality.verdicts.PROBE_MIN_MARGIN)."""
     make = make or make_runner
     names = [REF, *formats]
     ok = {f: [] for f in names}
+    margins: list[float] = []
     t0 = time.time()
     for b0 in range(0, len(seqs), batch):
         group = seqs[b0:b0 + batch]
@@ -238,13 +254,28 @@ def graded_spans(loaded, seqs, formats, chunk: int, batch: int, log=None,
                    **{f: make(loaded, f, num_pages) for f in formats}}
         plans = [_cuts(s, chunk) for s in group]
         right = {f: [np.zeros(len(s.tokens), bool) for s in group] for f in names}
+        gap = [np.full(len(s.tokens), -np.inf, np.float32) for s in group]
         for k in range(max(len(p) for p in plans)):
             rows = [i for i, p in enumerate(plans) if k < len(p)]
             chunks = [SeqChunk(i, group[i].tokens[plans[i][k][0]:plans[i][k][1]], plans[i][k][0],
                                tables[i]) for i in rows]
             for f, r in runners.items():
-                preds = [mx.argmax(x, axis=-1) for x in r.forward_all(chunks)]
-                mx.eval(preds)
+                logits = r.forward_all(chunks)
+                preds = [mx.argmax(x, axis=-1) for x in logits]
+                if f == REF:   # the forced token's margin, read where a span predicts
+                    tgts = []
+                    for i in rows:
+                        s, e = plans[i][k]
+                        t = group[i].tokens[s + 1:e + 1]
+                        tgts.append(mx.array(t + [0] * (e - s - len(t)), dtype=mx.int32))
+                    gaps = [forced_margin(x, t) for x, t in zip(logits, tgts)]
+                    mx.eval(preds, gaps)
+                    for i, g in zip(rows, gaps):
+                        s, e = plans[i][k]
+                        n_t = min(e, len(group[i].tokens) - 1) - s
+                        gap[i][s:s + n_t] = np.array(g)[:n_t]
+                else:
+                    mx.eval(preds)
                 for i, p in zip(rows, preds):
                     s, e = plans[i][k]
                     toks = np.asarray(group[i].tokens)
@@ -253,8 +284,11 @@ def graded_spans(loaded, seqs, formats, chunk: int, batch: int, log=None,
         for f in names:
             for i, s in enumerate(group):
                 ok[f] += [int(right[f][i][a - 1:b - 1].all()) for a, b in s.spans]
+        for i, s in enumerate(group):
+            margins += [float(gap[i][a - 1:b - 1].min()) for a, b in s.spans]
         del runners
         if log:
             log(f"  graded: {min(b0 + batch, len(seqs))}/{len(seqs)} sequences, "
                 f"{time.time() - t0:.0f}s")
-    return {f: np.asarray(v, np.int8) for f, v in ok.items()}
+    return {**{f: np.asarray(v, np.int8) for f, v in ok.items()},
+            REF_MARGIN: np.asarray(margins, np.float32)}
