@@ -13,7 +13,6 @@ top 60), written to FILE.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import cProfile
 import io
 import json
@@ -24,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.engine import Window, mlx_decode
+from bench.engine import engine_decode, mlx_decode
 from bench.output import emit
 
 SHAPE = dict(hidden_size=72, num_hidden_layers=30, intermediate_size=128,
@@ -48,20 +47,7 @@ def parse_args(argv=None):
 
 def engine_steps(eng, prompts, n: int, rid: str) -> tuple[float, float]:
     """ms per decode step (wall, process CPU) over the window where every row decodes."""
-    from engine.request import GenerationRequest
-    from engine.sampling.params import SamplingParams
-
-    w = Window(len(prompts))
-
-    async def row(i, p):
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        async for d in eng.generate(GenerationRequest(f"{rid}-{i}", p, params)):
-            w.add(i, len(d.token_ids))
-
-    async def go():
-        await asyncio.gather(*(row(i, p) for i, p in enumerate(prompts)))
-    asyncio.run(go())
-    wall, cpu = w.rate()
+    wall, cpu = engine_decode(eng, prompts, n, rid)   # tokens/s of all rows together
     return 1000 * len(prompts) / wall, 1000 * len(prompts) / cpu
 
 

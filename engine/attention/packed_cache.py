@@ -128,16 +128,19 @@ class _StepContext:
             sink_pos = (np.arange(n_pages)[:, None] * t + np.arange(rows)[None, :]).reshape(-1)
             sink = np.broadcast_to((sink_pos[None, :] < starts[:, None])[:, None, :],
                                    (len(starts), width, len(sink_pos)))
-            new = self.new_mask
-            if new is None:
-                fresh = np.ones((len(starts), width, width), bool)
-            elif isinstance(new, str):
-                fresh = np.broadcast_to(np.tri(width, dtype=bool), (len(starts), width, width))
-            else:
-                fresh = np.array(new)[:, 0]
+            fresh = self._fresh_mask(len(starts), width)
             both = np.concatenate([sink, fresh], axis=-1)
             self._sink_masks[rows] = (mx.array(hist)[:, None, None, :], mx.array(both)[:, None])
         return self._sink_masks[rows]
+
+    def _fresh_mask(self, rows: int, width: int) -> np.ndarray:
+        """[rows, width, width]: which of the step's own fresh keys each query position sees."""
+        new = self.new_mask
+        if new is None:
+            return np.ones((rows, width, width), bool)
+        if isinstance(new, str):   # causal
+            return np.broadcast_to(np.tri(width, dtype=bool), (rows, width, width))
+        return np.array(new)[:, 0]
 
     def tail_slots(self, tails) -> np.ndarray:
         """Per row, the native tail slot its partial last page had when the step began."""
@@ -156,13 +159,7 @@ class _StepContext:
             hist = np.arange(self.span)[None, :] < full[:, None]
             tail = np.arange(t)[None, :] < (starts - full)[:, None]
             tail = np.broadcast_to(tail[:, None, :], (len(starts), width, t))
-            new = self.new_mask
-            if new is None:
-                fresh = np.ones((len(starts), width, width), bool)
-            elif isinstance(new, str):
-                fresh = np.broadcast_to(np.tri(width, dtype=bool), (len(starts), width, width))
-            else:
-                fresh = np.array(new)[:, 0]
+            fresh = self._fresh_mask(len(starts), width)
             both = np.concatenate([tail, fresh], axis=-1)
             self._sink_masks["tail"] = (mx.array(hist)[:, None, None, :], mx.array(both)[:, None])
         return self._sink_masks["tail"]
