@@ -302,7 +302,11 @@ def run(args) -> dict:
     if args.page_tokens:
         cfg["page_tokens"] = args.page_tokens
     eng = Engine(EngineConfig(**cfg))
-    result = {"model": (model_dir if args.model else
+    # A model under the working directory is recorded by its relative path (no machine paths
+    # in recorded results).
+    relative = os.path.relpath(model_dir) if args.model else ""
+    shown = model_dir if relative.startswith("..") else relative
+    result = {"model": (shown if args.model else
                         {"random_weights_shaped_like": Path(args.shaped_like).name}
                         if args.shaped_like else {"synthetic_llama": SYNTHETIC}),
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),

@@ -13,6 +13,7 @@ keeps those native answers correctly (see `quality.runs.select_probes`).
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +52,10 @@ def load_heldout(tokenizer, data_dir: str | Path | None) -> HeldOut:
         ids.append(EOS)
     pieces = {k: enc(v) for k, v in PIECES.items()}
     pieces["digits"] = [enc(str(i))[0] for i in range(10)]
-    import sysconfig
+    # Named by version, not path: results are recorded in docs/ and must not carry machine paths.
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
     return HeldOut(np.asarray(ids, np.int64), pieces,
-                   f"rebuilt from {sysconfig.get_paths()['stdlib']} ({len(files)} held-out files)")
+                   f"rebuilt from the Python {version} stdlib ({len(files)} held-out files)")
 
 
 def windows(stream: np.ndarray, count: int, length: int) -> list[np.ndarray]:
