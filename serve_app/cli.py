@@ -111,6 +111,7 @@ BENCHES = {
     "capacity": "bench.capacity",          # capacity actor round trips, memory per identity
     "serve": "loadtest.bench_serve",       # Orchard vs mlx_lm.server, rate sweeps
     "serve-path": "bench.serve_path",      # TTFT overhead of the HTTP/Serve path
+    "decode-host": "bench.decode_host",    # host milliseconds per decode step, engine vs mlx-lm
     "memory": "loadtest.bench_memory",     # Orchard vs mlx_lm.server under one memory limit
 }
 
