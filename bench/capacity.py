@@ -172,7 +172,7 @@ async def _actor_bench(args) -> dict:
 
 
 async def _transport_bench(args, ns: str, name: str, actor, transport: str, seqs: list) -> dict:
-    from capacity.transport.client import CapacityClient
+    from serve_app.capacity_client import CapacityClient
 
     client = CapacityClient(namespace=ns, name=name, snapshot_path="", call_timeout_s=30,
                             max_inflight=args.max_inflight,

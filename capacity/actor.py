@@ -1,6 +1,6 @@
-"""The capacity actor (with capacity/transport/client.py, the only Ray code in capacity/).
+"""The capacity actor (the only Ray code in capacity/).
 
-Clients reach it through CapacityClient (capacity/transport/client.py). The actor is named,
+Clients reach it through CapacityClient (serve_app/capacity_client.py). The actor is named,
 detached, async, `num_cpus=0` (it never blocks scheduling) and restartable
 (`max_restarts=-1`; `max_task_retries=-1` makes calls at-least-once, which is why every method is
 idempotent by request id or heartbeat sequence). It persists rate histories to a JSON snapshot file

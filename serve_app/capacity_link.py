@@ -16,7 +16,7 @@ from capacity.errors import ProtocolError
 
 if TYPE_CHECKING:
     from capacity.protocol import HeartbeatReport
-    from capacity.transport.client import CapacityClient
+    from serve_app.capacity_client import CapacityClient
     from serve_app.config import CapacitySettings
 
 log = logging.getLogger("orchard.capacity_link")
@@ -40,7 +40,7 @@ class ReplicaReporter(Protocol):
 
 def make_client(settings: "CapacitySettings") -> "CapacityClient":
     """A CapacityClient for these settings; it creates the actor the same way if it is gone."""
-    from capacity.transport.client import CapacityClient
+    from serve_app.capacity_client import CapacityClient
 
     return CapacityClient(namespace=settings.namespace, snapshot_path=settings.snapshot_path,
                           config=settings.actor_config(),

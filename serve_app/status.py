@@ -32,7 +32,7 @@ def print_status(app_name: str, namespace: str) -> int:
 
 def _snapshot(namespace: str) -> dict | None:
     try:
-        from capacity.transport.client import CapacityClient
+        from serve_app.capacity_client import CapacityClient
 
         return asyncio.run(CapacityClient(namespace=namespace, create=False).snapshot())
     except Exception:  # noqa: BLE001 - status must still print Serve's view

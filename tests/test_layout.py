@@ -1,5 +1,6 @@
-"""The house rules of issue 16, checked on the source: the product never imports tooling, no
-package has a module-level import cycle, no module is over 400 lines. Pure Python (ast)."""
+"""The house rules of issue 16, checked on the source: the product never imports tooling, Ray
+stays out of capacity/ (but its actor) and engine/, no package has a module-level import cycle,
+no module is over 400 lines. Pure Python (ast)."""
 from __future__ import annotations
 
 import ast
@@ -86,6 +87,14 @@ def test_no_import_cycles(package):
         if n not in state:
             visit(n, [n])
     assert not cycles, cycles
+
+
+@pytest.mark.parametrize("package,allowed", [("capacity", {"capacity.actor"}), ("engine", set())])
+def test_ray_stays_out_of_the_pure_layers(package, allowed):
+    """capacity/ is pure (its one Ray actor aside); engine/ never imports Ray (DESIGN layers)."""
+    bad = [f"{name} imports {imp}" for name, path in _modules(package).items() if name not in allowed
+           for imp in _imports(name, path, top_level_only=False) if imp.split(".")[0] == "ray"]
+    assert not bad, bad
 
 
 def test_no_module_over_400_lines():

@@ -1,6 +1,6 @@
 """The client side of the direct transport: one connection per event loop, found in the background.
 
-CapacityClient (capacity/transport/client.py) sends a batch here when `conn()` has a live
+CapacityClient (serve_app/capacity_client.py) sends a batch here when `conn()` has a live
 connection and through Ray otherwise. This file owns the state that decision needs: where the
 actor listens (asked through a `discover` coroutine, so no Ray here), the connection of each loop
 (asyncio streams are bound to the loop that opened them; a Serve router and a replica may share

@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from capacity.transport.client import CapacityClient
+from serve_app.capacity_client import CapacityClient
 
 
 class StubClient(CapacityClient):

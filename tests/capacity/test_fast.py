@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from capacity.actor import get_or_create_actor
-from capacity.transport.client import CapacityClient
+from serve_app.capacity_client import CapacityClient
 from capacity.transport.fast_link import FastLink
 from capacity.transport.fastpath import FastConnection, FastFailed, encode
 

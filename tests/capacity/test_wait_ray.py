@@ -7,7 +7,7 @@ import uuid
 import pytest
 
 from capacity.actor import get_or_create_actor
-from capacity.transport.client import CapacityClient
+from serve_app.capacity_client import CapacityClient
 from capacity.errors import CapacityRefused
 
 NS = "orchard-test"
