@@ -69,6 +69,11 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=0,
                    help="unrecorded runs of each side per point before the repeats (a GPU's "
                         "kernels compile on first use: without one, repeat 1 pays for it)")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="engine side: separate q/k/v and gate/up matmuls (production fuses them)")
+    p.add_argument("--ref-fused", action="store_true",
+                   help="mlx-lm side: fuse its projections the engine's way too (a factor "
+                        "analysis; mlx-lm as users run it is unfused, the default)")
     p.add_argument("--no-openblas-check", action="store_true", help="skip the matmul A/B")
     p.add_argument("--out", help="write the JSON here as well as to stdout")
     return p.parse_args(argv)
@@ -288,6 +293,9 @@ def run(args) -> dict:
     lengths = [int(x) for x in args.prefill.split(",") if x]
     batches = [int(x) for x in args.batches.split(",") if x]
     model, tokenizer = load(model_dir)
+    if args.ref_fused:
+        from engine.model.fuse import fuse_projections
+        fuse_projections(model)
     tokenizer.eos_token_ids = []   # both sides ignore EOS so every row runs its full length
     vocab = min(len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 256, 256)
     rng = random.Random(0)
@@ -298,7 +306,7 @@ def run(args) -> dict:
     max_seqs = max(batches)
     longest = max([*lengths, args.decode_prompt + args.decode_tokens])
     cfg = dict(model=model_dir, max_num_seqs=max_seqs, max_step_tokens=2048,
-               max_model_len=longest + 16)
+               max_model_len=longest + 16, fuse_projections=not args.no_fuse)
     if args.page_tokens:
         cfg["page_tokens"] = args.page_tokens
     eng = Engine(EngineConfig(**cfg))
@@ -316,6 +324,8 @@ def run(args) -> dict:
               "engine": {"page_tokens": eng.stats().page_tokens,
                          "kv_bytes_preallocated": eng.stats().kv_bytes_total,
                          "format_identity": eng.format_identity},
+              "engine_fused_projections": not args.no_fuse,
+              "mlx_lm_fused_projections": args.ref_fused,
               "warmup_runs": args.warmup,
               "resident_mb": round(mx.get_active_memory() / 2**20, 1),
               "prefill": [], "decode": []}

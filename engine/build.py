@@ -79,7 +79,8 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
 
     # Policy before any weights are read: an unknown value refuses the load (no fallback).
     kv_format = resolve_kv_format(cfg.model, cfg.kv_format, cfg.kv_format_overrides)
-    loaded = load_model(cfg.model, dtype=cfg.dtype, allow_hub=cfg.allow_hub)
+    loaded = load_model(cfg.model, dtype=cfg.dtype, allow_hub=cfg.allow_hub,
+                        fuse=cfg.fuse_projections)
     check_supported_layers(loaded)   # before any KV memory is sized or allocated
     permits = WorkspacePermits(hooks.emit)
     factory, make_runner = store_for(kv_format, cfg, permits.permit, kernels)

@@ -39,6 +39,8 @@ class EngineConfig(BaseModel):
                                       "per request; None = the model's position limit")
     max_waiting: int = Field(1024, description="waiting-queue bound; beyond it -> overloaded")
     allow_hub: bool = Field(False, description="allow downloading `model` from the hub")
+    fuse_projections: bool = Field(True, description="one matmul for q/k/v and one for gate/up "
+                                   "(engine/model/fuse.py): fewer kernel launches per step")
     tenant: str = Field("default", description="label carried in stats and telemetry")
     rate_ewma_alpha: float = Field(0.2, description="smoothing of measured prefill/decode rates "
                                    "used for first-token deadline forecasts")

@@ -193,8 +193,11 @@ def _find_head_split(model: nn.Module, probe: mx.array, make_cache) -> tuple[Any
 
 
 def load_model(path_or_hub_id: str, dtype: str | mx.Dtype | None = None,
-               allow_hub: bool = False) -> LoadedModel:
-    """Load an mlx-lm model directory (or hub id when allowed) in the chosen compute dtype."""
+               allow_hub: bool = False, fuse: bool = False) -> LoadedModel:
+    """Load an mlx-lm model directory (or hub id when allowed) in the chosen compute dtype.
+
+    `fuse`: q/k/v and gate/up projections run as one matmul each (engine/model/fuse.py); done
+    after the cast and before the probe, so the probe runs the model as it will be served."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
@@ -206,6 +209,9 @@ def load_model(path_or_hub_id: str, dtype: str | mx.Dtype | None = None,
     compute = resolve_dtype(dtype)
     # Only floating parameters change; quantized weights keep their packed ints.
     model.set_dtype(compute, lambda d: mx.issubdtype(d, mx.floating))
+    if fuse:
+        from engine.model.fuse import fuse_projections
+        fuse_projections(model)
     mx.eval(model.parameters())
 
     probe = mx.array([[0, 1]], dtype=mx.int32)
