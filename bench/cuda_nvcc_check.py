@@ -40,8 +40,37 @@ def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]
             + "\n}\n}  // namespace mlx::core::cu\n")
 
 
+def decode_variants():
+    """The packed decode kernels: v1 (cuda/packed_decode.py) and the tiled v2
+    (cuda/packed_decode_v2_source.py), every format, head dim, GQA group and split mode."""
+    from engine.attention.cuda import packed_decode as v1
+    from engine.attention.cuda import packed_decode_v2_source as v2
+    from engine.attention.cuda.paged_decode import HEADER
+    packed = [("kc", "uint32"), ("ks", "float32"), ("ko", "float32"),
+              ("vc", "uint32"), ("vs", "float32"), ("vo", "float32"),
+              ("pages", "int32"), ("ends", "int32"), ("dims", "int32"), ("scale", "float32")]
+    fresh = [("q", "bfloat16"), ("kf", "bfloat16"), ("vf", "bfloat16")]
+    outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
+    for d in (64, 128):
+        for g in (1, 3, 4, 7, 8):
+            for kb in (4, 8):
+                for split in (False, True):
+                    template = [("D", d), ("G", g), ("PT", 16), ("KB", kb), ("TQ", "bfloat16"),
+                                ("TK", "bfloat16"), ("SPLIT", split), ("TO", "bfloat16")]
+                    tag = f"d{d} g{g} k{kb}v{kb} split={split}"
+                    yield f"decode-v2 {tag}", wrap(
+                        "orchard_packed_decode_v2", fresh + packed + [("signs", "float32")],
+                        outputs, v2._SOURCE, v2._HEADER, template)
+                    if g in (3, 4):
+                        yield f"decode-v1 {tag}", wrap(
+                            "orchard_packed_decode",
+                            [fresh[0], ("qr", "float32"), *fresh[1:], *packed], outputs,
+                            v1._SOURCE, HEADER, template)
+
+
 def variants():
     """(label, wrapped source) for every kernel variant the engine launches."""
+    yield from decode_variants()
     from engine.attention.cuda import packed_prefill as pf
     from engine.attention.cuda import packed_prefill_source as pf_source
     inputs = [("q", "bfloat16"), ("kf", "bfloat16"), ("vf", "bfloat16"),
