@@ -12,18 +12,8 @@ import mlx.core as mx
 
 from engine.attention.cuda.paged_decode import HEADER
 
-_HEADER = HEADER + """
-// A packed code c as the float 1 + c / 2^KB: the code goes into the top KB mantissa bits of 1.0f
-// (one shift and one LOP3; no int-to-float conversion, no subtraction). Any bits give a finite
-// value, so stale shared memory past a tile's last key can never make a NaN. The kernel
-// corrects for the 1 with sum(q) terms it already needs for the group offsets.
-template <int KB>
-__device__ __forceinline__ float code1(unsigned int w, int i) {
-  constexpr int TOP = 23 - KB;
-  const int sh = i * KB;
-  const unsigned int x = sh <= TOP ? (w << (TOP - sh)) : (w >> (sh - TOP));
-  return __uint_as_float((x & (((1u << KB) - 1u) << TOP)) | 0x3f800000u);
-}
+# The asynchronous-copy helpers (inline PTX); bench/cuda_emulate.py swaps in CPU twins.
+_ASYNC = """
 __device__ __forceinline__ unsigned int smem_u32(const void* p) {
   unsigned int s;
   asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
@@ -44,6 +34,20 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src) {
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_wait_all() {
   asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+"""
+
+_HELPERS = """
+// A packed code c as the float 1 + c / 2^KB: the code goes into the top KB mantissa bits of 1.0f
+// (one shift and one LOP3; no int-to-float conversion, no subtraction). Any bits give a finite
+// value, so stale shared memory past a tile's last key can never make a NaN. The kernel
+// corrects for the 1 with sum(q) terms it already needs for the group offsets.
+template <int KB>
+__device__ __forceinline__ float code1(unsigned int w, int i) {
+  constexpr int TOP = 23 - KB;
+  const int sh = i * KB;
+  const unsigned int x = sh <= TOP ? (w << (TOP - sh)) : (w >> (sh - TOP));
+  return __uint_as_float((x & (((1u << KB) - 1u) << TOP)) | 0x3f800000u);
 }
 // N consecutive 32-bit words from shared memory in the widest aligned loads.
 template <int N>
@@ -76,6 +80,8 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 """
+
+_HEADER = HEADER + _ASYNC + _HELPERS
 
 _SOURCE = """
 constexpr int NT = 128, NW = 4;              // launch_split's block: 4 warps
