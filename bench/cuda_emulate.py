@@ -254,6 +254,7 @@ def packed_decode_v2(q, k_new, v_new, k_hist, v_hist, bits, tables, ends, scale,
     splits, the merge kernel (cuda/paged_decode.py), run here; packed_case's kernel signature.
     Returns [B, Hq, 1, D] float32 (from the bf16 output)."""
     from engine.attention.cuda import packed_decode_v2_source as v2
+    from engine.attention.cuda import tile_helpers
     from engine.attention.cuda import paged_decode as pd
     from engine.attention.cuda.packed_decode_v2 import _signs
     workdir = workdir or Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
@@ -276,7 +277,7 @@ def packed_decode_v2(q, k_new, v_new, k_hist, v_hist, bits, tables, ends, scale,
                 ("TO", "bfloat16")]
     outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
     out, part, ml = run("orchard_packed_decode_v2", inputs, outputs, v2._SOURCE,
-                        v2._HELPERS, template, arrays,
+                        tile_helpers.HELPERS, template, arrays,
                         [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits),
                         pd.THREADS, workdir)
     if splits == 1:
