@@ -25,6 +25,7 @@ import numpy as np
 from capacity.formats import KVFormat
 from bench.output import emit
 from engine.attention.cuda import packed_decode as cuda_packed_decode
+from engine.attention.cuda import packed_decode_v2 as cuda_packed_decode_v2
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 from engine.attention.cuda import packed_write as cuda_packed_write
 from engine.attention.cuda import paged_decode as cuda_paged_decode
@@ -167,7 +168,9 @@ def packed_case(rng, fmt_name, rows, hq, kvh, d, longest, page_tokens=16,
     name = "packed" if version == "v1" else f"packed-{version}"
     return {"kernel": f"{name}-{fmt_name}", "rows": rows, "hq": hq, "kvh": kvh, "head_dim": d,
             "page_tokens": page_tokens, "longest": int(ends.max()),
-            "splits": cuda_paged_decode.split_count(rows, kvh, int(ends.max()), target_blocks),
+            "splits": cuda_paged_decode.split_count(
+                rows, kvh, int(ends.max()),
+                target_blocks or (cuda_packed_decode_v2.TARGET_BLOCKS if version == "v2" else None)),
             "max_abs_err": round(err, 5), "ok": bool(err < TOLERANCE)}
 
 

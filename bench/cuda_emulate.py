@@ -256,12 +256,12 @@ def packed_decode_v2(q, k_new, v_new, k_hist, v_hist, bits, tables, ends, scale,
     from engine.attention.cuda import packed_decode_v2_source as v2
     from engine.attention.cuda import tile_helpers
     from engine.attention.cuda import paged_decode as pd
-    from engine.attention.cuda.packed_decode_v2 import _signs
+    from engine.attention.cuda.packed_decode_v2 import TARGET_BLOCKS, _signs
     workdir = workdir or Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
     rows, hq, _, d = q.shape
     kvh = k_new.shape[1]
     tables, ends = np.asarray(tables, np.int32), np.asarray(ends, np.int32)
-    splits = pd.split_count(rows, kvh, int(ends.max()), target_blocks)
+    splits = pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS)
     parts = rows * hq * (splits if splits > 1 else 1)
     packed = [("kc", "uint32"), ("ks", "float32"), ("ko", "float32"), ("vc", "uint32"),
               ("vs", "float32"), ("vo", "float32")]
@@ -302,6 +302,7 @@ CASES = [(f, *c) for f in ("int8", "int4") for c in (
 
 def main(argv=None) -> int:
     from bench import cuda_check
+    from engine.attention.cuda import packed_decode_v2 as v2_host
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=len(CASES), help="run the first N cases")
     args = ap.parse_args(argv)
@@ -316,7 +317,8 @@ def main(argv=None) -> int:
             return packed_decode_v2(*a, target_blocks=target, workdir=work)
         case = cuda_check.packed_case(rng, fmt, rows, hq, kvh, d, longest, page_tokens=pt,
                                       kernel=kernel)
-        case["splits"] = cuda_check.cuda_paged_decode.split_count(rows, kvh, longest, target)
+        case["splits"] = cuda_check.cuda_paged_decode.split_count(
+            rows, kvh, longest, target or v2_host.TARGET_BLOCKS)
         print(("ok  " if case["ok"] else "FAIL"), case, flush=True)
         failed += not case["ok"]
     shutil.rmtree(work)

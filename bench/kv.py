@@ -36,6 +36,7 @@ import numpy as np
 from capacity.formats import FORMAT_BITS, KVFormat
 from capacity.pricing import CostModel
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
+from engine.attention.cuda import packed_decode_v2 as cuda_packed_decode_v2
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 from engine.attention.cuda import packed_write as cuda_packed_write
 from engine.attention.cuda import paged_decode as cuda_paged_decode
@@ -300,6 +301,8 @@ def main(argv=None):
                                          and cuda_paged_decode.available()),
                       "split_target": (kernels.decode_split_target
                                        or cuda_paged_decode.TARGET_BLOCKS),
+                      "v2_split_target": (kernels.decode_split_target
+                                          or cuda_packed_decode_v2.TARGET_BLOCKS),
                       "write_kernel": (kernels.write_kernel
                                        and cuda_packed_write.usable(8, 8, 128)),
                       "prefill_kernel": (kernels.prefill_kernel

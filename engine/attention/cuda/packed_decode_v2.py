@@ -53,6 +53,15 @@ from engine.kv.rotation import rotation_signs
 HEAD_DIMS = (64, 128)
 BITS = (4, 8)
 MAX_GROUP = 8   # G accumulators per thread and shared-memory state: the source asserts it
+# Split plan target (blocks per layer) when KernelChoices.decode_split_target is unset. Not
+# measured yet. v1's 528 would give 32K batch 8 (32 row-heads x 17 splits) 544 blocks, and
+# ptxas puts this kernel at 128 registers x 128 threads for int4 head dim 128: 4 blocks per
+# SM, 528 resident on 132 SMs, so the last 16 blocks would run as a second wave. 2112 aims
+# at ~4 waves there (64 splits of 512 keys: 2048 blocks); a block's partial is G x D floats,
+# so extra splits cost little (the merge reads 4 MiB per layer at 32K batch 8). Short rows
+# and batch 1 are bounded by MIN_KEYS_PER_SPLIT and MAX_SPLITS as in v1 (4K batch 1: 16
+# splits, 64 blocks). `bench.kv --split-target N` overrides it for both kernels.
+TARGET_BLOCKS = 2112
 
 
 def key_tile(bits: int) -> int:
@@ -83,7 +92,7 @@ def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, k_his
         raise ValueError(f"packed decode v2: unsupported bits {bits}, head dim {d} or heads "
                          f"{hq}/{kvh}")
     page_tokens = k_hist[0].shape[1]
-    splits = split_count(b, kvh, longest, target_blocks)
+    splits = split_count(b, kvh, longest, target_blocks or TARGET_BLOCKS)
     return launch_split(
         _kernel(), [q, k_new, v_new, *k_hist, *v_hist, pages, ends,
                     _dims(hq, kvh, pages.shape[1]), _scale(float(scale)), _signs(d)],
