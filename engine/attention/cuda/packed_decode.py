@@ -21,6 +21,9 @@ the head's GQA query heads.
 
 Formats: equal key and value bits (int8, int4), head dim 64 or 128; others (k8v4) keep the
 direct path. Checked only on the H200 (docs/lab/benchmarks-gpu.md); never run on Metal.
+A tiled second version (cuda/packed_decode_v2.py: scores per tile of keys, one softmax step
+per tile, PV with lanes over channels, cp.async prefetch) is taken with `version="v2"`
+(KernelChoices.packed_decode); not yet run on hardware, so this one stays the default.
 """
 from __future__ import annotations
 
