@@ -145,3 +145,33 @@ def test_v2_kernel_source_runs_on_cpu_fibers(tmp_path):
         case = cuda_check.packed_case(rng, fmt, rows, hq, kvh, d, longest, kernel=kernel)
         assert case["ok"] and case["max_abs_err"] < 0.01, case
     assert cuda_paged_decode.split_count(3, 4, 600) > 1   # the merge ran too
+
+
+def test_kernel_timing_bench_flow(tmp_path, monkeypatch):
+    """bench.decode_kernels (kernel-only timing) on CPU: no device, exit 2; with the kernels
+    stubbed, every case and kernel gets a time and a ratio to native."""
+    import json
+
+    import mlx.core as mx
+
+    from bench import decode_kernels
+
+    out = tmp_path / "k.json"
+    assert decode_kernels.main(["--out", str(out)]) == 2
+    calls = []
+
+    def fake(q, *args, **kwargs):
+        calls.append(kwargs.get("version", "native"))
+        return mx.zeros(q.shape, q.dtype)
+
+    monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
+    monkeypatch.setattr(cuda_paged_decode, "paged_decode_attention", fake)
+    monkeypatch.setattr(cuda_packed_decode, "packed_decode_attention", fake)
+    assert decode_kernels.main(["--contexts", "100", "--batches", "1,2", "--layers", "2",
+                                "--rounds", "2", "--out", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert set(cases) == {"ctx100-b1", "ctx100-b2"}
+    for row in cases.values():
+        assert set(row) == {"native", "int4:v1", "int4:v2", "int8:v1", "int8:v2"}
+        assert all("speed_vs_native" in r for r in row.values()), row
+    assert {"native", "v1", "v2"} <= set(calls)
