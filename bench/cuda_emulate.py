@@ -107,11 +107,11 @@ static std::vector<std::vector<Copy>> g_pending;
 """
 
 ASYNC_CPU = r"""
-template <int N> inline void cp_async(void* dst, const void* src) {
+template <int N> inline void orch_cp_async(void* dst, const void* src) {
   g_pending[g_current].push_back({dst, src, N});
 }
-inline void cp_commit() {}
-inline void cp_wait_all() {
+inline void orch_cp_commit() {}
+inline void orch_cp_wait_all() {
   for (const Copy& c : g_pending[g_current]) std::memcpy(c.dst, c.src, c.n);
   g_pending[g_current].clear();
 }

@@ -82,20 +82,20 @@ auto issue = [&](int t) {                    // cp.async of tile t into stage t 
   #pragma unroll
   for (int i = 0; i < KT * KCH / NT; ++i) {
     const int e = tid + i * NT, r = e / KCH, c = e % KCH;
-    if (r < cnt) cp_async<KCB>(sk + r * KS + c * (KCB / 4), kc + row_of(base + r) * LW + c * (KCB / 4));
+    if (r < cnt) orch_cp_async<KCB>(sk + r * KS + c * (KCB / 4), kc + row_of(base + r) * LW + c * (KCB / 4));
   }
   #pragma unroll
   for (int i = 0; i < KT * (LW / 4) / NT; ++i) {
     const int e = tid + i * NT, r = e / (LW / 4), c = e % (LW / 4);
-    if (r < cnt) cp_async<16>(sv + r * LW + c * 4, vc + row_of(base + r) * LW + c * 4);
+    if (r < cnt) orch_cp_async<16>(sv + r * LW + c * 4, vc + row_of(base + r) * LW + c * 4);
   }
   #pragma unroll
   for (int i = 0; i < 4 * KT / NT; ++i) {
     const int e = tid + i * NT, a = e / KT, r = e % KT;
     const float* src = a == 0 ? ks : a == 1 ? ko : a == 2 ? vs : vo;
-    if (r < cnt) cp_async<4 * NG>(sm_ + (a * KT + r) * NG, src + row_of(base + r) * NG);
+    if (r < cnt) orch_cp_async<4 * NG>(sm_ + (a * KT + r) * NG, src + row_of(base + r) * NG);
   }
-  cp_commit();
+  orch_cp_commit();
 };
 if (ntile > 0) issue(0);                     // the first tile lands while the queries rotate
 
@@ -148,7 +148,7 @@ for (int h = 0; h < G; ++h) {
 }
 
 for (int t = 0; t < ntile; ++t) {
-  cp_wait_all();
+  orch_cp_wait_all();
   __syncthreads();                           // tile t landed; tile t - 1's PV pass is done
   if (t + 1 < ntile) issue(t + 1);           // prefetch into the stage tile t - 1 used
   const int cnt = min(KT, hend - (j0 + t * KT));
@@ -166,7 +166,7 @@ for (int t = 0; t < ntile; ++t) {
     float dot[KPT][G];
     #pragma unroll
     for (int i = 0; i < KPT; ++i) {
-      load_words<SW>(sk + (lane + 32 * i) * KS + sl * SW, wd[i]);
+      orch_load_words<SW>(sk + (lane + 32 * i) * KS + sl * SW, wd[i]);
       #pragma unroll
       for (int h = 0; h < G; ++h) dot[i][h] = 0.0f;
     }
@@ -180,8 +180,8 @@ for (int t = 0; t < ntile; ++t) {
         for (int h = 0; h < G; ++h) qv[h] = *reinterpret_cast<const float4*>(qp + h * D);
         #pragma unroll
         for (int i = 0; i < KPT; ++i) {
-          const float x0 = code1<KB>(wd[i][k], e), x1 = code1<KB>(wd[i][k], e + 1);
-          const float x2 = code1<KB>(wd[i][k], e + 2), x3 = code1<KB>(wd[i][k], e + 3);
+          const float x0 = orch_code1<KB>(wd[i][k], e), x1 = orch_code1<KB>(wd[i][k], e + 1);
+          const float x2 = orch_code1<KB>(wd[i][k], e + 2), x3 = orch_code1<KB>(wd[i][k], e + 3);
           #pragma unroll
           for (int h = 0; h < G; ++h) {
             dot[i][h] = fmaf(qv[h].x, x0, dot[i][h]);
@@ -221,7 +221,7 @@ for (int t = 0; t < ntile; ++t) {
         tmax = fmaxf(tmax, v);
       }
     }
-    tmax = warp_max(tmax);
+    tmax = orch_warp_max(tmax);
     const float m_old = st_m[h], m_new = fmaxf(m_old, tmax);   // finite: cnt >= 1
     const float c = __expf(m_old - m_new);
     float psum = 0.0f, pvo[NG];
@@ -240,9 +240,9 @@ for (int t = 0; t < ntile; ++t) {
         if (valid) pvo[g] += p * (meta[(3 * KT + r) * NG + g] - vsg);
       }
     }
-    psum = warp_sum(psum);
+    psum = orch_warp_sum(psum);
     #pragma unroll
-    for (int g = 0; g < NG; ++g) pvo[g] = warp_sum(pvo[g]);
+    for (int g = 0; g < NG; ++g) pvo[g] = orch_warp_sum(pvo[g]);
     if (lane == 0) {
       st_l[h] = st_l[h] * c + psum;
       st_m[h] = m_new;
@@ -274,7 +274,7 @@ for (int t = 0; t < ntile; ++t) {
     }
     #pragma unroll
     for (int i = 0; i < CPW; ++i) {
-      const float x = code1<KB>(wv, i);
+      const float x = orch_code1<KB>(wv, i);
       #pragma unroll
       for (int h = 0; h < G; ++h) acc[h][i] = fmaf(ph[h], x, acc[h][i]);
     }
@@ -291,7 +291,7 @@ if (j0 <= nh && nh < j1) {
     #pragma unroll
     for (int i = 0; i < VPT; ++i)
       d_ += to_f(q[qrow + lane * VPT + i]) * to_f(kf[fresh + lane * VPT + i]);
-    const float s = warp_sum(d_) * sc;
+    const float s = orch_warp_sum(d_) * sc;
     const float m_old = st_m[h], m_new = fmaxf(m_old, s);
     const float c = __expf(m_old - m_new), p = __expf(s - m_new);
     __syncwarp();
