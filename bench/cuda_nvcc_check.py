@@ -20,7 +20,12 @@ from pathlib import Path
 
 CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half",
               "uint32": "uint32_t", "int32": "int32_t"}
-PRELUDE = "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+# MLX's default header is mlx/backend/cuda/device/utils.cuh (not shipped here), cooperative
+# groups and an `inf` macro; the last two are mimicked, so a kernel naming `inf` or clashing
+# with cooperative groups fails here too.
+PRELUDE = ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+           "#include <cuda/std/limits>\n#include <cooperative_groups.h>\n"
+           "#define inf cuda::std::numeric_limits<float>::infinity()\n")
 
 
 def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
@@ -35,7 +40,8 @@ def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]
             consts.append(f"  constexpr int {k} = {v};")
         else:
             consts.append(f"  using {k} = {CUDA_TYPES[v]};")
-    return (PRELUDE + header + "namespace mlx::core::cu {\n__global__ void " + name + "(\n"
+    return (PRELUDE + header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+            "__global__ void " + name + "(\n"
             + ",\n".join(params) + ") {\n" + "\n".join(consts) + "\n" + source
             + "\n}\n}  // namespace mlx::core::cu\n")
 
