@@ -16,6 +16,7 @@ Exit status 1 if any case exceeds its tolerance.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import mlx.core as mx
@@ -24,6 +25,7 @@ import numpy as np
 from capacity.formats import KVFormat
 from bench.output import emit
 from engine.attention.cuda import packed_decode as cuda_packed_decode
+from engine.attention.cuda import packed_decode_v2 as cuda_packed_decode_v2
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 from engine.attention.cuda import packed_write as cuda_packed_write
 from engine.attention.cuda import paged_decode as cuda_paged_decode
@@ -110,9 +112,10 @@ def reference_packed_decode(q, k_new, v_new, k_hist, v_hist, bits, tables, ends,
 
 
 def packed_case(rng, fmt_name, rows, hq, kvh, d, longest, page_tokens=16,
-                kernel=None) -> dict:
-    """`kernel` (default: the CUDA kernel) has packed_decode_attention's signature; the CPU
-    test passes `reference_packed_decode` to check this harness and the layout it encodes."""
+                kernel=None, version="v1", target_blocks=None) -> dict:
+    """`kernel` (default: the CUDA kernel `version`, split plan aiming at `target_blocks`) has
+    packed_decode_attention's signature; the CPU test passes `reference_packed_decode` to check
+    this harness and the layout it encodes."""
     fmt = KVFormat(fmt_name, d, "bfloat16")
     bits = fmt.k_bits
     hist = rng.integers(0, longest, rows)      # history rows before this step's own key
@@ -148,7 +151,7 @@ def packed_case(rng, fmt_name, rows, hq, kvh, d, longest, page_tokens=16,
     if kernel is None:
         got = cuda_packed_decode.packed_decode_attention(
             q, k_new, v_new, k_hist, v_hist, bits, mx.array(tables), mx.array(ends),
-            int(ends.max()), scale)
+            int(ends.max()), scale, target_blocks, version=version)
         got = np.array(got.astype(mx.float32))
     else:
         got = kernel(q, k_new, v_new, k_hist, v_hist, bits, tables, ends, scale)
@@ -162,10 +165,13 @@ def packed_case(rng, fmt_name, rows, hq, kvh, d, longest, page_tokens=16,
         ref = direct_attention(q[b:b + 1], h, k_new[b:b + 1], v_new[b:b + 1], fmt=fmt,
                                scale=scale, new_mask=None)
         err = max(err, float(np.abs(got[b] - np.array(ref.astype(mx.float32))[0]).max()))
-    return {"kernel": f"packed-{fmt_name}", "rows": rows, "hq": hq, "kvh": kvh, "head_dim": d,
-            "longest": int(ends.max()),
-            "splits": cuda_paged_decode.split_count(rows, kvh, int(ends.max())),
-            "max_abs_err": round(err, 5), "ok": err < TOLERANCE}
+    name = "packed" if version == "v1" else f"packed-{version}"
+    return {"kernel": f"{name}-{fmt_name}", "rows": rows, "hq": hq, "kvh": kvh, "head_dim": d,
+            "page_tokens": page_tokens, "longest": int(ends.max()),
+            "splits": cuda_paged_decode.split_count(
+                rows, kvh, int(ends.max()),
+                target_blocks or (cuda_packed_decode_v2.TARGET_BLOCKS if version == "v2" else None)),
+            "max_abs_err": round(err, 5), "ok": bool(err < TOLERANCE)}
 
 
 def reference_packed_prefill(q, k_new, v_new, k_pool, v_pool, k_bits, v_bits, pages, bounds,
@@ -289,33 +295,73 @@ def write_case(rng, fmt_name, rows, heads, d) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="cuda_check.json")
-    args = ap.parse_args(argv)
-    if not cuda_paged_decode.available():
-        print("no CUDA device: nothing to check", file=sys.stderr)
-        return 2
+def cases(kernels):
+    """The checks of the kernel families in `kernels` (native, packed, packed-v2, write,
+    prefill); each family draws from its own generator, so its data does not depend on which
+    other families run."""
     rng = np.random.default_rng(0)
-    cases = []
     for rows, longest in ((1, 300), (1, 5000), (8, 1200), (32, 300)):
-        cases.append(native_case(rng, rows, 9, 3, 64, longest))
-        cases.append(native_case(rng, rows, 16, 4, 128, longest))
+        for hq, kvh, d in ((9, 3, 64), (16, 4, 128)):
+            if "native" in kernels:
+                yield native_case(rng, rows, hq, kvh, d, longest)
     for fmt in ("int8", "int4"):
         for rows, longest in ((1, 1), (1, 300), (1, 5000), (8, 2100)):
-            cases.append(packed_case(rng, fmt, rows, 9, 3, 64, longest))
-            cases.append(packed_case(rng, fmt, rows, 16, 4, 128, longest))
+            for hq, kvh, d in ((9, 3, 64), (16, 4, 128)):
+                if "packed" in kernels:
+                    yield packed_case(rng, fmt, rows, hq, kvh, d, longest)
+    rng = np.random.default_rng(1)
+    if "packed-v2" in kernels:
+        # The tiled kernel: the v1 cases, then GQA groups 1 and 8, 64-token pages, one split
+        # over 79 tiles (double buffering across many tiles), many short splits, ragged rows
+        # whose tile counts differ, a history of exactly one tile and one key past it.
+        for fmt in ("int8", "int4"):
+            for rows, longest in ((1, 1), (1, 300), (1, 5000), (8, 2100)):
+                for hq, kvh, d in ((9, 3, 64), (16, 4, 128)):
+                    yield packed_case(rng, fmt, rows, hq, kvh, d, longest, version="v2")
+            for rows, hq, kvh, d, longest, pt, target in (
+                    (3, 4, 4, 128, 700, 16, None), (3, 16, 2, 128, 700, 16, None),
+                    (2, 8, 1, 64, 900, 64, None), (2, 16, 4, 128, 5000, 16, 1),
+                    (1, 16, 4, 128, 5000, 64, 4096), (5, 14, 2, 64, 3000, 16, None),
+                    (1, 16, 4, 128, 65, 16, None), (1, 16, 4, 128, 66, 16, None),
+                    (1, 16, 4, 128, 33, 16, None), (32, 16, 4, 128, 600, 16, None)):
+                yield packed_case(rng, fmt, rows, hq, kvh, d, longest, page_tokens=pt,
+                                  version="v2", target_blocks=target)
+    rng = np.random.default_rng(2)
     for fmt in ("int8", "int4", "k8v4"):
         for heads, d in ((3, 64), (4, 128)):
-            cases.append(write_case(rng, fmt, 37, heads, d))
+            if "write" in kernels:
+                yield write_case(rng, fmt, 37, heads, d)
+    rng = np.random.default_rng(3)
     for fmt in ("int8", "int4", "k8v4"):
         for hq, kvh, d in ((9, 3, 64), (16, 4, 128)):
             for history, own, splits in (([1000], [512], None), ([5000], [64], None),
                                          ([0, 700, 2100], [37, 512, 200], None),
                                          ([300, 2000], [100, 1], 3), ([4000] * 3, [1] * 3, None)):
-                cases.append(prefill_case(rng, fmt, hq, kvh, d, history, own, splits=splits))
-    result = {"mlx": mx.__version__, "tolerance": TOLERANCE, "cases": cases,
-              "all_ok": all(c["ok"] for c in cases)}
+                if "prefill" in kernels:
+                    yield prefill_case(rng, fmt, hq, kvh, d, history, own, splits=splits)
+
+
+KERNEL_FAMILIES = ("native", "packed", "packed-v2", "write", "prefill")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="cuda_check.json")
+    ap.add_argument("--kernels", default=",".join(KERNEL_FAMILIES),
+                    help="kernel families to check, any of " + ",".join(KERNEL_FAMILIES))
+    args = ap.parse_args(argv)
+    kernels = set(args.kernels.split(","))
+    if kernels - set(KERNEL_FAMILIES):
+        ap.error(f"unknown kernel families {sorted(kernels - set(KERNEL_FAMILIES))}")
+    if not cuda_paged_decode.available():
+        print("no CUDA device: nothing to check", file=sys.stderr)
+        return 2
+    cases_ = []
+    for case in cases(kernels):
+        cases_.append(case)
+        print(json.dumps(case), file=sys.stderr, flush=True)   # progress, and what a crash cut
+    result = {"mlx": mx.__version__, "tolerance": TOLERANCE, "kernels": sorted(kernels),
+              "cases": cases_, "all_ok": all(c["ok"] for c in cases_)}
     emit(result, args.out)
     return 0 if result["all_ok"] else 1
 

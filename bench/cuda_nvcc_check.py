@@ -20,7 +20,12 @@ from pathlib import Path
 
 CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half",
               "uint32": "uint32_t", "int32": "int32_t"}
-PRELUDE = "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+# MLX's default header is mlx/backend/cuda/device/utils.cuh (not shipped here), cooperative
+# groups and an `inf` macro; the last two are mimicked, so a kernel naming `inf` or clashing
+# with cooperative groups fails here too.
+PRELUDE = ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+           "#include <cuda/std/limits>\n#include <cooperative_groups.h>\n"
+           "#define inf cuda::std::numeric_limits<float>::infinity()\n")
 
 
 def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
@@ -35,13 +40,43 @@ def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]
             consts.append(f"  constexpr int {k} = {v};")
         else:
             consts.append(f"  using {k} = {CUDA_TYPES[v]};")
-    return (PRELUDE + header + "namespace mlx::core::cu {\n__global__ void " + name + "(\n"
+    return (PRELUDE + header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+            "__global__ void " + name + "(\n"
             + ",\n".join(params) + ") {\n" + "\n".join(consts) + "\n" + source
             + "\n}\n}  // namespace mlx::core::cu\n")
 
 
+def decode_variants():
+    """The packed decode kernels: v1 (cuda/packed_decode.py) and the tiled v2
+    (cuda/packed_decode_v2_source.py), every format, head dim, GQA group and split mode."""
+    from engine.attention.cuda import packed_decode as v1
+    from engine.attention.cuda import packed_decode_v2_source as v2
+    from engine.attention.cuda.paged_decode import HEADER
+    packed = [("kc", "uint32"), ("ks", "float32"), ("ko", "float32"),
+              ("vc", "uint32"), ("vs", "float32"), ("vo", "float32"),
+              ("pages", "int32"), ("ends", "int32"), ("dims", "int32"), ("scale", "float32")]
+    fresh = [("q", "bfloat16"), ("kf", "bfloat16"), ("vf", "bfloat16")]
+    outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
+    for d in (64, 128):
+        for g in (1, 3, 4, 7, 8):
+            for kb in (4, 8):
+                for split in (False, True):
+                    template = [("D", d), ("G", g), ("PT", 16), ("KB", kb), ("TQ", "bfloat16"),
+                                ("TK", "bfloat16"), ("SPLIT", split), ("TO", "bfloat16")]
+                    tag = f"d{d} g{g} k{kb}v{kb} split={split}"
+                    yield f"decode-v2 {tag}", wrap(
+                        "orchard_packed_decode_v2", fresh + packed + [("signs", "float32")],
+                        outputs, v2._SOURCE, v2._HEADER, template)
+                    if g in (3, 4):
+                        yield f"decode-v1 {tag}", wrap(
+                            "orchard_packed_decode",
+                            [fresh[0], ("qr", "float32"), *fresh[1:], *packed], outputs,
+                            v1._SOURCE, HEADER, template)
+
+
 def variants():
     """(label, wrapped source) for every kernel variant the engine launches."""
+    yield from decode_variants()
     from engine.attention.cuda import packed_prefill as pf
     from engine.attention.cuda import packed_prefill_source as pf_source
     inputs = [("q", "bfloat16"), ("kf", "bfloat16"), ("vf", "bfloat16"),

@@ -36,6 +36,7 @@ import numpy as np
 from capacity.formats import FORMAT_BITS, KVFormat
 from capacity.pricing import CostModel
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
+from engine.attention.cuda import packed_decode_v2 as cuda_packed_decode_v2
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 from engine.attention.cuda import packed_write as cuda_packed_write
 from engine.attention.cuda import paged_decode as cuda_paged_decode
@@ -169,17 +170,20 @@ def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
 
 
 # Decode format variants: "int4:tiles" decodes packed layers through the prefill tile kernel
-# (engine/attention/cuda/packed_prefill.py), "int4:split" through engine/attention/cuda/packed_decode.py; a bare
-# name takes the bench's kernel choices (KernelChoices.decode_tiles).
-DECODE_KERNELS = {"tiles": True, "split": False}
+# (engine/attention/cuda/packed_prefill.py), "int4:split" through engine/attention/cuda/packed_decode.py
+# (v1), "int4:v2" through the tiled engine/attention/cuda/packed_decode_v2.py; a bare name takes
+# the bench's kernel choices (KernelChoices.decode_tiles, packed_decode).
+DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
+                  "split": dict(decode_tiles=False, packed_decode="v1"),
+                  "v2": dict(decode_tiles=False, packed_decode="v2")}
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:
-    """(format, kernel choices) of a decode format spec FORMAT[:tiles|:split]."""
+    """(format, kernel choices) of a decode format spec FORMAT[:tiles|:split|:v2]."""
     fmt, _, kernel = spec.partition(":")
     if kernel and kernel not in DECODE_KERNELS:
         raise ValueError(f"decode format {spec!r}: kernel must be one of {sorted(DECODE_KERNELS)}")
-    return fmt, replace(kernels, decode_tiles=DECODE_KERNELS[kernel]) if kernel else kernels
+    return fmt, replace(kernels, **DECODE_KERNELS[kernel]) if kernel else kernels
 
 
 def _decode_time(loaded, spec, pages, b, n, room, steps, repeats,
@@ -262,8 +266,9 @@ def main(argv=None):
     ap.add_argument("--decode", type=_ints, default=[1024, 4096, 16384])
     ap.add_argument("--batches", type=_ints, default=[1, 4])
     ap.add_argument("--decode-formats", default="int8,k8v4,int4",
-                    help="packed formats to decode; FORMAT:tiles / FORMAT:split pick the CUDA "
-                         "decode kernel (prefill tile kernel / split decode kernel)")
+                    help="packed formats to decode; FORMAT:tiles / FORMAT:split / FORMAT:v2 "
+                         "pick the CUDA decode kernel (prefill tile kernel / split decode "
+                         "kernel v1 / tiled decode kernel v2)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sections", default="capacity,prefill,decode",
@@ -296,11 +301,14 @@ def main(argv=None):
                                          and cuda_paged_decode.available()),
                       "split_target": (kernels.decode_split_target
                                        or cuda_paged_decode.TARGET_BLOCKS),
+                      "v2_split_target": (kernels.decode_split_target
+                                          or cuda_packed_decode_v2.TARGET_BLOCKS),
                       "write_kernel": (kernels.write_kernel
                                        and cuda_packed_write.usable(8, 8, 128)),
                       "prefill_kernel": (kernels.prefill_kernel
                                          and cuda_packed_prefill.usable(8, 8, 128)),
                       "decode_tiles_default": kernels.decode_tiles,
+                      "packed_decode_default": kernels.packed_decode,
                       "prefill_split_target": (kernels.prefill_split_target
                                                or cuda_packed_prefill.TARGET_BLOCKS),
                       "args": vars(args), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",

@@ -32,6 +32,11 @@ class KernelChoices:
     # tile has one query row per head, so the MMAs do 1/16 useful work while every block still
     # unpacks whole tiles. `bench.kv --decode-formats int4:tiles` measures it.
     decode_tiles: bool = False
+    # Which packed decode kernel decode steps take (where decode_tiles is off): "v1"
+    # (cuda/packed_decode.py, measured on the H200) or "v2" (cuda/packed_decode_v2.py, the tiled
+    # two-pass version; not yet run on hardware, so opt-in until its device numbers are in).
+    # `bench.kv --decode-formats int4:split,int4:v2` compares them.
+    packed_decode: str = "v1"
     # Quantize packed writes with the CUDA write kernel (cuda/packed_write.py); off: MLX ops.
     write_kernel: bool = True
     # Let direct attention call quantized_matmul on a GPU. Off: on the H200 (MLX 0.32.4 CUDA)
@@ -42,6 +47,14 @@ class KernelChoices:
     # Decode scores on the CPU as a BLAS GEMM on the codes (engine/attention/cpu_gemm.py)
     # instead of MLX's scalar CPU quantized_matmul: 2-3x faster there.
     cpu_code_gemm: bool = sys.byteorder == "little"
+
+    def __post_init__(self):
+        if self.packed_decode not in PACKED_DECODE_KERNELS:
+            raise ValueError(f"packed_decode must be one of {PACKED_DECODE_KERNELS}, "
+                             f"got {self.packed_decode!r}")
+
+
+PACKED_DECODE_KERNELS = ("v1", "v2")
 
 
 DEFAULT_KERNELS = KernelChoices()

@@ -9,6 +9,8 @@ arithmetic and page layout must agree with the engine's own packed attention).
 """
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -93,3 +95,83 @@ def test_device_check_reference_catches_a_layout_error():
 
     case = cuda_check.packed_case(rng, "int4", 2, 16, 4, 128, 300, kernel=wrong)
     assert not case["ok"]
+
+
+def test_v2_kernel_formats_and_choice():
+    from engine.attention.choices import KernelChoices
+    from engine.attention.cuda import packed_decode_v2
+
+    assert packed_decode_v2.supports(4, 4, 128, 4) and packed_decode_v2.supports(8, 8, 64, 8)
+    assert not packed_decode_v2.supports(8, 4, 128, 4)    # k8v4 keeps the direct path
+    assert not packed_decode_v2.supports(4, 4, 128, 9)    # past MAX_GROUP: v1 serves it
+    assert KernelChoices().packed_decode == "v1"          # opt-in until measured on hardware
+    with pytest.raises(ValueError):
+        KernelChoices(packed_decode="v3")
+
+
+def test_bench_decode_format_suffixes_pick_the_kernel():
+    from bench.kv import decode_kernels
+    from engine.attention.choices import KernelChoices
+
+    base = KernelChoices(packed_decode="v2", decode_tiles=True)
+    assert decode_kernels("int4", base) == ("int4", base)
+    fmt, k = decode_kernels("int4:v2", KernelChoices())
+    assert fmt == "int4" and k.packed_decode == "v2" and not k.decode_tiles
+    fmt, k = decode_kernels("int8:split", base)
+    assert fmt == "int8" and k.packed_decode == "v1" and not k.decode_tiles
+    assert decode_kernels("int4:tiles", KernelChoices())[1].decode_tiles
+    with pytest.raises(ValueError):
+        decode_kernels("int4:v9", KernelChoices())
+
+
+def test_device_check_kernel_filter(tmp_path):
+    assert cuda_check.main(["--kernels", "packed-v2", "--out", str(tmp_path / "c.json")]) == 2
+    with pytest.raises(SystemExit):
+        cuda_check.main(["--kernels", "packed-v3"])
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the CPU emulation compiles with g++")
+def test_v2_kernel_source_runs_on_cpu_fibers(tmp_path):
+    """The tiled kernel's CUDA source itself (bench/cuda_emulate.py: one fiber per GPU thread,
+    barriers and shuffles among them, cp.async done at its wait) against direct packed attention:
+    several splits and the merge kernel, ragged rows, a row without history, GQA group 3."""
+    from bench import cuda_emulate
+
+    rng = np.random.default_rng(3)
+    for fmt, rows, hq, kvh, d, longest in (("int4", 3, 16, 4, 128, 600),
+                                           ("int8", 2, 9, 3, 64, 700)):
+        def kernel(*args):
+            return cuda_emulate.packed_decode_v2(*args, workdir=tmp_path)
+        case = cuda_check.packed_case(rng, fmt, rows, hq, kvh, d, longest, kernel=kernel)
+        assert case["ok"] and case["max_abs_err"] < 0.01, case
+    assert cuda_paged_decode.split_count(3, 4, 600) > 1   # the merge ran too
+
+
+def test_kernel_timing_bench_flow(tmp_path, monkeypatch):
+    """bench.decode_kernels (kernel-only timing) on CPU: no device, exit 2; with the kernels
+    stubbed, every case and kernel gets a time and a ratio to native."""
+    import json
+
+    import mlx.core as mx
+
+    from bench import decode_kernels
+
+    out = tmp_path / "k.json"
+    assert decode_kernels.main(["--out", str(out)]) == 2
+    calls = []
+
+    def fake(q, *args, **kwargs):
+        calls.append(kwargs.get("version", "native"))
+        return mx.zeros(q.shape, q.dtype)
+
+    monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
+    monkeypatch.setattr(cuda_paged_decode, "paged_decode_attention", fake)
+    monkeypatch.setattr(cuda_packed_decode, "packed_decode_attention", fake)
+    assert decode_kernels.main(["--contexts", "100", "--batches", "1,2", "--layers", "2",
+                                "--rounds", "2", "--out", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert set(cases) == {"ctx100-b1", "ctx100-b2"}
+    for row in cases.values():
+        assert set(row) == {"native", "int4:v1", "int4:v2", "int8:v1", "int8:v2"}
+        assert all("speed_vs_native" in r for r in row.values()), row
+    assert {"native", "v1", "v2"} <= set(calls)

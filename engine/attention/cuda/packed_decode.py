@@ -21,6 +21,9 @@ the head's GQA query heads.
 
 Formats: equal key and value bits (int8, int4), head dim 64 or 128; others (k8v4) keep the
 direct path. Checked only on the H200 (docs/lab/benchmarks-gpu.md); never run on Metal.
+A tiled second version (cuda/packed_decode_v2.py: scores per tile of keys, one softmax step
+per tile, PV with lanes over channels, cp.async prefetch) is taken with `version="v2"`
+(KernelChoices.packed_decode); not yet run on hardware, so this one stays the default.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from engine.attention.cuda import packed_decode_v2
 from engine.attention.cuda.paged_decode import (BLOCK_MERGE, HEADER, _dims, _scale, launch_split,
                                                 split_count)
 from engine.kv.rotation import rotate
@@ -169,17 +173,22 @@ def supports(k_bits: int | None, v_bits: int | None, head_dim: int) -> bool:
 
 def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, k_hist, v_hist,
                             bits: int, pages: mx.array, ends: mx.array, longest: int,
-                            scale: float, target_blocks: int | None = None) -> mx.array:
+                            scale: float, target_blocks: int | None = None,
+                            version: str = "v1") -> mx.array:
     """Attention of one query per row q [B, Hq, 1, D] over packed history plus its own key.
 
     k_new/v_new [B, Hkv, 1, D]: the step's fresh rows (model basis). k_hist/v_hist: the
     layer's packed pages (codes, scales, offsets), keys rotated. Row b attends its first
     ends[b] - 1 keys through page table pages[b] and then its own key; `longest` = max(ends)
     on the host (with `target_blocks`, it picks the split count). Returns [B, Hq, 1, D] in q's
-    dtype.
+    dtype. `version` "v2": the tiled kernel (cuda/packed_decode_v2.py) where it supports the
+    GQA group (KernelChoices.packed_decode); this one otherwise.
     """
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
+    if version == "v2" and packed_decode_v2.supports(bits, bits, d, hq // kvh):
+        return packed_decode_v2.packed_decode_attention(
+            q, k_new, v_new, k_hist, v_hist, bits, pages, ends, longest, scale, target_blocks)
     page_tokens = k_hist[0].shape[1]
     splits = split_count(b, kvh, longest, target_blocks)
     return launch_split(

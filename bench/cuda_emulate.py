@@ -1,0 +1,329 @@
+"""Run a CUDA kernel's source on the CPU, one fiber per GPU thread (a developer's check).
+
+    python -m bench.cuda_emulate            # the tiled packed decode kernel's check cases
+
+Device time is scarce, and `bench.cuda_nvcc_check` only proves a kernel compiles. This compiles
+the same kernel body with g++ instead: every GPU thread of a block becomes a fiber (ucontext)
+of one OS thread; `__syncthreads`, `__syncwarp` and warp shuffles are barriers among the fibers
+(a shuffle: every lane posts its value, then reads its partner's), `__shared__` arrays are one
+static copy (blocks run one after another), and `cp.async` copies are queued per thread and
+done at its `cp.async.wait_group` (so reading a tile before waiting for it reads stale data,
+as it could on the GPU). It does not model timing, memory ordering beyond barriers, bank
+conflicts or the GPU's approximate `__expf`; it does check indexing, tiling, the split plan,
+barrier placement and the arithmetic, on the real source text. Exit 1 if a case fails.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+CPP_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "uint32": "uint32_t",
+             "int32": "int32_t"}
+NP_TYPES = {"float32": np.float32, "bfloat16": np.uint16, "uint32": np.uint32,
+            "int32": np.int32}
+
+PRELUDE = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <ucontext.h>
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+struct Dim { unsigned int x = 0, y = 0, z = 0; };
+static Dim threadIdx, blockIdx, blockDim, gridDim;
+struct __nv_bfloat16 { uint16_t x; };
+struct alignas(16) uint4 { unsigned int x, y, z, w; };
+struct alignas(8) uint2 { unsigned int x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float to_f(float x) { return x; }
+inline float to_f(__nv_bfloat16 v) { return __uint_as_float((unsigned int)v.x << 16); }
+inline void put(float* p, float v) { *p = v; }
+inline void put(__nv_bfloat16* p, float v) {
+  unsigned int u; std::memcpy(&u, &v, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);           // round to nearest even
+  p->x = (uint16_t)(u >> 16);
+}
+
+// Fibers: one per GPU thread of the running block; sync points switch back to the scheduler.
+static int g_threads = 0, g_current = 0;
+static std::vector<ucontext_t> g_ctx;
+static ucontext_t g_main;
+static std::vector<int> g_wait;              // 0 runnable, 1 waiting at a barrier, 2 done
+static int g_block_arrived = 0;
+static int g_warp_arrived[32];
+static void block_barrier() {
+  const int me = g_current;
+  if (++g_block_arrived == g_threads) {
+    g_block_arrived = 0;
+    for (int t = 0; t < g_threads; ++t) if (g_wait[t] == 1) g_wait[t] = 0;
+    return;
+  }
+  g_wait[me] = 1;
+  swapcontext(&g_ctx[me], &g_main);
+}
+static void warp_barrier() {
+  const int me = g_current, w = me / 32;
+  if (++g_warp_arrived[w] == 32) {
+    g_warp_arrived[w] = 0;
+    for (int t = w * 32; t < w * 32 + 32; ++t) if (g_wait[t] == 3) g_wait[t] = 0;
+    return;
+  }
+  g_wait[me] = 3;
+  swapcontext(&g_ctx[me], &g_main);
+}
+inline void __syncthreads() { block_barrier(); }
+inline void __syncwarp() { warp_barrier(); }
+static unsigned int g_slot[32][32];
+template <typename T>
+inline T __shfl_xor_sync(unsigned int, T v, int o) {
+  const int me = g_current, w = me / 32, lane = me % 32;
+  std::memcpy(&g_slot[w][lane], &v, 4);
+  warp_barrier();
+  T r; std::memcpy(&r, &g_slot[w][lane ^ o], 4);
+  warp_barrier();
+  return r;
+}
+struct Copy { void* dst; const void* src; int n; };
+static std::vector<std::vector<Copy>> g_pending;
+"""
+
+ASYNC_CPU = r"""
+template <int N> inline void orch_cp_async(void* dst, const void* src) {
+  g_pending[g_current].push_back({dst, src, N});
+}
+inline void orch_cp_commit() {}
+inline void orch_cp_wait_all() {
+  for (const Copy& c : g_pending[g_current]) std::memcpy(c.dst, c.src, c.n);
+  g_pending[g_current].clear();
+}
+"""
+
+MAIN = r"""
+static void (*g_body)() = nullptr;
+static void fiber_entry() {
+  threadIdx.x = g_current;
+  g_body();
+  g_wait[g_current] = 2;
+  swapcontext(&g_ctx[g_current], &g_main);
+}
+static std::vector<char> read_file(const char* dir, const char* name) {
+  char path[4096]; std::snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE* f = std::fopen(path, "rb");
+  if (!f) { std::fprintf(stderr, "missing %s\n", path); std::exit(3); }
+  std::fseek(f, 0, SEEK_END); long n = std::ftell(f); std::fseek(f, 0, SEEK_SET);
+  std::vector<char> buf(n + 16);
+  if (std::fread(buf.data(), 1, n, f) != (size_t)n) std::exit(3);
+  std::fclose(f);
+  return buf;
+}
+int main(int argc, char** argv) {
+  const char* dir = argv[1];
+  const int gx = std::atoi(argv[2]), gy = std::atoi(argv[3]), nt = std::atoi(argv[4]);
+  LOAD
+  g_threads = nt; blockDim.x = nt; gridDim.x = gx; gridDim.y = gy; gridDim.z = 1;
+  blockDim.y = blockDim.z = 1;
+  g_ctx.resize(nt); g_wait.assign(nt, 0); g_pending.assign(nt, {});
+  const size_t stack = 1 << 18;
+  std::vector<char> stacks((size_t)nt * stack);
+  g_body = [] { CALL };
+  for (int by = 0; by < gy; ++by) {
+    for (int bx = 0; bx < gx; ++bx) {
+      blockIdx.x = bx; blockIdx.y = by;
+      for (int t = 0; t < nt; ++t) {
+        getcontext(&g_ctx[t]);
+        g_ctx[t].uc_stack.ss_sp = stacks.data() + (size_t)t * stack;
+        g_ctx[t].uc_stack.ss_size = stack;
+        g_ctx[t].uc_link = nullptr;
+        makecontext(&g_ctx[t], fiber_entry, 0);
+        g_wait[t] = 0;
+      }
+      int done = 0;
+      while (done < nt) {
+        bool ran = false;
+        for (int t = 0; t < nt; ++t) {
+          if (g_wait[t] != 0) continue;
+          g_current = t; threadIdx.x = t;
+          swapcontext(&g_main, &g_ctx[t]);
+          ran = true;
+          if (g_wait[t] == 2) ++done;
+        }
+        if (!ran && done < nt) { std::fprintf(stderr, "deadlock in block %d,%d\n", bx, by); return 4; }
+      }
+    }
+  }
+  SAVE
+  return 0;
+}
+"""
+
+
+def build(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]], source: str,
+          helpers: str, template: list[tuple[str, object]]) -> str:
+    """A C++ program that runs kernel `source` over a grid (argv: dir, blocks x, blocks y,
+    threads) on inputs in_<i>.bin and outputs out_<i>.bin of that dir (outputs updated)."""
+    consts = []
+    for k, v in template:
+        if isinstance(v, bool):
+            consts.append(f"  constexpr bool {k} = {str(v).lower()};")
+        elif isinstance(v, int):
+            consts.append(f"  constexpr int {k} = {v};")
+        else:
+            consts.append(f"  using {k} = {CPP_TYPES[v]};")
+    params = [f"const {CPP_TYPES[t]}* {n}" for n, t in inputs]
+    params += [f"{CPP_TYPES[t]}* {n}" for n, t in outputs]
+    load = [f"static std::vector<char> b_in{i} = read_file(dir, \"in_{i}.bin\");"
+            for i in range(len(inputs))]
+    load += [f"static std::vector<char> b_out{i} = read_file(dir, \"out_{i}.bin\");"
+             for i in range(len(outputs))]
+    load += [f"static const {CPP_TYPES[t]}* p_{n} = (const {CPP_TYPES[t]}*)b_in{i}.data();"
+             for i, (n, t) in enumerate(inputs)]
+    load += [f"static {CPP_TYPES[t]}* p_{n} = ({CPP_TYPES[t]}*)b_out{i}.data();"
+             for i, (n, t) in enumerate(outputs)]
+    call = f"{name}(" + ", ".join(f"p_{n}" for n, _ in inputs + outputs) + ");"
+    save = []
+    for i in range(len(outputs)):
+        save.append(f'{{ char p[4096]; std::snprintf(p, sizeof p, "%s/out_{i}.bin", dir); '
+                    f'FILE* f = std::fopen(p, "wb"); std::fwrite(b_out{i}.data(), 1, '
+                    f'b_out{i}.size() - 16, f); std::fclose(f); }}')
+    kernel = (f"void {name}(" + ", ".join(params) + ") {\n" + "\n".join(consts) + "\n"
+              + source + "\n}\n")
+    return (PRELUDE + ASYNC_CPU + helpers + kernel
+            + MAIN.replace("LOAD", "\n  ".join(load)).replace("CALL", call)
+            .replace("SAVE", "\n  ".join(save)))
+
+
+_BUILT: dict[str, Path] = {}
+
+
+def run(name, inputs, outputs, source, helpers, template, arrays, out_shapes, grid, threads,
+        workdir: Path) -> list[np.ndarray]:
+    """Compile (cached by source) and run; `arrays` numpy inputs in `inputs` order (bfloat16
+    as uint16 bit patterns); returns the outputs, NaN-initialised before the run."""
+    program = build(name, inputs, outputs, source, helpers, template)
+    key = hashlib.sha256(program.encode()).hexdigest()[:16]
+    exe = _BUILT.get(key)
+    if exe is None or not exe.exists():
+        src = workdir / f"k{key}.cpp"
+        src.write_text(program)
+        exe = workdir / f"k{key}"
+        subprocess.run(["g++", "-std=c++20", "-O2", "-w", "-o", str(exe), str(src)], check=True)
+        _BUILT[key] = exe
+    case = Path(tempfile.mkdtemp(dir=workdir))
+    for i, ((_, t), a) in enumerate(zip(inputs, arrays)):
+        np.ascontiguousarray(a, NP_TYPES[t]).tofile(case / f"in_{i}.bin")
+    for i, ((_, t), shape) in enumerate(zip(outputs, out_shapes)):
+        fill = np.full(shape, np.nan, np.float32)
+        (fill.view(np.uint32) >> 16).astype(np.uint16).tofile(case / f"out_{i}.bin") \
+            if t == "bfloat16" else fill.astype(NP_TYPES[t]).tofile(case / f"out_{i}.bin")
+    subprocess.run([str(exe), str(case), str(grid[0]), str(grid[1]), str(threads)], check=True)
+    got = []
+    for i, ((_, t), shape) in enumerate(zip(outputs, out_shapes)):
+        raw = np.fromfile(case / f"out_{i}.bin", NP_TYPES[t]).reshape(shape)
+        got.append((raw.astype(np.uint32) << 16).view(np.float32) if t == "bfloat16" else raw)
+    shutil.rmtree(case)
+    return got
+
+
+def _bits16(x) -> np.ndarray:
+    import mlx.core as mx
+    return np.array(x.astype(mx.bfloat16).view(mx.uint16))
+
+
+def packed_decode_v2(q, k_new, v_new, k_hist, v_hist, bits, tables, ends, scale,
+                     target_blocks=None, workdir: Path | None = None) -> np.ndarray:
+    """The tiled packed decode kernel (cuda/packed_decode_v2_source.py) and, with several
+    splits, the merge kernel (cuda/paged_decode.py), run here; packed_case's kernel signature.
+    Returns [B, Hq, 1, D] float32 (from the bf16 output)."""
+    from engine.attention.cuda import packed_decode_v2_source as v2
+    from engine.attention.cuda import tile_helpers
+    from engine.attention.cuda import paged_decode as pd
+    from engine.attention.cuda.packed_decode_v2 import TARGET_BLOCKS, _signs
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
+    rows, hq, _, d = q.shape
+    kvh = k_new.shape[1]
+    tables, ends = np.asarray(tables, np.int32), np.asarray(ends, np.int32)
+    splits = pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS)
+    parts = rows * hq * (splits if splits > 1 else 1)
+    packed = [("kc", "uint32"), ("ks", "float32"), ("ko", "float32"), ("vc", "uint32"),
+              ("vs", "float32"), ("vo", "float32")]
+    inputs = [("q", "bfloat16"), ("kf", "bfloat16"), ("vf", "bfloat16"), *packed,
+              ("pages", "int32"), ("ends", "int32"), ("dims", "int32"), ("scale", "float32"),
+              ("signs", "float32")]
+    arrays = [_bits16(q), _bits16(k_new), _bits16(v_new),
+              *(np.array(a) for a in (*k_hist, *v_hist)), tables, ends,
+              np.array([hq, kvh, tables.shape[1]], np.int32), np.array([scale], np.float32),
+              np.array(_signs(d))]
+    template = [("D", d), ("G", hq // kvh), ("PT", int(k_hist[0].shape[1])), ("KB", bits),
+                ("TQ", "bfloat16"), ("TK", "bfloat16"), ("SPLIT", splits > 1),
+                ("TO", "bfloat16")]
+    outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
+    out, part, ml = run("orchard_packed_decode_v2", inputs, outputs, v2._SOURCE,
+                        tile_helpers.HELPERS, template, arrays,
+                        [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits),
+                        pd.THREADS, workdir)
+    if splits == 1:
+        return out
+    (merged,) = run("orchard_decode_merge", [("part", "float32"), ("ml", "float32"),
+                                             ("dims", "int32")], [("out", "bfloat16")],
+                    pd._MERGE, "", [("D", d), ("TO", "bfloat16")],
+                    [part, ml, np.array([splits], np.int32)], [(rows, hq, 1, d)],
+                    (rows * hq, 1), d, workdir)
+    return merged
+
+
+# (fmt, rows, hq, kvh, head dim, longest, page tokens, split target): the device check's v2
+# shapes, shorter (the emulator runs ~1e5 keys a second).
+CASES = [(f, *c) for f in ("int8", "int4") for c in (
+    (1, 16, 4, 128, 1, 16, None), (1, 9, 3, 64, 300, 16, None), (3, 16, 4, 128, 700, 16, None),
+    (2, 16, 4, 128, 1500, 16, 1), (3, 4, 4, 128, 200, 16, None), (2, 16, 2, 128, 300, 16, None),
+    (2, 8, 1, 64, 400, 64, None), (3, 14, 2, 64, 500, 16, None), (1, 16, 4, 128, 65, 16, None),
+    (1, 16, 4, 128, 66, 16, None), (1, 16, 4, 128, 33, 16, None),
+    (1, 16, 4, 128, 1200, 64, 4096))]
+
+
+def main(argv=None) -> int:
+    from bench import cuda_check
+    from engine.attention.cuda import packed_decode_v2 as v2_host
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=len(CASES), help="run the first N cases")
+    args = ap.parse_args(argv)
+    if shutil.which("g++") is None:
+        print("no g++ on PATH", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(0)
+    work = Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
+    failed = 0
+    for fmt, rows, hq, kvh, d, longest, pt, target in CASES[:args.limit]:
+        def kernel(*a, target=target):
+            return packed_decode_v2(*a, target_blocks=target, workdir=work)
+        case = cuda_check.packed_case(rng, fmt, rows, hq, kvh, d, longest, page_tokens=pt,
+                                      kernel=kernel)
+        case["splits"] = cuda_check.cuda_paged_decode.split_count(
+            rows, kvh, longest, target or v2_host.TARGET_BLOCKS)
+        print(("ok  " if case["ok"] else "FAIL"), case, flush=True)
+        failed += not case["ok"]
+    shutil.rmtree(work)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""Time the CUDA decode attention kernels alone (native, packed v1, packed v2); print (save) JSON.
+
+    python -m bench.decode_kernels --contexts 4096,32768 --batches 1,8 --out decode_kernels.json
+
+`bench.kv` measures whole decode steps, where host work (issuing the graph) and the rest of the
+model share the time; this isolates the attention call of one layer, so a kernel change shows
+as itself. Per case: B rows of N keys each (page tables random permutations), GQA 16:4 x 128
+(the `bench.kv --geometry gpu` layer) unless told otherwise, bf16; packed pools hold random
+codes, scales and offsets (the kernels' speed does not depend on the values). Each round
+issues `--layers` calls and evaluates them together (as a step's layers would be); the time
+per call is the round's wall time / layers, median and best over `--rounds`. Only where MLX
+has a CUDA device; exit 2 elsewhere.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from bench.output import emit
+from engine.attention.cuda import packed_decode as cuda_packed_decode
+from engine.attention.cuda import paged_decode as cuda_paged_decode
+from engine.kv.quant import Packed
+
+
+def _case_inputs(rng, rows: int, n: int, hq: int, kvh: int, d: int, page_tokens: int):
+    per = -(-n // page_tokens)
+    num_pages = rows * per
+    tables = mx.array(rng.permutation(num_pages).astype(np.int32).reshape(rows, per))
+    ends = mx.array(np.full(rows, n, np.int32))
+    q = mx.random.normal((rows, hq, 1, d)).astype(mx.bfloat16)
+    k_new = mx.random.normal((rows, kvh, 1, d)).astype(mx.bfloat16)
+    v_new = mx.random.normal((rows, kvh, 1, d)).astype(mx.bfloat16)
+    native = tuple(mx.random.normal((kvh, num_pages, page_tokens, d)).astype(mx.bfloat16)
+                   for _ in range(2))
+
+    def pool(bits):
+        shape = (num_pages, page_tokens, kvh)
+        codes = mx.random.randint(0, 2**31 - 1, (*shape, d * bits // 32)).astype(mx.uint32)
+        scales = mx.random.uniform(0.01, 0.1, (*shape, d // 64))
+        offsets = mx.random.uniform(-0.5, -0.1, (*shape, d // 64))
+        return Packed(codes, scales, offsets)
+
+    return q, k_new, v_new, native, pool, tables, ends
+
+
+def _time(call, layers: int, rounds: int) -> dict:
+    for _ in range(2):   # compile and warm up
+        mx.eval([call() for _ in range(layers)])
+    times = []
+    for _ in range(rounds):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval([call() for _ in range(layers)])
+        mx.synchronize()
+        times.append((time.perf_counter() - t0) / layers * 1e6)
+    return {"us_median": round(statistics.median(times), 1), "us_best": round(min(times), 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="4096,32768")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--heads", default="16:4", help="query:KV heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-tokens", type=int, default=16)
+    ap.add_argument("--kernels", default="native,int4:v1,int4:v2,int8:v1,int8:v2")
+    ap.add_argument("--split-target", type=int, default=None,
+                    help="blocks per layer the kernels aim for (default: each kernel's own)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--out", default="decode_kernels.json")
+    args = ap.parse_args(argv)
+    if not cuda_paged_decode.available():
+        print("no CUDA device: nothing to time", file=sys.stderr)
+        return 2
+    hq, kvh = (int(x) for x in args.heads.split(":"))
+    d, scale = args.head_dim, args.head_dim ** -0.5
+    rng = np.random.default_rng(0)
+    result = {"mlx": mx.__version__, "args": vars(args), "cases": {}}
+    for n in (int(x) for x in args.contexts.split(",")):
+        for rows in (int(x) for x in args.batches.split(",")):
+            q, k_new, v_new, native, pool, tables, ends = _case_inputs(
+                rng, rows, n, hq, kvh, d, args.page_tokens)
+            pools = {}
+            row = {}
+            for spec in args.kernels.split(","):
+                if spec == "native":
+                    def call():
+                        return cuda_paged_decode.paged_decode_attention(
+                            q, *native, tables, ends, scale, n, args.split_target)
+                    kv_bytes = 2 * rows * kvh * n * d * 2
+                else:
+                    fmt, version = spec.split(":")
+                    bits = {"int4": 4, "int8": 8}[fmt]
+                    if bits not in pools:
+                        pools[bits] = (pool(bits), pool(bits))
+                        mx.eval(*pools[bits][0], *pools[bits][1])
+                    k_hist, v_hist = pools[bits]
+
+                    def call(k_hist=k_hist, v_hist=v_hist, bits=bits, version=version):
+                        return cuda_packed_decode.packed_decode_attention(
+                            q, k_new, v_new, k_hist, v_hist, bits, tables, ends, n, scale,
+                            args.split_target, version=version)
+                    kv_bytes = 2 * rows * kvh * n * (d * bits // 8 + 2 * 4 * (d // 64))
+                try:
+                    row[spec] = _time(call, args.layers, args.rounds)
+                    row[spec]["GB_s"] = round(kv_bytes / row[spec]["us_best"] / 1e3, 1)
+                except Exception as e:   # record it, time the rest
+                    row[spec] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                print(f"ctx {n} batch {rows} {spec}: {row[spec]}", file=sys.stderr, flush=True)
+            if "us_median" in row.get("native", {}):
+                for spec, r in row.items():
+                    if "us_median" in r:
+                        r["speed_vs_native"] = round(row["native"]["us_median"] / r["us_median"], 3)
+            result["cases"][f"ctx{n}-b{rows}"] = row
+            del native, pools
+    emit(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""CUDA helper text for tiled kernels (first user: cuda/packed_decode_v2_source.py).
+
+ASYNC: cp.async global -> shared copies (inline PTX, sm_80+). HELPERS: packed-code unpacking
+without conversion instructions, shared-memory word loads, warp reductions. Kept apart from the
+kernels so the CPU emulation (bench/cuda_emulate.py) can swap ASYNC for CPU twins and run the
+rest as written. Names carry an `orch_` prefix: the kernels live in namespace mlx::core::cu,
+where an MLX helper of the same plain name (MLX's default header comes first) would win
+unqualified lookup.
+"""
+from __future__ import annotations
+
+# The asynchronous-copy helpers (inline PTX); bench/cuda_emulate.py swaps in CPU twins.
+ASYNC = """
+__device__ __forceinline__ unsigned int orch_smem_u32(const void* p) {
+  unsigned int s;
+  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+               : "=r"(s) : "l"(p));
+  return s;
+}
+// Asynchronous global -> shared copy of N bytes (4, 8 or 16; 16 bypasses L1: streamed once).
+template <int N>
+__device__ __forceinline__ void orch_cp_async(void* dst, const void* src) {
+  if (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(orch_smem_u32(dst)), "l"(src)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(orch_smem_u32(dst)), "l"(src),
+                 "n"(N) : "memory");
+  }
+}
+__device__ __forceinline__ void orch_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void orch_cp_wait_all() {
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+"""
+
+HELPERS = """
+// A packed code c as the float 1 + c / 2^KB: the code goes into the top KB mantissa bits of 1.0f
+// (one shift and one LOP3; no int-to-float conversion, no subtraction). Any bits give a finite
+// value, so stale shared memory past a tile's last key can never make a NaN. The kernel
+// corrects for the 1 with sum(q) terms it already needs for the group offsets.
+template <int KB>
+__device__ __forceinline__ float orch_code1(unsigned int w, int i) {
+  constexpr int TOP = 23 - KB;
+  const int sh = i * KB;
+  const unsigned int x = sh <= TOP ? (w << (TOP - sh)) : (w >> (sh - TOP));
+  return __uint_as_float((x & (((1u << KB) - 1u) << TOP)) | 0x3f800000u);
+}
+// N consecutive 32-bit words from shared memory in the widest aligned loads.
+template <int N>
+__device__ __forceinline__ void orch_load_words(const unsigned int* p, unsigned int* w) {
+  if (N % 4 == 0) {
+    #pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+      w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
+  } else if (N % 2 == 0) {
+    #pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const uint2 v = reinterpret_cast<const uint2*>(p)[i];
+      w[2 * i] = v.x; w[2 * i + 1] = v.y;
+    }
+  } else {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = p[i];
+  }
+}
+__device__ __forceinline__ float orch_warp_sum(float v) {
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+__device__ __forceinline__ float orch_warp_max(float v) {
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  return v;
+}
+"""
