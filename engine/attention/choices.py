@@ -32,11 +32,14 @@ class KernelChoices:
     # tile has one query row per head, so the MMAs do 1/16 useful work while every block still
     # unpacks whole tiles. `bench.kv --decode-formats int4:tiles` measures it.
     decode_tiles: bool = False
-    # Which packed decode kernel decode steps take (where decode_tiles is off): "v1"
-    # (cuda/packed_decode.py, measured on the H200) or "v2" (cuda/packed_decode_v2.py, the tiled
-    # two-pass version; not yet run on hardware, so opt-in until its device numbers are in).
-    # `bench.kv --decode-formats int4:split,int4:v2` compares them.
-    packed_decode: str = "v1"
+    # Which packed decode kernel decode steps take (where decode_tiles is off): "v2"
+    # (cuda/packed_decode_v2.py, the tiled two-pass version) or "v1" (cuda/packed_decode.py).
+    # v2 is the default since it ran on the H200 (docs/lab/benchmarks-gpu.md session 8): its
+    # device check passed, and it was faster than v1 at every measured point (kernel alone
+    # 1.7-2.9x; int4 decode tok/s 1.06-1.12x v1 at 4K batch 1, 1.50-1.71x at 32K batch 8).
+    # v2 serves up to 8 query heads per KV head and hands larger groups to v1. `bench.kv --decode-formats int4:split,int4:v2`
+    # compares them.
+    packed_decode: str = "v2"
     # Quantize packed writes with the CUDA write kernel (cuda/packed_write.py); off: MLX ops.
     write_kernel: bool = True
     # Let direct attention call quantized_matmul on a GPU. Off: on the H200 (MLX 0.32.4 CUDA)

@@ -104,7 +104,7 @@ def test_v2_kernel_formats_and_choice():
     assert packed_decode_v2.supports(4, 4, 128, 4) and packed_decode_v2.supports(8, 8, 64, 8)
     assert not packed_decode_v2.supports(8, 4, 128, 4)    # k8v4 keeps the direct path
     assert not packed_decode_v2.supports(4, 4, 128, 9)    # past MAX_GROUP: v1 serves it
-    assert KernelChoices().packed_decode == "v1"          # opt-in until measured on hardware
+    assert KernelChoices().packed_decode == "v2"          # the default since the H200 run
     with pytest.raises(ValueError):
         KernelChoices(packed_decode="v3")
 
