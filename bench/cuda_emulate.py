@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.cuda_nvcc_check import template_constants
+
 CPP_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "uint32": "uint32_t",
              "int32": "int32_t"}
 NP_TYPES = {"float32": np.float32, "bfloat16": np.uint16, "uint32": np.uint32,
@@ -180,14 +182,7 @@ def build(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str
           helpers: str, template: list[tuple[str, object]]) -> str:
     """A C++ program that runs kernel `source` over a grid (argv: dir, blocks x, blocks y,
     threads) on inputs in_<i>.bin and outputs out_<i>.bin of that dir (outputs updated)."""
-    consts = []
-    for k, v in template:
-        if isinstance(v, bool):
-            consts.append(f"  constexpr bool {k} = {str(v).lower()};")
-        elif isinstance(v, int):
-            consts.append(f"  constexpr int {k} = {v};")
-        else:
-            consts.append(f"  using {k} = {CPP_TYPES[v]};")
+    consts = template_constants(template, CPP_TYPES)
     params = [f"const {CPP_TYPES[t]}* {n}" for n, t in inputs]
     params += [f"{CPP_TYPES[t]}* {n}" for n, t in outputs]
     load = [f"static std::vector<char> b_in{i} = read_file(dir, \"in_{i}.bin\");"

@@ -28,10 +28,9 @@ PRELUDE = ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n
            "#define inf cuda::std::numeric_limits<float>::infinity()\n")
 
 
-def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
-         source: str, header: str, template: list[tuple[str, object]]) -> str:
-    params = [f"    const {CUDA_TYPES[t]}* {n}" for n, t in inputs]
-    params += [f"    {CUDA_TYPES[t]}* {n}" for n, t in outputs]
+def template_constants(template: list[tuple[str, object]], types: dict) -> list[str]:
+    """A kernel's template arguments as the constants MLX's cuda_kernel declares in its body
+    (bool and int constexprs, dtypes as `using` aliases spelled through `types`)."""
     consts = []
     for k, v in template:
         if isinstance(v, bool):
@@ -39,7 +38,15 @@ def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]
         elif isinstance(v, int):
             consts.append(f"  constexpr int {k} = {v};")
         else:
-            consts.append(f"  using {k} = {CUDA_TYPES[v]};")
+            consts.append(f"  using {k} = {types[v]};")
+    return consts
+
+
+def wrap(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
+         source: str, header: str, template: list[tuple[str, object]]) -> str:
+    params = [f"    const {CUDA_TYPES[t]}* {n}" for n, t in inputs]
+    params += [f"    {CUDA_TYPES[t]}* {n}" for n, t in outputs]
+    consts = template_constants(template, CUDA_TYPES)
     return (PRELUDE + header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
             "__global__ void " + name + "(\n"
             + ",\n".join(params) + ") {\n" + "\n".join(consts) + "\n" + source
