@@ -187,8 +187,13 @@ def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoice
 
 
 def _decode_time(loaded, spec, pages, b, n, room, steps, repeats,
-                 kernels: KernelChoices = DEFAULT_KERNELS) -> float:
-    """Best time of `steps` decode steps of `b` rows at context n (first round is warm-up)."""
+                 kernels: KernelChoices = DEFAULT_KERNELS, pipelined: bool = False) -> float:
+    """Best time of `steps` decode steps of `b` rows at context n (first round is warm-up).
+
+    Synchronous (default): each step is built, run and read back before the next is built.
+    `pipelined`: as the engine's steady decode runs every KV format (engine/steps.py), step
+    n+1 is built and queued before step n's result is read back, so graph building overlaps
+    the device's work."""
     fmt, kernels = decode_kernels(spec, kernels)
     runner = make_runner(loaded, fmt, pages, kernels=kernels)
     tables = _fill(runner.kvstore, b, n, room)
@@ -196,9 +201,19 @@ def _decode_time(loaded, spec, pages, b, n, room, steps, repeats,
     for r in range(repeats + 1):
         mx.synchronize()
         t0 = time.perf_counter()
+        prev = None
         for _ in range(steps):
-            mx.eval(runner.forward([SeqChunk(i, [7], pos, t) for i, t in enumerate(tables)]))
+            logits = runner.forward([SeqChunk(i, [7], pos, t) for i, t in enumerate(tables)])
+            if not pipelined:
+                mx.eval(logits)
+            else:
+                mx.async_eval(logits, *runner.kvstore.arrays())
+                if prev is not None:
+                    mx.eval(prev)   # the engine reads step n back while step n+1 is queued
+                prev = logits
             pos += 1
+        if prev is not None:
+            mx.eval(prev)
         dt = time.perf_counter() - t0
         if r:
             best = dt if best is None else min(best, dt)
@@ -206,7 +221,7 @@ def _decode_time(loaded, spec, pages, b, n, room, steps, repeats,
 
 
 def decode_section(loaded, contexts, batches, formats, steps, repeats, out: dict, save,
-                   kernels: KernelChoices = DEFAULT_KERNELS) -> dict:
+                   kernels: KernelChoices = DEFAULT_KERNELS, pipelined: bool = False) -> dict:
     for n in contexts:
         for b in batches:
             room = steps * (repeats + 1)
@@ -215,7 +230,8 @@ def decode_section(loaded, contexts, batches, formats, steps, repeats, out: dict
             for fmt in ["native", *formats]:
                 try:
                     row[fmt] = {"tok_s": round(b * steps / _decode_time(
-                        loaded, fmt, pages, b, n, room, steps, repeats, kernels), 2)}
+                        loaded, fmt, pages, b, n, room, steps, repeats, kernels,
+                        pipelined), 2)}
                     progress(f"decode ctx {n} batch {b} {fmt}: {row[fmt]['tok_s']} tok/s")
                 except Exception as e:  # a backend missing a kernel: record it, bench the rest
                     row[fmt] = {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -270,6 +286,9 @@ def main(argv=None):
                          "pick the CUDA decode kernel (prefill tile kernel / split decode "
                          "kernel v1 / tiled decode kernel v2)")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--pipelined", action="store_true",
+                    help="decode as the engine does: queue step n+1 before reading step n back "
+                         "(default: synchronous steps)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sections", default="capacity,prefill,decode",
                     help="any of capacity,prefill,decode,quality")
@@ -325,7 +344,8 @@ def main(argv=None):
                         args.repeats, result.setdefault("prefill", {}), save, kernels)
     if "decode" in sections:
         decode_section(loaded, args.decode, args.batches, args.decode_formats.split(","),
-                       args.steps, args.repeats, result.setdefault("decode", {}), save, kernels)
+                       args.steps, args.repeats, result.setdefault("decode", {}), save, kernels,
+                       pipelined=args.pipelined)
     if "quality" in sections:
         docs = heldout_docs(args.quality_root, args.quality_docs, args.quality_tokens,
                             loaded.tokenizer)
