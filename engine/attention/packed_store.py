@@ -223,7 +223,16 @@ class PackedLayerStore:
                      for a in self.sinks)
 
     def write_packed(self, slots: Slots, k: Packed, v: Packed) -> None:
-        """Store already-packed rows verbatim (checkpoint restore, prefix import)."""
+        """Store already-packed rows verbatim (also checkpoint restore, prefix import)."""
+        if slots.count == 1:
+            # One row (batch-1 decode): slice updates at host-known coordinates, as the native
+            # store writes one row; a scatter would upload two index arrays and broadcast them
+            # for each of the six arrays. [1, heads, words] -> [1, 1, heads, words].
+            page, offset = int(slots.page_np[0]), int(slots.offset_np[0])
+            for dst, src in ((self.k, k), (self.v, v)):
+                for a, b in zip(dst, src):
+                    a[page:page + 1, offset:offset + 1] = b[None]
+            return
         for dst, src in ((self.k, k), (self.v, v)):
             for a, b in zip(dst, src):
                 # mx.array.__setitem__ updates `a` itself (the object the tuple holds); as the

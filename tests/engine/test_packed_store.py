@@ -80,3 +80,23 @@ def test_packed_store_refuses_layers_it_cannot_hold():
     with pytest.raises(KVFormatError):   # never a silent native fallback
         KVStore(odd, 2, 16, layer_factory=packed_layer_factory("int4"))
     assert KVStore(odd, 2, 16, layer_factory=packed_layer_factory("native")).bytes_per_token == 2 * 2 * 96 * 4
+
+
+@pytest.mark.parametrize("name", ["int8", "k8v4", "int4"])
+def test_one_row_write_lands_where_a_scatter_puts_it(name):
+    """Batch-1 decode writes its row by slice updates: same slot contents as the scatter path
+    (here: the row written as part of a two-row write), nothing else touched."""
+    g = GEOM.layers[2]
+    k = mx.random.normal((2, 4, 128), key=mx.random.key(3))
+    v = mx.random.normal((2, 4, 128), key=mx.random.key(4))
+    pair = PackedLayerStore(g, KVFormat(name, 128), num_pages=4, page_tokens=16)
+    pair.write(Slots.from_flat(np.array([40, 37]), 16), k, v)
+    one = PackedLayerStore(g, KVFormat(name, 128), num_pages=4, page_tokens=16)
+    slot = Slots.from_flat(np.array([37]), 16)
+    assert slot.count == 1
+    one.write(slot, k[1:], v[1:])
+    for a, b in zip(one.read_packed(slot), pair.read_packed(slot)):
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a, b))
+    for a in one.arrays():   # only page 2, offset 5 holds anything
+        nz = set(zip(*np.nonzero(np.array(mx.any(a != 0, axis=(2, 3))))))
+        assert nz <= {(2, 5)} and nz
