@@ -82,6 +82,8 @@ VARIANTS = {v.name: v for v in [
     Variant("int4-s64", sinks=64),
     Variant("int4-kivi", k_group=0, rotate=False),
     Variant("int4-kivi-rot", k_group=0, rotate=True),
+    Variant("int4-kivi-v32", k_group=0, v_group=32, rotate=False),   # + values in 32s (88 B)
+    Variant("int4-kivi-s4", k_group=0, rotate=False, sinks=4),      # + first 4 tokens native
     Variant("int4-kg32-s4r64", k_group=32, sinks=4, recent=64),
     Variant("int4-tail", tail=True),
     Variant("int4-kg32-tail", k_group=32, tail=True),
