@@ -84,6 +84,9 @@ VARIANTS = {v.name: v for v in [
     Variant("int4-kivi-rot", k_group=0, rotate=True),
     Variant("int4-kivi-v32", k_group=0, v_group=32, rotate=False),   # + values in 32s (88 B)
     Variant("int4-kivi-s4", k_group=0, rotate=False, sinks=4),      # + first 4 tokens native
+    # Diagnostics (over 0.40x bf16): which side of int4-kivi costs retrieval, keys or values.
+    Variant("kivi-k8v4", 8, 4, k_group=0, rotate=False),
+    Variant("kivi-k4v8", 4, 8, k_group=0, rotate=False),
     Variant("int4-kg32-s4r64", k_group=32, sinks=4, recent=64),
     Variant("int4-tail", tail=True),
     Variant("int4-kg32-tail", k_group=32, tail=True),
