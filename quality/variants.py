@@ -55,11 +55,12 @@ class Variant:
     sinks: int = 0             # first tokens kept native
     recent: int = 0            # most recent history tokens kept native
     tail: bool = False         # a sequence's incomplete last page kept native (page-granular)
+    k_span: int = 0            # k_group 0: tokens per key scale (0 = the whole page)
 
     def row_bytes(self, head_dim: int, page: int, context: int, native_bytes: int = 2) -> float:
         """Average bytes per token per KV head (K + V) at `context` tokens of history."""
         def part(bits, group):
-            meta = 8 * (head_dim / page if group == 0 else head_dim / group)
+            meta = 8 * (head_dim / (self.k_span or page) if group == 0 else head_dim / group)
             return head_dim * bits / 8 + meta
         packed = part(self.k_bits, self.k_group) + part(self.v_bits, self.v_group)
         extra = min(self.sinks + self.recent, context) * 2 * head_dim * native_bytes
@@ -87,6 +88,10 @@ VARIANTS = {v.name: v for v in [
     # Diagnostics (over 0.40x bf16): which side of int4-kivi costs retrieval, keys or values.
     Variant("kivi-k8v4", 8, 4, k_group=0, rotate=False),
     Variant("kivi-k4v8", 4, 8, k_group=0, rotate=False),
+    # Within 0.40x: finer key scales (per channel over 32 tokens) or 6-bit keys (sim only).
+    Variant("kivi-h32", k_group=0, rotate=False, k_span=32),
+    Variant("kivi-k6v4", 6, 4, k_group=0, rotate=False),
+    Variant("kivi-h32-v32", k_group=0, v_group=32, rotate=False, k_span=32),
     Variant("int4-kg32-s4r64", k_group=32, sinks=4, recent=64),
     Variant("int4-tail", tail=True),
     Variant("int4-kg32-tail", k_group=32, tail=True),
@@ -121,8 +126,9 @@ class VariantCache(PagedLayerCache):
             quantized &= (pos // t + 1) * t <= start
         kr = rotate(k) if var.rotate else k.astype(mx.float32)
         if var.k_group == 0:
-            pages = kr.reshape(b, h, n // t, t, d).swapaxes(-1, -2)
-            kq = fake_quant(pages, var.k_bits, t).swapaxes(-1, -2).reshape(b, h, n, d)
+            span = var.k_span or t
+            pages = kr.reshape(b, h, n // span, span, d).swapaxes(-1, -2)
+            kq = fake_quant(pages, var.k_bits, span).swapaxes(-1, -2).reshape(b, h, n, d)
         else:
             kq = fake_quant(kr, var.k_bits, var.k_group)
         if var.rotate:
