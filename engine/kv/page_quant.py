@@ -33,7 +33,15 @@ class PagePacked(NamedTuple):
 
 
 def _pack(q: mx.array, bits: int) -> mx.array:
-    """uint32 codes (..., D) -> words (..., D*bits/32), little-end first (engine.kv.quant's)."""
+    """uint32 codes (..., D) -> words (..., D*bits/32), little-end first (engine.kv.quant's).
+    6-bit codes go 4 to 3 bytes (little-end first: code i of a group at bits 6i..6i+5), the
+    bytes in order; the row is still whole uint32 words when D is a multiple of 16."""
+    if bits == 6:
+        q = q.reshape(*q.shape[:-1], q.shape[-1] // 4, 4)
+        v = (q << mx.array([0, 6, 12, 18], dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+        b = (mx.expand_dims(v, -1) >> mx.array([0, 8, 16], dtype=mx.uint32)) & 255
+        b = b.astype(mx.uint8).reshape(*q.shape[:-2], -1)
+        return b.view(mx.uint32)
     per_word = 32 // bits
     q = q.reshape(*q.shape[:-1], q.shape[-1] // per_word, per_word)
     return (q << mx.arange(0, 32, bits, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
@@ -41,6 +49,12 @@ def _pack(q: mx.array, bits: int) -> mx.array:
 
 def unpack_codes(words: mx.array, bits: int) -> mx.array:
     """Words (..., W) -> the codes as float32 (..., W*32/bits)."""
+    if bits == 6:
+        b = words.view(mx.uint8).astype(mx.uint32)
+        b = b.reshape(*words.shape[:-1], -1, 3)
+        v = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+        q = (mx.expand_dims(v, -1) >> mx.array([0, 6, 12, 18], dtype=mx.uint32)) & 63
+        return q.reshape(*words.shape[:-1], -1).astype(mx.float32)
     shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
     q = (mx.expand_dims(words, -1) >> shifts) & (2 ** bits - 1)
     return q.reshape(*words.shape[:-1], -1).astype(mx.float32)

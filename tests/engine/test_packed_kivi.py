@@ -25,6 +25,7 @@ from engine.runner.paged import ModelRunner, SeqChunk
 
 T = 16
 FMT = "int4-kivi"
+FORMATS = [FMT, "k6v4-kivi"]   # 4-bit and 6-bit page keys
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,9 @@ def llama(tiny_model_dirs):
     return load_model(tiny_model_dirs["llama"])
 
 
-def _store(loaded, pages=24, slots=4):
+def _store(loaded, pages=24, slots=4, fmt=FMT):
     return KVStore(loaded.geometry, pages, T, loaded.dtype,
-                   layer_factory=packed_layer_factory(FMT, tail_slots=slots))
+                   layer_factory=packed_layer_factory(fmt, tail_slots=slots))
 
 
 def _geom(layers=2):
@@ -56,7 +57,12 @@ def test_identity_bytes_and_refusals():
     assert fmt.bytes_per_page(1, 64) == 64 * 32 + 2 * 64 * 4 + 64 * 40
     assert fmt.bytes_per_page(1, 16) == 16 * 32 + 2 * 64 * 4 + 16 * 40
     assert fmt.tail_bytes_per_request(3, 64) == 3 * 64 * 2 * 64 * 2
-    for bad in ("affine-v2-k4v4-gcx64-f32-h0-s0-n0",          # page keys need the tail
+    k6 = KVFormat("k6v4-kivi", 64, "bfloat16")   # 6-bit page keys: 48 B codes + 8 B metadata
+    assert k6.identity == "affine-v2-k6v4-gcx64-f32-h0-s0-n0-tbf16"
+    assert format_from_identity(k6.identity, 64, "float32") == k6
+    assert k6.k_row_bytes(64) == 56 and k6.bytes_per_token(1, 64) == 96
+    for bad in ("affine-v2-k6v4-g64x64-f32-h64-s1-n0-tbf16",   # 6 bits: page keys only
+                "affine-v2-k4v4-gcx64-f32-h0-s0-n0",          # page keys need the tail
                 "affine-v2-k4v4-gcx64-f32-h64-s1-n0-tbf16",   # and are unrotated
                 "affine-v2-k4v4-g64x64-f32-h0-s0-n0-tbf16",   # token groups are rotated
                 "affine-v2-k8v8-gcx64-f32-h0-s0-n0-tbf16",
@@ -76,14 +82,16 @@ def test_identity_bytes_and_refusals():
                      tails=TailMap(2, T))
 
 
-def test_page_quantization_error_is_half_a_step_per_channel():
+@pytest.mark.parametrize("bits", [4, 6])
+def test_page_quantization_error_is_half_a_step_per_channel(bits):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, 2, T, 64)).astype(np.float32)
     x[..., 5] *= 20   # an outlier channel widens only its own grid
-    codes, scales, offsets = quantize_pages(mx.array(x), 4)
-    got = np.array(dequantize_pages(PagePacked(codes.reshape(3, 2 * T, 8)[None],
-                                               scales[None], offsets[None]), 4)[0])
-    step = (x.max(axis=-2) - x.min(axis=-2)) / 15
+    codes, scales, offsets = quantize_pages(mx.array(x), bits)
+    words = 64 * bits // 32
+    got = np.array(dequantize_pages(PagePacked(codes.reshape(3, 2 * T, words)[None],
+                                               scales[None], offsets[None]), bits)[0])
+    step = (x.max(axis=-2) - x.min(axis=-2)) / (2 ** bits - 1)
     err = np.abs(got.reshape(x.shape) - x)
     assert (err <= step[..., None, :] / 2 + 1e-5).all()
     assert err[..., 5].max() > 5 * err[..., :5].max()
@@ -97,14 +105,16 @@ def _write(store, flat, k, v):
         store.write(i, slots, k, v)
 
 
-def test_quantize_on_fill_happens_exactly_when_a_page_fills():
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantize_on_fill_happens_exactly_when_a_page_fills(name):
     store = KVStore(_geom(), num_pages=4, page_tokens=T,
-                    layer_factory=packed_layer_factory(FMT, tail_slots=3))
-    fmt = KVFormat(FMT, 64)   # float32 store
+                    layer_factory=packed_layer_factory(name, tail_slots=3))
+    fmt = KVFormat(name, 64)   # float32 store
+    bits = fmt.k_bits
     assert store.bytes_per_token == 2 * fmt.bytes_per_token(2, T)
     assert store.tail_bytes_per_sequence == 2 * fmt.tail_bytes_per_request(2, T)
     assert store.nbytes == 4 * store.page_bytes + 3 * store.tail_bytes_per_sequence
-    assert layer_report(store)[0]["storage"] == "affine-v2-k4v4-gcx64-f32-h0-s0-n0-tf32"
+    assert layer_report(store)[0]["storage"] == fmt.identity
     assert not PackedLayerCache.kernel_decode_fits(store.layers[0])   # never the CUDA kernels
     rng = np.random.default_rng(0)
     k = mx.array(rng.standard_normal((2 * T, 2, 64)).astype(np.float32))
@@ -123,7 +133,7 @@ def test_quantize_on_fill_happens_exactly_when_a_page_fills():
     mx.eval(store.arrays())
     assert tails.slot_of == {}
     want = k[:T].swapaxes(0, 1)
-    codes, scales, offsets = quantize_pages(want, 4)   # [H, T, W], [H, D]
+    codes, scales, offsets = quantize_pages(want, bits)   # [H, T, W], [H, D]
     assert mx.array_equal(layer.k.codes[0], codes.swapaxes(0, 1)).item()
     gk, gv = store.gather(0, [[0]])
     step = np.array(scales)[:, None, :]
@@ -143,7 +153,7 @@ def test_quantize_on_fill_happens_exactly_when_a_page_fills():
     _write(store, np.arange(3 * T + 4, 4 * T), rest, rest)
     whole = mx.concatenate([k[:4], rest]).swapaxes(0, 1)
     gk, _ = store.gather(0, [[3]])
-    _, scales, _ = quantize_pages(whole, 4)
+    _, scales, _ = quantize_pages(whole, bits)
     assert (np.abs(np.array(gk[0] - whole)) <= np.array(scales)[:, None, :] / 2 + 1e-5).all()
     assert tails.used == 0
 
@@ -158,13 +168,14 @@ def _gathered_native(loaded, packed: KVStore, table):
     return native
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("cut", [3, 16, 20, 37])
-def test_attention_equals_dequantize_then_attend(llama, cut):
+def test_attention_equals_dequantize_then_attend(llama, cut, fmt):
     """Prefill `cut` tokens, a chunk that crosses a page boundary, then a decode step: the logits
     equal a native runner's over the packed store's own rows."""
     seq = list(range(5, 5 + 48))
     table = [2, 7, 4, 9]
-    runner = PackedModelRunner(llama, _store(llama))
+    runner = PackedModelRunner(llama, _store(llama, fmt=fmt))
     runner.forward([SeqChunk(0, seq[:cut], 0, table)])
     mx.eval(runner.kvstore.arrays())
     ref = ModelRunner(llama, _gathered_native(llama, runner.kvstore, table))
@@ -179,11 +190,12 @@ def test_attention_equals_dequantize_then_attend(llama, cut):
     assert mx.abs(got - want).max().item() < 2e-4
 
 
-def test_greedy_decode_across_page_boundaries_equals_the_reference(llama):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_greedy_decode_across_page_boundaries_equals_the_reference(llama, fmt):
     """Greedy decode token by token over two page boundaries: each step's logits equal the
     reference over the store's rows, and the tokens are the model's own greedy choice."""
     table = [5, 1, 3]
-    runner = PackedModelRunner(llama, _store(llama))
+    runner = PackedModelRunner(llama, _store(llama, fmt=fmt))
     seq = list(range(9, 9 + T - 3))
     logits = runner.forward([SeqChunk(0, seq, 0, table)])
     for n in range(len(seq), 2 * T + 3):
@@ -210,16 +222,17 @@ def test_ragged_batch_equals_each_sequence_alone(llama):
         assert mx.abs(got[i] - want[0]).max().item() < 1e-4
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n_tokens", [37, 32])
-def test_checkpoint_round_trip_is_exact(llama, tmp_path, n_tokens):
+def test_checkpoint_round_trip_is_exact(llama, tmp_path, n_tokens, fmt):
     seq = list(range(5, 5 + n_tokens + 1))
     table = [3, 5, 1]
-    src = PackedModelRunner(llama, _store(llama))
+    src = PackedModelRunner(llama, _store(llama, fmt=fmt))
     src.forward([SeqChunk(0, seq[:-1], 0, table)])
     mx.eval(src.kvstore.arrays())
     manifest = save_checkpoint(tmp_path, src.kvstore, table, seq[:-1], model_fingerprint="fp")
     assert ("layer0.ktail" in manifest["tensors"]) == bool(n_tokens % T)
-    dst = PackedModelRunner(llama, _store(llama))
+    dst = PackedModelRunner(llama, _store(llama, fmt=fmt))
     new_table, n = restore_checkpoint(tmp_path, dst.kvstore, seq, model_fingerprint="fp",
                                       allocate=lambda k: [7, 8, 9][:k])
     assert n == n_tokens
