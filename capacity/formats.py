@@ -31,6 +31,7 @@ of the page's per-channel scales and as many offsets (token j of a page carries 
 j*D/T..(j+1)*D/T-1), so the row layout and bytes are exactly a token-local format's with key
 group = page_tokens (codes + 2 * head_dim * 4 bytes of metadata per page), and checkpoints move
 rows verbatim. That needs page_tokens to divide head_dim: other geometries are refused.
+k6v4-kivi is the same with 6-bit key codes (4 codes to 3 bytes): 96 B/token/head at head_dim 64.
 """
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ Two paths, one contract (same inputs, outputs agree within the quantization erro
   refused permit or an ineligible shape runs the direct path for the whole call, and is counted.
 
 Keys in history are stored rotated (engine.kv.rotation); queries are rotated here, never values.
+Page-key history (int4-kivi, k6v4-kivi: engine.kv.page_quant, metadata per channel per page) is
+stored unrotated, so its queries are not rotated, and it is always scored by the tiled path
+(quantized_matmul reads per-token metadata only).
 Shapes: q (B, Hq, L, D); fresh k/v (B, Hkv, L, D); history (B, Hkv, S, ...) packed.
 """
 from __future__ import annotations

@@ -74,7 +74,8 @@ def tiled_history(qh, state: _Online, hist: PackedKV, hmask, fmt: KVFormat, sink
     running max is finite from the start); each history tile is dequantized into a bounded FP32
     scratch, used by a BLAS matmul and dropped. Nothing the size of the whole history is ever
     materialized. Scores are (B, Hkv, rep*L, T): one GEMM per KV head for all its query heads,
-    not a matmul broadcast over a repeat axis.
+    not a matmul broadcast over a repeat axis. Page-key history (engine.kv.page_quant) is unpacked
+    whole pages at a time (the tile rounded up to pages).
     """
     B, Hkv, rep, L, D = qh.shape
     rows = (B, Hkv, rep * L)
