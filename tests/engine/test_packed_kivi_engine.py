@@ -1,11 +1,10 @@
-"""int4-kivi through the public Engine: the budget is what the store allocates (pages plus the
+"""int4-kivi and k6v4-kivi through the public Engine: the budget is what the store allocates (pages plus the
 native tail pool, a replica arena), greedy generation runs and is deterministic, prefix hits read
 page-key codes, and every tail slot comes back when its request ends."""
 import asyncio
 
 import pytest
 
-from capacity.formats import KVFormat
 from engine.config import EngineConfig
 from engine.loop import Engine
 from engine.request import GenerationRequest
@@ -20,9 +19,9 @@ def _req(rid, ids, n=20):
                                                       ignore_eos=True))
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama):
-    eng = Engine(EngineConfig(model=tiny_llama, kv_format="int4-kivi", page_tokens=16,
+@pytest.fixture(scope="module", params=["int4-kivi", "k6v4-kivi"])
+def engine(tiny_llama, request):
+    eng = Engine(EngineConfig(model=tiny_llama, kv_format=request.param, page_tokens=16,
                               kv_budget_bytes=32 * PAGE_BYTES_LLAMA, max_num_seqs=SEQS,
                               max_step_tokens=24, enable_prefix_caching=True))
     yield eng
@@ -31,8 +30,9 @@ def engine(tiny_llama):
 
 def test_budget_is_what_the_store_allocates(engine):
     cm, store = engine.cost_model(), engine.kvstore
-    fmt = KVFormat("int4-kivi", 64)   # the tiny llama: 2 layers x 2 KV heads x 64, float32
-    assert engine.format_identity == "affine-v2-k4v4-gcx64-f32-h0-s0-n0-tf32"
+    fmt = engine.kvstore.layers[0].fmt   # the tiny llama: 2 layers x 2 KV heads x 64, float32
+    assert fmt.page_keys and fmt.native_dtype == "float32"
+    assert engine.format_identity == fmt.identity   # float32: ...-n0-tf32
     assert cm.bytes_per_token == store.bytes_per_token == 2 * fmt.bytes_per_token(2, 16)
     assert store.page_bytes == 2 * fmt.bytes_per_page(2, 16)
     assert cm.workspace.fixed == SEQS * store.tail_bytes_per_sequence
