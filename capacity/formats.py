@@ -20,6 +20,18 @@ holds are quantized token-locally, so a page's codes are the same whether writte
 when the page fills; the native copy is what attention reads until the page is full). The pool
 is priced per request, not per token: `tail_bytes_per_request`, the cost model's
 `fixed_bytes_per_request`. Prefix sharing only ever shares full pages, which are all codes.
+
+Page keys (`-gcx64`, int4-kivi: KIVI-style) quantize keys per channel over each full page: one
+FP32 scale and offset per channel per page per KV head, unrotated (`-h0-s0`: a per-channel grid
+wants the channel outliers a rotation would spread), values per token as int4. A page's key codes
+depend on all its rows, so they are written when the page fills ("quantize-on-fill", from the
+page's native tail copy plus the filling write's rows): page keys always come with a native tail,
+which is what attention reads until then. A stored key row is its codes plus head_dim/page_tokens
+of the page's per-channel scales and as many offsets (token j of a page carries channels
+j*D/T..(j+1)*D/T-1), so the row layout and bytes are exactly a token-local format's with key
+group = page_tokens (codes + 2 * head_dim * 4 bytes of metadata per page), and checkpoints move
+rows verbatim. That needs page_tokens to divide head_dim: other geometries are refused.
+k6v4-kivi is the same with 6-bit key codes (4 codes to 3 bytes): 96 B/token/head at head_dim 64.
 """
 from __future__ import annotations
 
@@ -49,8 +61,15 @@ FORMAT_SPECS: dict[str, tuple[int, int, int, int, bool] | None] = {
     # of the variants table, page-granular).
     "int4-tail": (4, 4, 0, GROUP_SIZE, True),
     "int4-k32-tail": (4, 4, 0, 32, True),   # both: int4-k32's keys and int4-tail's tail page
+    # KIVI-style keys: per channel over each full page (key group PAGE_KEYS), unrotated,
+    # quantized when the page fills from its native tail (docs/quality.md, int4-kivi).
+    "int4-kivi": (4, 4, 0, 0, True),
+    # int4-kivi with 6-bit keys (96 B/token/head, 0.375x bf16): its simulated retrieval and NLL
+    # loss is mostly the 4-bit keys' (docs/quality.md, int4-kivi diagnostics). Page keys only.
+    "k6v4-kivi": (6, 4, 0, 0, True),
 }
-KEY_GROUPS = (32, GROUP_SIZE)
+PAGE_KEYS = 0   # key group "per channel over the page" (KIVI), spelled `c` in identities
+KEY_GROUPS = (32, GROUP_SIZE, PAGE_KEYS)
 FORMAT_BITS: dict[str, tuple[int, int] | None] = {
     n: (spec[0], spec[1]) if spec else None for n, spec in FORMAT_SPECS.items()}
 DTYPE_BYTES = {"float32": 4, "f32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "f16": 2}
@@ -116,15 +135,38 @@ class KVFormat:
 
     @property
     def k_group(self) -> int:
-        """Channels per key quantization group (values: always GROUP_SIZE)."""
+        """Channels per key quantization group (values: always GROUP_SIZE); PAGE_KEYS (0): each
+        channel over a whole page (page_keys)."""
         spec = FORMAT_SPECS[self.name]
         return spec[3] if spec else GROUP_SIZE
+
+    @property
+    def page_keys(self) -> bool:
+        """Keys quantized per channel over each full page (KIVI), written when the page fills."""
+        return self.packed and self.k_group == PAGE_KEYS
+
+    @property
+    def rotated(self) -> bool:
+        """Whether stored keys (and queries at attention time) are in the rotated basis."""
+        return self.packed and not self.page_keys
+
+    def k_row_group(self, page_tokens: int = 64) -> int:
+        """The group size a stored key row's metadata columns follow (engine.kv.quant's row
+        layout): k_group, or for page keys page_tokens (a row carries head_dim / page_tokens of
+        its page's per-channel scales and offsets). Refuses pages that do not divide head_dim."""
+        if not self.page_keys:
+            return self.k_group
+        if page_tokens < 2 or self.head_dim % page_tokens:
+            raise KVFormatError(f"format {self.name} keeps per-channel key scales per page in "
+                                f"its rows: pages of {page_tokens} tokens must divide head_dim "
+                                f"{self.head_dim}")
+        return page_tokens
 
     @property
     def codes_only(self) -> bool:
         """v1 layout: 64-channel groups for K and V, no native rows (what the CUDA kernels read)."""
         return (self.packed and not self.sink_rows and not self.native_tail
-                and self.k_group == GROUP_SIZE)
+                and self.k_group == GROUP_SIZE)   # page keys (k_group 0) are not v1 either
 
     @property
     def native_tail(self) -> bool:
@@ -151,12 +193,14 @@ class KVFormat:
 
     @property
     def rotation_block(self) -> int | None:
-        return hadamard_block(self.head_dim) if self.packed else None
+        return hadamard_block(self.head_dim) if self.rotated else None
 
-    def k_row_bytes(self) -> int:
+    def k_row_bytes(self, page_tokens: int = 64) -> int:
+        """Bytes of one stored key row; page keys: codes + the row's share of its page's
+        per-channel metadata (depends on page_tokens, which must divide head_dim)."""
         if not self.packed:
             return self.head_dim * DTYPE_BYTES[self.native_dtype]
-        return packed_row_bytes(self.head_dim, self.k_bits, self.k_group)
+        return packed_row_bytes(self.head_dim, self.k_bits, self.k_row_group(page_tokens))
 
     def v_row_bytes(self) -> int:
         if not self.packed:
@@ -168,7 +212,7 @@ class KVFormat:
         if self.sink_rows > page_tokens:
             raise KVFormatError(f"format {self.name} keeps {self.sink_rows} native rows per page; "
                                 f"pages of {page_tokens} tokens cannot hold them")
-        return kv_heads * (page_tokens * (self.k_row_bytes() + self.v_row_bytes())
+        return kv_heads * (page_tokens * (self.k_row_bytes(page_tokens) + self.v_row_bytes())
                            + 2 * self.sink_rows * self.sink_row_bytes())
 
     def bytes_per_token(self, kv_heads: int, page_tokens: int = 64) -> int:
@@ -187,15 +231,19 @@ class KVFormat:
         if not self.codes_only:
             sinks = f"{self.sink_rows}{_DTYPE_SHORT[self.native_dtype]}" if self.sink_rows else "0"
             tail = f"-t{_DTYPE_SHORT[self.native_dtype]}" if self.native_tail else ""
+            keys = "c" if self.page_keys else self.k_group
+            rot = f"h{self.rotation_block}-s{ROTATION_SEED}" if self.rotated else "h0-s0"
             return (f"affine-{SINK_IDENTITY_VERSION}-k{self.k_bits}v{self.v_bits}"
-                    f"-g{self.k_group}x{GROUP_SIZE}-f32-h{self.rotation_block}-s{ROTATION_SEED}"
-                    f"-n{sinks}{tail}")
+                    f"-g{keys}x{GROUP_SIZE}-f32-{rot}-n{sinks}{tail}")
         return (f"affine-{IDENTITY_VERSION}-k{self.k_bits}v{self.v_bits}-g{GROUP_SIZE}-f32"
                 f"-h{self.rotation_block}-s{ROTATION_SEED}")
 
 
 _PACKED_RE = re.compile(r"affine-v1-k(8|4)v(8|4)-g64-f32-h(64|128)-s1")
-_V2_RE = re.compile(r"affine-v2-k(8|4)v(8|4)-g(32|64)x64-f32-h(64|128)-s1"
+# v2 key groups: 32 or 64 channels per token, or `c`: per channel over the page (page keys,
+# unrotated: `-h0-s0`, and only with a native tail, which holds a page's rows until it fills).
+# 6-bit keys exist only as page keys (k6v4-kivi); any other spec names no format and is refused.
+_V2_RE = re.compile(r"affine-v2-k(8|6|4)v(8|4)-g(32|64|c)x64-f32-(?:h(64|128)-s1|h0-s0)"
                     r"-n(?:0|([1-9][0-9]?)(f32|bf16|f16))(?:-t(f32|bf16|f16))?")
 _NATIVE_RE = re.compile(r"native-v1-(f32|bf16|f16)")
 
@@ -208,9 +256,12 @@ def parse_identity(identity: str) -> dict:
         return {"name": "native", "dtype": m.group(1)}
     sink_dtype = None
     if m := _V2_RE.fullmatch(identity):
-        k_group, block = int(m.group(3)), int(m.group(4))
+        k_group = PAGE_KEYS if m.group(3) == "c" else int(m.group(3))
+        block = int(m.group(4) or 0)
         sinks, sink_dtype = int(m.group(5) or 0), m.group(6)
         tail, tail_dtype = m.group(7) is not None, m.group(7)
+        if (k_group == PAGE_KEYS) != (block == 0):   # page keys are unrotated, the rest rotated
+            raise KVFormatError(f"KV format identity {identity!r}: rotation does not fit its keys")
         if not sinks and not tail and k_group == GROUP_SIZE:   # v1's layout: one name, v1's
             raise KVFormatError(f"KV format identity {identity!r} aliases a v1 identity")
         if sinks and tail and sink_dtype != tail_dtype:
@@ -225,7 +276,7 @@ def parse_identity(identity: str) -> dict:
     if not names:
         raise KVFormatError(f"KV format identity {identity!r} names no supported format")
     out = {"name": names[0], "k_bits": spec[0], "v_bits": spec[1], "group": GROUP_SIZE,
-           "k_group": k_group, "rotation_block": block, "seed": ROTATION_SEED}
+           "k_group": k_group, "rotation_block": block, "seed": ROTATION_SEED if block else 0}
     if sinks:
         out.update(sink_rows=sinks)
     if tail:

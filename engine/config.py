@@ -17,7 +17,7 @@ class EngineConfig(BaseModel):
     model: str = Field(description="local model directory, or a hub id when allow_hub is set")
     kv_format: str = Field("native", description="KV storage format: a name in "
                            "capacity.formats.FORMAT_SPECS (native, int8, k8v4, int4, int4-k32, "
-                           "int4-sink, int4-tail, int4-k32-tail)")
+                           "int4-sink, int4-tail, int4-k32-tail, int4-kivi, k6v4-kivi)")
     kv_format_overrides: dict[str, str] = Field(
         default_factory=dict, description="exact `model` value -> KV format; wins over kv_format "
         "(the weights' quantization never selects KV precision)")

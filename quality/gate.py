@@ -154,10 +154,11 @@ def run_retrieval(loaded, held, a, checkpoint=lambda part: None) -> dict:
     return out
 
 
-def run_retrieval_text(loaded, held, a, checkpoint=lambda part: None) -> dict:
+def run_retrieval_text(loaded, held, a, checkpoint=lambda part: None, make=None) -> dict:
     """Text suite: dict lookups over held-out code at each length (quality.tasks.RETRIEVAL_TASK),
     graded teacher-forced with a chunk cut before each answer; judged on the cases native wins by
-    MIN_MARGIN_NATS, with native's accuracy over every case and the all-case delta reported."""
+    MIN_MARGIN_NATS, with native's accuracy over every case and the all-case delta reported.
+    `make` builds the runners (quality.runs.graded_spans; quality.variants passes its own)."""
     from quality.data import code_stream
     from quality.runs import REF, graded_spans
     from quality.tasks import RETRIEVAL_TASK, retrieval_sequences
@@ -166,7 +167,8 @@ def run_retrieval_text(loaded, held, a, checkpoint=lambda part: None) -> dict:
     for L in a.lengths:
         seqs = retrieval_sequences(loaded.tokenizer, code, L, a.retrieval_cases, **RETRIEVAL_TASK)
         _log(f"retrieval@{L}: {len(seqs)} sequences, {sum(len(s.spans) for s in seqs)} cases")
-        got = graded_spans(loaded, seqs, a.formats, a.retrieval_chunk, a.batch, log=_log)
+        got = graded_spans(loaded, seqs, a.formats, a.retrieval_chunk, a.batch, log=_log,
+                           make=make)
         keep = select_by_margin(got)
         native_all = float(got[REF].mean())
         _log(f"retrieval@{L}: native {native_all:.3f} of {len(keep)}; judged {int(keep.sum())} "
@@ -191,16 +193,18 @@ def select_by_margin(got: dict, margin: float = MIN_MARGIN_NATS):
     return (got[REF] == 1) & (got[REF_MARGIN] >= margin)
 
 
-def run_probes_text(loaded, held, a) -> dict:
+def run_probes_text(loaded, held, a, make=None) -> dict:
     """Text suite: chat probes in multi-turn conversations; the first `probes` of those the
     reference run answers by MIN_MARGIN_NATS are judged (native is 100 % there by construction);
-    the earlier rule (every native-correct probe) is reported beside it."""
+    the earlier rule (every native-correct probe) is reported beside it. `make` as for
+    run_retrieval_text."""
     import numpy as np
 
     from quality.runs import REF, REF_MARGIN, graded_spans
     from quality.tasks import probe_conversations
     convs = probe_conversations(loaded.tokenizer, int(PROBE_ASK * a.probes))
-    got = graded_spans(loaded, convs, a.formats, a.retrieval_chunk, a.batch, log=_log)
+    got = graded_spans(loaded, convs, a.formats, a.retrieval_chunk, a.batch, log=_log,
+                       make=make)
     fams = np.array([str(f) for c in convs for f in c.families])
     correct = np.flatnonzero(got[REF] == 1)
     kept = np.flatnonzero(select_by_margin(got))[:a.probes]

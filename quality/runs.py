@@ -34,7 +34,7 @@ from engine.kv.rotation import rotation_matrix
 from engine.runner.paged import SeqChunk
 
 FORMATS = ("native", "int8", "k8v4", "int4", "int4-norot", "int4-sink", "int4-tail",
-           "int4-k32-tail")
+           "int4-k32-tail", "int4-kivi", "k6v4-kivi")
 PAGE_TOKENS = 64
 REF = "__reference__"
 # graded_spans' per-span margin of the reference run: min over the span's positions of the forced

@@ -21,12 +21,15 @@ MARGINS = {
     "int4-k32": {"nll_delta_pct": 0.3},
     "int4-tail": {"nll_delta_pct": 0.3},
     "int4-k32-tail": {"nll_delta_pct": 0.3},
+    "int4-kivi": {"nll_delta_pct": 0.3},
+    "k6v4-kivi": {"nll_delta_pct": 0.3},   # held to the int4 bar: it is within its bytes
 }
 RETRIEVAL_POINTS = 2.0
 PROBE_POINTS = 2.0
 # int4 identities are held to 3 probe points (issue 17), every other format to PROBE_POINTS.
 PROBE_POINTS_BY_FORMAT = {"int4": 3.0, "int4-norot": 3.0, "int4-sink": 3.0, "int4-k32": 3.0,
-                          "int4-tail": 3.0, "int4-k32-tail": 3.0}
+                          "int4-tail": 3.0, "int4-k32-tail": 3.0, "int4-kivi": 3.0,
+                          "k6v4-kivi": 3.0}
 # Text suite case selection, declared before the run that judges with it (2026-12-01): a graded
 # case (probe or retrieval lookup) is judged only where native's answer wins by at least this
 # margin at every one of its positions: log p(forced token) - max log p(any other token), in

@@ -13,6 +13,9 @@ Two paths, one contract (same inputs, outputs agree within the quantization erro
   refused permit or an ineligible shape runs the direct path for the whole call, and is counted.
 
 Keys in history are stored rotated (engine.kv.rotation); queries are rotated here, never values.
+Page-key history (int4-kivi, k6v4-kivi: engine.kv.page_quant, metadata per channel per page) is
+stored unrotated, so its queries are not rotated, and it is always scored by the tiled path
+(quantized_matmul reads per-token metadata only).
 Shapes: q (B, Hq, L, D); fresh k/v (B, Hkv, L, D); history (B, Hkv, S, ...) packed.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ import mlx.core as mx
 from capacity.formats import GROUP_SIZE, KVFormat
 from engine.attention import cpu_gemm as cpu_packed_gemm
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
+from engine.kv.page_quant import PagePacked
 from engine.kv.quant import Packed, PackedKV, dequantize, group_of
 from engine.kv.rotation import rotate
 from engine.attention.tiles import (CAUSAL_BLOCK_CPU, fresh_causal_blocks, fresh_full,
@@ -131,7 +135,7 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     rep = Hq // Hkv
     S = hist.length
     qs = q.astype(mx.float32) * scale
-    qh = rotate(qs).reshape(B, Hkv, rep, L, D)
+    qh = (rotate(qs) if fmt.rotated else qs).reshape(B, Hkv, rep, L, D)
     qn = qs.reshape(B, Hkv, rep, L, D)
 
     neg = mx.finfo(mx.float32).min
@@ -140,7 +144,9 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     k_new = mx.expand_dims(k_new.astype(mx.float32), 2)
     v_new = mx.expand_dims(v_new.astype(mx.float32), 2)
     act_k = act_v = None
-    if L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries):
+    # Page keys (per-page metadata: engine.kv.page_quant) are scored by the tiled path only.
+    if (not isinstance(hist.k, PagePacked)
+            and L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries)):
         act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype, rep * L, D, kernels.gpu_qmm)
         act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D, kernels.gpu_qmm)
     if act_k is None or act_v is None:
@@ -234,7 +240,7 @@ class PathCounters:
 
 def fused_eligible(q, hist: Optional[PackedKV]) -> bool:
     return (hist is not None and hist.length > 0 and q.shape[2] >= MIN_FUSED_QUERIES
-            and q.shape[-1] in FUSED_HEAD_DIMS)
+            and q.shape[-1] in FUSED_HEAD_DIMS and not isinstance(hist.k, PagePacked))
 
 
 @dataclass

@@ -78,7 +78,7 @@ class PackedLayerCache(PagedLayerCache):
             tk, tv = self.store.gather_tail(ctx.tail_slots(tails))
             keys = mx.concatenate([tk.astype(keys.dtype), keys], axis=2)
             values = mx.concatenate([tv.astype(values.dtype), values], axis=2)
-            hist_mask, new_mask = ctx.tail_masks()
+            hist_mask, new_mask = ctx.tail_masks(getattr(self.store, "whole_pages", False))
         out = self.store.attention(queries, hist, keys, values, scale=scale, new_mask=new_mask,
                                    hist_mask=hist_mask, sinks=sinks)
         if tails is not None:
@@ -149,23 +149,28 @@ class _StepContext:
                                                                 self.step.starts)
         return self._sink_masks["tail_slots"]
 
-    def tail_masks(self) -> tuple[mx.array, mx.array]:
+    def tail_masks(self, whole_pages: bool = False) -> tuple[mx.array, mx.array]:
         """(history mask, fresh mask) when each row's partial last page is read from a native
         page placed ahead of the fresh keys: history shows full pages only; a row sees the
-        first `start % page_tokens` native rows (its tail) and its fresh keys as before."""
-        if "tail" not in self._sink_masks:
+        first `start % page_tokens` native rows (its tail) and its fresh keys as before.
+        `whole_pages`: the history spans every gathered page (page keys), not just `span`."""
+        key = ("tail", whole_pages)
+        if key not in self._sink_masks:
             starts, width, t = self.step.starts, self.step.width, self.step.page_tokens
             full = starts // t * t
-            hist = np.arange(self.span)[None, :] < full[:, None]
+            n = self.pages.shape[1] * t if whole_pages else self.span
+            hist = np.arange(n)[None, :] < full[:, None]
             tail = np.arange(t)[None, :] < (starts - full)[:, None]
             tail = np.broadcast_to(tail[:, None, :], (len(starts), width, t))
             fresh = self._fresh_mask(len(starts), width)
             both = np.concatenate([tail, fresh], axis=-1)
-            self._sink_masks["tail"] = (mx.array(hist)[:, None, None, :], mx.array(both)[:, None])
-        return self._sink_masks["tail"]
+            self._sink_masks[key] = (mx.array(hist)[:, None, None, :], mx.array(both)[:, None])
+        return self._sink_masks[key]
 
     def history(self, store):
         if not self.span:
             return None
         hist = store.gather_packed(self.pages)
+        if getattr(store, "whole_pages", False):   # page keys: metadata per page, never cut
+            return hist
         return type(hist)(*(type(p)(*(a[..., :self.span, :] for a in p)) for p in hist))

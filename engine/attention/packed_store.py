@@ -15,6 +15,8 @@ in the model's dtype, unrotated, in [num_pages, sink_rows, kv_heads, dim] arrays
 (`read_sinks`/`write_sinks` move them verbatim); attention reads a sequence's first tokens from
 its first page's native rows (engine.attention.packed_cache).
 
+Page-key formats (int4-kivi) are engine.attention.page_key_store's subclass of this store.
+
 Formats with a native tail (int4-tail) also keep each sequence's partial last page native, in a
 pool of `tails.num_slots` pages per layer ([slots, page_tokens, kv_heads, dim] for K and V) that
 every layer indexes through one shared engine.kv.tails.TailMap. Codes are written for every row
@@ -69,7 +71,8 @@ class PackedLayerStore:
         self.page_tokens = page_tokens
         self.attention = attention or PackedAttention(fmt)
         h, d = geometry.kv_heads, geometry.head_dim
-        self.k = _zeros(num_pages, page_tokens, h, d, fmt.k_bits, fmt.k_group)
+        # Page keys (int4-kivi) keep their per-page metadata in rows of group page_tokens.
+        self.k = _zeros(num_pages, page_tokens, h, d, fmt.k_bits, fmt.k_row_group(page_tokens))
         self.v = _zeros(num_pages, page_tokens, h, d, fmt.v_bits)
         self.sink_rows = fmt.sink_rows
         if self.sink_rows > page_tokens:
@@ -317,8 +320,11 @@ def packed_layer_factory(fmt_name: str, prefill_mode: str = "direct",
             if page_tokens not in tails:
                 tails[page_tokens] = TailMap(tail_slots, page_tokens)
             tail = tails[page_tokens]
-        return PackedLayerStore(geometry, fmt, num_pages, page_tokens,
-                                PackedAttention(fmt, prefill_mode, permit, kernels=kernels), tail)
+        cls = PackedLayerStore
+        if fmt.page_keys:   # imported here: that module subclasses this one's store
+            from engine.attention.page_key_store import PageKeyStore as cls
+        return cls(geometry, fmt, num_pages, page_tokens,
+                   PackedAttention(fmt, prefill_mode, permit, kernels=kernels), tail)
 
     return make
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from capacity.formats import KVFormat
+from engine.kv.page_quant import PagePacked, dequantize_pages
 from engine.kv.quant import Packed, PackedKV, dequantize
 
 # On the CPU, causal prefill scores the chunk's own keys this many queries at a time (see
@@ -73,15 +74,20 @@ def tiled_history(qh, state: _Online, hist: PackedKV, hmask, fmt: KVFormat, sink
     running max is finite from the start); each history tile is dequantized into a bounded FP32
     scratch, used by a BLAS matmul and dropped. Nothing the size of the whole history is ever
     materialized. Scores are (B, Hkv, rep*L, T): one GEMM per KV head for all its query heads,
-    not a matmul broadcast over a repeat axis.
+    not a matmul broadcast over a repeat axis. Page-key history (engine.kv.page_quant) is unpacked
+    whole pages at a time (the tile rounded up to pages).
     """
     B, Hkv, rep, L, D = qh.shape
     rows = (B, Hkv, rep * L)
     q_flat = qh.reshape(*rows, D)
     m, denom, acc = state
+    pages = isinstance(hist.k, PagePacked)
+    if pages and tile % hist.k.page_tokens:   # page keys unpack whole pages per tile
+        tile = -(-tile // hist.k.page_tokens) * hist.k.page_tokens
     for start in range(0, hist.length, tile):
         cut = lambda pk: Packed(*(a[..., start:start + tile, :] for a in pk))  # noqa: E731
-        kt = dequantize(cut(hist.k), fmt.k_bits)
+        kt = (dequantize_pages(hist.k, fmt.k_bits, start, start + tile) if pages
+              else dequantize(cut(hist.k), fmt.k_bits))
         vt = dequantize(cut(hist.v), fmt.v_bits)
         vt = mx.concatenate([vt, mx.ones((*vt.shape[:-1], 1), vt.dtype)], axis=-1)
         s = q_flat @ kt.swapaxes(-1, -2)

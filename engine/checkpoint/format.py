@@ -186,7 +186,8 @@ def check_compatible(manifest: dict, kvstore: KVStore, model_fingerprint: str,
 
 
 def _packed_row_width(store, kv: str) -> int:
-    return (store.fmt.k_row_bytes() if kv == "k" else store.fmt.v_row_bytes())
+    # Page keys (int4-kivi) carry their page's metadata in rows: the width depends on the page.
+    return (store.fmt.k_row_bytes(store.page_tokens) if kv == "k" else store.fmt.v_row_bytes())
 
 
 def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[int], *,
@@ -247,7 +248,8 @@ def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[
         k, v = tensors[f"layer{index}.k"], tensors[f"layer{index}.v"]
         if getattr(store, "packed", False):
             d = store.fmt.head_dim
-            store.write_packed(slots, from_row_bytes(k, d, store.fmt.k_bits, store.fmt.k_group),
+            store.write_packed(slots, from_row_bytes(k, d, store.fmt.k_bits,
+                                                     store.fmt.k_row_group(store.page_tokens)),
                                from_row_bytes(v, d, store.fmt.v_bits))
             if f"layer{index}.ksink" in tensors:
                 store.write_sinks(slots, tensors[f"layer{index}.ksink"],

@@ -84,7 +84,7 @@ def _fake_spans(monkeypatch, ref, margin, fmt_ok):
     from quality import runs
     seen = {}
 
-    def fake(loaded, seqs, formats, chunk, batch, log=None):
+    def fake(loaded, seqs, formats, chunk, batch, log=None, make=None):
         n = sum(len(s.spans) for s in seqs)
         seen["n"] = n
         return {REF: np.asarray(ref[:n], np.int8), "native": np.asarray(ref[:n], np.int8),

@@ -1,0 +1,141 @@
+"""Packed store for page keys (int4-kivi): keys per channel over each full page, written on fill.
+
+A PackedLayerStore whose keys are quantized per channel over a whole page (engine.kv.page_quant)
+instead of per token. Those codes depend on every row of the page, so rows are not key-quantized
+when written: until its page fills, a row's key lives only in the native tail pool (the tail
+machinery of int4-tail: engine.kv.tails, PackedLayerStore's tail pool), which is also what
+attention reads for a sequence's partial last page. Values are token-local int4 and written for
+every row as usual.
+
+Quantize-on-fill: a write that reaches a page's last offset fills it. Its key codes and
+per-channel scales are then computed from the page's earlier rows (in its native tail slot as the
+step began: the previous step's rows are flushed first) and the write's own rows. That covers a
+decode step that completes a page, a prefill chunk that completes one mid-chunk, and a page
+written whole by one prefill chunk (no earlier rows, so no tail). The step's attention still reads
+that page native (it was the tail when the step began) or as fresh rows; later steps read codes.
+
+Keys are stored unrotated (capacity.formats: `-h0-s0`); attention scores page-key history
+through engine.attention.packed's direct path, which unpacks whole pages tile by tile.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from capacity.formats import KVFormat, KVFormatError
+from engine.attention.packed import PackedAttention
+from engine.attention.packed_store import PackedLayerStore
+from engine.kv.page_quant import (PagePacked, dequantize_pages, meta_pages, meta_rows,
+                                  quantize_pages)
+from engine.kv.quant import Packed, PackedKV, dequantize, quantize
+from engine.kv.store import Slots
+from engine.kv.tails import TailMap
+from engine.model.loader import LayerGeometry
+
+
+class FillPlan:
+    """One step's quantize-on-fill work, computed once (after the tail plan) for every layer."""
+
+    def __init__(self, pages, rows, where, offsets, sources):
+        self.pages = pages        # [F] pages this write fills
+        self.rows = rows          # the write's rows that land in them
+        self.where = where        # per such row: index of its page in `pages`
+        self.offsets = offsets    # per such row: offset in the page
+        self.sources = sources    # [F] native tail slot holding each page's earlier rows
+
+
+class PageKeyStore(PackedLayerStore):
+    """One full-attention layer in a page-keys format (capacity.formats KVFormat.page_keys)."""
+
+    whole_pages = True   # attention reads whole pages of history (per-page metadata)
+
+    def __init__(self, geometry: LayerGeometry, fmt: KVFormat, num_pages: int, page_tokens: int,
+                 attention: Optional[PackedAttention] = None, tails: Optional[TailMap] = None):
+        if not fmt.page_keys or not fmt.native_tail:
+            raise KVFormatError(f"format {fmt.name} does not keep page keys with a native tail")
+        fmt.k_row_group(page_tokens)   # refuses pages that do not divide head_dim
+        super().__init__(geometry, fmt, num_pages, page_tokens, attention, tails)
+
+    def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
+        """Values quantized per row; keys go to the native tail, or to codes when a page fills."""
+        self.flush_tail()   # the previous step's tail rows: a page filled now needs them
+        for dst, src in zip(self.v, quantize(v, self.fmt.v_bits)):
+            dst[slots.page, slots.offset] = src
+        plan = self._tail_plan(slots)
+        fill = self._fill_plan(slots)
+        if fill is not None:
+            self._quantize_filled(fill, k)
+        if plan.rows is not None:
+            idx = mx.array(plan.rows)
+            self._pending = (mx.array(plan.slots), slots.offset[idx], k[idx], v[idx])
+
+    def _fill_plan(self, slots: Slots) -> FillPlan | None:
+        key = ("page_key_fill", id(self.tails))
+        if key not in slots._by_heads:   # shared by every layer of the step, like the tail plan
+            slots._by_heads[key] = self._make_fill_plan(slots.page_np, slots.offset_np)
+        return slots._by_heads[key]
+
+    def _make_fill_plan(self, page: np.ndarray, offset: np.ndarray) -> FillPlan | None:
+        t = self.page_tokens
+        pages = np.unique(page[offset == t - 1])
+        if not pages.size:
+            return None
+        rows = np.flatnonzero(np.isin(page, pages))
+        sources = []
+        for p in pages.tolist():
+            first = int(offset[page == p].min())
+            slot = self.tails.before.get(p, -1)   # the map as this step began
+            if first > 0 and slot < 0:
+                raise KVFormatError(f"page {p} fills, but its first {first} rows have no "
+                                    "native copy to quantize from")
+            sources.append(max(slot, 0))   # a page written whole reads no tail row
+        return FillPlan(mx.array(pages.astype(np.int32)), mx.array(rows.astype(np.int32)),
+                        mx.array(np.searchsorted(pages, page[rows]).astype(np.int32)),
+                        mx.array(offset[rows].astype(np.int32)),
+                        mx.array(np.asarray(sources, dtype=np.int32)))
+
+    def _quantize_filled(self, fill: FillPlan, k: mx.array) -> None:
+        """Key codes and per-channel metadata of the pages this write fills."""
+        t = self.page_tokens
+        page = self.tail[0][fill.sources].astype(mx.float32)   # [F, T, H, D] earlier rows
+        page[fill.where, fill.offsets] = k[fill.rows].astype(mx.float32)
+        codes, scales, offsets = quantize_pages(page.transpose(0, 2, 1, 3), self.fmt.k_bits)
+        self.k.codes[fill.pages] = codes.transpose(0, 2, 1, 3)
+        self.k.scales[fill.pages] = meta_rows(scales, t)
+        self.k.offsets[fill.pages] = meta_rows(offsets, t)
+
+    def read_packed(self, slots: Slots) -> tuple[Packed, Packed]:
+        """As stored; key rows of a partial page (no codes yet: the checkpoint carries them
+        native) read as zeros, never the stale codes of the page's previous owner."""
+        self.flush_tail()
+        kp, vp = super().read_packed(slots)
+        partial = np.isin(slots.page_np, list(self.tails.slot_of))
+        if partial.any():
+            mask = mx.array(partial)[:, None, None]
+            kp = Packed(*(mx.where(mask, mx.zeros_like(a), a) for a in kp))
+        return kp, vp
+
+    def gather_packed(self, pages: mx.array) -> PackedKV:
+        """History for page tables [B, P]: whole pages, keys as PagePacked, values packed."""
+        b, p = pages.shape
+        t = self.page_tokens
+
+        def take(a):
+            return a[pages].reshape(b, p * t, *a.shape[2:]).transpose(0, 2, 1, 3)
+
+        keys = PagePacked(take(self.k.codes), meta_pages(self.k.scales[pages]),
+                          meta_pages(self.k.offsets[pages]))
+        return PackedKV(keys, Packed(*(take(a) for a in self.v)))
+
+    def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]:
+        """Dequantized K and V, [B, heads, P*page_tokens, dim]; a partial tail page is its native
+        copy (what attention reads)."""
+        self.flush_tail()
+        hist = self.gather_packed(pages)
+        k = dequantize_pages(hist.k, self.fmt.k_bits)
+        v = dequantize(hist.v, self.fmt.v_bits)
+        if self.tails.slot_of:
+            k, v = self._with_tails(np.array(pages), k, v)
+        return k, v

@@ -1,0 +1,284 @@
+"""int4-kivi: keys per channel over each full page (quantized when the page fills, from its native
+tail), values per token as int4, each sequence's partial last page read native.
+
+As for int4-tail (test_packed_tail.py), the reference is a native runner over the packed store's
+own `gather()` rows (page-key codes for full pages, the native tail for the partial one), so a
+wrong mask, slot, page or metadata layout shows up in the logits.
+"""
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from capacity.formats import KVFormat, KVFormatError, format_from_identity, parse_identity
+from engine.attention.packed_cache import PackedLayerCache
+from engine.attention.packed_store import layer_report, packed_layer_factory
+from engine.attention.page_key_store import PageKeyStore
+from engine.checkpoint.format import restore_checkpoint, save_checkpoint
+from engine.kv.page_quant import dequantize_pages, PagePacked, quantize_pages
+from engine.kv.pages import PagePool
+from engine.kv.prefix import PrefixCache, chain_root
+from engine.kv.store import KVStore, Slots
+from engine.kv.tails import TailMap
+from engine.model.loader import LayerGeometry, ModelGeometry, load_model
+from engine.runner.packed import PackedModelRunner
+from engine.runner.paged import ModelRunner, SeqChunk
+
+T = 16
+FMT = "int4-kivi"
+FORMATS = [FMT, "k6v4-kivi"]   # 4-bit and 6-bit page keys
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dirs):
+    return load_model(tiny_model_dirs["llama"])
+
+
+def _store(loaded, pages=24, slots=4, fmt=FMT):
+    return KVStore(loaded.geometry, pages, T, loaded.dtype,
+                   layer_factory=packed_layer_factory(fmt, tail_slots=slots))
+
+
+def _geom(layers=2):
+    return ModelGeometry(layers=tuple(LayerGeometry(i, "full", 2, 64, 64) for i in range(layers)),
+                         vocab_size=10)
+
+
+def test_identity_bytes_and_refusals():
+    fmt = KVFormat(FMT, 64, "bfloat16")
+    assert fmt.identity == "affine-v2-k4v4-gcx64-f32-h0-s0-n0-tbf16"
+    parsed = parse_identity(fmt.identity)
+    assert parsed["native_tail"] is True and parsed["k_group"] == 0
+    assert parsed["rotation_block"] == 0 and parsed["seed"] == 0
+    assert format_from_identity(fmt.identity, 64, "float32") == fmt
+    assert fmt.page_keys and not fmt.rotated and fmt.rotation_block is None and not fmt.codes_only
+    # 64-token pages: codes 32 B + per page 64 channels x (scale, offset) x 4 B = 8 B per token,
+    # exactly int4's 80 B per token per head; the tail page is priced per running sequence.
+    assert fmt.k_row_bytes(64) == 40 and fmt.bytes_per_token(3, 64) == 3 * 80
+    assert fmt.bytes_per_page(1, 64) == 64 * 32 + 2 * 64 * 4 + 64 * 40
+    assert fmt.bytes_per_page(1, 16) == 16 * 32 + 2 * 64 * 4 + 16 * 40
+    assert fmt.tail_bytes_per_request(3, 64) == 3 * 64 * 2 * 64 * 2
+    k6 = KVFormat("k6v4-kivi", 64, "bfloat16")   # 6-bit page keys: 48 B codes + 8 B metadata
+    assert k6.identity == "affine-v2-k6v4-gcx64-f32-h0-s0-n0-tbf16"
+    assert format_from_identity(k6.identity, 64, "float32") == k6
+    assert k6.k_row_bytes(64) == 56 and k6.bytes_per_token(1, 64) == 96
+    for bad in ("affine-v2-k6v4-g64x64-f32-h64-s1-n0-tbf16",   # 6 bits: page keys only
+                "affine-v2-k4v4-gcx64-f32-h0-s0-n0",          # page keys need the tail
+                "affine-v2-k4v4-gcx64-f32-h64-s1-n0-tbf16",   # and are unrotated
+                "affine-v2-k4v4-g64x64-f32-h0-s0-n0-tbf16",   # token groups are rotated
+                "affine-v2-k8v8-gcx64-f32-h0-s0-n0-tbf16",
+                "affine-v2-k4v4-gcx64-f32-h0-s0-n4bf16-tbf16"):
+        with pytest.raises(KVFormatError):
+            parse_identity(bad)
+    with pytest.raises(KVFormatError, match="must divide head_dim"):   # metadata rows
+        fmt.bytes_per_token(1, 128)
+    geom = LayerGeometry(0, "full", 2, 64, 64)
+    with pytest.raises(KVFormatError, match="must divide head_dim"):
+        PageKeyStore(geom, KVFormat(FMT, 64), num_pages=2, page_tokens=128,
+                     tails=TailMap(2, 128))
+    with pytest.raises(KVFormatError, match="tail_slots"):
+        PageKeyStore(geom, KVFormat(FMT, 64), num_pages=2, page_tokens=T)
+    with pytest.raises(KVFormatError, match="page keys"):
+        PageKeyStore(geom, KVFormat("int4-tail", 64), num_pages=2, page_tokens=T,
+                     tails=TailMap(2, T))
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_page_quantization_error_is_half_a_step_per_channel(bits):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 2, T, 64)).astype(np.float32)
+    x[..., 5] *= 20   # an outlier channel widens only its own grid
+    codes, scales, offsets = quantize_pages(mx.array(x), bits)
+    words = 64 * bits // 32
+    got = np.array(dequantize_pages(PagePacked(codes.reshape(3, 2 * T, words)[None],
+                                               scales[None], offsets[None]), bits)[0])
+    step = (x.max(axis=-2) - x.min(axis=-2)) / (2 ** bits - 1)
+    err = np.abs(got.reshape(x.shape) - x)
+    assert (err <= step[..., None, :] / 2 + 1e-5).all()
+    assert err[..., 5].max() > 5 * err[..., :5].max()
+
+
+def _write(store, flat, k, v):
+    """One step's write to every layer: one Slots, as the runner shares it (the tail and fill
+    plans are computed once per step from it)."""
+    slots = Slots.from_flat(np.asarray(flat), T)
+    for i in store.layers:
+        store.write(i, slots, k, v)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantize_on_fill_happens_exactly_when_a_page_fills(name):
+    store = KVStore(_geom(), num_pages=4, page_tokens=T,
+                    layer_factory=packed_layer_factory(name, tail_slots=3))
+    fmt = KVFormat(name, 64)   # float32 store
+    bits = fmt.k_bits
+    assert store.bytes_per_token == 2 * fmt.bytes_per_token(2, T)
+    assert store.tail_bytes_per_sequence == 2 * fmt.tail_bytes_per_request(2, T)
+    assert store.nbytes == 4 * store.page_bytes + 3 * store.tail_bytes_per_sequence
+    assert layer_report(store)[0]["storage"] == fmt.identity
+    assert not PackedLayerCache.kernel_decode_fits(store.layers[0])   # never the CUDA kernels
+    rng = np.random.default_rng(0)
+    k = mx.array(rng.standard_normal((2 * T, 2, 64)).astype(np.float32))
+    v = mx.array(rng.standard_normal((2 * T, 2, 64)).astype(np.float32))
+    layer, tails = store.layers[0], store.layers[0].tails
+    codes0 = np.array(layer.k.codes[0])
+    # A page written row by row: no key codes until its last row, the rows are read native.
+    for n in range(T - 1):
+        _write(store, [n], k[n:n + 1], v[n:n + 1])
+        mx.eval(store.arrays())
+        assert (np.array(layer.k.codes[0]) == codes0).all(), n
+        assert tails.slot_of == {0: 0}
+        gk, _ = store.gather(0, [[0]])
+        assert mx.array_equal(gk[0, :, :n + 1], k[:n + 1].swapaxes(0, 1)).item()
+    _write(store, [T - 1], k[T - 1:T], v[T - 1:T])   # the last row: quantized from the tail
+    mx.eval(store.arrays())
+    assert tails.slot_of == {}
+    want = k[:T].swapaxes(0, 1)
+    codes, scales, offsets = quantize_pages(want, bits)   # [H, T, W], [H, D]
+    assert mx.array_equal(layer.k.codes[0], codes.swapaxes(0, 1)).item()
+    gk, gv = store.gather(0, [[0]])
+    step = np.array(scales)[:, None, :]
+    assert (np.abs(np.array(gk[0] - want)) <= step / 2 + 1e-5).all()
+    assert 1e-3 < mx.abs(gk[0] - want).max().item()
+    assert mx.abs(gv[0] - v[:T].swapaxes(0, 1)).max().item() < 0.5
+    # A prefill write that fills one page whole and starts the next: only the first is coded.
+    _write(store, np.r_[np.arange(2 * T, 3 * T), np.arange(3 * T, 3 * T + 4)],
+           mx.concatenate([k[T:], k[:4]]), mx.concatenate([v[T:], v[:4]]))
+    assert tails.slot_of == {3: 0}
+    gk, _ = store.gather(0, [[2, 3]])
+    err = mx.abs(gk[0, :, :T] - k[T:].swapaxes(0, 1)).max().item()
+    assert 1e-4 < err < 0.5
+    assert mx.array_equal(gk[0, :, T:T + 4], k[:4].swapaxes(0, 1)).item()
+    # A page filled inside one write that also holds its earlier rows' tail (rows 4.. of page 3).
+    rest = mx.array(rng.standard_normal((T - 4, 2, 64)).astype(np.float32))
+    _write(store, np.arange(3 * T + 4, 4 * T), rest, rest)
+    whole = mx.concatenate([k[:4], rest]).swapaxes(0, 1)
+    gk, _ = store.gather(0, [[3]])
+    _, scales, _ = quantize_pages(whole, bits)
+    assert (np.abs(np.array(gk[0] - whole)) <= np.array(scales)[:, None, :] / 2 + 1e-5).all()
+    assert tails.used == 0
+
+
+def _gathered_native(loaded, packed: KVStore, table):
+    """A native store holding exactly what `packed` gives attention for these pages."""
+    native = KVStore(loaded.geometry, packed.num_pages, T, loaded.dtype)
+    flat = np.asarray([p * T + o for p in table for o in range(T)])
+    for i, store in packed.layers.items():
+        k, v = store.gather(mx.array([table], dtype=mx.int32))
+        native.write(i, flat, k[0].swapaxes(0, 1), v[0].swapaxes(0, 1))
+    return native
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("cut", [3, 16, 20, 37])
+def test_attention_equals_dequantize_then_attend(llama, cut, fmt):
+    """Prefill `cut` tokens, a chunk that crosses a page boundary, then a decode step: the logits
+    equal a native runner's over the packed store's own rows."""
+    seq = list(range(5, 5 + 48))
+    table = [2, 7, 4, 9]
+    runner = PackedModelRunner(llama, _store(llama, fmt=fmt))
+    runner.forward([SeqChunk(0, seq[:cut], 0, table)])
+    mx.eval(runner.kvstore.arrays())
+    ref = ModelRunner(llama, _gathered_native(llama, runner.kvstore, table))
+    got = runner.forward_all([SeqChunk(0, seq[cut:cut + 9], cut, table)])[0]
+    want = ref.forward_all([SeqChunk(0, seq[cut:cut + 9], cut, table)])[0]
+    assert mx.abs(got - want).max().item() < 2e-4
+    mx.eval(runner.kvstore.arrays())
+    ref = ModelRunner(llama, _gathered_native(llama, runner.kvstore, table))
+    n = cut + 9
+    got = runner.forward([SeqChunk(0, [seq[n]], n, table)])
+    want = ref.forward([SeqChunk(0, [seq[n]], n, table)])
+    assert mx.abs(got - want).max().item() < 2e-4
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_greedy_decode_across_page_boundaries_equals_the_reference(llama, fmt):
+    """Greedy decode token by token over two page boundaries: each step's logits equal the
+    reference over the store's rows, and the tokens are the model's own greedy choice."""
+    table = [5, 1, 3]
+    runner = PackedModelRunner(llama, _store(llama, fmt=fmt))
+    seq = list(range(9, 9 + T - 3))
+    logits = runner.forward([SeqChunk(0, seq, 0, table)])
+    for n in range(len(seq), 2 * T + 3):
+        seq.append(int(mx.argmax(logits[0]).item()))
+        mx.eval(runner.kvstore.arrays())
+        ref = ModelRunner(llama, _gathered_native(llama, runner.kvstore, table))
+        logits = runner.forward([SeqChunk(0, [seq[n]], n, table)])
+        want = ref.forward([SeqChunk(0, [seq[n]], n, table)])
+        assert mx.abs(logits - want).max().item() < 2e-4, n
+    assert runner.kvstore.layers[0].tails.slot_of.keys() == {3}
+
+
+def test_ragged_batch_equals_each_sequence_alone(llama):
+    seqs = [list(range(3, 40)), list(range(50, 60)), list(range(7, 30)), list(range(1, 40))]
+    cuts = [21, 2, 16, 33]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    batch = PackedModelRunner(llama, _store(llama))
+    batch.forward([SeqChunk(i, s[:c], 0, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
+    got = batch.forward([SeqChunk(i, s[c:], c, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
+    for i, (s, c) in enumerate(zip(seqs, cuts)):
+        alone = PackedModelRunner(llama, _store(llama, slots=1))
+        alone.forward([SeqChunk(0, s[:c], 0, tables[i])])
+        want = alone.forward([SeqChunk(0, s[c:], c, tables[i])])
+        assert mx.abs(got[i] - want[0]).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n_tokens", [37, 32])
+def test_checkpoint_round_trip_is_exact(llama, tmp_path, n_tokens, fmt):
+    seq = list(range(5, 5 + n_tokens + 1))
+    table = [3, 5, 1]
+    src = PackedModelRunner(llama, _store(llama, fmt=fmt))
+    src.forward([SeqChunk(0, seq[:-1], 0, table)])
+    mx.eval(src.kvstore.arrays())
+    manifest = save_checkpoint(tmp_path, src.kvstore, table, seq[:-1], model_fingerprint="fp")
+    assert ("layer0.ktail" in manifest["tensors"]) == bool(n_tokens % T)
+    dst = PackedModelRunner(llama, _store(llama, fmt=fmt))
+    new_table, n = restore_checkpoint(tmp_path, dst.kvstore, seq, model_fingerprint="fp",
+                                      allocate=lambda k: [7, 8, 9][:k])
+    assert n == n_tokens
+    slots_src = Slots.from_flat(np.array([table[i // T] * T + i % T for i in range(n)]), T)
+    slots_dst = Slots.from_flat(np.array([new_table[i // T] * T + i % T for i in range(n)]), T)
+    for i, store in src.kvstore.layers.items():
+        other = dst.kvstore.layers[i]
+        a, b = store.read_packed(slots_src), other.read_packed(slots_dst)
+        assert all(mx.array_equal(x, y).item() for p, q in zip(a, b) for x, y in zip(p, q))
+        full = n // T * T   # a partial page's key rows carry no codes (zeros), only its tail
+        assert not np.array(a[0].codes[full:]).any()
+        a, b = store.read_tail(slots_src), other.read_tail(slots_dst)
+        assert a[0].shape[0] == n % T
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a, b))
+    # Decode on past the restored tail's page boundary: every step equals the source's.
+    extra = list(range(60, 60 + T))
+    if len(new_table) * T == n:
+        new_table = new_table + [10]
+    table, new_table = table + [11], new_table + [12]
+    toks = seq[-1:] + extra
+    for j, tok in enumerate(toks):
+        want = src.forward([SeqChunk(0, [tok], n + j, table)])
+        got = dst.forward([SeqChunk(0, [tok], n + j, new_table)])
+        assert mx.array_equal(got, want).item(), j
+
+
+def test_prefix_reuse_shares_full_pages_only(llama):
+    """A second request reusing the first one's full pages (page-key codes) computes what a
+    request prefilled alone computes; the partial page never enters the cache."""
+    prompt = list(range(4, 4 + 2 * T + 5))
+    store = _store(llama, pages=16)
+    pool = PagePool(16, T, on_free=store.release_pages)   # as the engine wires it
+    cache = PrefixCache(pool)
+    root = chain_root("s", "fp", "t", T)
+    runner = PackedModelRunner(llama, store)
+    first = pool.allocate(3)
+    runner.forward([SeqChunk(0, prompt, 0, first)])
+    mx.eval(store.arrays())
+    assert cache.insert(root, prompt, first) == 2
+    pool.free(first)
+    assert store.layers[0].tails.used == 0
+    hit = cache.lookup(root, prompt)
+    assert hit == first[:2]
+    table = hit + pool.allocate(1)
+    got = runner.forward([SeqChunk(0, prompt[2 * T:], 2 * T, table)])
+    alone = PackedModelRunner(llama, _store(llama))
+    alone.forward([SeqChunk(0, prompt[:2 * T], 0, [0, 1, 2])])
+    want = alone.forward([SeqChunk(0, prompt[2 * T:], 2 * T, [0, 1, 2])])
+    assert mx.abs(got - want).max().item() < 1e-5
