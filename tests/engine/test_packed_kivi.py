@@ -169,28 +169,6 @@ def _gathered_native(loaded, packed: KVStore, table):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("cut", [3, 16, 20, 37])
-def test_attention_equals_dequantize_then_attend(llama, cut, fmt):
-    """Prefill `cut` tokens, a chunk that crosses a page boundary, then a decode step: the logits
-    equal a native runner's over the packed store's own rows."""
-    seq = list(range(5, 5 + 48))
-    table = [2, 7, 4, 9]
-    runner = PackedModelRunner(llama, _store(llama, fmt=fmt))
-    runner.forward([SeqChunk(0, seq[:cut], 0, table)])
-    mx.eval(runner.kvstore.arrays())
-    ref = ModelRunner(llama, _gathered_native(llama, runner.kvstore, table))
-    got = runner.forward_all([SeqChunk(0, seq[cut:cut + 9], cut, table)])[0]
-    want = ref.forward_all([SeqChunk(0, seq[cut:cut + 9], cut, table)])[0]
-    assert mx.abs(got - want).max().item() < 2e-4
-    mx.eval(runner.kvstore.arrays())
-    ref = ModelRunner(llama, _gathered_native(llama, runner.kvstore, table))
-    n = cut + 9
-    got = runner.forward([SeqChunk(0, [seq[n]], n, table)])
-    want = ref.forward([SeqChunk(0, [seq[n]], n, table)])
-    assert mx.abs(got - want).max().item() < 2e-4
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
 def test_greedy_decode_across_page_boundaries_equals_the_reference(llama, fmt):
     """Greedy decode token by token over two page boundaries: each step's logits equal the
     reference over the store's rows, and the tokens are the model's own greedy choice."""
@@ -206,20 +184,6 @@ def test_greedy_decode_across_page_boundaries_equals_the_reference(llama, fmt):
         want = ref.forward([SeqChunk(0, [seq[n]], n, table)])
         assert mx.abs(logits - want).max().item() < 2e-4, n
     assert runner.kvstore.layers[0].tails.slot_of.keys() == {3}
-
-
-def test_ragged_batch_equals_each_sequence_alone(llama):
-    seqs = [list(range(3, 40)), list(range(50, 60)), list(range(7, 30)), list(range(1, 40))]
-    cuts = [21, 2, 16, 33]
-    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
-    batch = PackedModelRunner(llama, _store(llama))
-    batch.forward([SeqChunk(i, s[:c], 0, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
-    got = batch.forward([SeqChunk(i, s[c:], c, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
-    for i, (s, c) in enumerate(zip(seqs, cuts)):
-        alone = PackedModelRunner(llama, _store(llama, slots=1))
-        alone.forward([SeqChunk(0, s[:c], 0, tables[i])])
-        want = alone.forward([SeqChunk(0, s[c:], c, tables[i])])
-        assert mx.abs(got[i] - want[0]).max().item() < 1e-4
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -123,12 +123,12 @@ def _gathered_native(loaded, packed: KVStore, table):
     return native
 
 
-@pytest.mark.parametrize("fmt", [FMT, "int4-k32-tail"])
+@pytest.mark.parametrize("fmt", [FMT, "int4-k32-tail", "int4-kivi", "k6v4-kivi"])
 @pytest.mark.parametrize("cut", [3, 16, 20, 37])
 def test_attention_equals_dequantize_then_attend(llama, cut, fmt):
     """Prefill `cut` tokens, then a chunk that crosses a page boundary, then a decode step: the
     logits equal a native runner's over the packed store's own rows (codes for full pages, the
-    native tail for the partial one)."""
+    native tail for the partial one; int4-kivi / k6v4-kivi: page keys quantized on fill)."""
     seq = list(range(5, 5 + 48))
     table = [2, 7, 4, 9]
     runner = PackedModelRunner(llama, _store(llama, fmt=fmt))
@@ -161,15 +161,16 @@ def test_decode_across_a_page_boundary_equals_the_reference(llama):
         assert mx.abs(got - want).max().item() < 2e-4, n
 
 
-def test_ragged_batch_equals_each_sequence_alone(llama):
+@pytest.mark.parametrize("fmt", [FMT, "int4-kivi"])
+def test_ragged_batch_equals_each_sequence_alone(llama, fmt):
     seqs = [list(range(3, 40)), list(range(50, 60)), list(range(7, 30)), list(range(1, 40))]
     cuts = [21, 2, 16, 33]
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
-    batch = PackedModelRunner(llama, _store(llama))
+    batch = PackedModelRunner(llama, _store(llama, fmt=fmt))
     batch.forward([SeqChunk(i, s[:c], 0, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
     got = batch.forward([SeqChunk(i, s[c:], c, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
     for i, (s, c) in enumerate(zip(seqs, cuts)):
-        alone = PackedModelRunner(llama, _store(llama, slots=1))
+        alone = PackedModelRunner(llama, _store(llama, slots=1, fmt=fmt))
         alone.forward([SeqChunk(0, s[:c], 0, tables[i])])
         want = alone.forward([SeqChunk(0, s[c:], c, tables[i])])
         assert mx.abs(got[i] - want[0]).max().item() < 1e-4
