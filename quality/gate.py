@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import shlex
 import sys
@@ -272,6 +273,13 @@ def run_probes(loaded, held, a) -> dict:
 
 # ------------------------------------------------------------------ entry point
 
+def _shown(model: str) -> str:
+    """A model under the working directory by its relative path (short names resolve to an
+    absolute folder), so recorded results carry no machine paths."""
+    relative = os.path.relpath(model)
+    return model if relative.startswith("..") else relative
+
+
 def _machine(a) -> str:
     import mlx.core as mx
     if a.machine:
@@ -304,7 +312,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
     result = {
         "command": "python -m quality.gate " + " ".join(shlex.quote(x) for x in argv),
         "suite": a.suite,
-        "machine": _machine(a), "dtype": loaded.dtype_name, "model": a.model,
+        "machine": _machine(a), "dtype": loaded.dtype_name, "model": _shown(a.model),
         "fingerprint": loaded.fingerprint, "formats": a.formats,
         "sizes": {"nll_tokens_min": a.nll_tokens, "window": a.window, "chunk": a.chunk,
                   "retrieval_cases_per_cell": a.retrieval_cases, "lengths": a.lengths,
