@@ -41,6 +41,7 @@ import numpy as np
 
 from engine.attention.paged import PagedLayerCache
 from engine.kv.store import KVStore, NativeLayerStore
+from engine.kv.quant import affine_codes
 from engine.kv.rotation import rotate, rotation_matrix
 
 
@@ -105,11 +106,8 @@ def fake_quant(x: mx.array, bits: int, group: int) -> mx.array:
     """Affine min/max round trip over groups of `group` along the last axis (engine.kv.quant's)."""
     lead, d = x.shape[:-1], x.shape[-1]
     g = x.astype(mx.float32).reshape(*lead, d // group, group)
-    lo = g.min(axis=-1, keepdims=True)
-    scale = (g.max(axis=-1, keepdims=True) - lo) / (2 ** bits - 1)
-    safe = mx.where(scale > 0, scale, 1.0)
-    q = mx.clip(mx.round((g - lo) / safe), 0, 2 ** bits - 1)
-    return (q * scale + lo).reshape(x.shape)
+    q, scale, lo = affine_codes(g, bits, axis=-1)
+    return (q.astype(mx.float32) * scale + lo).reshape(x.shape)
 
 
 class VariantCache(PagedLayerCache):

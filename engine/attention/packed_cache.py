@@ -78,7 +78,7 @@ class PackedLayerCache(PagedLayerCache):
             tk, tv = self.store.gather_tail(ctx.tail_slots(tails))
             keys = mx.concatenate([tk.astype(keys.dtype), keys], axis=2)
             values = mx.concatenate([tv.astype(values.dtype), values], axis=2)
-            hist_mask, new_mask = ctx.tail_masks(getattr(self.store, "whole_pages", False))
+            hist_mask, new_mask = ctx.tail_masks(self.store.whole_pages)
         out = self.store.attention(queries, hist, keys, values, scale=scale, new_mask=new_mask,
                                    hist_mask=hist_mask, sinks=sinks)
         if tails is not None:
@@ -171,6 +171,6 @@ class _StepContext:
         if not self.span:
             return None
         hist = store.gather_packed(self.pages)
-        if getattr(store, "whole_pages", False):   # page keys: metadata per page, never cut
+        if store.whole_pages:   # page keys: metadata per page, never cut
             return hist
         return type(hist)(*(type(p)(*(a[..., :self.span, :] for a in p)) for p in hist))

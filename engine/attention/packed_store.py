@@ -55,6 +55,9 @@ class PackedLayerStore:
 
     packed = True
     cache_class = PackedLayerCache   # the runner builds this cache for packed layers
+    # Attention may cut history to the rows it needs; page-key stores (per-page metadata) read
+    # whole pages (engine/attention/page_key_store.py sets this).
+    whole_pages = False
 
     def __init__(self, geometry: LayerGeometry, fmt: KVFormat, num_pages: int, page_tokens: int,
                  attention: Optional[PackedAttention] = None, tails: Optional[TailMap] = None):

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from engine.kv.quant import affine_codes, pack_codes
+
 
 class PagePacked(NamedTuple):
     """Gathered page-key history: codes (..., P*T, D*bits/32) uint32, one row per token (whole
@@ -42,9 +44,7 @@ def _pack(q: mx.array, bits: int) -> mx.array:
         b = (mx.expand_dims(v, -1) >> mx.array([0, 8, 16], dtype=mx.uint32)) & 255
         b = b.astype(mx.uint8).reshape(*q.shape[:-2], -1)
         return b.view(mx.uint32)
-    per_word = 32 // bits
-    q = q.reshape(*q.shape[:-1], q.shape[-1] // per_word, per_word)
-    return (q << mx.arange(0, 32, bits, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
+    return pack_codes(q, bits)
 
 
 def unpack_codes(words: mx.array, bits: int) -> mx.array:
@@ -65,14 +65,8 @@ def quantize_pages(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array
 
     Returns codes (..., T, D*bits/32) uint32 and scales, offsets (..., D) float32.
     """
-    x = x.astype(mx.float32)
-    lo = x.min(axis=-2)
-    scale = (x.max(axis=-2) - lo) / (2 ** bits - 1)
-    # A constant channel has scale 0: every code is 0 and the offset alone is exact.
-    safe = mx.where(scale > 0, scale, 1.0)
-    q = mx.clip(mx.round((x - mx.expand_dims(lo, -2)) / mx.expand_dims(safe, -2)),
-                0, 2 ** bits - 1).astype(mx.uint32)
-    return _pack(q, bits), scale, lo
+    q, scale, lo = affine_codes(x.astype(mx.float32), bits, axis=-2)
+    return _pack(q, bits), scale.squeeze(-2), lo.squeeze(-2)
 
 
 def dequantize_pages(p: PagePacked, bits: int, start: int = 0, stop: int | None = None) -> mx.array:

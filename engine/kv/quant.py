@@ -50,16 +50,27 @@ def quantize(x: mx.array, bits: int, group: int = GROUP_SIZE) -> Packed:
         raise ValueError(f"last axis {d} is not a multiple of {group}")
     lead = x.shape[:-1]
     g = x.astype(mx.float32).reshape(*lead, d // group, group)
-    lo = g.min(axis=-1, keepdims=True)
-    scale = (g.max(axis=-1, keepdims=True) - lo) / (2**bits - 1)
+    q, scale, lo = affine_codes(g, bits, axis=-1)
+    codes = pack_codes(q.reshape(*lead, d), bits)
+    return Packed(codes, scale.squeeze(-1), lo.squeeze(-1))
+
+
+def affine_codes(x: mx.array, bits: int, axis: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Min/max affine codes of float32 `x` over `axis` (one grid per slice along it):
+    (uint32 codes shaped like x, scale, offset), scale and offset keeping `axis` as size 1."""
+    lo = x.min(axis=axis, keepdims=True)
+    scale = (x.max(axis=axis, keepdims=True) - lo) / (2**bits - 1)
     # A constant group has scale 0: every code is 0 and the offset alone is exact.
     safe = mx.where(scale > 0, scale, 1.0)
-    q = mx.clip(mx.round((g - lo) / safe), 0, 2**bits - 1).astype(mx.uint32)
+    q = mx.clip(mx.round((x - lo) / safe), 0, 2**bits - 1).astype(mx.uint32)
+    return q, scale, lo
+
+
+def pack_codes(q: mx.array, bits: int) -> mx.array:
+    """uint32 codes (..., D) of 4 or 8 bits -> words (..., D*bits/32), little-end first."""
     per_word = 32 // bits
-    q = q.reshape(*lead, d // per_word, per_word)
-    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
-    codes = (q << shifts).sum(axis=-1).astype(mx.uint32)
-    return Packed(codes, scale.squeeze(-1), lo.squeeze(-1))
+    q = q.reshape(*q.shape[:-1], q.shape[-1] // per_word, per_word)
+    return (q << mx.arange(0, 32, bits, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
 
 
 def group_of(p: Packed, bits: int) -> int:

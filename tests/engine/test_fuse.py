@@ -69,11 +69,25 @@ def test_mismatched_parts_stay_as_they_were():
 
 
 def test_engine_fuses_by_default_and_can_be_told_not_to(tmp_path):
+    """The config reaches the load: an Engine's model is fused unless told not to, and both
+    generate the same greedy tokens."""
     from engine.config import EngineConfig
-    from engine.model.loader import load_model
+    from engine.loop import Engine
+    from engine.request import GenerationRequest
+    from engine.sampling.params import SamplingParams
+    from tests.engine_helpers import collect, run, tokens
+
     path = str(build_tiny_model("llama", tmp_path / "m"))
     assert EngineConfig(model=path).fuse_projections is True
-    fused = load_model(path, fuse=True).model
-    plain = load_model(path, fuse=False).model
-    assert "qkv_proj" in fused.model.layers[0].self_attn
-    assert "qkv_proj" not in plain.model.layers[0].self_attn
+    outs = {}
+    for fuse in (True, False):
+        eng = Engine(EngineConfig(model=path, fuse_projections=fuse, max_num_seqs=2))
+        try:
+            attn = eng.loaded.model.model.layers[0].self_attn
+            assert ("qkv_proj" in attn) == fuse
+            req = GenerationRequest("r", [5, 17, 33, 2, 9], SamplingParams(
+                temperature=0.0, max_tokens=12, ignore_eos=True))
+            outs[fuse] = tokens(run(collect(eng, req)))
+        finally:
+            eng.shutdown()
+    assert len(outs[True]) == 12 and outs[True] == outs[False]

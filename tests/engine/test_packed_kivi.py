@@ -13,10 +13,7 @@ from capacity.formats import KVFormat, KVFormatError, format_from_identity, pars
 from engine.attention.packed_cache import PackedLayerCache
 from engine.attention.packed_store import layer_report, packed_layer_factory
 from engine.attention.page_key_store import PageKeyStore
-from engine.checkpoint.format import restore_checkpoint, save_checkpoint
 from engine.kv.page_quant import dequantize_pages, PagePacked, quantize_pages
-from engine.kv.pages import PagePool
-from engine.kv.prefix import PrefixCache, chain_root
 from engine.kv.store import KVStore, Slots
 from engine.kv.tails import TailMap
 from engine.model.loader import LayerGeometry, ModelGeometry, load_model
@@ -184,65 +181,3 @@ def test_greedy_decode_across_page_boundaries_equals_the_reference(llama, fmt):
         want = ref.forward([SeqChunk(0, [seq[n]], n, table)])
         assert mx.abs(logits - want).max().item() < 2e-4, n
     assert runner.kvstore.layers[0].tails.slot_of.keys() == {3}
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n_tokens", [37, 32])
-def test_checkpoint_round_trip_is_exact(llama, tmp_path, n_tokens, fmt):
-    seq = list(range(5, 5 + n_tokens + 1))
-    table = [3, 5, 1]
-    src = PackedModelRunner(llama, _store(llama, fmt=fmt))
-    src.forward([SeqChunk(0, seq[:-1], 0, table)])
-    mx.eval(src.kvstore.arrays())
-    manifest = save_checkpoint(tmp_path, src.kvstore, table, seq[:-1], model_fingerprint="fp")
-    assert ("layer0.ktail" in manifest["tensors"]) == bool(n_tokens % T)
-    dst = PackedModelRunner(llama, _store(llama, fmt=fmt))
-    new_table, n = restore_checkpoint(tmp_path, dst.kvstore, seq, model_fingerprint="fp",
-                                      allocate=lambda k: [7, 8, 9][:k])
-    assert n == n_tokens
-    slots_src = Slots.from_flat(np.array([table[i // T] * T + i % T for i in range(n)]), T)
-    slots_dst = Slots.from_flat(np.array([new_table[i // T] * T + i % T for i in range(n)]), T)
-    for i, store in src.kvstore.layers.items():
-        other = dst.kvstore.layers[i]
-        a, b = store.read_packed(slots_src), other.read_packed(slots_dst)
-        assert all(mx.array_equal(x, y).item() for p, q in zip(a, b) for x, y in zip(p, q))
-        full = n // T * T   # a partial page's key rows carry no codes (zeros), only its tail
-        assert not np.array(a[0].codes[full:]).any()
-        a, b = store.read_tail(slots_src), other.read_tail(slots_dst)
-        assert a[0].shape[0] == n % T
-        assert all(mx.array_equal(x, y).item() for x, y in zip(a, b))
-    # Decode on past the restored tail's page boundary: every step equals the source's.
-    extra = list(range(60, 60 + T))
-    if len(new_table) * T == n:
-        new_table = new_table + [10]
-    table, new_table = table + [11], new_table + [12]
-    toks = seq[-1:] + extra
-    for j, tok in enumerate(toks):
-        want = src.forward([SeqChunk(0, [tok], n + j, table)])
-        got = dst.forward([SeqChunk(0, [tok], n + j, new_table)])
-        assert mx.array_equal(got, want).item(), j
-
-
-def test_prefix_reuse_shares_full_pages_only(llama):
-    """A second request reusing the first one's full pages (page-key codes) computes what a
-    request prefilled alone computes; the partial page never enters the cache."""
-    prompt = list(range(4, 4 + 2 * T + 5))
-    store = _store(llama, pages=16)
-    pool = PagePool(16, T, on_free=store.release_pages)   # as the engine wires it
-    cache = PrefixCache(pool)
-    root = chain_root("s", "fp", "t", T)
-    runner = PackedModelRunner(llama, store)
-    first = pool.allocate(3)
-    runner.forward([SeqChunk(0, prompt, 0, first)])
-    mx.eval(store.arrays())
-    assert cache.insert(root, prompt, first) == 2
-    pool.free(first)
-    assert store.layers[0].tails.used == 0
-    hit = cache.lookup(root, prompt)
-    assert hit == first[:2]
-    table = hit + pool.allocate(1)
-    got = runner.forward([SeqChunk(0, prompt[2 * T:], 2 * T, table)])
-    alone = PackedModelRunner(llama, _store(llama))
-    alone.forward([SeqChunk(0, prompt[:2 * T], 0, [0, 1, 2])])
-    want = alone.forward([SeqChunk(0, prompt[2 * T:], 2 * T, [0, 1, 2])])
-    assert mx.abs(got - want).max().item() < 1e-5

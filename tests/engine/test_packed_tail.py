@@ -187,16 +187,20 @@ def test_the_native_tail_changes_the_answer_from_plain_int4(llama):
     assert mx.abs(out["int4"] - out[FMT]).max().item() > 1e-4
 
 
+@pytest.mark.parametrize("fmt", [FMT, "int4-kivi", "k6v4-kivi"])
 @pytest.mark.parametrize("n_tokens", [37, 32])
-def test_checkpoint_round_trip_is_exact(llama, tmp_path, n_tokens):
+def test_checkpoint_round_trip_is_exact(llama, tmp_path, n_tokens, fmt):
+    """Save mid-page or on a page boundary, restore into other pages: the rows are verbatim,
+    the partial page comes back native, and decoding on past the restored tail's page boundary
+    gives the source's logits at every step (page keys: the page fills from the restored tail)."""
     seq = list(range(5, 5 + n_tokens + 1))
     table = [3, 5, 1]
-    src = PackedModelRunner(llama, _store(llama))
+    src = PackedModelRunner(llama, _store(llama, fmt=fmt))
     src.forward([SeqChunk(0, seq[:-1], 0, table)])
     mx.eval(src.kvstore.arrays())
     manifest = save_checkpoint(tmp_path, src.kvstore, table, seq[:-1], model_fingerprint="fp")
     assert ("layer0.ktail" in manifest["tensors"]) == bool(n_tokens % T)
-    dst = PackedModelRunner(llama, _store(llama))
+    dst = PackedModelRunner(llama, _store(llama, fmt=fmt))
     new_table, n = restore_checkpoint(tmp_path, dst.kvstore, seq, model_fingerprint="fp",
                                       allocate=lambda k: [7, 8, 9][:k])
     assert n == n_tokens
@@ -206,21 +210,27 @@ def test_checkpoint_round_trip_is_exact(llama, tmp_path, n_tokens):
         other = dst.kvstore.layers[i]
         a, b = store.read_packed(slots_src), other.read_packed(slots_dst)
         assert all(mx.array_equal(x, y).item() for p, q in zip(a, b) for x, y in zip(p, q))
+        if store.fmt.page_keys:   # a partial page's key rows carry no codes (zeros), only its tail
+            assert not np.array(a[0].codes[n // T * T:]).any()
         a, b = store.read_tail(slots_src), other.read_tail(slots_dst)
         assert a[0].shape[0] == n % T
         assert all(mx.array_equal(x, y).item() for x, y in zip(a, b))
-    want = src.forward([SeqChunk(0, seq[-1:], n, table)])
     if len(new_table) * T == n:   # the next token starts a page
         new_table = new_table + [10]
-    got = dst.forward([SeqChunk(0, seq[-1:], n, new_table)])
-    assert mx.array_equal(got, want).item()
+    table, new_table = table + [11], new_table + [12]
+    for j, tok in enumerate(seq[-1:] + list(range(60, 60 + T))):
+        want = src.forward([SeqChunk(0, [tok], n + j, table)])
+        got = dst.forward([SeqChunk(0, [tok], n + j, new_table)])
+        assert mx.array_equal(got, want).item(), j
 
 
-def test_prefix_reuse_shares_full_pages_only(llama):
-    """A second request reusing the first one's full pages (codes) computes what a request
-    prefilled alone computes; the first request's partial page never enters the cache."""
+@pytest.mark.parametrize("fmt", [FMT, "int4-kivi"])
+def test_prefix_reuse_shares_full_pages_only(llama, fmt):
+    """A second request reusing the first one's full pages (codes; int4-kivi: page-key codes
+    written on fill) computes what a request prefilled alone computes; the first request's
+    partial page never enters the cache."""
     prompt = list(range(4, 4 + 2 * T + 5))
-    store = _store(llama, pages=16)
+    store = _store(llama, pages=16, fmt=fmt)
     pool = PagePool(16, T, on_free=store.release_pages)   # as the engine wires it
     cache = PrefixCache(pool)
     root = chain_root("s", "fp", "t", T)
@@ -235,7 +245,7 @@ def test_prefix_reuse_shares_full_pages_only(llama):
     assert hit == first[:2]
     table = hit + pool.allocate(1)
     got = runner.forward([SeqChunk(0, prompt[2 * T:], 2 * T, table)])
-    alone = PackedModelRunner(llama, _store(llama))
+    alone = PackedModelRunner(llama, _store(llama, fmt=fmt))
     alone.forward([SeqChunk(0, prompt[:2 * T], 0, [0, 1, 2])])
     want = alone.forward([SeqChunk(0, prompt[2 * T:], 2 * T, [0, 1, 2])])
     assert mx.abs(got - want).max().item() < 1e-5
