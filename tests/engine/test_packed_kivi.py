@@ -16,23 +16,17 @@ from engine.attention.page_key_store import PageKeyStore
 from engine.kv.page_quant import dequantize_pages, PagePacked, quantize_pages
 from engine.kv.store import KVStore, Slots
 from engine.kv.tails import TailMap
-from engine.model.loader import LayerGeometry, ModelGeometry, load_model
+from engine.model.loader import LayerGeometry, ModelGeometry
 from engine.runner.packed import PackedModelRunner
 from engine.runner.paged import ModelRunner, SeqChunk
+from tests.engine.tail_helpers import T, gathered_native, llama, tail_store  # noqa: F401 (fixture)
 
-T = 16
 FMT = "int4-kivi"
 FORMATS = [FMT, "k6v4-kivi"]   # 4-bit and 6-bit page keys
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_model_dirs):
-    return load_model(tiny_model_dirs["llama"])
-
-
 def _store(loaded, pages=24, slots=4, fmt=FMT):
-    return KVStore(loaded.geometry, pages, T, loaded.dtype,
-                   layer_factory=packed_layer_factory(fmt, tail_slots=slots))
+    return tail_store(loaded, fmt, pages, slots)
 
 
 def _geom(layers=2):
@@ -155,16 +149,6 @@ def test_quantize_on_fill_happens_exactly_when_a_page_fills(name):
     assert tails.used == 0
 
 
-def _gathered_native(loaded, packed: KVStore, table):
-    """A native store holding exactly what `packed` gives attention for these pages."""
-    native = KVStore(loaded.geometry, packed.num_pages, T, loaded.dtype)
-    flat = np.asarray([p * T + o for p in table for o in range(T)])
-    for i, store in packed.layers.items():
-        k, v = store.gather(mx.array([table], dtype=mx.int32))
-        native.write(i, flat, k[0].swapaxes(0, 1), v[0].swapaxes(0, 1))
-    return native
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_greedy_decode_across_page_boundaries_equals_the_reference(llama, fmt):
     """Greedy decode token by token over two page boundaries: each step's logits equal the
@@ -176,7 +160,7 @@ def test_greedy_decode_across_page_boundaries_equals_the_reference(llama, fmt):
     for n in range(len(seq), 2 * T + 3):
         seq.append(int(mx.argmax(logits[0]).item()))
         mx.eval(runner.kvstore.arrays())
-        ref = ModelRunner(llama, _gathered_native(llama, runner.kvstore, table))
+        ref = ModelRunner(llama, gathered_native(llama, runner.kvstore, table))
         logits = runner.forward([SeqChunk(0, [seq[n]], n, table)])
         want = ref.forward([SeqChunk(0, [seq[n]], n, table)])
         assert mx.abs(logits - want).max().item() < 2e-4, n

@@ -17,22 +17,16 @@ from engine.kv.pages import PagePool
 from engine.kv.prefix import PrefixCache, chain_root
 from engine.kv.store import KVStore, Slots
 from engine.kv.tails import TailMap
-from engine.model.loader import LayerGeometry, ModelGeometry, load_model
+from engine.model.loader import LayerGeometry, ModelGeometry
 from engine.runner.packed import PackedModelRunner
 from engine.runner.paged import ModelRunner, SeqChunk
+from tests.engine.tail_helpers import T, gathered_native, llama, tail_store  # noqa: F401 (fixture)
 
-T = 16
 FMT = "int4-tail"
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_model_dirs):
-    return load_model(tiny_model_dirs["llama"])
-
-
 def _store(loaded, pages=24, slots=4, fmt=FMT):
-    return KVStore(loaded.geometry, pages, T, loaded.dtype,
-                   layer_factory=packed_layer_factory(fmt, tail_slots=slots))
+    return tail_store(loaded, fmt, pages, slots)
 
 
 def test_identity_bytes_and_refusals():
@@ -113,16 +107,6 @@ def test_store_bytes_match_the_format_and_pages_go_native_until_full():
         store.write(0, np.array([0, T, 2 * T, 3 * T]), k[:4], v[:4])
 
 
-def _gathered_native(loaded, packed: KVStore, table):
-    """A native store holding exactly what `packed` gives attention for these pages."""
-    native = KVStore(loaded.geometry, packed.num_pages, T, loaded.dtype)
-    flat = np.asarray([p * T + o for p in table for o in range(T)])
-    for i, store in packed.layers.items():
-        k, v = store.gather(mx.array([table], dtype=mx.int32))
-        native.write(i, flat, k[0].swapaxes(0, 1), v[0].swapaxes(0, 1))
-    return native
-
-
 @pytest.mark.parametrize("fmt", [FMT, "int4-k32-tail", "int4-kivi", "k6v4-kivi"])
 @pytest.mark.parametrize("cut", [3, 16, 20, 37])
 def test_attention_equals_dequantize_then_attend(llama, cut, fmt):
@@ -134,12 +118,12 @@ def test_attention_equals_dequantize_then_attend(llama, cut, fmt):
     runner = PackedModelRunner(llama, _store(llama, fmt=fmt))
     runner.forward([SeqChunk(0, seq[:cut], 0, table)])
     mx.eval(runner.kvstore.arrays())
-    ref = ModelRunner(llama, _gathered_native(llama, runner.kvstore, table))
+    ref = ModelRunner(llama, gathered_native(llama, runner.kvstore, table))
     got = runner.forward_all([SeqChunk(0, seq[cut:cut + 9], cut, table)])[0]
     want = ref.forward_all([SeqChunk(0, seq[cut:cut + 9], cut, table)])[0]
     assert mx.abs(got - want).max().item() < 2e-4
     mx.eval(runner.kvstore.arrays())
-    ref = ModelRunner(llama, _gathered_native(llama, runner.kvstore, table))
+    ref = ModelRunner(llama, gathered_native(llama, runner.kvstore, table))
     n = cut + 9
     got = runner.forward([SeqChunk(0, [seq[n]], n, table)])
     want = ref.forward([SeqChunk(0, [seq[n]], n, table)])
@@ -155,7 +139,7 @@ def test_decode_across_a_page_boundary_equals_the_reference(llama):
     runner.forward([SeqChunk(0, seq[:T - 2], 0, table)])
     for n in range(T - 2, T + 3):
         mx.eval(runner.kvstore.arrays())
-        ref = ModelRunner(llama, _gathered_native(llama, runner.kvstore, table))
+        ref = ModelRunner(llama, gathered_native(llama, runner.kvstore, table))
         got = runner.forward([SeqChunk(0, [seq[n]], n, table)])
         want = ref.forward([SeqChunk(0, [seq[n]], n, table)])
         assert mx.abs(got - want).max().item() < 2e-4, n
