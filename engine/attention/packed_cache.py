@@ -52,12 +52,12 @@ class PackedLayerCache(PagedLayerCache):
                 self.store.attention.counters.direct += 1   # it is the direct path there
             bounds, longest = cuda_packed_prefill.step_bounds(self.step, self.view)
             return cuda_packed_prefill.packed_prefill_attention(
-                queries, keys, values, self.store.k, self.store.v, self.store.fmt.k_bits,
+                queries, keys, values, self.store.pool, self.store.layout, self.store.fmt.k_bits,
                 self.store.fmt.v_bits, self.view.pages, bounds, longest, scale,
                 target_blocks=kernels.prefill_split_target)
         if sinks is None and self._kernel_decode():
             return cuda_packed_decode.packed_decode_attention(
-                queries, keys, values, self.store.k, self.store.v, self.store.fmt.k_bits,
+                queries, keys, values, self.store.pool, self.store.layout, self.store.fmt.k_bits,
                 self.view.pages, self.step.ends, self.step.longest, scale,
                 kernels.decode_split_target, version=kernels.packed_decode)
         ctx = self._context()

@@ -2,9 +2,10 @@
 
 Implements engine.kv.store's per-layer store protocol (page_bytes, nbytes, write, gather, arrays)
 so KVStore can hold packed and native layers side by side. Keys are rotated (engine.kv.rotation)
-before they are quantized; values are not. Pages are token-major like the native store,
-[num_pages, page_tokens, kv_heads, words], so a write is one scatter per array and a gather is
-one take plus a free reshape.
+before they are quantized; values are not. All of a layer's codes and metadata live in one
+uint32 pool [num_pages, page_words] whose pages are runs of token-major sections
+(engine.kv.page_layout), so a write of N rows is one scatter of their records and a gather is
+one take per section plus a free reshape.
 
 Attention does not use `gather` (that returns dequantized, un-rotated rows for tools and tests);
 it reads `gather_packed` through engine.attention.packed_cache, and checkpoints move rows with
@@ -31,23 +32,18 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from capacity.formats import KVFormat, KVFormatError
+from capacity.formats import GROUP_SIZE, KVFormat, KVFormatError
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.attention.cuda import packed_write as cuda_packed_write
 from engine.kv.store import NativeLayerStore, Slots
 from engine.model.loader import LayerGeometry
 from engine.attention.packed import PackedAttention
 from engine.attention.packed_cache import PackedLayerCache
+from engine.kv.page_layout import (K_SECTIONS, SECTIONS, V_SECTIONS, PageLayout,
+                                   packed_record)
 from engine.kv.quant import Packed, PackedKV, dequantize, quantize
 from engine.kv.rotation import rotate, rotation_matrix
 from engine.kv.tails import TailMap
-
-
-def _zeros(num_pages, page_tokens, heads, dim, bits, group=64):
-    groups = dim // group
-    return Packed(mx.zeros((num_pages, page_tokens, heads, dim * bits // 32), mx.uint32),
-                  mx.zeros((num_pages, page_tokens, heads, groups), mx.float32),
-                  mx.zeros((num_pages, page_tokens, heads, groups), mx.float32))
 
 
 class PackedLayerStore:
@@ -75,8 +71,9 @@ class PackedLayerStore:
         self.attention = attention or PackedAttention(fmt)
         h, d = geometry.kv_heads, geometry.head_dim
         # Page keys (int4-kivi) keep their per-page metadata in rows of group page_tokens.
-        self.k = _zeros(num_pages, page_tokens, h, d, fmt.k_bits, fmt.k_row_group(page_tokens))
-        self.v = _zeros(num_pages, page_tokens, h, d, fmt.v_bits)
+        self.layout = PageLayout.for_format(page_tokens, h, d, fmt.k_bits, fmt.v_bits,
+                                            fmt.k_row_group(page_tokens), GROUP_SIZE)
+        self.pool = self.layout.zeros(num_pages)
         self.sink_rows = fmt.sink_rows
         if self.sink_rows > page_tokens:
             raise KVFormatError(f"format {fmt.name} keeps {self.sink_rows} native rows per page; "
@@ -109,17 +106,30 @@ class PackedLayerStore:
         self.tail_bytes_per_request = self.tail_bytes // tails.num_slots if self.tail else 0
         self.page_bytes = (self.nbytes - self.tail_bytes) // num_pages
 
+    @property
+    def k(self) -> Packed:
+        """Every page's key codes, scales and offsets, [num_pages, page_tokens, heads, width]
+        (copies out of the pool: for inspection and tests, not for attention)."""
+        return Packed(*(self.layout.section(self.pool, n) for n in K_SECTIONS))
+
+    @property
+    def v(self) -> Packed:
+        """As `k`, for values."""
+        return Packed(*(self.layout.section(self.pool, n) for n in V_SECTIONS))
+
     def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
         """Quantize N new rows ([N, heads, dim], keys after RoPE) into their slots."""
         if (self.fmt.codes_only and self.attention.kernels.write_kernel
                 and cuda_packed_write.usable(self.fmt.k_bits, self.fmt.v_bits,
                                              self.geometry.head_dim)):
-            # CUDA: the same rotation and quantization in one kernel launch (not ~40 ops).
-            self.write_packed(slots, *cuda_packed_write.quantize_kv(
-                k, v, self.fmt.k_bits, self.fmt.v_bits))
+            # CUDA: the same rotation and quantization in one kernel launch (not ~40 ops),
+            # emitted as the rows' pool records.
+            records = cuda_packed_write.quantize_record(k, v, self.fmt.k_bits, self.fmt.v_bits,
+                                                        self.layout)
         else:
-            self.write_packed(slots, quantize(rotate(k), self.fmt.k_bits, self.fmt.k_group),
-                              quantize(v, self.fmt.v_bits))
+            records = packed_record(quantize(rotate(k), self.fmt.k_bits, self.fmt.k_group),
+                                    quantize(v, self.fmt.v_bits))
+        self.layout.write_rows(self.pool, self._row_index(slots), records)
         if self.sink_rows:
             self._write_sinks(slots, k, v, self._sink_index(slots))
         if self.tails is not None:
@@ -228,37 +238,27 @@ class PackedLayerStore:
         return tuple(a[pages].reshape(b, p * self.sink_rows, *a.shape[2:]).transpose(0, 2, 1, 3)
                      for a in self.sinks)
 
+    def _row_index(self, slots: Slots, names=SECTIONS) -> tuple[mx.array, mx.array]:
+        """(pages, columns) of the slots' records in the pool: built once per step and shared
+        by every layer of this layout (one upload, not one per layer)."""
+        key = ("page_layout", self.layout, names)
+        if key not in slots._by_heads:
+            slots._by_heads[key] = self.layout.row_index(slots.page_np, slots.offset_np, names)
+        return slots._by_heads[key]
+
     def write_packed(self, slots: Slots, k: Packed, v: Packed) -> None:
         """Store already-packed rows verbatim (also checkpoint restore, prefix import)."""
-        if slots.count == 1:
-            # One row (batch-1 decode): slice updates at host-known coordinates, as the native
-            # store writes one row; a scatter would upload two index arrays and broadcast them
-            # for each of the six arrays. [1, heads, words] -> [1, 1, heads, words].
-            page, offset = int(slots.page_np[0]), int(slots.offset_np[0])
-            for dst, src in ((self.k, k), (self.v, v)):
-                for a, b in zip(dst, src):
-                    a[page:page + 1, offset:offset + 1] = b[None]
-            return
-        for dst, src in ((self.k, k), (self.v, v)):
-            for a, b in zip(dst, src):
-                # mx.array.__setitem__ updates `a` itself (the object the tuple holds); as the
-                # sole reference MLX can write the buffer in place instead of copying the pool.
-                a[slots.page, slots.offset] = b
+        self.layout.write_rows(self.pool, self._row_index(slots), packed_record(k, v))
 
     def read_packed(self, slots: Slots) -> tuple[Packed, Packed]:
         """Packed rows [N, heads, ...] of N slots, exactly as stored."""
-        return (Packed(*(a[slots.page, slots.offset] for a in self.k)),
-                Packed(*(a[slots.page, slots.offset] for a in self.v)))
+        kc, vc, ks, ko, vs, vo = self.layout.read_rows(self.pool, slots.page_np, slots.offset_np)
+        return Packed(kc, ks, ko), Packed(vc, vs, vo)
 
     def gather_packed(self, pages: mx.array) -> PackedKV:
         """History for page tables [B, P] as packed [B, heads, P*page_tokens, ...]."""
-        b, p = pages.shape
-
-        def take(a):
-            g = a[pages].reshape(b, p * self.page_tokens, *a.shape[2:])
-            return g.transpose(0, 2, 1, 3)
-
-        return PackedKV(Packed(*(take(a) for a in self.k)), Packed(*(take(a) for a in self.v)))
+        return PackedKV(*(Packed(*(self.layout.gather(self.pool, pages, n) for n in names))
+                          for names in (K_SECTIONS, V_SECTIONS)))
 
     def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]:
         """Dequantized K (back in the model's basis) and V, [B, heads, P*page_tokens, dim]; a
@@ -297,7 +297,7 @@ class PackedLayerStore:
 
     def arrays(self) -> list[mx.array]:
         self.flush_tail()
-        return [*self.k, *self.v, *self.sinks, *self.tail]
+        return [self.pool, *self.sinks, *self.tail]
 
 
 def packed_layer_factory(fmt_name: str, prefill_mode: str = "direct",

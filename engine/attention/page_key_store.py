@@ -29,6 +29,7 @@ from engine.attention.packed import PackedAttention
 from engine.attention.packed_store import PackedLayerStore
 from engine.kv.page_quant import (PagePacked, dequantize_pages, meta_pages, meta_rows,
                                   quantize_pages)
+from engine.kv.page_layout import K_SECTIONS, V_SECTIONS, record
 from engine.kv.quant import Packed, PackedKV, dequantize, quantize
 from engine.kv.store import Slots
 from engine.kv.tails import TailMap
@@ -61,8 +62,8 @@ class PageKeyStore(PackedLayerStore):
     def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
         """Values quantized per row; keys go to the native tail, or to codes when a page fills."""
         self.flush_tail()   # the previous step's tail rows: a page filled now needs them
-        for dst, src in zip(self.v, quantize(v, self.fmt.v_bits)):
-            dst[slots.page, slots.offset] = src
+        self.layout.write_rows(self.pool, self._row_index(slots, V_SECTIONS),
+                               record(list(quantize(v, self.fmt.v_bits)), V_SECTIONS))
         plan = self._tail_plan(slots)
         fill = self._fill_plan(slots)
         if fill is not None:
@@ -102,9 +103,9 @@ class PageKeyStore(PackedLayerStore):
         page = self.tail[0][fill.sources].astype(mx.float32)   # [F, T, H, D] earlier rows
         page[fill.where, fill.offsets] = k[fill.rows].astype(mx.float32)
         codes, scales, offsets = quantize_pages(page.transpose(0, 2, 1, 3), self.fmt.k_bits)
-        self.k.codes[fill.pages] = codes.transpose(0, 2, 1, 3)
-        self.k.scales[fill.pages] = meta_rows(scales, t)
-        self.k.offsets[fill.pages] = meta_rows(offsets, t)
+        for name, values in zip(K_SECTIONS, (codes.transpose(0, 2, 1, 3), meta_rows(scales, t),
+                                             meta_rows(offsets, t))):
+            self.layout.write_pages(self.pool, fill.pages, name, values)
 
     def read_packed(self, slots: Slots) -> tuple[Packed, Packed]:
         """As stored; key rows of a partial page (no codes yet: the checkpoint carries them
@@ -119,15 +120,11 @@ class PageKeyStore(PackedLayerStore):
 
     def gather_packed(self, pages: mx.array) -> PackedKV:
         """History for page tables [B, P]: whole pages, keys as PagePacked, values packed."""
-        b, p = pages.shape
-        t = self.page_tokens
-
-        def take(a):
-            return a[pages].reshape(b, p * t, *a.shape[2:]).transpose(0, 2, 1, 3)
-
-        keys = PagePacked(take(self.k.codes), meta_pages(self.k.scales[pages]),
-                          meta_pages(self.k.offsets[pages]))
-        return PackedKV(keys, Packed(*(take(a) for a in self.v)))
+        lay = self.layout
+        keys = PagePacked(lay.gather(self.pool, pages, "k_codes"),
+                          *(meta_pages(lay.gather_pages(self.pool, pages, n))
+                            for n in K_SECTIONS[1:]))
+        return PackedKV(keys, Packed(*(lay.gather(self.pool, pages, n) for n in V_SECTIONS)))
 
     def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]:
         """Dequantized K and V, [B, heads, P*page_tokens, dim]; a partial tail page is its native

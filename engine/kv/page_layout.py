@@ -111,9 +111,9 @@ class PageLayout:
         return self._typed(a, name).transpose(0, 2, 1, 3)
 
     def gather_pages(self, pool: mx.array, pages: mx.array, name: str) -> mx.array:
-        """A section of F pages, [F, page_tokens, heads, width]."""
-        a = self._columns(pool, name)[pages].reshape(-1, self.page_tokens, self.heads,
-                                                      self.width(name))
+        """A section of the pages `pages` (any shape S), [*S, page_tokens, heads, width]."""
+        a = self._columns(pool, name)[pages].reshape(*pages.shape, self.page_tokens,
+                                                      self.heads, self.width(name))
         return self._typed(a, name)
 
     def read_rows(self, pool: mx.array, page: np.ndarray, offset: np.ndarray,

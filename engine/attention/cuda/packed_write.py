@@ -9,7 +9,9 @@ This kernel computes the same codes, scales and offsets as `quantize(rotate(k))`
 K or V holds the D channels in registers (D/32 per lane), applies the fixed signs and the
 Sylvester-order fast Walsh-Hadamard transform (in registers, then across lanes by shuffles),
 takes each 64-channel group's min and max by shuffles, and packs codes little-end-first into
-uint32 words. Same FP32 arithmetic and round-half-even as the MLX path, so codes agree except
+uint32 words. It emits each row's record for the layer's one pool (engine.kv.page_layout: the
+row's K codes, V codes, K scales, K offsets, V scales, V offsets, each [heads, width], FP32 as its
+bits), so the store writes the step with one scatter. Same FP32 arithmetic and round-half-even as the MLX path, so codes agree except
 where a value sits on a rounding boundary (`python -m bench.cuda_check` reports the fraction).
 
 Head dims 64 and 128 (one Hadamard block), 4 or 8 bits; anything else keeps the MLX ops.
@@ -23,7 +25,7 @@ import mlx.core as mx
 
 from capacity.formats import GROUP_SIZE
 from engine.attention.cuda.paged_decode import HEADER, available
-from engine.kv.quant import Packed
+from engine.kv.page_layout import PageLayout
 from engine.kv.rotation import rotation_signs
 
 HEAD_DIMS = (64, 128)
@@ -84,11 +86,18 @@ for (int i = 0; i < VPT; ++i) {
 }
 const int lpw = vpw / VPT;             // lanes sharing one packed word
 for (int o = 1; o < lpw; o <<= 1) word |= __shfl_xor_sync(0xffffffff, word, o);
+// The row's record (engine.kv.page_layout.SECTIONS order): K codes [H][KW], V codes [H][VW],
+// then K scales, K offsets, V scales, V offsets, each [H][NG] as FP32 bits.
+constexpr int KW = D * KB / 32, VW = D * VB / 32, NG = D / 64;
+const int row = r / H, head = r % H;
+const size_t base = (size_t)row * H * (KW + VW + 4 * NG);
 const int words = D / vpw, c0 = lane * VPT;
-if (c0 % vpw == 0) (is_k ? kc : vc)[(size_t)r * words + c0 / vpw] = word;
+if (c0 % vpw == 0)
+  rec[base + (is_k ? 0 : H * KW) + head * words + c0 / vpw] = word;
 if (c0 % 64 == 0) {
-  (is_k ? ks : vs)[(size_t)r * (D / 64) + c0 / 64] = sc;
-  (is_k ? ko : vo)[(size_t)r * (D / 64) + c0 / 64] = lo;
+  const size_t meta = base + H * (KW + VW) + (is_k ? 0 : 2 * H * NG) + head * NG + c0 / 64;
+  rec[meta] = __float_as_uint(sc);
+  rec[meta + H * NG] = __float_as_uint(lo);
 }
 """
 
@@ -97,7 +106,7 @@ if (c0 % 64 == 0) {
 def _kernel():
     return mx.fast.cuda_kernel(
         name="orchard_packed_write", input_names=["k", "v", "signs", "dims"],
-        output_names=["kc", "ks", "ko", "vc", "vs", "vo"], source=_SOURCE, header=HEADER,
+        output_names=["rec"], source=_SOURCE, header=HEADER,
         ensure_row_contiguous=True)
 
 
@@ -115,18 +124,21 @@ def _dims(n: int, h: int) -> mx.array:
     return mx.array([n, h], dtype=mx.int32)
 
 
-def quantize_kv(k: mx.array, v: mx.array, k_bits: int, v_bits: int) -> tuple[Packed, Packed]:
-    """(quantize(rotate(k), k_bits), quantize(v, v_bits)) for rows [N, H, D] in one launch."""
+def quantize_record(k: mx.array, v: mx.array, k_bits: int, v_bits: int,
+                    layout: PageLayout) -> mx.array:
+    """Rows [N, H, D] as their pool records [N, layout.record_words] in one launch: the same
+    words as `page_layout.packed_record(quantize(rotate(k), k_bits), quantize(v, v_bits))`."""
     n, h, d = k.shape
+    if (h, d * k_bits // 32, d * v_bits // 32) != (layout.heads, layout.k_words, layout.v_words) \
+            or layout.k_groups != d // GROUP_SIZE or layout.v_groups != d // GROUP_SIZE:
+        raise ValueError(f"rows [{n}, {h}, {d}] at {k_bits}/{v_bits} bits do not fit {layout}")
     warps = 2 * n * h
-    kc, ks, ko, vc, vs, vo = _kernel()(
+    (rec,) = _kernel()(
         inputs=[k, v, _signs(d), _dims(n, h)],
         template=[("D", d), ("KB", k_bits), ("VB", v_bits), ("TI", k.dtype)],
         grid=(-(-warps // WARPS) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(n, h, d * k_bits // 32), (n, h, d // GROUP_SIZE), (n, h, d // GROUP_SIZE),
-                       (n, h, d * v_bits // 32), (n, h, d // GROUP_SIZE), (n, h, d // GROUP_SIZE)],
-        output_dtypes=[mx.uint32, mx.float32, mx.float32, mx.uint32, mx.float32, mx.float32])
-    return Packed(kc, ks, ko), Packed(vc, vs, vo)
+        output_shapes=[(n, layout.record_words)], output_dtypes=[mx.uint32])
+    return rec
 
 
 def usable(k_bits, v_bits, head_dim: int) -> bool:
