@@ -8,8 +8,11 @@ rows; the packed kernel against the engine's own direct packed attention
 (engine.attention.packed.direct_attention, FP32), row by row, over the same packed pages.
 Page tables are random permutations and row lengths random (some rows long enough to split the
 history over several blocks, some with no history at all), so paging, splits, the merge and the
-step's own key are all exercised. The packed prefill kernel (engine/attention/cuda/packed_prefill.py)
-against the same direct attention, row by row, for ragged batches of chunks over packed history
+step's own key are all exercised. Packed history is built as the engine stores it: one uint32
+pool per layer (engine/kv/page_layout.py), rows written as records through PageLayout.write_rows;
+the references read it back section by section (PageLayout.section), the kernels through their
+own CUDA addressing (page_layout.CUDA_SECTIONS). The packed prefill kernel
+(engine/attention/cuda/packed_prefill.py) against the same direct attention, row by row, for ragged batches of chunks over packed history
 (rows without history, chunk padding filled with NaN, pinned key splits), and as a decode step.
 Exit status 1 if any case exceeds its tolerance.
 """
@@ -29,19 +32,58 @@ from engine.attention.cuda import packed_decode_v2 as cuda_packed_decode_v2
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 from engine.attention.cuda import packed_write as cuda_packed_write
 from engine.attention.cuda import paged_decode as cuda_paged_decode
+from engine.attention.cuda.tile_helpers import kernel_layout
 from engine.attention.packed import direct_attention
-from engine.kv.quant import PackedKV
-from engine.kv.quant import Packed, quantize
+from engine.kv.page_layout import K_SECTIONS, SECTIONS, V_SECTIONS, PageLayout, packed_record
+from engine.kv.quant import Packed, PackedKV, quantize
 from engine.kv.rotation import rotate
 
 # bf16 output rounding is 2^-8 relative; outputs are O(1) averages of unit-normal values.
 TOLERANCE = 0.03
 
 
+def _max_err(got, ref) -> float:
+    """Largest absolute difference; inf if any is NaN or inf (a NaN the kernel left would
+    otherwise vanish: max(err, nan) keeps err)."""
+    diff = np.abs(np.asarray(got, np.float64) - np.asarray(ref, np.float64))
+    return float(diff.max()) if np.isfinite(diff).all() else float("inf")
+
+
 def _tables(rng, rows: int, lengths: np.ndarray, page_tokens: int):
     per = -(-int(lengths.max()) // page_tokens)
     perm = rng.permutation(rows * per).astype(np.int32)
     return perm.reshape(rows, per), rows * per
+
+
+def packed_history(rng, layout: PageLayout, num_pages: int, tables: np.ndarray,
+                   history: np.ndarray, d: int, k_bits: int, v_bits: int):
+    """(pool, per_row): `history[b]` random rows of row b quantized (keys rotated) and written
+    at its positions 0.. through page table `tables[b]` into a fresh pool of `layout`;
+    per_row[b] = (K, V) Packed [n, heads, ...] or None for a row without history."""
+    pool = layout.zeros(num_pages)
+    per_row = []
+    for b, n in enumerate(int(x) for x in history):
+        if n == 0:
+            per_row.append(None)
+            continue
+        k = mx.array(rng.standard_normal((n, layout.heads, d)).astype(np.float32))
+        v = mx.array(rng.standard_normal((n, layout.heads, d)).astype(np.float32))
+        kq, vq = quantize(rotate(k), k_bits), quantize(v, v_bits)
+        per_row.append((kq, vq))
+        pos = np.arange(n)
+        layout.write_rows(pool, layout.row_index(tables[b][pos // layout.page_tokens],
+                                                 pos % layout.page_tokens),
+                          packed_record(kq, vq))
+    return pool, per_row
+
+
+def _history_kv(packed) -> PackedKV | None:
+    """A row's packed history (K, V Packed [n, heads, ...]) as direct_attention takes it."""
+    if packed is None:
+        return None
+    kq, vq = packed
+    return PackedKV(*(Packed(*(mx.expand_dims(a.swapaxes(0, 1), 0) for a in side))
+                      for side in (kq, vq)))
 
 
 def native_case(rng, rows, hq, kvh, d, longest, page_tokens=64) -> dict:
@@ -67,26 +109,27 @@ def native_case(rng, rows, hq, kvh, d, longest, page_tokens=64) -> dict:
             s = keys[h // (hq // kvh)] @ q[b, h, 0] * scale
             p = np.exp(s - s.max())
             ref = (p / p.sum()) @ vals[h // (hq // kvh)]
-            err = max(err, float(np.abs(got[b, h, 0] - ref).max()))
+            err = max(err, _max_err(got[b, h, 0], ref))
     return {"kernel": "native", "rows": rows, "hq": hq, "kvh": kvh, "head_dim": d,
             "longest": int(lengths.max()),
             "splits": cuda_paged_decode.split_count(rows, kvh, int(lengths.max())),
             "max_abs_err": round(err, 5), "ok": err < TOLERANCE}
 
 
-def reference_packed_decode(q, k_new, v_new, k_hist, v_hist, bits, tables, ends, scale):
+def reference_packed_decode(q, k_new, v_new, pool, layout, bits, tables, ends, scale):
     """What the packed kernel computes, in float64 numpy, with the kernel's own arithmetic:
-    token-major packed pages read by page table, scores of packed keys as
+    token-major packed pages (the pool's sections, read through `layout`) by page table,
+    scores of packed keys as
     scale_g * (q_rot . codes) + offset_g * sum(q_rot) per 64-channel group, values dequantized,
     the step's own key (model basis, full precision) last, one softmax. [B, Hq, 1, D]."""
     q = np.array(q.astype(mx.float32), np.float64)
     qr = np.array(rotate(q_arr := mx.array(q.astype(np.float32))), np.float64)
     del q_arr
     kf, vf = (np.array(a.astype(mx.float32), np.float64) for a in (k_new, v_new))
-    kc, ks, ko = (np.array(a) for a in k_hist)
-    vc, vs, vo = (np.array(a) for a in v_hist)
+    kc, ks, ko = (np.array(layout.section(pool, name)) for name in K_SECTIONS)
+    vc, vs, vo = (np.array(layout.section(pool, name)) for name in V_SECTIONS)
     rows, hq, _, d = q.shape
-    kvh, page_tokens = kf.shape[1], kc.shape[1]
+    kvh, page_tokens = kf.shape[1], layout.page_tokens
     shifts = np.arange(0, 32, bits, dtype=np.uint32)
 
     def unpack(words):   # [..., W] uint32 -> [..., D] codes
@@ -122,27 +165,8 @@ def packed_case(rng, fmt_name, rows, hq, kvh, d, longest, page_tokens=16,
     hist[0] = longest - 1
     hist[-1] = 0 if rows > 1 else hist[-1]
     tables, num_pages = _tables(rng, rows, hist + 1, page_tokens)
-    words, groups = d * bits // 32, d // 64
-    pools = {name: np.zeros((num_pages, page_tokens, kvh, width), dtype)
-             for name, width, dtype in (("kc", words, np.uint32), ("vc", words, np.uint32),
-                                        ("ks", groups, np.float32), ("ko", groups, np.float32),
-                                        ("vs", groups, np.float32), ("vo", groups, np.float32))}
-    per_row = []
-    for b in range(rows):
-        n = int(hist[b])
-        if n == 0:
-            per_row.append(None)
-            continue
-        k = mx.array(rng.standard_normal((n, kvh, d)).astype(np.float32))
-        v = mx.array(rng.standard_normal((n, kvh, d)).astype(np.float32))
-        kq, vq = quantize(rotate(k), bits), quantize(v, bits)
-        per_row.append((kq, vq))
-        pos = np.arange(n)
-        page, off = tables[b][pos // page_tokens], pos % page_tokens
-        for name, arr in zip(("kc", "ks", "ko", "vc", "vs", "vo"), (*kq, *vq)):
-            pools[name][page, off] = np.array(arr)
-    k_hist = Packed(*(mx.array(pools[n]) for n in ("kc", "ks", "ko")))
-    v_hist = Packed(*(mx.array(pools[n]) for n in ("vc", "vs", "vo")))
+    layout = kernel_layout(page_tokens, kvh, d, bits, bits)
+    pool, per_row = packed_history(rng, layout, num_pages, tables, hist, d, bits, bits)
     q = mx.array(rng.standard_normal((rows, hq, 1, d)).astype(np.float32)).astype(mx.bfloat16)
     k_new = mx.array(rng.standard_normal((rows, kvh, 1, d)).astype(np.float32)).astype(mx.bfloat16)
     v_new = mx.array(rng.standard_normal((rows, kvh, 1, d)).astype(np.float32)).astype(mx.bfloat16)
@@ -150,21 +174,16 @@ def packed_case(rng, fmt_name, rows, hq, kvh, d, longest, page_tokens=16,
     ends = (hist + 1).astype(np.int32)
     if kernel is None:
         got = cuda_packed_decode.packed_decode_attention(
-            q, k_new, v_new, k_hist, v_hist, bits, mx.array(tables), mx.array(ends),
+            q, k_new, v_new, pool, layout, bits, mx.array(tables), mx.array(ends),
             int(ends.max()), scale, target_blocks, version=version)
         got = np.array(got.astype(mx.float32))
     else:
-        got = kernel(q, k_new, v_new, k_hist, v_hist, bits, tables, ends, scale)
+        got = kernel(q, k_new, v_new, pool, layout, bits, tables, ends, scale)
     err = 0.0
     for b, packed in enumerate(per_row):
-        h = None
-        if packed is not None:
-            kq, vq = packed
-            h = PackedKV(Packed(*(mx.expand_dims(a.swapaxes(0, 1), 0) for a in kq)),
-                         Packed(*(mx.expand_dims(a.swapaxes(0, 1), 0) for a in vq)))
-        ref = direct_attention(q[b:b + 1], h, k_new[b:b + 1], v_new[b:b + 1], fmt=fmt,
-                               scale=scale, new_mask=None)
-        err = max(err, float(np.abs(got[b] - np.array(ref.astype(mx.float32))[0]).max()))
+        ref = direct_attention(q[b:b + 1], _history_kv(packed), k_new[b:b + 1], v_new[b:b + 1],
+                               fmt=fmt, scale=scale, new_mask=None)
+        err = max(err, _max_err(got[b], np.array(ref.astype(mx.float32))[0]))
     name = "packed" if version == "v1" else f"packed-{version}"
     return {"kernel": f"{name}-{fmt_name}", "rows": rows, "hq": hq, "kvh": kvh, "head_dim": d,
             "page_tokens": page_tokens, "longest": int(ends.max()),
@@ -174,20 +193,22 @@ def packed_case(rng, fmt_name, rows, hq, kvh, d, longest, page_tokens=16,
             "max_abs_err": round(err, 5), "ok": bool(err < TOLERANCE)}
 
 
-def reference_packed_prefill(q, k_new, v_new, k_pool, v_pool, k_bits, v_bits, pages, bounds,
+def reference_packed_prefill(q, k_new, v_new, pool, layout, k_bits, v_bits, pages, bounds,
                              longest_history, scale, splits=None):
     """What the prefill kernel computes, in float64 numpy (packed_prefill_attention's
-    signature): row b's first bounds[b, 0] history keys read from the pools by page table and
-    dequantized, scored with the rotated query; then its own keys 0..i (model basis) at
-    position i < bounds[b, 1]; one softmax. Positions past a row's length are zero here."""
+    signature): row b's first bounds[b, 0] history keys read from the pool's sections (through
+    `layout`) by page table and dequantized, scored with the rotated query; then its own keys
+    0..i (model basis) at position i < bounds[b, 1]; one softmax. Positions past a row's length
+    are zero here."""
     del longest_history, splits
     qf = np.array(q.astype(mx.float32), np.float64)
     qr = np.array(rotate(q.astype(mx.float32)), np.float64)
     kf, vf = (np.array(a.astype(mx.float32), np.float64) for a in (k_new, v_new))
-    pools = [[np.array(a) for a in pool] for pool in (k_pool, v_pool)]
+    pools = [[np.array(layout.section(pool, name)) for name in side]
+             for side in (K_SECTIONS, V_SECTIONS)]
     pages, bounds = np.array(pages), np.array(bounds)
     rows, hq, length, d = qf.shape
-    kvh, page_tokens = kf.shape[1], pools[0][0].shape[1]
+    kvh, page_tokens = kf.shape[1], layout.page_tokens
 
     def dequant(pool, bits, page, off, hk):
         codes, scales, offsets = (a[page, off, hk] for a in pool)
@@ -220,27 +241,9 @@ def prefill_case(rng, fmt_name, hq, kvh, d, history, own, page_tokens=16, splits
     history, own = np.asarray(history), np.asarray(own)
     rows, length = len(history), int(own.max())
     tables, num_pages = _tables(rng, rows, history + own, page_tokens)
-    pools = {}
-    for side, bits in (("k", fmt.k_bits), ("v", fmt.v_bits)):
-        pools[side] = [np.zeros((num_pages, page_tokens, kvh, d * bits // 32), np.uint32),
-                       np.zeros((num_pages, page_tokens, kvh, d // 64), np.float32),
-                       np.zeros((num_pages, page_tokens, kvh, d // 64), np.float32)]
-    per_row = []
-    for b in range(rows):
-        n = int(history[b])
-        if n == 0:
-            per_row.append(None)
-            continue
-        k = mx.array(rng.standard_normal((n, kvh, d)).astype(np.float32))
-        v = mx.array(rng.standard_normal((n, kvh, d)).astype(np.float32))
-        kq, vq = quantize(rotate(k), fmt.k_bits), quantize(v, fmt.v_bits)
-        per_row.append((kq, vq))
-        pos = np.arange(n)
-        page, off = tables[b][pos // page_tokens], pos % page_tokens
-        for side, packed in (("k", kq), ("v", vq)):
-            for arr, src in zip(pools[side], packed):
-                arr[page, off] = np.array(src)
-    k_pool, v_pool = (Packed(*(mx.array(a) for a in pools[s])) for s in ("k", "v"))
+    layout = kernel_layout(page_tokens, kvh, d, fmt.k_bits, fmt.v_bits)
+    pool, per_row = packed_history(rng, layout, num_pages, tables, history, d, fmt.k_bits,
+                                   fmt.v_bits)
     pad = np.arange(length)[None, None, :, None] >= own[:, None, None, None]
 
     def draw(heads, poison):
@@ -251,42 +254,59 @@ def prefill_case(rng, fmt_name, hq, kvh, d, history, own, page_tokens=16, splits
     scale = d ** -0.5
     bounds = np.stack([history, own], axis=1).astype(np.int32)
     run = kernel or cuda_packed_prefill.packed_prefill_attention
-    got = run(q, k_new, v_new, k_pool, v_pool, fmt.k_bits, fmt.v_bits, mx.array(tables),
+    got = run(q, k_new, v_new, pool, layout, fmt.k_bits, fmt.v_bits, mx.array(tables),
               mx.array(bounds), int(history.max()), scale, splits=splits)
     got = np.array(got.astype(mx.float32)) if isinstance(got, mx.array) else got
     err = 0.0
     for b, packed in enumerate(per_row):
         n = int(own[b])
-        h = None
-        if packed is not None:
-            kq, vq = packed
-            h = PackedKV(Packed(*(mx.expand_dims(a.swapaxes(0, 1), 0) for a in kq)),
-                         Packed(*(mx.expand_dims(a.swapaxes(0, 1), 0) for a in vq)))
-        ref = direct_attention(q[b:b + 1, :, :n], h, k_new[b:b + 1, :, :n],
+        ref = direct_attention(q[b:b + 1, :, :n], _history_kv(packed), k_new[b:b + 1, :, :n],
                                v_new[b:b + 1, :, :n], fmt=fmt, scale=scale,
                                new_mask="causal" if n > 1 else None)
-        err = max(err, float(np.abs(got[b, :, :n] - np.array(ref.astype(mx.float32))[0]).max()))
+        err = max(err, _max_err(got[b, :, :n], np.array(ref.astype(mx.float32))[0]))
     return {"kernel": f"prefill-{fmt_name}", "rows": rows, "hq": hq, "kvh": kvh, "head_dim": d,
             "history": history.tolist(), "own": own.tolist(), "splits": splits or "plan",
             "max_abs_err": round(err, 5), "ok": bool(err < TOLERANCE)}
 
 
-def write_case(rng, fmt_name, rows, heads, d) -> dict:
-    """The write kernel against quantize(rotate(k)) / quantize(v): codes may differ only by one
-    step where a value sits on a rounding boundary; scales and offsets agree to FP32 rounding."""
+def record_sections(records: np.ndarray, layout: PageLayout) -> dict[str, np.ndarray]:
+    """Row records [N, record_words] uint32 split into their sections (each [N, heads, width],
+    the FP32 ones as float32): a record is every section's [heads, width] block of one token, in
+    SECTIONS order (engine/kv/page_layout.py)."""
+    records = np.ascontiguousarray(records, np.uint32)
+    out, at = {}, 0
+    for name in SECTIONS:
+        w = layout.heads * layout.width(name)
+        part = records[:, at:at + w].reshape(len(records), layout.heads, -1)
+        out[name] = part if name.endswith("codes") else part.view(np.float32)
+        at += w
+    return out
+
+
+def write_case(rng, fmt_name, rows, heads, d, kernel=None) -> dict:
+    """The write kernel's records (`kernel`, default cuda/packed_write.quantize_record, with its
+    signature: k, v, k_bits, v_bits, layout) against packed_record(quantize(rotate(k)),
+    quantize(v)), section by section: codes may differ only by one step where a value sits on a
+    rounding boundary; scales and offsets agree to FP32 rounding."""
     fmt = KVFormat(fmt_name, d, "bfloat16")
+    layout = kernel_layout(16, heads, d, fmt.k_bits, fmt.v_bits)
     k = mx.array(rng.standard_normal((rows, heads, d)).astype(np.float32)).astype(mx.bfloat16)
     v = mx.array(rng.standard_normal((rows, heads, d)).astype(np.float32)).astype(mx.bfloat16)
-    got = cuda_packed_write.quantize_kv(k, v, fmt.k_bits, fmt.v_bits)
-    ref = (quantize(rotate(k), fmt.k_bits), quantize(v, fmt.v_bits))
+    run = kernel or cuda_packed_write.quantize_record
+    got = run(k, v, fmt.k_bits, fmt.v_bits, layout)
+    ref = packed_record(quantize(rotate(k), fmt.k_bits), quantize(v, fmt.v_bits))
     out = {"kernel": f"write-{fmt_name}", "rows": rows, "heads": heads, "head_dim": d}
+    if tuple(got.shape) != (rows, layout.record_words) or got.dtype != mx.uint32:
+        return {**out, "error": f"records {got.dtype} {tuple(got.shape)}, want uint32 "
+                                f"{(rows, layout.record_words)}", "ok": False}
+    g, r = (record_sections(np.array(a), layout) for a in (got, ref))
     ok = True
-    for name, g, r, bits in (("k", got[0], ref[0], fmt.k_bits), ("v", got[1], ref[1], fmt.v_bits)):
+    for name, bits in (("k", fmt.k_bits), ("v", fmt.v_bits)):
         shifts = np.arange(0, 32, bits, dtype=np.uint32)
-        gc, rc = ((np.array(p.codes)[..., None] >> shifts) & ((1 << bits) - 1) for p in (g, r))
+        gc, rc = ((x[f"{name}_codes"][..., None] >> shifts) & ((1 << bits) - 1) for x in (g, r))
         diff = np.abs(gc.astype(np.int64) - rc.astype(np.int64))
-        meta = max(float(np.abs(np.array(a) - np.array(b)).max() / (np.abs(np.array(b)).max()))
-                   for a, b in ((g.scales, r.scales), (g.offsets, r.offsets)))
+        meta = max(_max_err(g[s], r[s]) / float(np.abs(r[s]).max())
+                   for s in (f"{name}_scales", f"{name}_offsets"))
         out[f"{name}_code_mismatch"] = float((diff > 0).mean())
         out[f"{name}_code_max_diff"] = int(diff.max())
         out[f"{name}_meta_rel_err"] = float(f"{meta:.2e}")

@@ -1,6 +1,7 @@
 """Run a CUDA kernel's source on the CPU, one fiber per GPU thread (a developer's check).
 
     python -m bench.cuda_emulate            # the tiled packed decode kernel's check cases
+    python -m bench.cuda_emulate --version v1   # the same cases through the v1 kernel
 
 Device time is scarce, and `bench.cuda_nvcc_check` only proves a kernel compiles. This compiles
 the same kernel body with g++ instead: every GPU thread of a block becomes a fiber (ucontext)
@@ -8,7 +9,8 @@ of one OS thread; `__syncthreads`, `__syncwarp` and warp shuffles are barriers a
 (a shuffle: every lane posts its value, then reads its partner's), `__shared__` arrays are one
 static copy (blocks run one after another), and `cp.async` copies are queued per thread and
 done at its `cp.async.wait_group` (so reading a tile before waiting for it reads stale data,
-as it could on the GPU). It does not model timing, memory ordering beyond barriers, bank
+as it could on the GPU; a copy whose addresses are not aligned to its size stops the run, as it
+would fault there). It does not model timing, memory ordering beyond barriers, bank
 conflicts or the GPU's approximate `__expf`; it does check indexing, tiling, the split plan,
 barrier placement and the arithmetic, on the real source text. Exit 1 if a case fails.
 """
@@ -110,6 +112,11 @@ static std::vector<std::vector<Copy>> g_pending;
 
 ASYNC_CPU = r"""
 template <int N> inline void orch_cp_async(void* dst, const void* src) {
+  // The GPU faults on a misaligned cp.async; buffers here are 16-byte aligned as MLX's are.
+  if (((uintptr_t)dst | (uintptr_t)src) % N) {
+    std::fprintf(stderr, "misaligned cp.async of %d bytes\n", N);
+    std::exit(5);
+  }
   g_pending[g_current].push_back({dst, src, N});
 }
 inline void orch_cp_commit() {}
@@ -243,36 +250,45 @@ def _bits16(x) -> np.ndarray:
     return np.array(x.astype(mx.bfloat16).view(mx.uint16))
 
 
-def packed_decode_v2(q, k_new, v_new, k_hist, v_hist, bits, tables, ends, scale,
-                     target_blocks=None, workdir: Path | None = None) -> np.ndarray:
-    """The tiled packed decode kernel (cuda/packed_decode_v2_source.py) and, with several
-    splits, the merge kernel (cuda/paged_decode.py), run here; packed_case's kernel signature.
-    Returns [B, Hq, 1, D] float32 (from the bf16 output)."""
+def packed_decode(q, k_new, v_new, pool, layout, bits, tables, ends, scale,
+                  target_blocks=None, workdir: Path | None = None,
+                  version: str = "v2") -> np.ndarray:
+    """A packed decode kernel (`version` "v2": cuda/packed_decode_v2_source.py, "v1":
+    cuda/packed_decode.py) and, with several splits, the merge kernel (cuda/paged_decode.py),
+    run here with the split plan its host side picks; packed_case's kernel signature (history:
+    the layer's uint32 pool and its engine.kv.page_layout.PageLayout, checked as the host side
+    checks it). Returns [B, Hq, 1, D] float32 (from the bf16 output)."""
+    from engine.attention.cuda import packed_decode as v1
     from engine.attention.cuda import packed_decode_v2_source as v2
     from engine.attention.cuda import tile_helpers
     from engine.attention.cuda import paged_decode as pd
     from engine.attention.cuda.packed_decode_v2 import TARGET_BLOCKS, _signs
+    from engine.kv.rotation import rotate
     workdir = workdir or Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
     rows, hq, _, d = q.shape
     kvh = k_new.shape[1]
+    tile_helpers.check_pool(pool, layout, d, bits, bits, kvh, vectors=version == "v2")
     tables, ends = np.asarray(tables, np.int32), np.asarray(ends, np.int32)
-    splits = pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS)
+    fresh = [("kf", "bfloat16"), ("vf", "bfloat16"), ("pool", "uint32"), ("pages", "int32"),
+             ("ends", "int32"), ("dims", "int32"), ("scale", "float32")]
+    arrays = [_bits16(k_new), _bits16(v_new), np.array(pool), tables, ends,
+              np.array([hq, kvh, tables.shape[1]], np.int32), np.array([scale], np.float32)]
+    if version == "v2":
+        name, source, helpers = "orchard_packed_decode_v2", v2._SOURCE, tile_helpers.HELPERS
+        inputs = [("q", "bfloat16"), *fresh, ("signs", "float32")]
+        arrays = [_bits16(q), *arrays, np.array(_signs(d))]
+        target_blocks = target_blocks or TARGET_BLOCKS
+    else:   # v1 takes the rotated query as an input
+        name, source, helpers = "orchard_packed_decode", v1._SOURCE, ""
+        inputs = [("q", "bfloat16"), ("qr", "float32"), *fresh]
+        arrays = [_bits16(q), np.array(rotate(q)), *arrays]
+    splits = pd.split_count(rows, kvh, int(ends.max()), target_blocks)
     parts = rows * hq * (splits if splits > 1 else 1)
-    packed = [("kc", "uint32"), ("ks", "float32"), ("ko", "float32"), ("vc", "uint32"),
-              ("vs", "float32"), ("vo", "float32")]
-    inputs = [("q", "bfloat16"), ("kf", "bfloat16"), ("vf", "bfloat16"), *packed,
-              ("pages", "int32"), ("ends", "int32"), ("dims", "int32"), ("scale", "float32"),
-              ("signs", "float32")]
-    arrays = [_bits16(q), _bits16(k_new), _bits16(v_new),
-              *(np.array(a) for a in (*k_hist, *v_hist)), tables, ends,
-              np.array([hq, kvh, tables.shape[1]], np.int32), np.array([scale], np.float32),
-              np.array(_signs(d))]
-    template = [("D", d), ("G", hq // kvh), ("PT", int(k_hist[0].shape[1])), ("KB", bits),
-                ("TQ", "bfloat16"), ("TK", "bfloat16"), ("SPLIT", splits > 1),
+    template = [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", layout.heads),
+                ("KB", bits), ("TQ", "bfloat16"), ("TK", "bfloat16"), ("SPLIT", splits > 1),
                 ("TO", "bfloat16")]
     outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
-    out, part, ml = run("orchard_packed_decode_v2", inputs, outputs, v2._SOURCE,
-                        tile_helpers.HELPERS, template, arrays,
+    out, part, ml = run(name, inputs, outputs, source, helpers, template, arrays,
                         [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits),
                         pd.THREADS, workdir)
     if splits == 1:
@@ -283,6 +299,11 @@ def packed_decode_v2(q, k_new, v_new, k_hist, v_hist, bits, tables, ends, scale,
                     [part, ml, np.array([splits], np.int32)], [(rows, hq, 1, d)],
                     (rows * hq, 1), d, workdir)
     return merged
+
+
+def packed_decode_v2(*args, **kwargs) -> np.ndarray:
+    """`packed_decode` of the tiled kernel."""
+    return packed_decode(*args, **kwargs, version="v2")
 
 
 # (fmt, rows, hq, kvh, head dim, longest, page tokens, split target): the device check's v2
@@ -297,9 +318,10 @@ CASES = [(f, *c) for f in ("int8", "int4") for c in (
 
 def main(argv=None) -> int:
     from bench import cuda_check
-    from engine.attention.cuda import packed_decode_v2 as v2_host
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=len(CASES), help="run the first N cases")
+    ap.add_argument("--version", choices=("v1", "v2"), default="v2",
+                    help="packed decode kernel to run (default: the tiled v2)")
     args = ap.parse_args(argv)
     if shutil.which("g++") is None:
         print("no g++ on PATH", file=sys.stderr)
@@ -309,11 +331,10 @@ def main(argv=None) -> int:
     failed = 0
     for fmt, rows, hq, kvh, d, longest, pt, target in CASES[:args.limit]:
         def kernel(*a, target=target):
-            return packed_decode_v2(*a, target_blocks=target, workdir=work)
+            return packed_decode(*a, target_blocks=target, workdir=work, version=args.version)
         case = cuda_check.packed_case(rng, fmt, rows, hq, kvh, d, longest, page_tokens=pt,
-                                      kernel=kernel)
-        case["splits"] = cuda_check.cuda_paged_decode.split_count(
-            rows, kvh, longest, target or v2_host.TARGET_BLOCKS)
+                                      kernel=kernel, version=args.version,
+                                      target_blocks=target)
         print(("ok  " if case["ok"] else "FAIL"), case, flush=True)
         failed += not case["ok"]
     shutil.rmtree(work)

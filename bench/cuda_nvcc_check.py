@@ -59,17 +59,17 @@ def decode_variants():
     from engine.attention.cuda import packed_decode as v1
     from engine.attention.cuda import packed_decode_v2_source as v2
     from engine.attention.cuda.paged_decode import HEADER
-    packed = [("kc", "uint32"), ("ks", "float32"), ("ko", "float32"),
-              ("vc", "uint32"), ("vs", "float32"), ("vo", "float32"),
-              ("pages", "int32"), ("ends", "int32"), ("dims", "int32"), ("scale", "float32")]
+    packed = [("pool", "uint32"), ("pages", "int32"), ("ends", "int32"), ("dims", "int32"),
+              ("scale", "float32")]
     fresh = [("q", "bfloat16"), ("kf", "bfloat16"), ("vf", "bfloat16")]
     outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
     for d in (64, 128):
         for g in (1, 3, 4, 7, 8):
             for kb in (4, 8):
                 for split in (False, True):
-                    template = [("D", d), ("G", g), ("PT", 16), ("KB", kb), ("TQ", "bfloat16"),
-                                ("TK", "bfloat16"), ("SPLIT", split), ("TO", "bfloat16")]
+                    template = [("D", d), ("G", g), ("PT", 16), ("HK", 4), ("KB", kb),
+                                ("TQ", "bfloat16"), ("TK", "bfloat16"), ("SPLIT", split),
+                                ("TO", "bfloat16")]
                     tag = f"d{d} g{g} k{kb}v{kb} split={split}"
                     yield f"decode-v2 {tag}", wrap(
                         "orchard_packed_decode_v2", fresh + packed + [("signs", "float32")],
@@ -86,9 +86,7 @@ def variants():
     yield from decode_variants()
     from engine.attention.cuda import packed_prefill as pf
     from engine.attention.cuda import packed_prefill_source as pf_source
-    inputs = [("q", "bfloat16"), ("kf", "bfloat16"), ("vf", "bfloat16"),
-              ("kc", "uint32"), ("ks", "float32"), ("ko", "float32"),
-              ("vc", "uint32"), ("vs", "float32"), ("vo", "float32"),
+    inputs = [("q", "bfloat16"), ("kf", "bfloat16"), ("vf", "bfloat16"), ("pool", "uint32"),
               ("pages", "int32"), ("bounds", "int32"), ("dims", "int32")]
     outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
     for d in pf.HEAD_DIMS:
@@ -98,7 +96,7 @@ def variants():
                     label = f"prefill d{d} g{g} qw{qw} k{kb}v{vb} split={split}"
                     yield label, wrap("orchard_packed_prefill", inputs, outputs, pf_source._SOURCE,
                                       pf_source._HEADER, [("D", d), ("G", g), ("QW", qw), ("KB", kb), ("VB", vb),
-                                                   ("PT", 16), ("SPLIT", split),
+                                                   ("PT", 16), ("HK", max(1, 4 // g)), ("SPLIT", split),
                                                    ("TO", "bfloat16")])
 
 

@@ -5,8 +5,9 @@
 `bench.kv` measures whole decode steps, where host work (issuing the graph) and the rest of the
 model share the time; this isolates the attention call of one layer, so a kernel change shows
 as itself. Per case: B rows of N keys each (page tables random permutations), GQA 16:4 x 128
-(the `bench.kv --geometry gpu` layer) unless told otherwise, bf16; packed pools hold random
-codes, scales and offsets (the kernels' speed does not depend on the values). Each round
+(the `bench.kv --geometry gpu` layer) unless told otherwise, bf16; packed layers are one
+uint32 pool each (engine/kv/page_layout.py) holding random codes, scales and offsets (the
+kernels' speed does not depend on the values). Each round
 issues `--layers` calls and evaluates them together (as a step's layers would be); the time
 per call is the round's wall time / layers, median and best over `--rounds`. Only where MLX
 has a CUDA device; exit 2 elsewhere.
@@ -24,7 +25,7 @@ import numpy as np
 from bench.output import emit
 from engine.attention.cuda import packed_decode as cuda_packed_decode
 from engine.attention.cuda import paged_decode as cuda_paged_decode
-from engine.kv.quant import Packed
+from engine.attention.cuda.tile_helpers import kernel_layout
 
 
 def _case_inputs(rng, rows: int, n: int, hq: int, kvh: int, d: int, page_tokens: int):
@@ -39,11 +40,18 @@ def _case_inputs(rng, rows: int, n: int, hq: int, kvh: int, d: int, page_tokens:
                    for _ in range(2))
 
     def pool(bits):
-        shape = (num_pages, page_tokens, kvh)
-        codes = mx.random.randint(0, 2**31 - 1, (*shape, d * bits // 32)).astype(mx.uint32)
-        scales = mx.random.uniform(0.01, 0.1, (*shape, d // 64))
-        offsets = mx.random.uniform(-0.5, -0.1, (*shape, d // 64))
-        return Packed(codes, scales, offsets)
+        """(pool, layout) of `bits` for both K and V."""
+        layout = kernel_layout(page_tokens, kvh, d, bits, bits)
+        words = layout.zeros(num_pages)
+        every = mx.arange(num_pages, dtype=mx.int32)
+        for name, bounds in (("k_codes", None), ("v_codes", None),
+                             ("k_scales", (0.01, 0.1)), ("k_offsets", (-0.5, -0.1)),
+                             ("v_scales", (0.01, 0.1)), ("v_offsets", (-0.5, -0.1))):
+            shape = (num_pages, page_tokens, kvh, layout.width(name))
+            values = (mx.random.randint(0, 2**31 - 1, shape).astype(mx.uint32) if bounds is None
+                      else mx.random.uniform(*bounds, shape))
+            layout.write_pages(words, every, name, values)
+        return words, layout
 
     return q, k_new, v_new, native, pool, tables, ends
 
@@ -98,13 +106,13 @@ def main(argv=None) -> int:
                     fmt, version = spec.split(":")
                     bits = {"int4": 4, "int8": 8}[fmt]
                     if bits not in pools:
-                        pools[bits] = (pool(bits), pool(bits))
-                        mx.eval(*pools[bits][0], *pools[bits][1])
-                    k_hist, v_hist = pools[bits]
+                        pools[bits] = pool(bits)
+                        mx.eval(pools[bits][0])
+                    words, layout = pools[bits]
 
-                    def call(k_hist=k_hist, v_hist=v_hist, bits=bits, version=version):
+                    def call(words=words, layout=layout, bits=bits, version=version):
                         return cuda_packed_decode.packed_decode_attention(
-                            q, k_new, v_new, k_hist, v_hist, bits, tables, ends, n, scale,
+                            q, k_new, v_new, words, layout, bits, tables, ends, n, scale,
                             args.split_target, version=version)
                     kv_bytes = 2 * rows * kvh * n * (d * bits // 8 + 2 * 4 * (d // 64))
                 try:

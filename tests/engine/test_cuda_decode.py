@@ -83,18 +83,82 @@ def test_device_check_reference_matches_engine_packed_attention():
 
 
 def test_device_check_reference_catches_a_layout_error():
-    """A kernel that reads the wrong key group's scale fails the check (the harness is not
-    vacuous)."""
+    """A kernel that reads the wrong key group's scale, or takes the key scales for their
+    offsets, fails the check (the harness is not vacuous)."""
+    import mlx.core as mx
+
     rng = np.random.default_rng(1)
 
-    def wrong(q, k_new, v_new, k_hist, v_hist, bits, tables, ends, scale):
-        codes, scales, offsets = k_hist
-        flipped = type(k_hist)(codes, scales[..., ::-1], offsets)
-        return cuda_check.reference_packed_decode(q, k_new, v_new, flipped, v_hist, bits,
-                                                  tables, ends, scale)
+    def wrong(read):
+        def kernel(q, k_new, v_new, pool, layout, bits, tables, ends, scale):
+            pool = mx.array(np.array(pool))   # a copy: the case's pool stays as written
+            every = mx.arange(pool.shape[0], dtype=mx.int32)
+            layout.write_pages(pool, every, "k_scales", read(layout, pool))
+            return cuda_check.reference_packed_decode(q, k_new, v_new, pool, layout, bits,
+                                                      tables, ends, scale)
+        return kernel
 
-    case = cuda_check.packed_case(rng, "int4", 2, 16, 4, 128, 300, kernel=wrong)
-    assert not case["ok"]
+    for read in (lambda layout, pool: layout.section(pool, "k_scales")[..., ::-1],
+                 lambda layout, pool: layout.section(pool, "k_offsets")):
+        case = cuda_check.packed_case(rng, "int4", 2, 16, 4, 128, 300, kernel=wrong(read))
+        assert not case["ok"]
+
+
+def test_kernel_pool_check():
+    """The kernels' host side refuses a pool whose layout their CUDA addressing would misread."""
+    import mlx.core as mx
+
+    from engine.attention.cuda.tile_helpers import check_pool, kernel_layout
+    from engine.kv.page_layout import PageLayout
+
+    layout = kernel_layout(16, 4, 128, 4, 4)
+    check_pool(layout.zeros(3), layout, 128, 4, 4, 4)
+    k32 = PageLayout.for_format(16, 4, 128, 4, 4, 32, 64)   # 32-channel key groups
+    bad = (  # (pool, layout, head dim, bits, KV heads)
+        (layout.zeros(3), layout, 128, 8, 4),                 # other bits than the layout's
+        (layout.zeros(3), layout, 128, 4, 2),                 # other heads than the rows'
+        (mx.zeros((3, layout.page_words), mx.float32), layout, 128, 4, 4),
+        (layout.zeros(3)[:, 1:], layout, 128, 4, 4),
+        (k32.zeros(3), k32, 128, 4, 4),
+    )
+    for pool, lay, d, bits, heads in bad:
+        for vectors in (False, True):
+            with pytest.raises(ValueError, match="packed kernel pool"):
+                check_pool(pool, lay, d, bits, bits, heads, vectors)
+    # 3-bit codes (no shipped format): 6-word code rows fall off the 16-byte grid, which only
+    # the kernels reading sections by vectors (v2, prefill) refuse.
+    odd = kernel_layout(16, 4, 64, 3, 3)
+    check_pool(odd.zeros(2), odd, 64, 3, 3, 4, vectors=False)
+    with pytest.raises(ValueError, match="alignment"):
+        check_pool(odd.zeros(2), odd, 64, 3, 3, 4)
+
+
+def test_device_check_write_harness():
+    """bench.cuda_check's write case splits records by the layout's sections: the MLX record
+    passes it, one with K scales and offsets swapped or codes off by one step does not."""
+    import mlx.core as mx
+
+    from engine.kv.page_layout import packed_record
+    from engine.kv.quant import quantize
+    from engine.kv.rotation import rotate
+
+    def reference(k, v, kb, vb, layout):
+        return packed_record(quantize(rotate(k), kb), quantize(v, vb))
+
+    def swapped(k, v, kb, vb, layout):
+        kq, vq = quantize(rotate(k), kb), quantize(v, vb)
+        return packed_record(type(kq)(kq.codes, kq.offsets, kq.scales), vq)
+
+    def shifted(k, v, kb, vb, layout):
+        kq, vq = quantize(rotate(k), kb), quantize(v, vb)
+        return packed_record(kq, type(vq)(vq.codes ^ mx.array(1, mx.uint32), *vq[1:]))
+
+    rng = np.random.default_rng(4)
+    for fmt, heads, d in (("int8", 3, 64), ("int4", 4, 128), ("k8v4", 4, 128)):
+        case = cuda_check.write_case(rng, fmt, 37, heads, d, kernel=reference)
+        assert case["ok"] and case["k_code_max_diff"] == 0 == case["v_code_max_diff"], case
+        for wrong in (swapped, shifted):
+            assert not cuda_check.write_case(rng, fmt, 37, heads, d, kernel=wrong)["ok"], fmt
 
 
 def test_v2_kernel_formats_and_choice():
@@ -147,6 +211,36 @@ def test_v2_kernel_source_runs_on_cpu_fibers(tmp_path):
         case = cuda_check.packed_case(rng, fmt, rows, hq, kvh, d, longest, kernel=kernel)
         assert case["ok"] and case["max_abs_err"] < 0.01, case
     assert cuda_paged_decode.split_count(3, 4, 600) > 1   # the merge ran too
+
+
+def test_v1_kernel_source_runs_on_cpu_fibers(tmp_path):
+    """The v1 kernel's source on the same emulator: its pool reads (word by word, no vectors)
+    against direct packed attention, with splits and a ragged batch."""
+    from bench import cuda_emulate
+
+    assert shutil.which("g++"), "the CPU emulation of the CUDA kernel compiles with g++"
+
+    rng = np.random.default_rng(5)
+    for fmt, rows, hq, kvh, d, longest in (("int4", 2, 16, 4, 128, 700),
+                                           ("int8", 2, 9, 3, 64, 200)):
+        def kernel(*args):
+            return cuda_emulate.packed_decode(*args, workdir=tmp_path, version="v1")
+        case = cuda_check.packed_case(rng, fmt, rows, hq, kvh, d, longest, kernel=kernel)
+        assert case["ok"] and case["max_abs_err"] < 0.01, case
+    assert cuda_paged_decode.split_count(2, 4, 700) > 1   # the merge ran too
+
+
+def test_device_check_counts_nan_as_a_failure():
+    """A kernel output with a NaN fails its case (max() alone would skip the NaN)."""
+    rng = np.random.default_rng(6)
+
+    def nan_kernel(*args):
+        out = cuda_check.reference_packed_decode(*args)
+        out[0, 0, 0, 0] = np.nan
+        return out
+
+    case = cuda_check.packed_case(rng, "int8", 2, 9, 3, 64, 50, kernel=nan_kernel)
+    assert not case["ok"]
 
 
 def test_kernel_timing_bench_flow(tmp_path, monkeypatch):

@@ -5,7 +5,8 @@ The kernel itself only runs on a CUDA GPU (`python -m bench.cuda_check` there; r
 docs/lab/benchmarks-gpu.md). What runs here: the split plan, when a packed layer routes to the
 kernel, and that the harness's numpy model of the kernel's contract (pools read by page table,
 per-row history and own-key bounds, NaN padding) agrees with the engine's direct packed
-attention, and catches a kernel that gets the contract wrong.
+attention (history written as the engine writes it: records into one pool per layer,
+engine/kv/page_layout.py), and catches a kernel that gets the contract wrong.
 """
 from __future__ import annotations
 
@@ -78,12 +79,12 @@ def test_device_check_reference_catches_contract_errors():
     """A kernel that drops the last history key, or lets a position see its successor, fails."""
     rng = np.random.default_rng(2)
 
-    def short_history(q, k_new, v_new, k_pool, v_pool, kb, vb, pages, bounds, longest, scale,
+    def short_history(q, k_new, v_new, pool, layout, kb, vb, pages, bounds, longest, scale,
                       splits=None):
         import mlx.core as mx
         cut = np.array(bounds)
         cut[:, 0] -= 1
-        return cuda_check.reference_packed_prefill(q, k_new, v_new, k_pool, v_pool, kb, vb,
+        return cuda_check.reference_packed_prefill(q, k_new, v_new, pool, layout, kb, vb,
                                                    pages, mx.array(cut), longest, scale)
 
     def peeks_ahead(q, k_new, v_new, *rest, splits=None):

@@ -5,8 +5,10 @@ through on CUDA: the codes are dequantized inside the kernel, in registers, one 
 so neither a gathered copy of the history nor a dequantized one ever exists (the direct path's MLX
 ops gather every row's pages and unpack them into an FP32 tile per layer and step).
 
-Layout it reads (engine/attention/packed_store.py): token-major pages, codes [NP, T, Hkv, D*bits/32]
-uint32, FP32 scales and offsets [NP, T, Hkv, D/64]; keys stored in the rotated basis
+Layout it reads: the layer's one uint32 pool [NP, page_words] (engine/kv/page_layout.py), each
+page the sections k_codes | v_codes | k_scales | k_offsets | v_scales | v_offsets, token-major
+[T, Hkv, width] words (codes D*bits/32 words per row, FP32 scales and offsets D/64 per row as
+raw bits), addressed in the kernel by page_layout.CUDA_SECTIONS; keys stored in the rotated basis
 (engine/kv/rotation.py). A key row of D channels is W = D*bits/32 words; one lane takes one word
 (32/bits channels of one 64-channel group), so a warp scores 32/W keys per step and reduces
 each score over its W lanes. The score of a packed key needs no dequantized copy of it:
@@ -20,10 +22,13 @@ native kernel (`cuda_paged_decode.launch_split`): one block per (row, KV head, s
 the head's GQA query heads.
 
 Formats: equal key and value bits (int8, int4), head dim 64 or 128; others (k8v4) keep the
-direct path. Checked only on the H200 (docs/lab/benchmarks-gpu.md); never run on Metal.
-A tiled second version (cuda/packed_decode_v2.py: scores per tile of keys, one softmax step
-per tile, PV with lanes over channels, cp.async prefetch) is taken with `version="v2"`
-(KernelChoices.packed_decode); not yet run on hardware, so this one stays the default.
+direct path. Checked only on the H200 (docs/lab/benchmarks-gpu.md), when it read six separate
+arrays per layer; the pool addressing (same arithmetic, new addresses) compiles with a local
+nvcc and awaits the next H200 run (`python -m bench.cuda_check --kernels packed`). Never run on
+Metal. The tiled second version (cuda/packed_decode_v2.py: scores per tile of keys, one softmax
+step per tile, PV with lanes over channels, cp.async prefetch) is the default since the H200 run
+of session 8 (KernelChoices.packed_decode); this one serves `version="v1"` and GQA groups past
+v2's MAX_GROUP.
 """
 from __future__ import annotations
 
@@ -34,12 +39,17 @@ import mlx.core as mx
 from engine.attention.cuda import packed_decode_v2
 from engine.attention.cuda.paged_decode import (BLOCK_MERGE, HEADER, _dims, _scale, launch_split,
                                                 split_count)
+from engine.attention.cuda.tile_helpers import check_pool
+from engine.kv.page_layout import CUDA_SECTIONS, PageLayout
 from engine.kv.rotation import rotate
 
 HEAD_DIMS = (64, 128)
 BITS = (4, 8)
 
 _SOURCE = """
+constexpr int VB = KB;                 // equal key and value bits (`supports`)
+""" + CUDA_SECTIONS + """
+const float* const poolf = reinterpret_cast<const float*>(pool);   // scale/offset sections
 constexpr int NW = 4;
 constexpr int LW = D * KB / 32;        // lanes (words) per key row
 constexpr int KPW = 32 / LW;           // keys a warp scores per step
@@ -79,9 +89,9 @@ for (int jb = j0 + warp * KPW; jb < j1; jb += NW * KPW) {   // warp-uniform boun
   if (valid && j < nh) {
     const int page = pages[(size_t)b * P + j / PT];
     const size_t row = ((size_t)page * PT + j % PT) * HKV + hk;
-    const unsigned int kw = kc[row * LW + w], vw = vc[row * LW + w];
-    const float ksc = ks[row * NG + grp], kof = ko[row * NG + grp];
-    const float vsc = vs[row * NG + grp], vof = vo[row * NG + grp];
+    const unsigned int kw = pool[sec(row, KC_OFF, LW) + w], vw = pool[sec(row, VC_OFF, LW) + w];
+    const float ksc = poolf[sec(row, KS_OFF, NG) + grp], kof = poolf[sec(row, KO_OFF, NG) + grp];
+    const float vsc = poolf[sec(row, VS_OFF, NG) + grp], vof = poolf[sec(row, VO_OFF, NG) + grp];
     float code[VPW];
     #pragma unroll
     for (int i = 0; i < VPW; ++i) {
@@ -160,8 +170,7 @@ if (sub == 0) {
 def _kernel():
     return mx.fast.cuda_kernel(
         name="orchard_packed_decode",
-        input_names=["q", "qr", "kf", "vf", "kc", "ks", "ko", "vc", "vs", "vo", "pages", "ends",
-                     "dims", "scale"],
+        input_names=["q", "qr", "kf", "vf", "pool", "pages", "ends", "dims", "scale"],
         output_names=["out", "part", "ml"], source=_SOURCE, header=HEADER,
         ensure_row_contiguous=True)
 
@@ -171,16 +180,17 @@ def supports(k_bits: int | None, v_bits: int | None, head_dim: int) -> bool:
     return k_bits == v_bits and k_bits in BITS and head_dim in HEAD_DIMS
 
 
-def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, k_hist, v_hist,
-                            bits: int, pages: mx.array, ends: mx.array, longest: int,
-                            scale: float, target_blocks: int | None = None,
+def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool: mx.array,
+                            layout: PageLayout, bits: int, pages: mx.array, ends: mx.array,
+                            longest: int, scale: float, target_blocks: int | None = None,
                             version: str = "v1") -> mx.array:
     """Attention of one query per row q [B, Hq, 1, D] over packed history plus its own key.
 
-    k_new/v_new [B, Hkv, 1, D]: the step's fresh rows (model basis). k_hist/v_hist: the
-    layer's packed pages (codes, scales, offsets), keys rotated. Row b attends its first
-    ends[b] - 1 keys through page table pages[b] and then its own key; `longest` = max(ends)
-    on the host (with `target_blocks`, it picks the split count). Returns [B, Hq, 1, D] in q's
+    k_new/v_new [B, Hkv, 1, D]: the step's fresh rows (model basis). pool [num_pages,
+    page_words] uint32: the layer's packed pages as `layout` (engine.kv.page_layout) describes
+    them, keys rotated. Row b attends its first ends[b] - 1 keys through page table pages[b]
+    and then its own key; `longest` = max(ends) on the host (with `target_blocks`, it picks
+    the split count). Returns [B, Hq, 1, D] in q's
     dtype. `version` "v2": the tiled kernel (cuda/packed_decode_v2.py) where it supports the
     GQA group (KernelChoices.packed_decode); this one otherwise.
     """
@@ -188,12 +198,12 @@ def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, k_his
     kvh = k_new.shape[1]
     if version == "v2" and packed_decode_v2.supports(bits, bits, d, hq // kvh):
         return packed_decode_v2.packed_decode_attention(
-            q, k_new, v_new, k_hist, v_hist, bits, pages, ends, longest, scale, target_blocks)
-    page_tokens = k_hist[0].shape[1]
+            q, k_new, v_new, pool, layout, bits, pages, ends, longest, scale, target_blocks)
+    check_pool(pool, layout, d, bits, bits, kvh, vectors=False)   # word reads only
     splits = split_count(b, kvh, longest, target_blocks)
     return launch_split(
-        _kernel(), [q, rotate(q), k_new, v_new, *k_hist, *v_hist, pages, ends,
+        _kernel(), [q, rotate(q), k_new, v_new, pool, pages, ends,
                     _dims(hq, kvh, pages.shape[1]), _scale(float(scale))],
-        [("D", d), ("G", hq // kvh), ("PT", page_tokens), ("KB", bits), ("TQ", q.dtype),
-         ("TK", k_new.dtype)],
+        [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", layout.heads),
+         ("KB", bits), ("TQ", q.dtype), ("TK", k_new.dtype)],
         b, kvh, hq, d, splits, q.dtype)

@@ -1,9 +1,11 @@
-"""Decode attention from packed pages, tiled (second version; CUDA backend only, opt-in).
+"""Decode attention from packed pages, tiled (second version; CUDA backend only, the default).
 
-NOT YET RUN ON HARDWARE. It compiles with a local nvcc (`python -m bench.cuda_nvcc_check
---only decode-v2`); its correctness cases (`python -m bench.cuda_check --kernels packed-v2`)
-and speed (`bench.kv --decode-formats int4:v2`) wait for the lead's H200 run. Until those
-numbers exist the default stays the v1 kernel (cuda/packed_decode.py; KernelChoices.packed_decode).
+Checked and timed on the H200 in session 8 (docs/lab/benchmarks-gpu.md: every
+`bench.cuda_check --kernels packed-v2` case ok; the kernel alone 1.7-2.9x faster than v1), when
+packed layers kept six arrays. It now reads the layer's one pool (engine/kv/page_layout.py):
+same arithmetic, new addresses; that passes the CPU emulator (bench/cuda_emulate.py) and
+compiles with a local nvcc (`python -m bench.cuda_nvcc_check --only decode-v2`), and awaits the
+next H200 run.
 
 Why a second kernel: v1 gives each key row to a group of LW = D*bits/32 lanes (one packed word
 each), so every key costs, per GQA query head, a shuffle reduction of its score over the group
@@ -36,9 +38,11 @@ decode is bound by the host cost of issuing ops. Splits are v1's plan
 (`cuda_paged_decode.split_count`), with split starts rounded up to whole tiles; partials go
 through the same merge kernel (`launch_split`).
 
-Same inputs and layout as v1 (token-major pages, codes [NP, T, Hkv, D*bits/32] uint32, FP32
-scales/offsets [NP, T, Hkv, D/64], keys rotated): int8 and int4, head dim 64 and 128, up to
-MAX_GROUP query heads per KV head (more: v1).
+Same inputs and layout as v1 (the layer's uint32 pool [NP, page_words], each page the sections
+k_codes | v_codes | k_scales | k_offsets | v_scales | v_offsets, token-major [T, Hkv, width]
+words, addressed by page_layout.CUDA_SECTIONS; keys rotated): int8 and int4, head dim 64 and
+128, up to MAX_GROUP query heads per KV head (more: v1). The cp.async pieces need 16-byte
+aligned code sections in every page (`tile_helpers.check_pool` checks the layout).
 """
 from __future__ import annotations
 
@@ -48,6 +52,8 @@ import mlx.core as mx
 
 from engine.attention.cuda.packed_decode_v2_source import kernel as _kernel
 from engine.attention.cuda.paged_decode import _dims, _scale, launch_split, split_count
+from engine.attention.cuda.tile_helpers import check_pool
+from engine.kv.page_layout import PageLayout
 from engine.kv.rotation import rotation_signs
 
 HEAD_DIMS = (64, 128)
@@ -80,22 +86,23 @@ def _signs(head_dim: int) -> mx.array:
     return mx.array(rotation_signs(head_dim), dtype=mx.float32)
 
 
-def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, k_hist, v_hist,
-                            bits: int, pages: mx.array, ends: mx.array, longest: int,
-                            scale: float, target_blocks: int | None = None) -> mx.array:
+def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool: mx.array,
+                            layout: PageLayout, bits: int, pages: mx.array, ends: mx.array,
+                            longest: int, scale: float,
+                            target_blocks: int | None = None) -> mx.array:
     """cuda/packed_decode.packed_decode_attention's contract (q [B, Hq, 1, D], unrotated;
-    history packed, keys rotated; row b attends ends[b] - 1 history keys then its own key)
-    through the tiled kernel. Returns [B, Hq, 1, D] in q's dtype."""
+    history in `pool` as `layout` describes it, keys rotated; row b attends ends[b] - 1 history
+    keys then its own key) through the tiled kernel. Returns [B, Hq, 1, D] in q's dtype."""
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
     if not supports(bits, bits, d, hq // kvh) or hq % kvh:
         raise ValueError(f"packed decode v2: unsupported bits {bits}, head dim {d} or heads "
                          f"{hq}/{kvh}")
-    page_tokens = k_hist[0].shape[1]
+    check_pool(pool, layout, d, bits, bits, kvh)
     splits = split_count(b, kvh, longest, target_blocks or TARGET_BLOCKS)
     return launch_split(
-        _kernel(), [q, k_new, v_new, *k_hist, *v_hist, pages, ends,
+        _kernel(), [q, k_new, v_new, pool, pages, ends,
                     _dims(hq, kvh, pages.shape[1]), _scale(float(scale)), _signs(d)],
-        [("D", d), ("G", hq // kvh), ("PT", page_tokens), ("KB", bits), ("TQ", q.dtype),
-         ("TK", k_new.dtype)],
+        [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", layout.heads),
+         ("KB", bits), ("TQ", q.dtype), ("TK", k_new.dtype)],
         b, kvh, hq, d, splits, q.dtype)

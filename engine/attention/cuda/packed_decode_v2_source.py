@@ -1,8 +1,10 @@
 """The tiled packed decode kernel's CUDA source (its design and host side: packed_decode_v2.py).
 
-NOT YET RUN ON HARDWARE: compiled with a local nvcc only (`python -m bench.cuda_nvcc_check
---only decode-v2`) until the lead runs `python -m bench.cuda_check --kernels packed-v2` on the
-H200.
+Checked on the H200 (session 8) when it read six arrays per layer. It now reads the layer's one
+pool (engine/kv/page_layout.py, addressed by CUDA_SECTIONS): the same arithmetic from new
+addresses, run here on the CPU emulator (bench/cuda_emulate.py) and compiled with a local nvcc
+(`python -m bench.cuda_nvcc_check --only decode-v2`); the pool addressing awaits the next H200 run
+(`python -m bench.cuda_check --kernels packed-v2`).
 """
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ import mlx.core as mx
 
 from engine.attention.cuda.paged_decode import HEADER
 from engine.attention.cuda.tile_helpers import ASYNC, HELPERS
+from engine.kv.page_layout import CUDA_SECTIONS
 
 _HEADER = HEADER + ASYNC + HELPERS
 
 _SOURCE = """
+constexpr int VB = KB;                       // equal key and value bits (`supports`)
+""" + CUDA_SECTIONS + """
 constexpr int NT = 128, NW = 4;              // launch_split's block: 4 warps
 constexpr int KT = KB == 8 ? 32 : 64;        // keys per tile (int8: half, for shared memory)
 constexpr int KPT = KT / 32;                 // keys per lane in the score pass
@@ -44,6 +49,8 @@ static_assert(G >= 1 && G <= 8, "v2 packed decode: 1..8 query heads per KV head"
 static_assert(SW >= 2 && (KT * KCH) % NT == 0 && (KT * (LW / 4)) % NT == 0 && (4 * KT) % NT == 0,
               "tile loads must split evenly over the block");
 static_assert(NW * G * D <= 2 * STAGE, "the final reduction reuses the stage buffers");
+static_assert(PGW % 4 == 0 && VC_OFF % 4 == 0 && KS_OFF % 4 == 0 && LW % 4 == 0,
+              "cp.async: 16-byte code pieces, 4*NG-byte group pieces aligned in every page (check_pool)");
 __shared__ __align__(16) float smem[TOTAL];
 float* const qs = smem + QS_OFF;
 float* const qss = smem + QSS_OFF;
@@ -82,18 +89,19 @@ auto issue = [&](int t) {                    // cp.async of tile t into stage t 
   #pragma unroll
   for (int i = 0; i < KT * KCH / NT; ++i) {
     const int e = tid + i * NT, r = e / KCH, c = e % KCH;
-    if (r < cnt) orch_cp_async<KCB>(sk + r * KS + c * (KCB / 4), kc + row_of(base + r) * LW + c * (KCB / 4));
+    if (r < cnt)
+      orch_cp_async<KCB>(sk + r * KS + c * (KCB / 4), pool + sec(row_of(base + r), KC_OFF, LW) + c * (KCB / 4));
   }
   #pragma unroll
   for (int i = 0; i < KT * (LW / 4) / NT; ++i) {
     const int e = tid + i * NT, r = e / (LW / 4), c = e % (LW / 4);
-    if (r < cnt) orch_cp_async<16>(sv + r * LW + c * 4, vc + row_of(base + r) * LW + c * 4);
+    if (r < cnt) orch_cp_async<16>(sv + r * LW + c * 4, pool + sec(row_of(base + r), VC_OFF, LW) + c * 4);
   }
   #pragma unroll
   for (int i = 0; i < 4 * KT / NT; ++i) {
     const int e = tid + i * NT, a = e / KT, r = e % KT;
-    const float* src = a == 0 ? ks : a == 1 ? ko : a == 2 ? vs : vo;
-    if (r < cnt) orch_cp_async<4 * NG>(sm_ + (a * KT + r) * NG, src + row_of(base + r) * NG);
+    const int off = a == 0 ? KS_OFF : a == 1 ? KO_OFF : a == 2 ? VS_OFF : VO_OFF;
+    if (r < cnt) orch_cp_async<4 * NG>(sm_ + (a * KT + r) * NG, pool + sec(row_of(base + r), off, NG));
   }
   orch_cp_commit();
 };
@@ -353,7 +361,6 @@ for (int e = tid; e < G * D; e += NT) {
 def kernel():
     return mx.fast.cuda_kernel(
         name="orchard_packed_decode_v2",
-        input_names=["q", "kf", "vf", "kc", "ks", "ko", "vc", "vs", "vo", "pages", "ends",
-                     "dims", "scale", "signs"],
+        input_names=["q", "kf", "vf", "pool", "pages", "ends", "dims", "scale", "signs"],
         output_names=["out", "part", "ml"], source=_SOURCE, header=_HEADER,
         ensure_row_contiguous=True)

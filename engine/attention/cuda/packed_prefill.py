@@ -24,9 +24,17 @@ Tiling (FlashAttention-2 style; the one place it is defined, so a Metal twin can
 Keys in history are stored rotated (engine/kv/rotation.py): queries are rotated and the fresh keys
 rotated too, so one query fragment scores both; values are never rotated.
 
+History lives in the layer's one uint32 pool [pages, page_words] (engine/kv/page_layout.py: each
+page the sections k_codes | v_codes | k_scales | k_offsets | v_scales | v_offsets, token-major
+[page_tokens, Hkv, width] words), addressed in the kernel by page_layout.CUDA_SECTIONS; a unit's
+codes are read as 16-byte vectors, so code sections must start 16-byte aligned in every page
+(`tile_helpers.check_pool`).
+
 Formats: 4 or 8 bits for K and V independently (int8, int4, k8v4), head dim 64 or 128, up to
 MAX_WARPS query heads per KV head. Checked only on the H200 (`python -m bench.cuda_check`:
-max error 0.016 against the FP32 direct path, bf16 output rounding); never run on Metal.
+max error 0.016 against the FP32 direct path, bf16 output rounding), when it read six arrays per
+layer; the pool addressing (same arithmetic, new addresses) compiles with a local nvcc and
+awaits the next H200 run. Never run on Metal.
 Measured there (docs/lab/benchmarks-gpu.md, session 6; synthetic 0.5B geometry, chunks of 512):
 prefill 1.02-1.22x native time at 4K and 1.23-1.32x at 16K, against 2.5x / 3.9x for the MLX-op
 direct path. What bounds it now: one block (8 warps, ~240 registers each) per SM, so a tile's
@@ -43,6 +51,8 @@ import numpy as np
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.attention.cuda.packed_prefill_source import kernel as _kernel
 from engine.attention.cuda.paged_decode import _merge_kernel, available
+from engine.attention.cuda.tile_helpers import check_pool
+from engine.kv.page_layout import PageLayout
 from engine.kv.rotation import rotate
 
 HEAD_DIMS = (64, 128)
@@ -127,16 +137,16 @@ def _dims(*values: int) -> mx.array:
     return mx.array(values, dtype=mx.int32)
 
 
-def packed_prefill_attention(q: mx.array, k_new: mx.array, v_new: mx.array, k_pool, v_pool,
-                             k_bits: int, v_bits: int, pages: mx.array, bounds: mx.array,
-                             longest_history: int, scale: float,
+def packed_prefill_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool: mx.array,
+                             layout: PageLayout, k_bits: int, v_bits: int, pages: mx.array,
+                             bounds: mx.array, longest_history: int, scale: float,
                              splits: int | None = None,
                              target_blocks: int | None = None) -> mx.array:
     """Attention of a prefill chunk over packed history by page table plus its own keys.
 
     q [B, Hq, L, D]; k_new/v_new [B, Hkv, L, D] the chunk's fresh rows (model basis, right
-    padded to L). k_pool/v_pool: the layer's whole packed pools (codes, scales, offsets;
-    [pages, page_tokens, Hkv, ...]), keys rotated. pages [B, P] int32 page tables;
+    padded to L). pool [pages, page_words] uint32: the layer's whole packed pool as `layout`
+    (engine.kv.page_layout) describes it, keys rotated. pages [B, P] int32 page tables;
     bounds [B, 2] int32: row b attends its first bounds[b, 0] history keys, then its own keys
     0..i (i < bounds[b, 1]) at position i. `longest_history` = max(bounds[:, 0]) on the host
     (it picks the split count, aiming at `target_blocks`; `splits` pins it, for checks).
@@ -149,7 +159,7 @@ def packed_prefill_attention(q: mx.array, k_new: mx.array, v_new: mx.array, k_po
             or v_bits not in BITS):
         raise ValueError(f"packed prefill kernel: unsupported head dim {d}, heads {hq}/{kvh} "
                          f"or bits {k_bits}/{v_bits}")
-    page_tokens = k_pool[0].shape[1]
+    check_pool(pool, layout, d, k_bits, v_bits, kvh)
     qh = rotate(q.astype(mx.float32) * scale).astype(mx.bfloat16)
     kf = rotate(k_new).astype(mx.bfloat16)
     vf = v_new.astype(mx.bfloat16)
@@ -161,10 +171,10 @@ def packed_prefill_attention(q: mx.array, k_new: mx.array, v_new: mx.array, k_po
                              target_blocks)
     parts = b * hq * length * splits if splits > 1 else 1
     out, part, ml = _kernel()(
-        inputs=[qh, kf, vf, *k_pool, *v_pool, pages, bounds,
-                _dims(hq, kvh, length, pages.shape[1])],
+        inputs=[qh, kf, vf, pool, pages, bounds, _dims(hq, kvh, length, pages.shape[1])],
         template=[("D", d), ("G", group), ("QW", qw), ("KB", k_bits), ("VB", v_bits),
-                  ("PT", page_tokens), ("SPLIT", splits > 1), ("TO", q.dtype)],
+                  ("PT", layout.page_tokens), ("HK", layout.heads), ("SPLIT", splits > 1),
+                  ("TO", q.dtype)],
         grid=(blocks * group * qw * 32, splits, 1), threadgroup=(group * qw * 32, 1, 1),
         # Unsplit launches write `out` only: the partial outputs get a token allocation.
         output_shapes=[(b, hq, length, d), (parts, d), (parts, 2)],

@@ -1,4 +1,9 @@
-"""The packed prefill kernel's CUDA source (its tiling and host side: packed_prefill.py)."""
+"""The packed prefill kernel's CUDA source (its tiling and host side: packed_prefill.py).
+
+History is read from the layer's one uint32 pool (engine/kv/page_layout.py) through
+CUDA_SECTIONS; that addressing compiles with a local nvcc and awaits the next H200 run (this
+kernel has no CPU emulation: its tensor-core MMAs are inline PTX).
+"""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -6,6 +11,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from engine.attention.cuda.paged_decode import HEADER
+from engine.kv.page_layout import CUDA_SECTIONS
 
 _HEADER = HEADER + """
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned int* a, unsigned int b0,
@@ -30,7 +36,10 @@ __device__ __forceinline__ unsigned int ld32(const __nv_bfloat16* p) {
 }
 """
 
-_SOURCE = """
+_SOURCE = CUDA_SECTIONS + """
+static_assert(PGW % 4 == 0 && VC_OFF % 4 == 0 && KS_OFF % 4 == 0 && KW_ % 4 == 0 && VW_ % 4 == 0,
+              "16-byte loads of code units: aligned in every page and row (check_pool)");
+const float* const poolf = reinterpret_cast<const float*>(pool);   // scale/offset sections
 constexpr int QT = 16 * QW, KT = 64, NW = G * QW, NT = NW * 32;
 constexpr int KS = D + 8, VS = KT + 8;        // padded shared row strides (bf16)
 constexpr int KW = D * KB / 32, VW = D * VB / 32;
@@ -100,8 +109,8 @@ auto load_units = [&](int t0) {
       if (t < S) {
         const int page = pages[(size_t)b * P + t / PT];
         const size_t row = ((size_t)page * PT + t % PT) * HKV + hk;
-        const uint4* src = is_v ? reinterpret_cast<const uint4*>(vc + row * VW + grp * 2 * VB)
-                                : reinterpret_cast<const uint4*>(kc + row * KW + grp * 2 * KB);
+        const uint4* src = is_v ? reinterpret_cast<const uint4*>(pool + sec(row, VC_OFF, VW) + grp * 2 * VB)
+                                : reinterpret_cast<const uint4*>(pool + sec(row, KC_OFF, KW) + grp * 2 * KB);
         const int vecs = (is_v ? VB : KB) / 2;   // 16-byte vectors per unit
         #pragma unroll
         for (int x = 0; x < 4; ++x) {
@@ -111,8 +120,8 @@ auto load_units = [&](int t0) {
             buf[i][4 * x + 2] = v4.z; buf[i][4 * x + 3] = v4.w;
           }
         }
-        bsc[i] = (is_v ? vs : ks)[row * NG + grp];
-        bof[i] = (is_v ? vo : ko)[row * NG + grp];
+        bsc[i] = poolf[sec(row, is_v ? VS_OFF : KS_OFF, NG) + grp];
+        bof[i] = poolf[sec(row, is_v ? VO_OFF : KO_OFF, NG) + grp];
       }
     }
   }
@@ -257,7 +266,6 @@ for (int half = 0; half < 2; ++half) {
 def kernel():
     return mx.fast.cuda_kernel(
         name="orchard_packed_prefill",
-        input_names=["q", "kf", "vf", "kc", "ks", "ko", "vc", "vs", "vo", "pages", "bounds",
-                     "dims"],
+        input_names=["q", "kf", "vf", "pool", "pages", "bounds", "dims"],
         output_names=["out", "part", "ml"], source=_SOURCE, header=_HEADER,
         ensure_row_contiguous=True)

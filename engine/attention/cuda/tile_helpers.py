@@ -1,4 +1,5 @@
-"""CUDA helper text for tiled kernels (first user: cuda/packed_decode_v2_source.py).
+"""CUDA helper text for tiled kernels (first user: cuda/packed_decode_v2_source.py), and the
+host-side check that a packed layer's pool is addressed as the kernels assume (`check_pool`).
 
 ASYNC: cp.async global -> shared copies (inline PTX, sm_80+). HELPERS: packed-code unpacking
 without conversion instructions, shared-memory word loads, warp reductions. Kept apart from the
@@ -8,6 +9,13 @@ where an MLX helper of the same plain name (MLX's default header comes first) wo
 unqualified lookup.
 """
 from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from capacity.formats import GROUP_SIZE
+from engine.kv.page_layout import SECTIONS, PageLayout
 
 # The asynchronous-copy helpers (inline PTX); bench/cuda_emulate.py swaps in CPU twins.
 ASYNC = """
@@ -77,3 +85,50 @@ __device__ __forceinline__ float orch_warp_max(float v) {
   return v;
 }
 """
+
+
+def kernel_layout(page_tokens: int, heads: int, head_dim: int, k_bits: int,
+                  v_bits: int) -> PageLayout:
+    """The page layout the kernels' CUDA_SECTIONS computes from its template ints (64-channel
+    groups for keys and values)."""
+    return PageLayout.for_format(page_tokens, heads, head_dim, k_bits, v_bits, GROUP_SIZE,
+                                 GROUP_SIZE)
+
+
+@lru_cache(maxsize=None)
+def _pool_problem(layout: PageLayout, head_dim: int, k_bits: int, v_bits: int,
+                  vectors: bool) -> str | None:
+    want = kernel_layout(layout.page_tokens, layout.heads, head_dim, k_bits, v_bits)
+    if layout != want:
+        return (f"layout {layout} is not the one the kernel computes from its template ints "
+                f"(engine.kv.page_layout.CUDA_SECTIONS: {want})")
+    if not vectors:
+        return None
+    # Code sections are read by 16-byte pieces (uint4 loads, cp.async of 16 bytes) and v2
+    # copies a row's scale/offset groups by one cp.async of 4 * D/64 bytes: every such piece
+    # must start aligned in every page (the pool's base is; MLX allocations are 16-byte aligned).
+    for name in SECTIONS:
+        unit = 4 if name.endswith("codes") else layout.width(name)
+        if layout.offsets[name] % unit or layout.width(name) % unit or layout.page_words % unit:
+            return (f"section {name} of layout {layout} (offset {layout.offsets[name]}, page "
+                    f"{layout.page_words} words) breaks the {4 * unit}-byte alignment of the "
+                    f"kernel's vector reads")
+    return None
+
+
+def check_pool(pool, layout: PageLayout, head_dim: int, k_bits: int, v_bits: int,
+               kv_heads: int, vectors: bool = True) -> None:
+    """Raise ValueError unless `pool` [num_pages, page_words] uint32 and its `layout` are what a
+    packed kernel's CUDA_SECTIONS addressing assumes: the layout of these bits and head dim
+    (64-channel groups) for `kv_heads` heads, and, with `vectors` (kernels that read sections by
+    16-byte vectors or cp.async), sections starting aligned in every page. Cheap per call (the
+    layout part is cached): the decode kernels run it every layer and step."""
+    problem = _pool_problem(layout, head_dim, k_bits, v_bits, vectors)
+    if problem is None and layout.heads != kv_heads:
+        problem = f"layout has {layout.heads} heads, the fresh rows {kv_heads}"
+    if problem is None and (pool.ndim != 2 or pool.shape[1] != layout.page_words
+                            or pool.dtype != mx.uint32):
+        problem = (f"pool {pool.dtype} {tuple(pool.shape)} is not uint32 "
+                   f"[pages, {layout.page_words}]")
+    if problem is not None:
+        raise ValueError(f"packed kernel pool: {problem}")
