@@ -58,6 +58,7 @@ inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); 
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float to_f(float x) { return x; }
 inline float to_f(__nv_bfloat16 v) { return __uint_as_float((unsigned int)v.x << 16); }
 inline void put(float* p, float v) { *p = v; }
@@ -234,8 +235,11 @@ def run(name, inputs, outputs, source, helpers, template, arrays, out_shapes, gr
         np.ascontiguousarray(a, NP_TYPES[t]).tofile(case / f"in_{i}.bin")
     for i, ((_, t), shape) in enumerate(zip(outputs, out_shapes)):
         fill = np.full(shape, np.nan, np.float32)
-        (fill.view(np.uint32) >> 16).astype(np.uint16).tofile(case / f"out_{i}.bin") \
-            if t == "bfloat16" else fill.astype(NP_TYPES[t]).tofile(case / f"out_{i}.bin")
+        if t == "bfloat16":
+            fill = (fill.view(np.uint32) >> 16).astype(np.uint16)
+        elif t != "float32":   # integers: the NaN's bits (a word the kernel never wrote shows)
+            fill = fill.view(np.uint32).astype(NP_TYPES[t])
+        fill.tofile(case / f"out_{i}.bin")
     subprocess.run([str(exe), str(case), str(grid[0]), str(grid[1]), str(threads)], check=True)
     got = []
     for i, ((_, t), shape) in enumerate(zip(outputs, out_shapes)):
@@ -299,6 +303,24 @@ def packed_decode(q, k_new, v_new, pool, layout, bits, tables, ends, scale,
                     [part, ml, np.array([splits], np.int32)], [(rows, hq, 1, d)],
                     (rows * hq, 1), d, workdir)
     return merged
+
+
+def packed_write(k, v, k_bits, v_bits, layout, workdir: Path | None = None):
+    """The write kernel (cuda/packed_write.py) run here: rows [N, H, D] (bf16) to their pool
+    records [N, layout.record_words] uint32, quantize_record's signature and launch."""
+    import mlx.core as mx
+
+    from engine.attention.cuda import packed_write as pw
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
+    n, h, d = k.shape
+    blocks = -(-2 * n * h // pw.WARPS)
+    (rec,) = run("orchard_packed_write", [("k", "bfloat16"), ("v", "bfloat16"),
+                                          ("signs", "float32"), ("dims", "int32")],
+                 [("rec", "uint32")], pw._SOURCE, "",   # the prelude stands in for HEADER
+                 [("D", d), ("KB", k_bits), ("VB", v_bits), ("TI", "bfloat16")],
+                 [_bits16(k), _bits16(v), np.array(pw._signs(d)), np.array([n, h], np.int32)],
+                 [(n, layout.record_words)], (blocks, 1), pw.WARPS * 32, workdir)
+    return mx.array(rec)
 
 
 def packed_decode_v2(*args, **kwargs) -> np.ndarray:

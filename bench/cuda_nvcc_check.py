@@ -81,9 +81,23 @@ def decode_variants():
                             v1._SOURCE, HEADER, template)
 
 
+def write_variants():
+    """The packed write kernel (cuda/packed_write.py): rows to pool records, every bits pair."""
+    from engine.attention.cuda import packed_write as pw
+    from engine.attention.cuda.paged_decode import HEADER
+    for d in pw.HEAD_DIMS:
+        for kb, vb in ((8, 8), (4, 4), (8, 4)):
+            yield f"write d{d} k{kb}v{vb}", wrap(
+                "orchard_packed_write", [("k", "bfloat16"), ("v", "bfloat16"),
+                                         ("signs", "float32"), ("dims", "int32")],
+                [("rec", "uint32")], pw._SOURCE, HEADER,
+                [("D", d), ("KB", kb), ("VB", vb), ("TI", "bfloat16")])
+
+
 def variants():
     """(label, wrapped source) for every kernel variant the engine launches."""
     yield from decode_variants()
+    yield from write_variants()
     from engine.attention.cuda import packed_prefill as pf
     from engine.attention.cuda import packed_prefill_source as pf_source
     inputs = [("q", "bfloat16"), ("kf", "bfloat16"), ("vf", "bfloat16"), ("pool", "uint32"),

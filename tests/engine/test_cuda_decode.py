@@ -230,6 +230,23 @@ def test_v1_kernel_source_runs_on_cpu_fibers(tmp_path):
     assert cuda_paged_decode.split_count(2, 4, 700) > 1   # the merge ran too
 
 
+def test_write_kernel_source_runs_on_cpu_fibers(tmp_path):
+    """The write kernel's source on the emulator: the pool records it emits for int8, int4 and
+    k8v4 rows (head dims 64 and 128, several heads, a last block with idle warps) match
+    packed_record(quantize(rotate(k)), quantize(v)) section by section (device check's rule)."""
+    from bench import cuda_emulate
+
+    assert shutil.which("g++"), "the CPU emulation of the CUDA kernel compiles with g++"
+
+    def kernel(*args):
+        return cuda_emulate.packed_write(*args, workdir=tmp_path)
+
+    rng = np.random.default_rng(7)
+    for fmt, rows, heads, d in (("int8", 3, 2, 64), ("int4", 5, 3, 128), ("k8v4", 2, 4, 128)):
+        case = cuda_check.write_case(rng, fmt, rows, heads, d, kernel=kernel)
+        assert case["ok"], case
+
+
 def test_device_check_counts_nan_as_a_failure():
     """A kernel output with a NaN fails its case (max() alone would skip the NaN)."""
     rng = np.random.default_rng(6)
