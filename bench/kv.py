@@ -278,6 +278,10 @@ def main(argv=None):
     ap.add_argument("--split-target", type=int, default=None,
                     help="blocks per layer the CUDA decode kernels aim for when they split a "
                          "row's history (KernelChoices.decode_split_target)")
+    ap.add_argument("--split-min-keys", type=int, default=None,
+                    help="the shortest history split of the CUDA decode kernels, native and "
+                         "packed (KernelChoices.decode_split_min_keys; default "
+                         "cuda/paged_decode.MIN_KEYS_PER_SPLIT)")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--decode", type=_ints, default=[1024, 4096, 16384])
     ap.add_argument("--batches", type=_ints, default=[1, 4])
@@ -302,7 +306,8 @@ def main(argv=None):
         gpu_qmm=args.gpu_qmm, decode_kernel=not args.no_decode_kernel,
         write_kernel=not args.no_write_kernel, prefill_kernel=not args.no_prefill_kernel,
         prefill_split_target=args.prefill_split_target or None,
-        decode_split_target=args.split_target or None)
+        decode_split_target=args.split_target or None,
+        decode_split_min_keys=args.split_min_keys or None)
 
     if args.model:
         model_dir = args.model
@@ -320,6 +325,8 @@ def main(argv=None):
                                          and cuda_paged_decode.available()),
                       "split_target": (kernels.decode_split_target
                                        or cuda_paged_decode.TARGET_BLOCKS),
+                      "split_min_keys": (kernels.decode_split_min_keys
+                                         or cuda_paged_decode.MIN_KEYS_PER_SPLIT),
                       "v2_split_target": (kernels.decode_split_target
                                           or cuda_packed_decode_v2.TARGET_BLOCKS),
                       "write_kernel": (kernels.write_kernel

@@ -20,6 +20,11 @@ class KernelChoices:
     # Blocks per layer the decode kernels aim for when they split a row's history
     # (None: cuda/paged_decode.TARGET_BLOCKS).
     decode_split_target: int | None = None
+    # The shortest history split a decode kernel block takes (None:
+    # cuda/paged_decode.MIN_KEYS_PER_SPLIT). At short contexts and batch 1 this, not the
+    # target, sets the split count (4K keys / 256 = 16 splits: 32 blocks of a 2-KV-head layer
+    # on 132 SMs); `bench.kv --split-min-keys N` measures others.
+    decode_split_min_keys: int | None = None
     # Packed prefill chunks through the CUDA tile kernel (cuda/packed_prefill.py); off: the
     # MLX-op direct path.
     prefill_kernel: bool = True

@@ -59,7 +59,8 @@ class PackedLayerCache(PagedLayerCache):
             return cuda_packed_decode.packed_decode_attention(
                 queries, keys, values, self.store.pool, self.store.layout, self.store.fmt.k_bits,
                 self.view.pages, self.step.ends, self.step.longest, scale,
-                kernels.decode_split_target, version=kernels.packed_decode)
+                kernels.decode_split_target, version=kernels.packed_decode,
+                min_keys=kernels.decode_split_min_keys)
         ctx = self._context()
         hist, hist_mask, new_mask = ctx.history(self.store), ctx.hist_mask, ctx.new_mask
         rows = self.store.sink_rows

@@ -260,7 +260,8 @@ class PagedLayerCache:
             k_pages, v_pages = self.store.head_major_pages()
             return cuda_paged_decode.paged_decode_attention(
                 queries, k_pages, v_pages, self.view.pages, self.step.ends, scale,
-                self.step.longest, self.step.kernels.decode_split_target)
+                self.step.longest, self.step.kernels.decode_split_target,
+                self.step.kernels.decode_split_min_keys)
         pages = getattr(self.store, "head_major_pages", None)
         group = queries.shape[1] // keys.shape[1]
         # Page-wise PV partials (group*n rows per page) stay no larger than a gathered V copy.

@@ -34,6 +34,10 @@ def test_split_plan_keeps_short_contexts_whole_and_splits_long_ones():
     for rows, heads, keys in ((1, 4, 300), (3, 2, 5000), (64, 8, 100000)):
         s = cuda_paged_decode.split_count(rows, heads, keys)
         assert 1 <= s <= -(-keys // cuda_paged_decode.MIN_KEYS_PER_SPLIT)
+    # A shorter minimum split (KernelChoices.decode_split_min_keys) cuts short rows finer.
+    assert cuda_paged_decode.split_count(1, 2, 4096, min_keys=64) == 64
+    assert cuda_paged_decode.split_count(1, 2, 4096, min_keys=128) == 32
+    assert cuda_paged_decode.split_count(8, 2, 4096, 528, min_keys=64) == 33
 
 
 def test_split_plan_refuses_empty_sizes():

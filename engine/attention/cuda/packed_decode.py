@@ -183,7 +183,7 @@ def supports(k_bits: int | None, v_bits: int | None, head_dim: int) -> bool:
 def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool: mx.array,
                             layout: PageLayout, bits: int, pages: mx.array, ends: mx.array,
                             longest: int, scale: float, target_blocks: int | None = None,
-                            version: str = "v1") -> mx.array:
+                            version: str = "v1", min_keys: int | None = None) -> mx.array:
     """Attention of one query per row q [B, Hq, 1, D] over packed history plus its own key.
 
     k_new/v_new [B, Hkv, 1, D]: the step's fresh rows (model basis). pool [num_pages,
@@ -198,9 +198,10 @@ def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool:
     kvh = k_new.shape[1]
     if version == "v2" and packed_decode_v2.supports(bits, bits, d, hq // kvh):
         return packed_decode_v2.packed_decode_attention(
-            q, k_new, v_new, pool, layout, bits, pages, ends, longest, scale, target_blocks)
+            q, k_new, v_new, pool, layout, bits, pages, ends, longest, scale, target_blocks,
+            min_keys)
     check_pool(pool, layout, d, bits, bits, kvh, vectors=False)   # word reads only
-    splits = split_count(b, kvh, longest, target_blocks)
+    splits = split_count(b, kvh, longest, target_blocks, min_keys)
     return launch_split(
         _kernel(), [q, rotate(q), k_new, v_new, pool, pages, ends,
                     _dims(hq, kvh, pages.shape[1]), _scale(float(scale))],

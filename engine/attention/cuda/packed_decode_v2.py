@@ -89,7 +89,8 @@ def _signs(head_dim: int) -> mx.array:
 def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool: mx.array,
                             layout: PageLayout, bits: int, pages: mx.array, ends: mx.array,
                             longest: int, scale: float,
-                            target_blocks: int | None = None) -> mx.array:
+                            target_blocks: int | None = None,
+                            min_keys: int | None = None) -> mx.array:
     """cuda/packed_decode.packed_decode_attention's contract (q [B, Hq, 1, D], unrotated;
     history in `pool` as `layout` describes it, keys rotated; row b attends ends[b] - 1 history
     keys then its own key) through the tiled kernel. Returns [B, Hq, 1, D] in q's dtype."""
@@ -99,7 +100,7 @@ def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool:
         raise ValueError(f"packed decode v2: unsupported bits {bits}, head dim {d} or heads "
                          f"{hq}/{kvh}")
     check_pool(pool, layout, d, bits, bits, kvh)
-    splits = split_count(b, kvh, longest, target_blocks or TARGET_BLOCKS)
+    splits = split_count(b, kvh, longest, target_blocks or TARGET_BLOCKS, min_keys)
     return launch_split(
         _kernel(), [q, k_new, v_new, pool, pages, ends,
                     _dims(hq, kvh, pages.shape[1]), _scale(float(scale)), _signs(d)],

@@ -178,17 +178,17 @@ def available() -> bool:
 
 @lru_cache(maxsize=4096)
 def split_count(rows: int, kv_heads: int, longest: int,
-                target_blocks: int | None = None) -> int:
+                target_blocks: int | None = None, min_keys: int | None = None) -> int:
     """Blocks per (row, KV head) for a decode step whose longest row attends `longest` keys.
 
     Pure host arithmetic (tests pin it): as many splits as it takes to reach about
-    `target_blocks` blocks (None: TARGET_BLOCKS), but no split shorter than MIN_KEYS_PER_SPLIT
-    keys.
+    `target_blocks` blocks (None: TARGET_BLOCKS), but no split shorter than `min_keys` keys
+    (None: MIN_KEYS_PER_SPLIT).
     """
     if rows < 1 or kv_heads < 1 or longest < 1:
         raise ValueError(f"split_count needs positive sizes, got {rows}, {kv_heads}, {longest}")
     by_blocks = -(-(target_blocks or TARGET_BLOCKS) // (rows * kv_heads))
-    by_keys = -(-longest // MIN_KEYS_PER_SPLIT)
+    by_keys = -(-longest // (min_keys or MIN_KEYS_PER_SPLIT))
     return max(1, min(by_blocks, by_keys, MAX_SPLITS))
 
 
@@ -237,13 +237,14 @@ def _merge_args(rows: int, hq: int, head_dim: int, dtype: mx.Dtype) -> dict:
 
 def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, pages: mx.array,
                            ends: mx.array, scale: float, longest: int,
-                           target_blocks: int | None = None) -> mx.array:
+                           target_blocks: int | None = None,
+                           min_keys: int | None = None) -> mx.array:
     """Attention of one query per row [B, Hq, 1, D] over head-major pages [kvh, NP, T, D]:
     row b reads keys 0..ends[b]-1 through its page table `pages[b]`; `longest` is max(ends) on
     the host (it picks the split count, aiming at `target_blocks`). Returns [B, Hq, 1, D]."""
     b, hq, _, d = q.shape
     kvh, num_pages, page_tokens, _ = k_pages.shape
-    splits = split_count(b, kvh, longest, target_blocks)
+    splits = split_count(b, kvh, longest, target_blocks, min_keys)
     return launch_split(
         _native_kernel(), [q, k_pages, v_pages, pages, ends,
                            _dims(hq, kvh, num_pages, pages.shape[1]), _scale(float(scale))],
