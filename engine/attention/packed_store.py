@@ -243,7 +243,7 @@ class PackedLayerStore:
         by every layer of this layout (one upload, not one per layer)."""
         key = ("page_layout", self.layout, names)
         if key not in slots._by_heads:
-            slots._by_heads[key] = self.layout.row_index(slots.page_np, slots.offset_np, names)
+            slots._by_heads[key] = self.layout.row_index(slots.page, slots.offset, names)
         return slots._by_heads[key]
 
     def write_packed(self, slots: Slots, k: Packed, v: Packed) -> None:
@@ -252,7 +252,7 @@ class PackedLayerStore:
 
     def read_packed(self, slots: Slots) -> tuple[Packed, Packed]:
         """Packed rows [N, heads, ...] of N slots, exactly as stored."""
-        kc, vc, ks, ko, vs, vo = self.layout.read_rows(self.pool, slots.page_np, slots.offset_np)
+        kc, vc, ks, ko, vs, vo = self.layout.read_rows(self.pool, slots.page, slots.offset)
         return Packed(kc, ks, ko), Packed(vc, vs, vo)
 
     def gather_packed(self, pages: mx.array) -> PackedKV:

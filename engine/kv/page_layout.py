@@ -24,6 +24,7 @@ Byte accounting is unchanged: a page holds exactly the words of the six arrays i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -116,12 +117,11 @@ class PageLayout:
                                                       self.heads, self.width(name))
         return self._typed(a, name)
 
-    def read_rows(self, pool: mx.array, page: np.ndarray, offset: np.ndarray,
-                  names=SECTIONS) -> list[mx.array]:
-        """The named sections of N rows, each [N, heads, width]."""
-        n = len(page)
-        cols = mx.array(self.row_columns(offset, names))
-        flat = pool[mx.array(np.asarray(page, np.int32))[:, None], cols]
+    def read_rows(self, pool: mx.array, page, offset, names=SECTIONS) -> list[mx.array]:
+        """The named sections of N rows (pages and in-page offsets, [N]), each [N, heads,
+        width]."""
+        flat = pool[self.row_index(page, offset, names)]
+        n = flat.shape[0]
         out, at = [], 0
         for name in names:
             w = self.heads * self.width(name)
@@ -131,28 +131,23 @@ class PageLayout:
 
     # ---- writes ------------------------------------------------------------------------------
 
-    def row_columns(self, offset: np.ndarray, names=SECTIONS) -> np.ndarray:
+    def row_columns(self, offset, names=SECTIONS) -> mx.array:
         """[N, words] int32: the page columns of N rows' records (the named sections' [heads,
-        width] blocks in order) for in-page offsets `offset`."""
-        base, mult = [], []
-        for name in names:
-            w = self.width(name)
-            base.append(self.offsets[name] + np.arange(self.heads * w, dtype=np.int64))
-            mult.append(np.full(self.heads * w, self.heads * w, dtype=np.int64))
-        base, mult = np.concatenate(base), np.concatenate(mult)
-        cols = np.asarray(offset, np.int64)[:, None] * mult[None, :] + base[None, :]
-        return cols.astype(np.int32)
+        width] blocks in order) for in-page offsets `offset` [N]. Computed on the device from a
+        per-layout template: building it on the host (numpy, then an upload) cost ~1 ms per
+        512-row prefill chunk, which the H200 measured as +20-30% prefill time."""
+        base, mult = _record_template(self, names)
+        return _int32(offset)[:, None] * mult + base
+
+    def row_index(self, page, offset, names=SECTIONS) -> tuple[mx.array, mx.array]:
+        """(pages [N, 1], columns [N, words]) of N rows' records, for `write_rows` and reads."""
+        return _int32(page)[:, None], self.row_columns(offset, names)
 
     def write_rows(self, pool: mx.array, index: tuple[mx.array, mx.array],
                    records: mx.array) -> None:
         """pool[page, columns] = records ([N, words] uint32): one scatter, in place when the
-        pool has no other reference. `index` = `row_index`'s (pages [N, 1], columns [N, words])."""
+        pool has no other reference. `index`: `row_index` of the rows."""
         pool[index] = records
-
-    def row_index(self, page: np.ndarray, offset: np.ndarray,
-                  names=SECTIONS) -> tuple[mx.array, mx.array]:
-        return (mx.array(np.asarray(page, np.int32)[:, None]),
-                mx.array(self.row_columns(offset, names)))
 
     def write_pages(self, pool: mx.array, pages: mx.array, name: str, values: mx.array) -> None:
         """Whole pages of one section: values [F, page_tokens, heads, width]."""
@@ -162,6 +157,26 @@ class PageLayout:
         if name in _FLOAT:
             values = values.astype(mx.float32).view(mx.uint32)
         pool[pages[:, None], cols[None, :]] = values.reshape(-1, n)
+
+
+def _int32(x) -> mx.array:
+    """[N] int32 on the device from an mx.array (as is when already int32) or host ints."""
+    if isinstance(x, mx.array):
+        return x if x.dtype == mx.int32 else x.astype(mx.int32)
+    return mx.array(np.asarray(x, dtype=np.int32))
+
+
+@lru_cache(maxsize=None)
+def _record_template(layout: PageLayout, names: tuple) -> tuple[mx.array, mx.array]:
+    """(base, per-offset stride) [words] int32 of a record's columns: column j of a row at
+    offset t is base[j] + t * stride[j]."""
+    base, mult = [], []
+    for name in names:
+        w = layout.width(name)
+        base.append(layout.offsets[name] + np.arange(layout.heads * w))
+        mult.append(np.full(layout.heads * w, layout.heads * w))
+    return (mx.array(np.concatenate(base).astype(np.int32)),
+            mx.array(np.concatenate(mult).astype(np.int32)))
 
 
 def record(parts: list[mx.array], names=SECTIONS) -> mx.array:

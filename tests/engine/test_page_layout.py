@@ -45,7 +45,7 @@ def test_rows_written_as_records_read_back_and_gather_by_page_table():
         assert mx.array_equal(lay.section(pool, name)[4, 0], want[name][0]).item()
     # Nothing but the four records' words changed.
     touched = {(int(p), int(c)) for p, c in zip(*np.nonzero(np.array(pool)))}
-    cols = lay.row_columns(offset)
+    cols = np.array(lay.row_columns(offset))
     assert touched <= {(int(p), int(c)) for p, row in zip(page, cols) for c in row}
 
 
