@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import sysconfig
 import tempfile
@@ -186,55 +187,100 @@ def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoice
     return fmt, replace(kernels, **DECODE_KERNELS[kernel]) if kernel else kernels
 
 
-def _decode_time(loaded, spec, pages, b, n, room, steps, repeats,
-                 kernels: KernelChoices = DEFAULT_KERNELS, pipelined: bool = False) -> float:
-    """Best time of `steps` decode steps of `b` rows at context n (first round is warm-up).
+class _DecodeTimer:
+    """One format's decode at batch b and context n, ready to time rounds of steps."""
 
-    Synchronous (default): each step is built, run and read back before the next is built.
-    `pipelined`: as the engine's steady decode runs every KV format (engine/steps.py), step
-    n+1 is built and queued before step n's result is read back, so graph building overlaps
-    the device's work."""
-    fmt, kernels = decode_kernels(spec, kernels)
-    runner = make_runner(loaded, fmt, pages, kernels=kernels)
-    tables = _fill(runner.kvstore, b, n, room)
-    pos, best = n, None
-    for r in range(repeats + 1):
+    def __init__(self, loaded, spec, pages, b, n, room, kernels: KernelChoices = DEFAULT_KERNELS,
+                 pipelined: bool = False):
+        fmt, kernels = decode_kernels(spec, kernels)
+        self.runner = make_runner(loaded, fmt, pages, kernels=kernels)
+        self.tables = _fill(self.runner.kvstore, b, n, room)
+        self.pos, self.pipelined = n, pipelined
+
+    def round(self, steps: int) -> float:
+        """Seconds for `steps` decode steps.
+
+        Synchronous (default): each step is built, run and read back before the next is built.
+        `pipelined`: as the engine's steady decode runs every KV format (engine/steps.py), step
+        n+1 is built and queued before step n's result is read back, so graph building overlaps
+        the device's work."""
+        runner = self.runner
         mx.synchronize()
         t0 = time.perf_counter()
         prev = None
         for _ in range(steps):
-            logits = runner.forward([SeqChunk(i, [7], pos, t) for i, t in enumerate(tables)])
-            if not pipelined:
+            logits = runner.forward([SeqChunk(i, [7], self.pos, t)
+                                     for i, t in enumerate(self.tables)])
+            if not self.pipelined:
                 mx.eval(logits)
             else:
                 mx.async_eval(logits, *runner.kvstore.arrays())
                 if prev is not None:
                     mx.eval(prev)   # the engine reads step n back while step n+1 is queued
                 prev = logits
-            pos += 1
+            self.pos += 1
         if prev is not None:
             mx.eval(prev)
-        dt = time.perf_counter() - t0
-        if r:
-            best = dt if best is None else min(best, dt)
-    return best
+        return time.perf_counter() - t0
+
+
+def _decode_time(loaded, spec, pages, b, n, room, steps, repeats,
+                 kernels: KernelChoices = DEFAULT_KERNELS, pipelined: bool = False) -> float:
+    """Best time of `steps` decode steps of `b` rows at context n (first round is warm-up)."""
+    timer = _DecodeTimer(loaded, spec, pages, b, n, room, kernels, pipelined)
+    timer.round(steps)   # warm-up
+    return min(timer.round(steps) for _ in range(max(1, repeats)))
+
+
+def _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats, kernels,
+                     pipelined) -> dict:
+    """Every format's decode set up first, then timed in turns (native, then each format, per
+    round), so a slow spell of the machine lands on every format of its round: the ratio of
+    each round is paired, and the row reports their median beside the best tok/s."""
+    row, timers = {}, {}
+    for fmt in ["native", *formats]:
+        try:
+            timers[fmt] = _DecodeTimer(loaded, fmt, pages, b, n, room, kernels, pipelined)
+            timers[fmt].round(steps)   # warm-up
+        except Exception as e:  # a backend missing a kernel: record it, bench the rest
+            row[fmt] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    times = {fmt: [] for fmt in timers}
+    for _ in range(repeats):
+        for fmt, timer in timers.items():
+            times[fmt].append(timer.round(steps))
+    for fmt, ts in times.items():
+        row[fmt] = {"tok_s": round(b * steps / min(ts), 2),
+                    "tok_s_rounds": [round(b * steps / t, 2) for t in ts]}
+        if fmt != "native" and "native" in times:
+            paired = [tn / t for tn, t in zip(times["native"], ts)]
+            row[fmt]["ratios_paired"] = [round(r, 3) for r in paired]
+            row[fmt]["ratio_paired_median"] = round(statistics.median(paired), 3)
+    return row
 
 
 def decode_section(loaded, contexts, batches, formats, steps, repeats, out: dict, save,
-                   kernels: KernelChoices = DEFAULT_KERNELS, pipelined: bool = False) -> dict:
+                   kernels: KernelChoices = DEFAULT_KERNELS, pipelined: bool = False,
+                   interleave: bool = False) -> dict:
     for n in contexts:
         for b in batches:
             room = steps * (repeats + 1)
             pages = b * -(-(n + room) // PAGE_TOKENS)
-            row = {}
-            for fmt in ["native", *formats]:
-                try:
-                    row[fmt] = {"tok_s": round(b * steps / _decode_time(
-                        loaded, fmt, pages, b, n, room, steps, repeats, kernels,
-                        pipelined), 2)}
-                    progress(f"decode ctx {n} batch {b} {fmt}: {row[fmt]['tok_s']} tok/s")
-                except Exception as e:  # a backend missing a kernel: record it, bench the rest
-                    row[fmt] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            if interleave:
+                row = _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats,
+                                       kernels, pipelined)
+                for fmt in row:
+                    progress(f"decode ctx {n} batch {b} {fmt}: {row[fmt].get('tok_s')} tok/s, "
+                             f"paired ratios {row[fmt].get('ratios_paired')}")
+            else:
+                row = {}
+                for fmt in ["native", *formats]:
+                    try:
+                        row[fmt] = {"tok_s": round(b * steps / _decode_time(
+                            loaded, fmt, pages, b, n, room, steps, repeats, kernels,
+                            pipelined), 2)}
+                        progress(f"decode ctx {n} batch {b} {fmt}: {row[fmt]['tok_s']} tok/s")
+                    except Exception as e:  # a backend missing a kernel: record it
+                        row[fmt] = {"error": f"{type(e).__name__}: {e}"[:300]}
             for fmt in row:
                 if "tok_s" in row[fmt] and "tok_s" in row["native"]:
                     row[fmt]["ratio_to_native"] = round(
@@ -293,6 +339,11 @@ def main(argv=None):
     ap.add_argument("--pipelined", action="store_true",
                     help="decode as the engine does: queue step n+1 before reading step n back "
                          "(default: synchronous steps)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="decode: set every format up first, then time them in turns, round "
+                         "by round, and report each round's paired ratio to native and their "
+                         "median (robust to a machine's slow spells; default: one format's "
+                         "rounds after another's, best of each)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sections", default="capacity,prefill,decode",
                     help="any of capacity,prefill,decode,quality")
@@ -352,7 +403,7 @@ def main(argv=None):
     if "decode" in sections:
         decode_section(loaded, args.decode, args.batches, args.decode_formats.split(","),
                        args.steps, args.repeats, result.setdefault("decode", {}), save, kernels,
-                       pipelined=args.pipelined)
+                       pipelined=args.pipelined, interleave=args.interleave)
     if "quality" in sections:
         docs = heldout_docs(args.quality_root, args.quality_docs, args.quality_tokens,
                             loaded.tokenizer)

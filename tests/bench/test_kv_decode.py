@@ -45,3 +45,21 @@ def test_pipelined_flag_reaches_the_recorded_result(tmp_path):
     result = json.loads(out.read_text())
     assert result["env"]["args"]["pipelined"] is True
     assert result["decode"]["ctx64-b1"]["int4"]["tok_s"] > 0
+
+
+def test_interleaved_decode_reports_paired_ratios(tmp_path):
+    """--interleave: every format set up first and timed in turns; each round's ratio to native
+    is recorded (one per repeat) with their median."""
+    out = tmp_path / "kv.json"
+    bench_kv.main(["--sections", "decode", "--decode", "64", "--batches", "1",
+                   "--decode-formats", "int4,int8", "--steps", "2", "--repeats", "3",
+                   "--pipelined", "--interleave", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["env"]["args"]["interleave"] is True
+    row = result["decode"]["ctx64-b1"]
+    assert len(row["native"]["tok_s_rounds"]) == 3
+    for fmt in ("int4", "int8"):
+        paired = row[fmt]["ratios_paired"]
+        assert len(paired) == 3 and all(r > 0 for r in paired)
+        assert row[fmt]["ratio_paired_median"] == sorted(paired)[1]
+        assert row[fmt]["tok_s"] == max(row[fmt]["tok_s_rounds"])
