@@ -4,8 +4,8 @@ Checked and timed on the H200 in session 8 (docs/lab/benchmarks-gpu.md: every
 `bench.cuda_check --kernels packed-v2` case ok; the kernel alone 1.7-2.9x faster than v1), when
 packed layers kept six arrays. It now reads the layer's one pool (engine/kv/page_layout.py):
 same arithmetic, new addresses; that passes the CPU emulator (bench/cuda_emulate.py) and
-compiles with a local nvcc (`python -m bench.cuda_nvcc_check --only decode-v2`), and awaits the
-next H200 run.
+compiles with a local nvcc (`python -m bench.cuda_nvcc_check --only decode-v2`), and its H200
+check passed again (session 9: `bench.cuda_check --kernels packed-v2`, every case ok).
 
 Why a second kernel: v1 gives each key row to a group of LW = D*bits/32 lanes (one packed word
 each), so every key costs, per GQA query head, a shuffle reduction of its score over the group

@@ -3,8 +3,8 @@
 Checked on the H200 (session 8) when it read six arrays per layer. It now reads the layer's one
 pool (engine/kv/page_layout.py, addressed by CUDA_SECTIONS): the same arithmetic from new
 addresses, run here on the CPU emulator (bench/cuda_emulate.py) and compiled with a local nvcc
-(`python -m bench.cuda_nvcc_check --only decode-v2`); the pool addressing awaits the next H200 run
-(`python -m bench.cuda_check --kernels packed-v2`).
+(`python -m bench.cuda_nvcc_check --only decode-v2`), and checked on the H200 again (session 9,
+`python -m bench.cuda_check --kernels packed-v2`: every case ok).
 """
 from __future__ import annotations
 

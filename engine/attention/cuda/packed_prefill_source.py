@@ -1,8 +1,8 @@
 """The packed prefill kernel's CUDA source (its tiling and host side: packed_prefill.py).
 
 History is read from the layer's one uint32 pool (engine/kv/page_layout.py) through
-CUDA_SECTIONS; that addressing compiles with a local nvcc and awaits the next H200 run (this
-kernel has no CPU emulation: its tensor-core MMAs are inline PTX).
+CUDA_SECTIONS; checked on the H200 with that addressing (session 9, `bench.cuda_check --kernels
+prefill`). This kernel has no CPU emulation: its tensor-core MMAs are inline PTX.
 """
 from __future__ import annotations
 

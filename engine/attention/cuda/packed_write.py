@@ -11,11 +11,13 @@ Sylvester-order fast Walsh-Hadamard transform (in registers, then across lanes b
 takes each 64-channel group's min and max by shuffles, and packs codes little-end-first into
 uint32 words. It emits each row's record for the layer's one pool (engine.kv.page_layout: the
 row's K codes, V codes, K scales, K offsets, V scales, V offsets, each [heads, width], FP32 as its
-bits), so the store writes the step with one scatter. Same FP32 arithmetic and round-half-even as the MLX path, so codes agree except
-where a value sits on a rounding boundary (`python -m bench.cuda_check` reports the fraction).
+bits), so the store writes the step with one scatter. Same FP32 arithmetic and round-half-even
+as the MLX path, so codes agree except where a value sits on a rounding boundary
+(`python -m bench.cuda_check` reports the fraction).
 
 Head dims 64 and 128 (one Hadamard block), 4 or 8 bits; anything else keeps the MLX ops.
-Checked only on the H200; never run on Metal.
+Checked on the H200 (session 9, emitting pool records: every `bench.cuda_check --kernels write`
+case bit-exact) and on the CPU emulator (bench/cuda_emulate.py); never run on Metal.
 """
 from __future__ import annotations
 
