@@ -14,21 +14,16 @@ Sections:
   for the bench model and two reference geometries, against the 1.78x / 2.29x / 3.2x goals;
 - prefill: time to first token of a prompt of N tokens, prefilled in `--chunk`-token steps, for
   native, direct and fused;
-- decode: tokens/s of B sequences that each already hold N tokens of KV. The history is written
-  straight into the pages (random rows, quantized on write for packed formats): decode speed
-  depends on how much KV it reads, not on what the rows say, and this keeps 16K contexts cheap.
+- decode: tokens/s of B sequences that each already hold N tokens of KV (bench/kv_decode.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import platform
-import statistics
-import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -42,12 +37,12 @@ from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 from engine.attention.cuda import packed_write as cuda_packed_write
 from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.attention.packed_store import counters_of
-from engine.kv.store import KVStore, Slots
 from engine.model.loader import load_model
 from engine.model.names import MODEL_HELP, model_arg
 from engine.runner.paged import SeqChunk
 from bench.kv_quality import heldout_docs, quality_section
-from bench.kv_runners import PAGE_TOKENS, make_runner, make_store
+from bench.kv_decode import decode_section
+from bench.kv_runners import PAGE_TOKENS, make_runner, make_store, progress
 
 GOALS = {"int8": 16 / 9, "k8v4": 16 / 7, "int4": 3.2}
 REFERENCE_GEOMETRIES = {
@@ -105,12 +100,6 @@ def prefill_once(runner, tokens, chunk) -> float:
     return time.perf_counter() - t0
 
 
-def progress(message: str) -> None:
-    """One line per measured variant on stderr (a 16K CPU prefill takes minutes per variant);
-    stdout stays the JSON document."""
-    print(f"[bench_kv {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save,
                     kernels: KernelChoices = DEFAULT_KERNELS) -> dict:
     rng = np.random.default_rng(0)
@@ -146,147 +135,6 @@ def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save,
         out[str(n)] = row
         save()
         del runners
-    return out
-
-
-def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
-    """Write `context` random rows for each of `seqs` sequences, leave `room` tokens to decode;
-    return their page tables."""
-    per = -(-(context + room) // PAGE_TOKENS)
-    tables = [list(range(i * per, (i + 1) * per)) for i in range(seqs)]
-    key = mx.random.key(seed)
-    for table in tables:
-        for s in range(0, context, 4096):
-            pos = np.arange(s, min(context, s + 4096))
-            slots = Slots.from_flat(np.asarray(table)[pos // PAGE_TOKENS] * PAGE_TOKENS
-                                    + pos % PAGE_TOKENS, PAGE_TOKENS)
-            for index in store.layers:
-                g = store.geometry.layers[index]
-                key, k1, k2 = mx.random.split(key, 3)
-                k = mx.random.normal((len(pos), g.kv_heads, g.head_dim), key=k1).astype(store.dtype)
-                v = mx.random.normal((len(pos), g.kv_heads, g.v_head_dim), key=k2).astype(store.dtype)
-                store.write(index, slots, k, v)
-            mx.eval(*store.arrays())
-    return tables
-
-
-# Decode format variants: "int4:tiles" decodes packed layers through the prefill tile kernel
-# (engine/attention/cuda/packed_prefill.py), "int4:split" through engine/attention/cuda/packed_decode.py
-# (v1), "int4:v2" through the tiled engine/attention/cuda/packed_decode_v2.py; a bare name takes
-# the bench's kernel choices (KernelChoices.decode_tiles, packed_decode).
-DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
-                  "split": dict(decode_tiles=False, packed_decode="v1"),
-                  "v2": dict(decode_tiles=False, packed_decode="v2")}
-
-
-def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:
-    """(format, kernel choices) of a decode format spec FORMAT[:tiles|:split|:v2]."""
-    fmt, _, kernel = spec.partition(":")
-    if kernel and kernel not in DECODE_KERNELS:
-        raise ValueError(f"decode format {spec!r}: kernel must be one of {sorted(DECODE_KERNELS)}")
-    return fmt, replace(kernels, **DECODE_KERNELS[kernel]) if kernel else kernels
-
-
-class _DecodeTimer:
-    """One format's decode at batch b and context n, ready to time rounds of steps."""
-
-    def __init__(self, loaded, spec, pages, b, n, room, kernels: KernelChoices = DEFAULT_KERNELS,
-                 pipelined: bool = False):
-        fmt, kernels = decode_kernels(spec, kernels)
-        self.runner = make_runner(loaded, fmt, pages, kernels=kernels)
-        self.tables = _fill(self.runner.kvstore, b, n, room)
-        self.pos, self.pipelined = n, pipelined
-
-    def round(self, steps: int) -> float:
-        """Seconds for `steps` decode steps.
-
-        Synchronous (default): each step is built, run and read back before the next is built.
-        `pipelined`: as the engine's steady decode runs every KV format (engine/steps.py), step
-        n+1 is built and queued before step n's result is read back, so graph building overlaps
-        the device's work."""
-        runner = self.runner
-        mx.synchronize()
-        t0 = time.perf_counter()
-        prev = None
-        for _ in range(steps):
-            logits = runner.forward([SeqChunk(i, [7], self.pos, t)
-                                     for i, t in enumerate(self.tables)])
-            if not self.pipelined:
-                mx.eval(logits)
-            else:
-                mx.async_eval(logits, *runner.kvstore.arrays())
-                if prev is not None:
-                    mx.eval(prev)   # the engine reads step n back while step n+1 is queued
-                prev = logits
-            self.pos += 1
-        if prev is not None:
-            mx.eval(prev)
-        return time.perf_counter() - t0
-
-
-def _decode_time(loaded, spec, pages, b, n, room, steps, repeats,
-                 kernels: KernelChoices = DEFAULT_KERNELS, pipelined: bool = False) -> float:
-    """Best time of `steps` decode steps of `b` rows at context n (first round is warm-up)."""
-    timer = _DecodeTimer(loaded, spec, pages, b, n, room, kernels, pipelined)
-    timer.round(steps)   # warm-up
-    return min(timer.round(steps) for _ in range(max(1, repeats)))
-
-
-def _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats, kernels,
-                     pipelined) -> dict:
-    """Every format's decode set up first, then timed in turns (native, then each format, per
-    round), so a slow spell of the machine lands on every format of its round: the ratio of
-    each round is paired, and the row reports their median beside the best tok/s."""
-    row, timers = {}, {}
-    for fmt in ["native", *formats]:
-        try:
-            timers[fmt] = _DecodeTimer(loaded, fmt, pages, b, n, room, kernels, pipelined)
-            timers[fmt].round(steps)   # warm-up
-        except Exception as e:  # a backend missing a kernel: record it, bench the rest
-            row[fmt] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    times = {fmt: [] for fmt in timers}
-    for _ in range(repeats):
-        for fmt, timer in timers.items():
-            times[fmt].append(timer.round(steps))
-    for fmt, ts in times.items():
-        row[fmt] = {"tok_s": round(b * steps / min(ts), 2),
-                    "tok_s_rounds": [round(b * steps / t, 2) for t in ts]}
-        if fmt != "native" and "native" in times:
-            paired = [tn / t for tn, t in zip(times["native"], ts)]
-            row[fmt]["ratios_paired"] = [round(r, 3) for r in paired]
-            row[fmt]["ratio_paired_median"] = round(statistics.median(paired), 3)
-    return row
-
-
-def decode_section(loaded, contexts, batches, formats, steps, repeats, out: dict, save,
-                   kernels: KernelChoices = DEFAULT_KERNELS, pipelined: bool = False,
-                   interleave: bool = False) -> dict:
-    for n in contexts:
-        for b in batches:
-            room = steps * (repeats + 1)
-            pages = b * -(-(n + room) // PAGE_TOKENS)
-            if interleave:
-                row = _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats,
-                                       kernels, pipelined)
-                for fmt in row:
-                    progress(f"decode ctx {n} batch {b} {fmt}: {row[fmt].get('tok_s')} tok/s, "
-                             f"paired ratios {row[fmt].get('ratios_paired')}")
-            else:
-                row = {}
-                for fmt in ["native", *formats]:
-                    try:
-                        row[fmt] = {"tok_s": round(b * steps / _decode_time(
-                            loaded, fmt, pages, b, n, room, steps, repeats, kernels,
-                            pipelined), 2)}
-                        progress(f"decode ctx {n} batch {b} {fmt}: {row[fmt]['tok_s']} tok/s")
-                    except Exception as e:  # a backend missing a kernel: record it
-                        row[fmt] = {"error": f"{type(e).__name__}: {e}"[:300]}
-            for fmt in row:
-                if "tok_s" in row[fmt] and "tok_s" in row["native"]:
-                    row[fmt]["ratio_to_native"] = round(
-                        row[fmt]["tok_s"] / row["native"]["tok_s"], 3)
-            out[f"ctx{n}-b{b}"] = row
-            save()
     return out
 
 

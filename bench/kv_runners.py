@@ -1,6 +1,9 @@
 """The KV stores and model runners `bench.kv` times: one per format, on the bench's pages."""
 from __future__ import annotations
 
+import sys
+import time
+
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.kv.store import KVStore
 from engine.runner.packed import PackedModelRunner
@@ -23,3 +26,9 @@ def make_runner(loaded, fmt, pages, mode="direct", kernels: KernelChoices = DEFA
     return PackedModelRunner(loaded, make_store(loaded, fmt, pages, prefill_mode=mode,
                                                permit=lambda n: True, kernels=kernels),
                              kernels=kernels)
+
+
+def progress(message: str) -> None:
+    """One line per measured variant on stderr (a 16K CPU prefill takes minutes per variant);
+    stdout stays the JSON document."""
+    print(f"[bench_kv {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

@@ -5,6 +5,7 @@ import mlx.core as mx
 import numpy as np
 
 from bench import kv as bench_kv
+from bench import kv_decode
 from bench.synthetic import build_tiny_model
 from engine.model.loader import load_model
 
@@ -12,15 +13,15 @@ from engine.model.loader import load_model
 def _final_state(loaded, fmt, pipelined, monkeypatch):
     """Run one decode timing and return the store's arrays after it (what the steps wrote)."""
     made = []
-    real = bench_kv.make_runner
+    real = kv_decode.make_runner
 
     def keep(*a, **k):
         made.append(real(*a, **k))
         return made[-1]
 
-    monkeypatch.setattr(bench_kv, "make_runner", keep)
-    t = bench_kv._decode_time(loaded, fmt, pages=8, b=2, n=40, room=12, steps=4, repeats=2,
-                              pipelined=pipelined)
+    monkeypatch.setattr(kv_decode, "make_runner", keep)
+    t = kv_decode._decode_time(loaded, fmt, pages=8, b=2, n=40, room=12, steps=4, repeats=2,
+                               pipelined=pipelined)
     assert t > 0
     arrays = made[-1].kvstore.arrays()
     mx.eval(*arrays)

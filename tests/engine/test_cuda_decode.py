@@ -178,7 +178,7 @@ def test_v2_kernel_formats_and_choice():
 
 
 def test_bench_decode_format_suffixes_pick_the_kernel():
-    from bench.kv import decode_kernels
+    from bench.kv_decode import decode_kernels
     from engine.attention.choices import KernelChoices
 
     base = KernelChoices(packed_decode="v2", decode_tiles=True)
