@@ -12,8 +12,9 @@ step's own key are all exercised. Packed history is built as the engine stores i
 pool per layer (engine/kv/page_layout.py), rows written as records through PageLayout.write_rows;
 the references read it back section by section (PageLayout.section), the kernels through their
 own CUDA addressing (page_layout.CUDA_SECTIONS). The packed prefill kernel
-(engine/attention/cuda/packed_prefill.py) against the same direct attention, row by row, for ragged batches of chunks over packed history
-(rows without history, chunk padding filled with NaN, pinned key splits), and as a decode step.
+(engine/attention/cuda/packed_prefill.py) against the same direct attention, row by row, for
+ragged batches of chunks over packed history (rows without history, chunk padding filled with
+NaN, pinned key splits), and as a decode step.
 Exit status 1 if any case exceeds its tolerance.
 """
 from __future__ import annotations
@@ -269,20 +270,6 @@ def prefill_case(rng, fmt_name, hq, kvh, d, history, own, page_tokens=16, splits
             "max_abs_err": round(err, 5), "ok": bool(err < TOLERANCE)}
 
 
-def record_sections(records: np.ndarray, layout: PageLayout) -> dict[str, np.ndarray]:
-    """Row records [N, record_words] uint32 split into their sections (each [N, heads, width],
-    the FP32 ones as float32): a record is every section's [heads, width] block of one token, in
-    SECTIONS order (engine/kv/page_layout.py)."""
-    records = np.ascontiguousarray(records, np.uint32)
-    out, at = {}, 0
-    for name in SECTIONS:
-        w = layout.heads * layout.width(name)
-        part = records[:, at:at + w].reshape(len(records), layout.heads, -1)
-        out[name] = part if name.endswith("codes") else part.view(np.float32)
-        at += w
-    return out
-
-
 def write_case(rng, fmt_name, rows, heads, d, kernel=None) -> dict:
     """The write kernel's records (`kernel`, default cuda/packed_write.quantize_record, with its
     signature: k, v, k_bits, v_bits, layout) against packed_record(quantize(rotate(k)),
@@ -299,7 +286,8 @@ def write_case(rng, fmt_name, rows, heads, d, kernel=None) -> dict:
     if tuple(got.shape) != (rows, layout.record_words) or got.dtype != mx.uint32:
         return {**out, "error": f"records {got.dtype} {tuple(got.shape)}, want uint32 "
                                 f"{(rows, layout.record_words)}", "ok": False}
-    g, r = (record_sections(np.array(a), layout) for a in (got, ref))
+    g, r = ({name: np.array(part) for name, part in zip(SECTIONS, layout.split_records(a))}
+            for a in (got, ref))
     ok = True
     for name, bits in (("k", fmt.k_bits), ("v", fmt.v_bits)):
         shifts = np.arange(0, 32, bits, dtype=np.uint32)

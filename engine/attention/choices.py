@@ -42,8 +42,8 @@ class KernelChoices:
     # v2 is the default since it ran on the H200 (docs/lab/benchmarks-gpu.md session 8): its
     # device check passed, and it was faster than v1 at every measured point (kernel alone
     # 1.7-2.9x; int4 decode tok/s 1.06-1.12x v1 at 4K batch 1, 1.50-1.71x at 32K batch 8).
-    # v2 serves up to 8 query heads per KV head and hands larger groups to v1. `bench.kv --decode-formats int4:split,int4:v2`
-    # compares them.
+    # v2 serves up to 8 query heads per KV head and hands larger groups to v1.
+    # `bench.kv --decode-formats int4:split,int4:v2` compares them.
     packed_decode: str = "v2"
     # Quantize packed writes with the CUDA write kernel (cuda/packed_write.py); off: MLX ops.
     write_kernel: bool = True

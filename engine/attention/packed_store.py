@@ -239,8 +239,9 @@ class PackedLayerStore:
                      for a in self.sinks)
 
     def _row_index(self, slots: Slots, names=SECTIONS) -> tuple[mx.array, mx.array]:
-        """(pages, columns) of the slots' records in the pool: built once per step and shared
-        by every layer of this layout (one upload, not one per layer)."""
+        """(pages, columns) of the slots' records in the pool: built once per step (on the
+        device, from the step's page and offset arrays) and shared by every layer of this
+        layout."""
         key = ("page_layout", self.layout, names)
         if key not in slots._by_heads:
             slots._by_heads[key] = self.layout.row_index(slots.page, slots.offset, names)

@@ -120,12 +120,16 @@ class PageLayout:
     def read_rows(self, pool: mx.array, page, offset, names=SECTIONS) -> list[mx.array]:
         """The named sections of N rows (pages and in-page offsets, [N]), each [N, heads,
         width]."""
-        flat = pool[self.row_index(page, offset, names)]
-        n = flat.shape[0]
+        return self.split_records(pool[self.row_index(page, offset, names)], names)
+
+    def split_records(self, records: mx.array, names=SECTIONS) -> list[mx.array]:
+        """Row records [N, words] (the named sections in order) back into those sections, each
+        [N, heads, width] (the FP32 ones as float32): the inverse of `record`."""
+        n = records.shape[0]
         out, at = [], 0
         for name in names:
             w = self.heads * self.width(name)
-            out.append(self._typed(flat[:, at:at + w], name).reshape(n, self.heads, -1))
+            out.append(self._typed(records[:, at:at + w], name).reshape(n, self.heads, -1))
             at += w
         return out
 
