@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.engine import engine_decode, mlx_decode
+from bench.engine import compile_choice, engine_decode, mlx_decode
 from bench.output import emit
 
 SHAPE = dict(hidden_size=72, num_hidden_layers=30, intermediate_size=128,
@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-mlx-lm", action="store_true")
+    p.add_argument("--no-compile", action="store_true", help="uncompiled decode steps")
+    p.add_argument("--compile", action="store_true", help="compiled decode steps on any backend")
     p.add_argument("--profile", help="write a cProfile of the engine thread here")
     p.add_argument("--out")
     return p.parse_args(argv)
@@ -66,12 +68,14 @@ def run(args) -> dict:
     batches = [int(x) for x in args.batches.split(",") if x]
     rng = random.Random(0)
     eng = Engine(EngineConfig(model=model_dir, max_num_seqs=max(batches),
-                              max_model_len=args.prompt + args.tokens + 16))
+                              max_model_len=args.prompt + args.tokens + 16),
+                 kernels=compile_choice(args))
     model = tokenizer = None
     if not args.no_mlx_lm:
         model, tokenizer = load(model_dir)
         tokenizer.eos_token_ids = []
-    out = {"model": args.model or {"smollm2_layers_small": SHAPE}, "decode": []}
+    out = {"model": args.model or {"smollm2_layers_small": SHAPE}, "decode": [],
+           "compiled_decode": compile_choice(args).compiled_decode}
     prof_text = io.StringIO()
     try:
         for b in batches:

@@ -71,12 +71,26 @@ def parse_args(argv=None):
                         "kernels compile on first use: without one, repeat 1 pays for it)")
     p.add_argument("--no-fuse", action="store_true",
                    help="engine side: separate q/k/v and gate/up matmuls (production fuses them)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="engine side: decode steps uncompiled (production compiles them where "
+                        "the CUDA decode kernel runs; engine/runner/compiled_decode.py)")
+    p.add_argument("--compile", action="store_true",
+                   help="engine side: compiled decode steps on any backend (the CPU too)")
     p.add_argument("--ref-fused", action="store_true",
                    help="mlx-lm side: fuse its projections the engine's way too (a factor "
                         "analysis; mlx-lm as users run it is unfused, the default)")
     p.add_argument("--no-openblas-check", action="store_true", help="skip the matmul A/B")
     p.add_argument("--out", help="write the JSON here as well as to stdout")
     return p.parse_args(argv)
+
+
+def compile_choice(args):
+    """The engine's KernelChoices for `--compile` / `--no-compile` (default: production's)."""
+    from engine.attention.choices import KernelChoices
+    if args.compile and args.no_compile:
+        raise SystemExit("--compile and --no-compile exclude each other")
+    return KernelChoices(compiled_decode=True if args.compile else False if args.no_compile
+                         else None)
 
 
 def build_synthetic(root: Path) -> str:
@@ -309,7 +323,7 @@ def run(args) -> dict:
                max_model_len=longest + 16, fuse_projections=not args.no_fuse)
     if args.page_tokens:
         cfg["page_tokens"] = args.page_tokens
-    eng = Engine(EngineConfig(**cfg))
+    eng = Engine(EngineConfig(**cfg), kernels=compile_choice(args))
     # A model under the working directory is recorded by its relative path (no machine paths
     # in recorded results).
     relative = os.path.relpath(model_dir) if args.model else ""
@@ -325,6 +339,9 @@ def run(args) -> dict:
                          "kv_bytes_preallocated": eng.stats().kv_bytes_total,
                          "format_identity": eng.format_identity},
               "engine_fused_projections": not args.no_fuse,
+              "engine_compiled_decode": {None: "where the CUDA decode kernel runs",
+                                         True: "always", False: "never"}[
+                                             compile_choice(args).compiled_decode],
               "mlx_lm_fused_projections": args.ref_fused,
               "warmup_runs": args.warmup,
               "resident_mb": round(mx.get_active_memory() / 2**20, 1),

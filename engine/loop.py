@@ -46,6 +46,7 @@ from typing import AsyncIterator, Callable
 import numpy as np
 
 from capacity.pricing import CostModel
+from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.bridge import Sink
 from engine.build import EngineParts, LoopHooks, build
 from engine.checkpoint.format import CheckpointError
@@ -67,14 +68,17 @@ class Engine:
     pipeline_decode = True
 
     def __init__(self, cfg: EngineConfig, trace: Callable[..., None] | None = None,
-                 logits_tap: Callable[[str, int, np.ndarray], None] | None = None):
-        """`logits_tap` (optional, for tests and quality checks) is called on the engine thread,
+                 logits_tap: Callable[[str, int, np.ndarray], None] | None = None,
+                 kernels: KernelChoices = DEFAULT_KERNELS):
+        """`kernels`: the attention kernels and compiled steps the runner may use (benches
+        compare choices; production keeps the defaults). `logits_tap` (optional, for tests and quality checks) is called on the engine thread,
         once a step retired, with (request_id, token_index, logits) for every row that sampled
         a token: `logits` is a float32 numpy copy of exactly what the sampler read for the
         request's token number `token_index` (0 = first generated)."""
         self.cfg = cfg
         self._trace = trace
         self._logits_tap = logits_tap
+        self._kernels = kernels
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
@@ -208,7 +212,7 @@ class Engine:
             self._parts = build(self.cfg, LoopHooks(
                 emit=self._emit, on_admit=self._on_admit, quiet=self._quiet,
                 between_steps=self._between_steps, logits_tap=self._logits_tap),
-                pipeline_decode=self.pipeline_decode)
+                pipeline_decode=self.pipeline_decode, kernels=self._kernels)
             self._publish_stats()
         except BaseException as e:  # noqa: BLE001 - reported to the constructor's caller
             self._startup_error = e if isinstance(e, Exception) else EngineError(repr(e))

@@ -17,6 +17,11 @@ class KernelChoices:
     # CUDA decode kernels (engine/attention/cuda/paged_decode.py, packed_decode.py) where they
     # fit; off: the gather / direct paths they replace.
     decode_kernel: bool = True
+    # Decode steps through one compiled function per shape (engine/runner/compiled_decode.py)
+    # where the step fits it. None: where the CUDA decode kernel runs (a GPU decode step is host
+    # work; on the CPU the arithmetic is the step); True: wherever it fits (the CPU suite
+    # checks it this way); False: never.
+    compiled_decode: bool | None = None
     # Blocks per layer the decode kernels aim for when they split a row's history
     # (None: cuda/paged_decode.TARGET_BLOCKS).
     decode_split_target: int | None = None

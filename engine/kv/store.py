@@ -17,6 +17,7 @@ and `write_decode(slots, keys, values)` for a one-token-per-row write in the mod
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable, Protocol
 
 import mlx.core as mx
@@ -42,6 +43,12 @@ class Slots:
         self.count = int(self.page_np.size)
         self._page = self._offset = None
         self._by_heads: dict = {}
+
+    def only_slot(self) -> tuple[int, int] | None:
+        """(page, offset) on the host when exactly one token is written, else None."""
+        if self.count != 1:
+            return None
+        return int(self.page_np[0]), int(self.offset_np[0])
 
     @classmethod
     def from_flat(cls, slots: np.ndarray, page_tokens: int) -> "Slots":
@@ -132,11 +139,12 @@ class NativeLayerStore:
         one slice update each."""
         if keys.dtype != self.k.dtype:
             keys, values = keys.astype(self.k.dtype), values.astype(self.v.dtype)
-        if slots.count == 1:
+        only = slots.only_slot()
+        if only is not None:
             # One row (batch-1 decode): a slice update at host-known coordinates, as mlx-lm's
             # own cache writes (a scatter's indices with a leading 1 cost a squeeze and a
             # broadcast more). [1, heads, 1, dim] -> [heads, 1, 1, dim].
-            page, offset = int(slots.page_np[0]), int(slots.offset_np[0])
+            page, offset = only
             self.k[:, page:page + 1, offset:offset + 1] = keys.swapaxes(0, 1)
             self.v[:, page:page + 1, offset:offset + 1] = values.swapaxes(0, 1)
             return
@@ -156,6 +164,17 @@ class NativeLayerStore:
     def head_major_pages(self) -> tuple[mx.array, mx.array]:
         """The page arrays themselves, for attention that reads pages in place."""
         return self.k, self.v
+
+    def traced(self, arrays: list[mx.array]) -> "NativeLayerStore":
+        """A stand-in holding `arrays` (as `arrays()` orders them) for a compiled step's trace
+        (engine/runner/compiled_decode.py): writes go to it, never to this store."""
+        stand_in = copy.copy(self)
+        stand_in.adopt(arrays)
+        return stand_in
+
+    def adopt(self, arrays: list[mx.array]) -> None:
+        """Hold `arrays` (a compiled step's written pages) from now on."""
+        self.k, self.v = arrays
 
 
 LayerStoreFactory = Callable[[LayerGeometry, int, int, mx.Dtype], LayerStore]

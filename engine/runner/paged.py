@@ -32,6 +32,8 @@ from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.attention.paged import PagedLayerCache, Row, StepBatch, install_sdpa_hook
 from engine.kv.store import KVStore
 from engine.model.loader import LoadedModel, ModelLoadError
+from engine.runner.compiled_decode import CompiledDecode
+from engine.runner.tokens import input_tokens
 
 # Layer kinds (engine/model/loader.py's probe) the runner can serve: attention it pages, and
 # recurrent state it batches per sequence. Anything else ("other": e.g. a chunked-attention cache,
@@ -138,6 +140,10 @@ class ModelRunner:
         # once instead of per layer and step; None for layers whose state is not paged.
         self._layer_caches = [(self._cache_class(i), kvstore.layer(i), w) if i in self._paged
                               else None for i, w in enumerate(self._windows)]
+        wanted = (self.kernel_decode if kernels.compiled_decode is None
+                  else kernels.compiled_decode)
+        self.compiled = (CompiledDecode(self) if wanted and CompiledDecode.fits(self)
+                         else None)
 
     def _kernel_decode_fits(self) -> bool:
         """The kernels serve pages read in direct mode, on CUDA: native pages of their head
@@ -179,6 +185,8 @@ class ModelRunner:
         whole instead of a slice per row)."""
         self._validate(chunks)
         if decode_tokens is not None or all(len(c.token_ids) == 1 for c in chunks):
+            if self.compiled is not None:
+                return self.compiled.forward(chunks, decode_tokens)
             groups = [list(range(len(chunks)))]   # one-token rows: always one call, in order
         else:
             groups = self._groups(chunks)
@@ -264,7 +272,7 @@ class ModelRunner:
         if tokens is not None and step.width == 1:
             inputs = tokens.reshape(-1, 1).astype(mx.int32)
         else:
-            inputs = _input_tokens(chunks, step.width)
+            inputs = input_tokens(chunks, step.width)
         native = self.recurrent.batch(chunks, step.lengths) if self.recurrent else {}
         direct, in_place = self.direct, self.in_place_decode
         caches = [native[i] if lc is None else lc[0](lc[1], step, lc[2], direct, in_place)
@@ -288,24 +296,3 @@ class ModelRunner:
             # Apply the LM head to each row's last position only (prefill rows are long).
             return loaded.head(loaded.body(inputs, caches)[rows, last])
         return loaded.model(inputs, cache=caches)[rows, last]
-
-
-def _input_tokens(chunks: list[SeqChunk], width: int) -> mx.array:
-    """Token ids [rows, width], right-padded with 0 (padded positions are never attended)."""
-    if not any(isinstance(c.token_ids, mx.array) for c in chunks):
-        tokens = np.zeros((len(chunks), width), dtype=np.int32)
-        for i, c in enumerate(chunks):
-            tokens[i, :len(c.token_ids)] = c.token_ids
-        return mx.array(tokens)
-    if width == 1:   # decode rows (e.g. pipelined): one concatenation instead of per-row ops
-        ids = [c.token_ids if isinstance(c.token_ids, mx.array)
-               else mx.array(c.token_ids, dtype=mx.int32) for c in chunks]
-        return mx.concatenate([i.reshape(1) for i in ids]).astype(mx.int32)[:, None]
-    rows = []
-    for c in chunks:
-        ids = (c.token_ids if isinstance(c.token_ids, mx.array)
-               else mx.array(c.token_ids, dtype=mx.int32)).reshape(-1).astype(mx.int32)
-        if ids.shape[0] < width:
-            ids = mx.concatenate([ids, mx.zeros((width - ids.shape[0],), mx.int32)])
-        rows.append(ids)
-    return mx.stack(rows)

@@ -1,0 +1,127 @@
+"""Compiled decode steps against uncompiled ones on one model, step by step (any backend).
+
+    python -m bench.compiled_check [--model DIR | --shaped-like DIR] --batches 1,8 --steps 64
+
+Two runners over the same weights and page tables, one with compiled decode steps
+(engine/runner/compiled_decode.py, forced on: `KernelChoices(compiled_decode=True)`) and one
+without; each prefills the same prompts, then decodes greedily with the previous step's sampled
+array as input (as pipelined decode does). Prints JSON per batch: the largest logit difference
+of any step, whether the greedy tokens agree, traces made, and the median synchronous step time
+of each side (a step built, evaluated and read back; the engine pipelines, so this is a check
+of cost, not its served rate). On a GPU the compiled side attends through the CUDA decode
+kernel inside the trace; on the CPU through gathered, masked pages.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.output import emit
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.compiled_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a model folder (default: a small SmolLM2-shaped llama)")
+    src.add_argument("--shaped-like", metavar="DIR",
+                     help="random bf16 weights of this model folder's architecture")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--prompt", type=int, default=100, help="prompt tokens per row")
+    p.add_argument("--steps", type=int, default=64, help="decode steps per batch")
+    p.add_argument("--page-tokens", type=int, default=64)
+    p.add_argument("--out", help="write the JSON here as well as to stdout")
+    return p.parse_args(argv)
+
+
+def decode(runner, prompts, tables, steps):
+    """Greedy steps after prefill: (per-step logits as numpy, tokens, step seconds)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from engine.runner.paged import SeqChunk
+
+    logits = runner.forward([SeqChunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
+    toks = mx.argmax(logits, axis=-1).astype(mx.int32)
+    lens = [len(p) for p in prompts]
+    out, ids, times = [], [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        chunks = [SeqChunk(i, toks[i:i + 1], lens[i], tables[i]) for i in range(len(lens))]
+        logits = runner.forward(chunks, decode_tokens=toks)
+        toks = mx.argmax(logits, axis=-1).astype(mx.int32)
+        mx.eval(toks, *runner.kvstore.arrays())
+        times.append(time.perf_counter() - t0)
+        out.append(np.array(logits.astype(mx.float32)))
+        ids.append(np.array(toks).tolist())
+        lens = [n + 1 for n in lens]
+    return out, ids, times
+
+
+def run(args) -> dict:
+    import mlx.core as mx
+    import numpy as np
+
+    from bench.decode_host import SHAPE
+    from bench.engine import build_shaped
+    from bench.synthetic import build_tiny_model
+    from engine.attention.choices import KernelChoices
+    from engine.kv.store import KVStore
+    from engine.model.loader import load_model
+    from engine.runner.paged import ModelRunner
+
+    tmp = tempfile.TemporaryDirectory()
+    if args.shaped_like:
+        model_dir, shown = build_shaped(args.shaped_like, Path(tmp.name)), {
+            "random_weights_shaped_like": Path(args.shaped_like).name}
+    elif args.model:
+        model_dir, shown = args.model, args.model
+    else:
+        model_dir = str(build_tiny_model("llama", Path(tmp.name) / "m", seed=0, **SHAPE))
+        shown = {"smollm2_layers_small": SHAPE}
+    gpu = mx.default_device() != mx.cpu
+    lm = load_model(model_dir, dtype="bfloat16" if gpu else "float32", fuse=True)
+    rng = np.random.default_rng(0)
+    vocab = min(lm.geometry.vocab_size, 256)
+    result = {"model": shown, "device": str(mx.default_device()), "batches": []}
+    t = args.page_tokens
+    for b in [int(x) for x in args.batches.split(",") if x]:
+        prompts = [rng.integers(3, vocab, args.prompt).tolist() for _ in range(b)]
+        per_row = -(-(args.prompt + args.steps + 1) // t)
+        # Rows' pages interleaved, so a wrong table lookup reads another row's keys.
+        tables = [[r + b * j for j in range(per_row)] for r in range(b)]
+        sides = {}
+        for name, compiled in (("compiled", True), ("plain", False)):
+            store = KVStore(lm.geometry, b * per_row, t, lm.dtype)
+            runner = ModelRunner(lm, store, kernels=KernelChoices(compiled_decode=compiled))
+            sides[name] = (*decode(runner, prompts, tables, args.steps), runner)
+            del store
+        (la, ia, ta, ra), (lb, ib, tb, _) = sides["compiled"], sides["plain"]
+        point = {"batch": b, "steps": args.steps,
+                 "max_abs_logit_diff": float(max(np.abs(x - y).max() for x, y in zip(la, lb))),
+                 "greedy_tokens_equal": ia == ib,
+                 "first_token_divergence": next((i for i, (x, y) in enumerate(zip(ia, ib))
+                                                 if x != y), None),
+                 "traces": ra.compiled.traces,
+                 "kernel_decode": ra.kernel_decode,
+                 "step_ms_median": {"compiled": round(1000 * statistics.median(ta[4:]), 3),
+                                    "plain": round(1000 * statistics.median(tb[4:]), 3)}}
+        result["batches"].append(point)
+    tmp.cleanup()
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from engine.platform import ensure_openblas_preloaded
+
+    ensure_openblas_preloaded()
+    emit(run(args), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

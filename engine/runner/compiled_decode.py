@@ -1,0 +1,163 @@
+"""Decode steps traced once per shape and replayed (`mx.compile`): no model Python per step.
+
+Why: on the H200 a small model's batch-1 decode step is host work, not arithmetic. mlx-lm's
+model code runs its Python per layer every step (about 2 ms of a 5-7 ms SmolLM2 step), then MLX
+issues every node of the graph it built (docs/lab/benchmarks-gpu.md, "Where a decode step's time
+goes"). A compiled step runs that Python once per shape (the trace) and afterwards replays the
+recorded graph from C++; it also fuses chains of elementwise operations (SwiGLU's silu and
+product, the write-slot arithmetic) into single kernels, so fewer nodes are issued.
+
+A trace may not capture a host value that changes from step to step, so everything a step
+varies enters as arrays:
+- `tokens` [B]: the rows' input ids (pipelined decode passes the previous step's sampled array);
+- `table` [B, 1 + P] int32: each row's start (keys already in KV, which is also its RoPE
+  position) followed by its page table padded to P pages. P is a power of two (`bucket_pages`),
+  so a growing row re-traces only when it crosses a bucket, and the whole step costs one
+  host-to-device upload. Write slots, row ends and the key mask are derived from it on the
+  device.
+The page arrays are inputs and outputs of the compiled function (it cannot keep state): each
+store gets its written arrays back after the call (`adopt`). The writes stay in place: once the
+store holds the new array, the old one's only reference is the graph's scatter, as in an
+uncompiled step.
+
+Attention inside the trace: the CUDA decode kernel where the runner uses it, with its split plan
+fixed by the bucket's capacity (P * page_tokens keys; a split past a row's end does no work), or
+else the pages gathered and masked by row end on the device (any backend: the CPU suite checks
+the compiled step through it).
+
+Which steps: every row decodes one token; every layer is paged full attention (no window, no
+recurrent state); every store can stand in for itself inside a trace (`traced`, `adopt`: native
+pages). Traces are cached per (rows, P, token dtype); each new shape costs one trace (about one
+uncompiled step plus MLX's compile passes).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import numpy as np
+
+from engine.attention.paged import PagedLayerCache, View
+from engine.runner.tokens import input_tokens
+
+if TYPE_CHECKING:
+    from engine.runner.paged import ModelRunner, SeqChunk
+
+# The smallest page-table width a trace is made for: short contexts share one trace.
+MIN_BUCKET_PAGES = 4
+
+
+def bucket_pages(pages: int) -> int:
+    """The padded page-table width for rows needing up to `pages` pages: a power of two."""
+    return max(MIN_BUCKET_PAGES, 1 << (max(pages, 1) - 1).bit_length())
+
+
+class DeviceSlots:
+    """Where each row's new token goes, as device arrays (no host coordinates inside a trace)."""
+
+    def __init__(self, page: mx.array, offset: mx.array):
+        self.page = page        # [B] int32
+        self.offset = offset    # [B] int32
+
+    def only_slot(self) -> None:
+        return None   # the store must scatter by array, never slice at host coordinates
+
+    def token_major(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
+        """(head, page, offset) indices broadcasting to [B, heads, 1] (`Slots.token_major`)."""
+        return (mx.arange(heads, dtype=mx.int32)[None, :, None],
+                self.page[:, None, None], self.offset[:, None, None])
+
+
+class DeviceDecodeStep:
+    """The part of `StepBatch` a decode step's caches read, built from the step's table on the
+    device inside a trace."""
+
+    width = 1
+    valid = None
+
+    def __init__(self, table: mx.array, page_tokens: int, kernel_decode: bool, kernels):
+        # One copy of the page columns, so a kernel that wants row-contiguous inputs does not
+        # copy them once per layer.
+        starts, pages = table[:, 0], mx.contiguous(table[:, 1:])
+        self.size = table.shape[0]
+        self.page_tokens = page_tokens
+        self.offset = starts                      # RoPE position of each row's token
+        self.ends = starts + 1                    # keys each row attends to after the write
+        page_of = mx.take_along_axis(pages, (starts // page_tokens)[:, None], axis=1)[:, 0]
+        self.slots = DeviceSlots(page_of, starts % page_tokens)
+        self.longest = pages.shape[1] * page_tokens   # the bucket's capacity: fixes the split plan
+        self.kernel_decode = kernel_decode
+        self.kernels = kernels
+        self.attended = 0
+        self._view = View(None, None, pages, None)
+        self._mask = None
+
+    def view(self, window: int | None) -> View:
+        if window is not None:
+            raise ValueError("a compiled decode step serves full-attention layers only")
+        return self._view
+
+    def sdpa_mask(self, view: View) -> mx.array:
+        """[B, 1, 1, P*T]: key j of row b is live when j < ends[b] (padding pages are hidden)."""
+        if self._mask is None:
+            keys = mx.arange(view.pages.shape[1] * self.page_tokens, dtype=mx.int32)
+            self._mask = (keys[None, :] < self.ends[:, None])[:, None, None, :]
+        return self._mask
+
+
+class CompiledDecode:
+    """A runner's decode steps through one compiled function (see the module docstring)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.page_tokens = runner.page_tokens
+        self.layers = [(i, runner.kvstore.layer(i)) for i in sorted(runner._paged)]
+        self.traces = 0   # how many shapes were traced (tests and benches read it)
+        self._fn = mx.compile(self._step)
+
+    @staticmethod
+    def fits(runner: ModelRunner) -> bool:
+        geometry = runner.loaded.geometry
+        return (runner.direct and runner.recurrent is None
+                and all(g.paged and g.window is None for g in geometry.layers)
+                and all(hasattr(runner.kvstore.layer(g.index), "traced")
+                        and runner._cache_class(g.index) is PagedLayerCache
+                        for g in geometry.layers))
+
+    def forward(self, chunks: list[SeqChunk], tokens: mx.array | None) -> mx.array:
+        """Float32 logits [B, vocab] of one-token rows (lazy), as `ModelRunner.forward`."""
+        t = self.page_tokens
+        need = [c.start // t + 1 for c in chunks]
+        width = bucket_pages(max(need))
+        table = np.empty((len(chunks), 1 + width), dtype=np.int32)
+        for i, (c, n) in enumerate(zip(chunks, need)):
+            table[i, 0] = c.start
+            table[i, 1:1 + n] = c.page_table[:n]
+            table[i, 1 + n:] = c.page_table[0]   # any live page: the row's end bounds its keys
+        if tokens is None:
+            tokens = input_tokens(chunks, 1)
+        arrays = [a for _, store in self.layers for a in store.arrays()]
+        out = self._fn(tokens.reshape(-1), mx.array(table), *arrays)
+        del arrays   # the stores' old arrays must be the graph's only references (in place)
+        k = 1
+        for _, store in self.layers:
+            n = len(store.arrays())
+            store.adopt(out[k:k + n])
+            k += n
+        return out[0]
+
+    def _step(self, tokens: mx.array, table: mx.array, *arrays: mx.array) -> list[mx.array]:
+        """Traced once per shape: the model over stand-in stores holding the input arrays."""
+        self.traces += 1
+        runner = self.runner
+        step = DeviceDecodeStep(table, self.page_tokens, runner.kernel_decode, runner.kernels)
+        stores, k = {}, 0
+        for i, store in self.layers:
+            n = len(store.arrays())
+            stores[i] = store.traced(list(arrays[k:k + n]))
+            k += n
+        caches = [PagedLayerCache(stores[i], step, None, direct=True)
+                  for i in range(len(runner._windows))]
+        inputs = tokens.astype(mx.int32)[:, None]
+        logits = runner._call(inputs, caches, step, last_only=True).astype(mx.float32)
+        return [logits] + [a for i, _ in self.layers for a in stores[i].arrays()]

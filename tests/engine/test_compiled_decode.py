@@ -1,0 +1,135 @@
+"""Compiled decode steps (engine/runner/compiled_decode.py) compute what uncompiled steps do.
+
+Production compiles decode steps only where the CUDA decode kernel runs; these tests force them
+on the CPU (`KernelChoices(compiled_decode=True)`), where attention inside the trace takes the
+gather-and-mask path. What they pin: the same logits and K/V pages as the uncompiled runner,
+step by step, through page-bucket growth, uneven rows and non-contiguous page tables; one trace
+per shape, not per step (a host value leaking into a trace would give wrong logits on replay);
+the runner refuses the compiled path where a step would not fit it; an engine with compiled
+steps generates exactly what the plain engine generates, pipelined and synchronous.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.attention.choices import KernelChoices
+from engine.config import EngineConfig
+from engine.kv.store import KVStore
+from engine.loop import Engine
+from engine.model.loader import load_model
+from engine.runner import compiled_decode
+from engine.runner.compiled_decode import CompiledDecode, bucket_pages
+from engine.runner.paged import ModelRunner, SeqChunk
+from tests.engine_helpers import PAGE_BYTES_LLAMA, collect, req, run, tokens, wait_idle
+
+COMPILED = KernelChoices(compiled_decode=True)
+PLAIN = KernelChoices(compiled_decode=False)
+
+
+def _runner(lm, kernels, pages=40, page_tokens=8):
+    return ModelRunner(lm, KVStore(lm.geometry, pages, page_tokens, lm.dtype), kernels=kernels)
+
+
+def _decode(runner, prompts, tables, steps, lazy):
+    """Prefill, then greedy one-token steps; returns every step's logits (numpy)."""
+    logits = runner.forward([SeqChunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
+    toks = mx.argmax(logits, axis=-1).astype(mx.int32)
+    lens = [len(p) for p in prompts]
+    out = []
+    for _ in range(steps):
+        if lazy:   # as pipelined decode feeds them: the previous step's sampled array
+            chunks = [SeqChunk(i, toks[i:i + 1], lens[i], tables[i]) for i in range(len(lens))]
+            logits = runner.forward(chunks, decode_tokens=toks)
+        else:
+            ids = np.array(toks).tolist()
+            logits = runner.forward([SeqChunk(i, [ids[i]], lens[i], tables[i])
+                                     for i in range(len(lens))])
+        toks = mx.argmax(logits, axis=-1).astype(mx.int32)
+        out.append(np.array(logits))
+        lens = [n + 1 for n in lens]
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_steps_match_uncompiled(tiny_model_dirs, arch):
+    lm = load_model(tiny_model_dirs[arch])
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, lm.geometry.vocab_size, n).tolist() for n in (5, 30, 17)]
+    # Scattered, interleaved page ids: the table, not the id order, must decide what is read.
+    tables = [[31, 2, 17, 8, 25, 11, 0, 36], [5, 22, 14, 39, 1, 28, 9, 19],
+              [12, 33, 3, 26, 7, 20, 38, 15]]
+    fast, slow = _runner(lm, COMPILED), _runner(lm, PLAIN)
+    assert fast.compiled is not None and slow.compiled is None
+    # 24 steps take the longest row from 30 to 54 keys: 4 -> 7 pages of 8, across a bucket.
+    for lazy in (True, False):
+        a = _decode(fast, prompts, tables, 24, lazy)
+        b = _decode(slow, prompts, tables, 24, lazy)
+        for step, (x, y) in enumerate(zip(a, b)):
+            assert np.abs(x - y).max() <= 1e-4, (lazy, step)
+    # The written pages are the same too (every layer, K and V).
+    for x, y in zip(fast.kvstore.arrays(), slow.kvstore.arrays()):
+        assert mx.abs(x - y).max().item() <= 1e-4
+    # One trace per shape: 3 rows x page buckets 4 and 8, for each token source (a lazy
+    # argmax array and a host list both arrive as int32 [3]).
+    assert fast.compiled.traces == 2
+
+
+def test_one_row_is_traced_once_per_bucket(tiny_llama):
+    lm = load_model(tiny_llama)
+    runner = _runner(lm, COMPILED, page_tokens=4)
+    table = [9, 3, 30, 14, 1, 22, 6, 17, 25, 11, 38, 0, 5, 27]
+    ref = _runner(lm, PLAIN, page_tokens=4)
+    a = _decode(runner, [[7, 8, 9]], [table], 50, lazy=True)   # 4 -> 53 keys: 1 -> 14 pages
+    b = _decode(ref, [[7, 8, 9]], [table], 50, lazy=True)
+    assert max(np.abs(x - y).max() for x, y in zip(a, b)) <= 1e-4
+    assert runner.compiled.traces == 3   # buckets of 4, 8 and 16 pages
+
+
+def test_bucket_widths():
+    assert [bucket_pages(n) for n in (1, 3, 4, 5, 8, 9, 100)] == [4, 4, 4, 8, 8, 16, 128]
+    assert compiled_decode.MIN_BUCKET_PAGES == 4
+
+
+def test_runner_refuses_compiled_steps_that_would_not_fit(tiny_model_dirs):
+    # Sliding-window layers (gemma3) read a window the trace does not model.
+    lm = load_model(tiny_model_dirs["gemma3_text"])
+    assert not CompiledDecode.fits(_runner(lm, PLAIN))
+    assert _runner(lm, COMPILED).compiled is None
+    # Packed stores attend over codes through their own cache class.
+    from engine.attention.packed_store import packed_layer_factory
+    llama = load_model(tiny_model_dirs["llama"])
+    store = KVStore(llama.geometry, 16, 16, llama.dtype,
+                    layer_factory=packed_layer_factory("int8", "direct", lambda n: True))
+    assert ModelRunner(llama, store, kernels=COMPILED).compiled is None
+    # The CPU default: no CUDA decode kernel, so no compiled steps.
+    assert _runner(llama, KernelChoices()).compiled is None
+
+
+def test_engine_with_compiled_steps_generates_what_the_plain_engine_does(tiny_llama):
+    def build(kernels, pipelined):
+        cls = type("E", (Engine,), {"pipeline_decode": pipelined})
+        return cls(EngineConfig(model=tiny_llama, kv_budget_bytes=64 * PAGE_BYTES_LLAMA,
+                                page_tokens=16, max_step_tokens=64), kernels=kernels)
+
+    async def batch(eng):
+        import asyncio
+        rs = [req("a", n_prompt=21, pseed=1, max_tokens=40, ignore_eos=True),
+              req("b", n_prompt=5, pseed=2, max_tokens=9, ignore_eos=True),
+              req("c", n_prompt=12, pseed=5, max_tokens=30, ignore_eos=True,
+                  temperature=0.9, top_p=0.95, seed=1234),
+              req("d", n_prompt=9, pseed=7, max_tokens=32)]
+        return [tokens(d) for d in await asyncio.gather(*(collect(eng, r) for r in rs))]
+
+    engines = [build(k, p) for k in (COMPILED, PLAIN) for p in (True, False)]
+    try:
+        outs = [run(batch(e)) for e in engines]
+        assert outs[0] == outs[1] == outs[2] == outs[3]
+        assert engines[0]._parts.runner.compiled.traces >= 1   # the compiled path really ran
+        for e in engines:
+            s = wait_idle(e)
+            assert s.kv_pages_used == 0
+    finally:
+        for e in engines:
+            e.shutdown()
