@@ -33,6 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt", type=int, default=100, help="prompt tokens per row")
     p.add_argument("--steps", type=int, default=64, help="decode steps per batch")
     p.add_argument("--page-tokens", type=int, default=64)
+    p.add_argument("--kv-formats", default="native",
+                   help="KV formats to check, comma-separated (packed formats compile only where "
+                        "the CUDA kernels attend; elsewhere their point says so)")
     p.add_argument("--out", help="write the JSON here as well as to stdout")
     return p.parse_args(argv)
 
@@ -69,6 +72,7 @@ def run(args) -> dict:
     from bench.engine import build_shaped
     from bench.synthetic import build_tiny_model
     from engine.attention.choices import KernelChoices
+    from engine.attention.packed_store import packed_layer_factory
     from engine.kv.store import KVStore
     from engine.model.loader import load_model
     from engine.runner.paged import ModelRunner
@@ -88,19 +92,30 @@ def run(args) -> dict:
     vocab = min(lm.geometry.vocab_size, 256)
     result = {"model": shown, "device": str(mx.default_device()), "batches": []}
     t = args.page_tokens
-    for b in [int(x) for x in args.batches.split(",") if x]:
+    points = [(f, int(b)) for f in args.kv_formats.split(",") if f
+              for b in args.batches.split(",") if b]
+    for fmt, b in points:
         prompts = [rng.integers(3, vocab, args.prompt).tolist() for _ in range(b)]
         per_row = -(-(args.prompt + args.steps + 1) // t)
         # Rows' pages interleaved, so a wrong table lookup reads another row's keys.
         tables = [[r + b * j for j in range(per_row)] for r in range(b)]
         sides = {}
         for name, compiled in (("compiled", True), ("plain", False)):
-            store = KVStore(lm.geometry, b * per_row, t, lm.dtype)
-            runner = ModelRunner(lm, store, kernels=KernelChoices(compiled_decode=compiled))
+            kernels = KernelChoices(compiled_decode=compiled)
+            factory = {} if fmt == "native" else {"layer_factory": packed_layer_factory(
+                fmt, "direct", lambda n: True, kernels)}
+            store = KVStore(lm.geometry, b * per_row, t, lm.dtype, **factory)
+            runner = ModelRunner(lm, store, kernels=kernels)
+            if compiled and runner.compiled is None:
+                break
             sides[name] = (*decode(runner, prompts, tables, args.steps), runner)
             del store
+        if "compiled" not in sides:
+            result["batches"].append({"kv_format": fmt, "batch": b,
+                                      "compiled": "does not fit this runner here"})
+            continue
         (la, ia, ta, ra), (lb, ib, tb, _) = sides["compiled"], sides["plain"]
-        point = {"batch": b, "steps": args.steps,
+        point = {"kv_format": fmt, "batch": b, "steps": args.steps,
                  "max_abs_logit_diff": float(max(np.abs(x - y).max() for x, y in zip(la, lb))),
                  "greedy_tokens_equal": ia == ib,
                  "first_token_divergence": next((i for i, (x, y) in enumerate(zip(ia, ib))

@@ -169,6 +169,9 @@ def main(argv=None):
     ap.add_argument("--no-write-kernel", action="store_true",
                     help="quantize packed writes with MLX ops, not the CUDA write kernel "
                          "(engine/attention/cuda/packed_write.py), to compare")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="decode steps uncompiled (compiled by default where the CUDA decode "
+                         "kernels run: engine/runner/compiled_decode.py), to compare")
     ap.add_argument("--split-target", type=int, default=None,
                     help="blocks per layer the CUDA decode kernels aim for when they split a "
                          "row's history (KernelChoices.decode_split_target)")
@@ -208,7 +211,8 @@ def main(argv=None):
         write_kernel=not args.no_write_kernel, prefill_kernel=not args.no_prefill_kernel,
         prefill_split_target=args.prefill_split_target or None,
         decode_split_target=args.split_target or None,
-        decode_split_min_keys=args.split_min_keys or None)
+        decode_split_min_keys=args.split_min_keys or None,
+        compiled_decode=False if args.no_compile else None)
 
     if args.model:
         model_dir = args.model
@@ -222,6 +226,7 @@ def main(argv=None):
                       "machine": platform.machine(), "dtype": loaded.dtype_name,
                       "model": args.model or f"synthetic-llama {GEOMETRIES[args.geometry]}",
                       "geometry": loaded.geometry.describe()[:1], "page_tokens": PAGE_TOKENS,
+                      "compiled_decode": not args.no_compile,
                       "decode_kernels": (not args.no_decode_kernel
                                          and cuda_paged_decode.available()),
                       "split_target": (kernels.decode_split_target

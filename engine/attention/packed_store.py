@@ -27,6 +27,8 @@ after its attention (`flush_tail`), so a step still reads the tails it began wit
 """
 from __future__ import annotations
 
+import copy
+
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -295,6 +297,27 @@ class PackedLayerStore:
                 x[b, :, j] = pool[slot].transpose(1, 0, 2).astype(x.dtype)
             out.append(x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1]))
         return tuple(out)
+
+    @property
+    def can_trace(self) -> bool:
+        """Whether a compiled decode step may stand in for this store (`traced`): its decode
+        writes and kernel reads touch the pool only, through device arrays. Native sink rows,
+        tails and whole-page keys keep host-side plans per step."""
+        return (self.fmt.codes_only and not self.sink_rows and self.tails is None
+                and not self.whole_pages)
+
+    def traced(self, arrays: list[mx.array]) -> "PackedLayerStore":
+        """A stand-in holding `arrays` (the pool) for a compiled step's trace
+        (engine/runner/compiled_decode.py): writes go to it, never to this store."""
+        if not self.can_trace:
+            raise ValueError(f"format {self.fmt.name}: this store cannot be traced")
+        stand_in = copy.copy(self)
+        stand_in.adopt(arrays)
+        return stand_in
+
+    def adopt(self, arrays: list[mx.array]) -> None:
+        """Hold `arrays` (a compiled step's written pool) from now on."""
+        (self.pool,) = arrays
 
     def arrays(self) -> list[mx.array]:
         self.flush_tail()

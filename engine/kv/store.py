@@ -116,6 +116,8 @@ class NativeLayerStore:
     (the attention then works on a strided copy).
     """
 
+    can_trace = True   # a compiled decode step may stand in for it (`traced`, `adopt`)
+
     def __init__(self, geometry: LayerGeometry, num_pages: int, page_tokens: int,
                  dtype: mx.Dtype):
         self.page_tokens = page_tokens

@@ -27,7 +27,7 @@ the compiled step through it).
 
 Which steps: every row decodes one token; every layer is paged full attention (no window, no
 recurrent state); every store can stand in for itself inside a trace (`traced`, `adopt`: native
-pages). Traces are cached per (rows, P, token dtype); each new shape costs one trace (about one
+pages; packed pages of codes-only formats where the CUDA kernels attend). Traces are cached per (rows, P, token dtype); each new shape costs one trace (about one
 uncompiled step plus MLX's compile passes).
 """
 from __future__ import annotations
@@ -58,6 +58,7 @@ class DeviceSlots:
     def __init__(self, page: mx.array, offset: mx.array):
         self.page = page        # [B] int32
         self.offset = offset    # [B] int32
+        self._by_heads: dict = {}   # per-step index forms stores derive (as `Slots` keeps them)
 
     def only_slot(self) -> None:
         return None   # the store must scatter by array, never slice at host coordinates
@@ -117,12 +118,18 @@ class CompiledDecode:
 
     @staticmethod
     def fits(runner: ModelRunner) -> bool:
+        """Every layer paged full attention in direct mode; every store able to stand in for
+        itself in a trace (`can_trace`); and layers with their own cache class (packed) only
+        where their decode steps attend through a CUDA kernel (their MLX-op path builds masks
+        from host values)."""
         geometry = runner.loaded.geometry
-        return (runner.direct and runner.recurrent is None
-                and all(g.paged and g.window is None for g in geometry.layers)
-                and all(hasattr(runner.kvstore.layer(g.index), "traced")
-                        and runner._cache_class(g.index) is PagedLayerCache
-                        for g in geometry.layers))
+        if not (runner.direct and runner.recurrent is None
+                and all(g.paged and g.window is None for g in geometry.layers)):
+            return False
+        kernel_only = runner.kernel_decode and not runner.kernels.decode_tiles
+        return all(getattr(runner.kvstore.layer(g.index), "can_trace", False)
+                   and (runner._cache_class(g.index) is PagedLayerCache or kernel_only)
+                   for g in geometry.layers)
 
     def forward(self, chunks: list[SeqChunk], tokens: mx.array | None) -> mx.array:
         """Float32 logits [B, vocab] of one-token rows (lazy), as `ModelRunner.forward`."""
@@ -156,8 +163,8 @@ class CompiledDecode:
             n = len(store.arrays())
             stores[i] = store.traced(list(arrays[k:k + n]))
             k += n
-        caches = [PagedLayerCache(stores[i], step, None, direct=True)
-                  for i in range(len(runner._windows))]
+        caches = [cache_class(stores[i], step, None, True)
+                  for i, (cache_class, _, _) in enumerate(runner._layer_caches)]
         inputs = tokens.astype(mx.int32)[:, None]
         logits = runner._call(inputs, caches, step, last_only=True).astype(mx.float32)
         return [logits] + [a for i, _ in self.layers for a in stores[i].arrays()]
