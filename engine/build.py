@@ -13,7 +13,7 @@ whether the inbox is quiet, what to do between pipelined steps) comes in as `Loo
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
 
@@ -76,6 +76,9 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
     from engine.attention.packed_store import layer_report, storage_identity
     from engine.kv.store import KVStore
     from engine.model.loader import load_model
+
+    if cfg.compiled_decode is not None:   # the model's config overrides the backend default
+        kernels = replace(kernels, compiled_decode=cfg.compiled_decode)
 
     # Policy before any weights are read: an unknown value refuses the load (no fallback).
     kv_format = resolve_kv_format(cfg.model, cfg.kv_format, cfg.kv_format_overrides)

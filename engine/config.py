@@ -41,6 +41,9 @@ class EngineConfig(BaseModel):
     allow_hub: bool = Field(False, description="allow downloading `model` from the hub")
     fuse_projections: bool = Field(True, description="one matmul for q/k/v and one for gate/up "
                                    "(engine/model/fuse.py): fewer kernel launches per step")
+    compiled_decode: bool | None = Field(
+        None, description="decode steps through one compiled graph per shape "
+        "(engine/runner/compiled_decode.py); None = where the CUDA decode kernel runs")
     tenant: str = Field("default", description="label carried in stats and telemetry")
     rate_ewma_alpha: float = Field(0.2, description="smoothing of measured prefill/decode rates "
                                    "used for first-token deadline forecasts")

@@ -108,10 +108,10 @@ def test_runner_refuses_compiled_steps_that_would_not_fit(tiny_model_dirs):
 
 
 def test_engine_with_compiled_steps_generates_what_the_plain_engine_does(tiny_llama):
-    def build(kernels, pipelined):
+    def build(kernels, pipelined, **cfg):
         cls = type("E", (Engine,), {"pipeline_decode": pipelined})
         return cls(EngineConfig(model=tiny_llama, kv_budget_bytes=64 * PAGE_BYTES_LLAMA,
-                                page_tokens=16, max_step_tokens=64), kernels=kernels)
+                                page_tokens=16, max_step_tokens=64, **cfg), kernels=kernels)
 
     async def batch(eng):
         import asyncio
@@ -122,11 +122,15 @@ def test_engine_with_compiled_steps_generates_what_the_plain_engine_does(tiny_ll
               req("d", n_prompt=9, pseed=7, max_tokens=32)]
         return [tokens(d) for d in await asyncio.gather(*(collect(eng, r) for r in rs))]
 
-    engines = [build(k, p) for k in (COMPILED, PLAIN) for p in (True, False)]
+    # Compiled by the model's config (the serving path) and by the kernel choices (benches).
+    engines = [build(PLAIN, True, compiled_decode=True), build(COMPILED, False),
+               build(PLAIN, True), build(PLAIN, False)]
     try:
         outs = [run(batch(e)) for e in engines]
         assert outs[0] == outs[1] == outs[2] == outs[3]
-        assert engines[0]._parts.runner.compiled.traces >= 1   # the compiled path really ran
+        for e in engines[:2]:   # the compiled path really ran
+            assert e._parts.runner.compiled.traces >= 1
+        assert engines[2]._parts.runner.compiled is None
         for e in engines:
             s = wait_idle(e)
             assert s.kv_pages_used == 0
