@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.output import emit
+from bench.output import run_bench
 
 
 def parse_args(argv=None):
@@ -130,12 +130,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    from engine.platform import ensure_openblas_preloaded
-
-    ensure_openblas_preloaded()
-    emit(run(args), args.out)
-    return 0
+    return run_bench(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.output import emit
+from bench.output import run_bench
 from engine.model.names import MODEL_HELP, model_arg
 
 # Synthetic model: a llama big enough that compute, not Python, dominates a step on a CPU.
@@ -373,12 +373,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    from engine.platform import ensure_openblas_preloaded
-
-    ensure_openblas_preloaded()
-    emit(run(args), args.out)
-    return 0
+    return run_bench(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -10,3 +10,14 @@ def emit(result: dict, out: str | None) -> None:
     print(text)
     if out:
         Path(out).write_text(text + "\n")
+
+
+def run_bench(parse_args, run, argv=None) -> int:
+    """A bench's `main`: MLX runs with OpenBLAS preloaded on the CPU (the process re-execs
+    itself before MLX is imported where it was not), then the result is emitted."""
+    args = parse_args(argv)
+    from engine.platform import ensure_openblas_preloaded
+
+    ensure_openblas_preloaded()
+    emit(run(args), args.out)
+    return 0
