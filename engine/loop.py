@@ -71,10 +71,11 @@ class Engine:
                  logits_tap: Callable[[str, int, np.ndarray], None] | None = None,
                  kernels: KernelChoices = DEFAULT_KERNELS):
         """`kernels`: the attention kernels and compiled steps the runner may use (benches
-        compare choices; production keeps the defaults). `logits_tap` (optional, for tests and quality checks) is called on the engine thread,
-        once a step retired, with (request_id, token_index, logits) for every row that sampled
-        a token: `logits` is a float32 numpy copy of exactly what the sampler read for the
-        request's token number `token_index` (0 = first generated)."""
+        compare choices; production keeps the defaults). `logits_tap` (optional, for tests and
+        quality checks) is called on the engine thread, once a step retired, with (request_id,
+        token_index, logits) for every row that sampled a token: `logits` is a float32 numpy
+        copy of exactly what the sampler read for the request's token number `token_index`
+        (0 = first generated)."""
         self.cfg = cfg
         self._trace = trace
         self._logits_tap = logits_tap

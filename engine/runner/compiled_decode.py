@@ -26,9 +26,16 @@ else the pages gathered and masked by row end on the device (any backend: the CP
 the compiled step through it).
 
 Which steps: every row decodes one token; every layer is paged full attention (no window, no
-recurrent state); every store can stand in for itself inside a trace (`traced`, `adopt`: native
-pages; packed pages of codes-only formats where the CUDA kernels attend). Traces are cached per (rows, P, token dtype); each new shape costs one trace (about one
+recurrent state); every store can stand in for itself inside a trace (`can_trace`, `traced`,
+`adopt`: native pages; packed pages of codes-only formats where the CUDA kernels attend).
+Traces are cached per (rows, P, token dtype); each new shape costs one trace (about one
 uncompiled step plus MLX's compile passes).
+
+Measured on the H200 (docs/lab/benchmarks-gpu.md, session 10): logits bit-identical to
+uncompiled steps; SmolLM2-135M batch-1 decode 1.09x mlx-lm pooled over seven processes (0.94x
+uncompiled beside it), batch 8 / 32 1.65x / 1.50x; int4 KV decode at 4K batch 1 1.04-1.09x
+native (0.86x uncompiled). On the CPU the arithmetic is the step and the in-place page reads of
+the uncompiled path win at batch > 1, so the CPU keeps uncompiled steps by default.
 """
 from __future__ import annotations
 
@@ -112,7 +119,8 @@ class CompiledDecode:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.page_tokens = runner.page_tokens
-        self.layers = [(i, runner.kvstore.layer(i)) for i in sorted(runner._paged)]
+        self.layers = [(i, runner.kvstore.layer(i))
+                       for i in runner.loaded.geometry.paged_layers]
         self.traces = 0   # how many shapes were traced (tests and benches read it)
         self._fn = mx.compile(self._step)
 
@@ -128,7 +136,7 @@ class CompiledDecode:
             return False
         kernel_only = runner.kernel_decode and not runner.kernels.decode_tiles
         return all(getattr(runner.kvstore.layer(g.index), "can_trace", False)
-                   and (runner._cache_class(g.index) is PagedLayerCache or kernel_only)
+                   and (runner.cache_class(g.index) is PagedLayerCache or kernel_only)
                    for g in geometry.layers)
 
     def forward(self, chunks: list[SeqChunk], tokens: mx.array | None) -> mx.array:
@@ -164,7 +172,7 @@ class CompiledDecode:
             stores[i] = store.traced(list(arrays[k:k + n]))
             k += n
         caches = [cache_class(stores[i], step, None, True)
-                  for i, (cache_class, _, _) in enumerate(runner._layer_caches)]
+                  for i, (cache_class, _, _) in enumerate(runner.layer_caches)]
         inputs = tokens.astype(mx.int32)[:, None]
-        logits = runner._call(inputs, caches, step, last_only=True).astype(mx.float32)
+        logits = runner.call_model(inputs, caches, step, last_only=True).astype(mx.float32)
         return [logits] + [a for i, _ in self.layers for a in stores[i].arrays()]

@@ -138,7 +138,7 @@ class ModelRunner:
         self.kernel_decode = kernels.decode_kernel and self._kernel_decode_fits()
         # Per paged layer, what its step cache is made of (class, store, window), looked up
         # once instead of per layer and step; None for layers whose state is not paged.
-        self._layer_caches = [(self._cache_class(i), kvstore.layer(i), w) if i in self._paged
+        self.layer_caches = [(self.cache_class(i), kvstore.layer(i), w) if i in self._paged
                               else None for i, w in enumerate(self._windows)]
         wanted = (self.kernel_decode if kernels.compiled_decode is None
                   else kernels.compiled_decode)
@@ -155,13 +155,13 @@ class ModelRunner:
                 and all(self._layer_kernel_fits(g) for g in layers))
 
     def _layer_kernel_fits(self, g) -> bool:
-        cls = self._cache_class(g.index)
+        cls = self.cache_class(g.index)
         if cls is PagedLayerCache:
             return g.head_dim == g.v_head_dim and g.head_dim in cuda_paged_decode.HEAD_DIMS
         fits = getattr(cls, "kernel_decode_fits", None)
         return fits is not None and fits(self.kvstore.layer(g.index))
 
-    def _cache_class(self, layer: int) -> type[PagedLayerCache]:
+    def cache_class(self, layer: int) -> type[PagedLayerCache]:
         """A layer store may name its own cache class (packed stores attend over codes)."""
         return getattr(self.kvstore.layer(layer), "cache_class", None) or PagedLayerCache
 
@@ -276,13 +276,15 @@ class ModelRunner:
         native = self.recurrent.batch(chunks, step.lengths) if self.recurrent else {}
         direct, in_place = self.direct, self.in_place_decode
         caches = [native[i] if lc is None else lc[0](lc[1], step, lc[2], direct, in_place)
-                  for i, lc in enumerate(self._layer_caches)]
-        out = self._call(inputs, caches, step, last_only)
+                  for i, lc in enumerate(self.layer_caches)]
+        out = self.call_model(inputs, caches, step, last_only)
         if native:
             self.recurrent.keep(chunks, native)
         return out
 
-    def _call(self, inputs: mx.array, caches: list, step: StepBatch, last_only: bool):
+    def call_model(self, inputs: mx.array, caches: list, step: StepBatch, last_only: bool):
+        """The model over `caches` (one per layer): logits of every position, or of each row's
+        last one (`last_only`; the LM head then runs on those rows only)."""
         loaded = self.loaded
         if not last_only:
             return loaded.model(inputs, cache=caches)
