@@ -14,7 +14,9 @@ the references read it back section by section (PageLayout.section), the kernels
 own CUDA addressing (page_layout.CUDA_SECTIONS). The packed prefill kernel
 (engine/attention/cuda/packed_prefill.py) against the same direct attention, row by row, for
 ragged batches of chunks over packed history (rows without history, chunk padding filled with
-NaN, pinned key splits), and as a decode step.
+NaN, pinned key splits), and as a decode step. The history-dequant prefill path
+(engine/attention/cuda/packed_dequant.py: its kernel, then MLX's SDPA) through the same cases
+(`--kernels dequant`).
 Exit status 1 if any case exceeds its tolerance.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from capacity.formats import KVFormat
 from bench.output import emit
 from engine.attention.cuda import packed_decode as cuda_packed_decode
 from engine.attention.cuda import packed_decode_v2 as cuda_packed_decode_v2
+from engine.attention.cuda import packed_dequant as cuda_packed_dequant
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 from engine.attention.cuda import packed_write as cuda_packed_write
 from engine.attention.cuda import paged_decode as cuda_paged_decode
@@ -347,9 +350,18 @@ def cases(kernels):
                                          ([300, 2000], [100, 1], 3), ([4000] * 3, [1] * 3, None)):
                 if "prefill" in kernels:
                     yield prefill_case(rng, fmt, hq, kvh, d, history, own, splits=splits)
+    rng = np.random.default_rng(4)
+    for fmt in ("int8", "int4", "k8v4"):
+        for hq, kvh, d in ((9, 3, 64), (16, 4, 128)):
+            for history, own in (([1000], [512]), ([5000], [64]), ([0, 700, 2100], [37, 512, 200]),
+                                 ([300, 2000], [100, 1])):
+                if "dequant" in kernels:
+                    yield {**prefill_case(rng, fmt, hq, kvh, d, history, own,
+                                          kernel=cuda_packed_dequant.dequant_prefill_attention),
+                           "kernel": f"dequant-{fmt}"}
 
 
-KERNEL_FAMILIES = ("native", "packed", "packed-v2", "write", "prefill")
+KERNEL_FAMILIES = ("native", "packed", "packed-v2", "write", "prefill", "dequant")
 
 
 def main(argv=None) -> int:

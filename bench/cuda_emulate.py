@@ -323,6 +323,27 @@ def packed_write(k, v, k_bits, v_bits, layout, workdir: Path | None = None):
     return mx.array(rec)
 
 
+def packed_dequant(k_fresh, v_fresh, pool, layout, k_bits, v_bits, pages, bounds, span,
+                   workdir: Path | None = None):
+    """The history-dequant kernel (cuda/packed_dequant.py) run here with
+    `dequantized_history`'s signature and launch; returns keys and values [B, Hkv, span + W, D]
+    as bfloat16 mx arrays (as the kernel's outputs are)."""
+    import mlx.core as mx
+    from engine.attention.cuda import packed_dequant as pq
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
+    b, hkv, w, d = k_fresh.shape
+    pages, bounds = np.asarray(pages, np.int32), np.asarray(bounds, np.int32)
+    units = b * hkv * (span + w) * (d // 8)
+    types = {"TO": "bfloat16"}
+    return tuple(mx.array(a).astype(mx.bfloat16) for a in run(
+        "orchard_packed_dequant", [(n, types.get(t, t)) for n, t in pq.INPUTS],
+        [(n, types.get(t, t)) for n, t in pq.OUTPUTS], pq._SOURCE, "",
+        [*pq.launch(layout, k_bits, v_bits)["template"], ("TO", "bfloat16")],
+        [_bits16(k_fresh), _bits16(v_fresh), np.array(pool), pages, bounds,
+         np.array([b, hkv, span, w, pages.shape[1]], np.int32)],
+        [(b, hkv, span + w, d)] * 2, (-(-units // pq.THREADS), 1), pq.THREADS, workdir))
+
+
 def packed_decode_v2(*args, **kwargs) -> np.ndarray:
     """`packed_decode` of the tiled kernel."""
     return packed_decode(*args, **kwargs, version="v2")

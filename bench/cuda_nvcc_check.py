@@ -94,10 +94,24 @@ def write_variants():
                 [("D", d), ("KB", kb), ("VB", vb), ("TI", "bfloat16")])
 
 
+def dequant_variants():
+    """The history-dequant kernel (cuda/packed_dequant.py): every bits pair, both head dims."""
+    from engine.attention.cuda import packed_dequant as pq
+    from engine.attention.cuda.paged_decode import HEADER
+    types = {"TO": "bfloat16"}
+    for d in pq.HEAD_DIMS:
+        for kb, vb in ((8, 8), (4, 4), (8, 4)):
+            yield f"dequant d{d} k{kb}v{vb}", wrap(
+                "orchard_packed_dequant", [(n, types.get(t, t)) for n, t in pq.INPUTS],
+                [(n, types.get(t, t)) for n, t in pq.OUTPUTS], pq._SOURCE, HEADER,
+                [("D", d), ("KB", kb), ("VB", vb), ("PT", 16), ("HK", 4), ("TO", "bfloat16")])
+
+
 def variants():
     """(label, wrapped source) for every kernel variant the engine launches."""
     yield from decode_variants()
     yield from write_variants()
+    yield from dequant_variants()
     from engine.attention.cuda import packed_prefill as pf
     from engine.attention.cuda import packed_prefill_source as pf_source
     inputs = [("q", "bfloat16"), ("kf", "bfloat16"), ("vf", "bfloat16"), ("pool", "uint32"),

@@ -24,6 +24,7 @@ import platform
 import sysconfig
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -101,15 +102,19 @@ def prefill_once(runner, tokens, chunk) -> float:
 
 
 def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save,
-                    kernels: KernelChoices = DEFAULT_KERNELS) -> dict:
+                    kernels: KernelChoices = DEFAULT_KERNELS, dequant: bool = False) -> dict:
+    """Prefill time per variant: native, each format's direct and fused modes, and with
+    `dequant` its direct mode through the history-dequant path (cuda/packed_dequant.py)."""
     rng = np.random.default_rng(0)
     vocab = loaded.geometry.vocab_size
+    via_dequant = replace(kernels, prefill_path="dequant")
     for n in contexts:
         tokens = rng.integers(3, vocab, n).tolist()
-        variants = [("native", "native", "direct")] + [
-            (f"{f}-{m}", f, m) for f in formats for m in ("direct", "fused")]
-        runners = {name: make_runner(loaded, f, -(-n // PAGE_TOKENS), m, kernels)
-                   for name, f, m in variants}
+        variants = [("native", "native", "direct", kernels)] + [
+            (f"{f}-{m}", f, m, kernels) for f in formats for m in ("direct", "fused")] + [
+            (f"{f}-dequant", f, "direct", via_dequant) for f in formats if dequant]
+        runners = {name: make_runner(loaded, f, -(-n // PAGE_TOKENS), m, k)
+                   for name, f, m, k in variants}
         times = {name: [] for name in runners}
         errors = {}
         for name, r in runners.items():   # warm-up: kernels compile/JIT outside the timing
@@ -163,6 +168,9 @@ def main(argv=None):
     ap.add_argument("--no-prefill-kernel", action="store_true",
                     help="prefill packed layers through the MLX-op direct path, not the CUDA "
                          "tile kernel (engine/attention/cuda/packed_prefill.py), to compare")
+    ap.add_argument("--prefill-dequant", action="store_true",
+                    help="also prefill each format through the history-dequant path "
+                         "(KernelChoices.prefill_path='dequant', cuda/packed_dequant.py)")
     ap.add_argument("--prefill-split-target", type=int, default=None,
                     help="blocks per launch the CUDA prefill kernel aims for when it splits the "
                          "keys (KernelChoices.prefill_split_target)")
@@ -254,7 +262,8 @@ def main(argv=None):
         save()
     if "prefill" in sections:
         prefill_section(loaded, args.prefill, args.prefill_formats.split(","), args.chunk,
-                        args.repeats, result.setdefault("prefill", {}), save, kernels)
+                        args.repeats, result.setdefault("prefill", {}), save, kernels,
+                        dequant=args.prefill_dequant)
     if "decode" in sections:
         decode_section(loaded, args.decode, args.batches, args.decode_formats.split(","),
                        args.steps, args.repeats, result.setdefault("decode", {}), save, kernels,

@@ -33,6 +33,12 @@ class KernelChoices:
     # Packed prefill chunks through the CUDA tile kernel (cuda/packed_prefill.py); off: the
     # MLX-op direct path.
     prefill_kernel: bool = True
+    # How packed prefill chunks attend on CUDA where `prefill_kernel` is on: "tiles" (the tile
+    # kernel, cuda/packed_prefill.py: history unpacked inside the attention) or "dequant"
+    # (cuda/packed_dequant.py: history dequantized by one kernel into a copy the size of
+    # native's gathered history, then MLX's SDPA as native prefill). "dequant" is opt-in until
+    # the H200 measures it (`bench.kv --prefill-dequant`); it was checked on the CPU emulator.
+    prefill_path: str = "tiles"
     # Blocks per launch the prefill kernel aims for when it splits the keys
     # (None: cuda/packed_prefill.TARGET_BLOCKS).
     prefill_split_target: int | None = None
@@ -62,12 +68,16 @@ class KernelChoices:
     cpu_code_gemm: bool = sys.byteorder == "little"
 
     def __post_init__(self):
+        if self.prefill_path not in PREFILL_PATHS:
+            raise ValueError(f"prefill_path must be one of {PREFILL_PATHS}, "
+                             f"got {self.prefill_path!r}")
         if self.packed_decode not in PACKED_DECODE_KERNELS:
             raise ValueError(f"packed_decode must be one of {PACKED_DECODE_KERNELS}, "
                              f"got {self.packed_decode!r}")
 
 
 PACKED_DECODE_KERNELS = ("v1", "v2")
+PREFILL_PATHS = ("tiles", "dequant")
 
 
 DEFAULT_KERNELS = KernelChoices()

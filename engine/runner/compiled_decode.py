@@ -106,11 +106,19 @@ class DeviceDecodeStep:
         return self._view
 
     def sdpa_mask(self, view: View) -> mx.array:
+        # (also `page_mask`: the view's keys are its whole padded pages either way)
         """[B, 1, 1, P*T]: key j of row b is live when j < ends[b] (padding pages are hidden)."""
         if self._mask is None:
             keys = mx.arange(view.pages.shape[1] * self.page_tokens, dtype=mx.int32)
             self._mask = (keys[None, :] < self.ends[:, None])[:, None, None, :]
         return self._mask
+
+    page_mask = sdpa_mask
+
+
+class TraceFailed(Exception):
+    """The model's code could not be traced as a compiled decode step (the runner then keeps
+    uncompiled steps; nothing was written)."""
 
 
 class CompiledDecode:
@@ -122,6 +130,7 @@ class CompiledDecode:
         self.layers = [(i, runner.kvstore.layer(i))
                        for i in runner.loaded.geometry.paged_layers]
         self.traces = 0   # how many shapes were traced (tests and benches read it)
+        self.failure: str | None = None   # why a trace failed, if one did
         self._fn = mx.compile(self._step)
 
     @staticmethod
@@ -139,8 +148,9 @@ class CompiledDecode:
                    and (runner.cache_class(g.index) is PagedLayerCache or kernel_only)
                    for g in geometry.layers)
 
-    def forward(self, chunks: list[SeqChunk], tokens: mx.array | None) -> mx.array:
-        """Float32 logits [B, vocab] of one-token rows (lazy), as `ModelRunner.forward`."""
+    def forward(self, chunks: list[SeqChunk], tokens: mx.array | None) -> mx.array | None:
+        """Float32 logits [B, vocab] of one-token rows (lazy), as `ModelRunner.forward`; None
+        when this shape's trace failed (`TraceFailed`: the caller runs the step uncompiled)."""
         t = self.page_tokens
         need = [c.start // t + 1 for c in chunks]
         width = bucket_pages(max(need))
@@ -152,7 +162,11 @@ class CompiledDecode:
         if tokens is None:
             tokens = input_tokens(chunks, 1)
         arrays = [a for _, store in self.layers for a in store.arrays()]
-        out = self._fn(tokens.reshape(-1), mx.array(table), *arrays)
+        try:
+            out = self._fn(tokens.reshape(-1), mx.array(table), *arrays)
+        except TraceFailed:
+            # Only the stand-ins saw the trace: the stores still hold their arrays, unwritten.
+            return None
         del arrays   # the stores' old arrays must be the graph's only references (in place)
         k = 1
         for _, store in self.layers:
@@ -164,6 +178,13 @@ class CompiledDecode:
     def _step(self, tokens: mx.array, table: mx.array, *arrays: mx.array) -> list[mx.array]:
         """Traced once per shape: the model over stand-in stores holding the input arrays."""
         self.traces += 1
+        try:
+            return self._trace(tokens, table, arrays)
+        except Exception as e:  # noqa: BLE001 - any model code the trace cannot follow
+            self.failure = f"{type(e).__name__}: {e}"
+            raise TraceFailed(self.failure) from e
+
+    def _trace(self, tokens: mx.array, table: mx.array, arrays) -> list[mx.array]:
         runner = self.runner
         step = DeviceDecodeStep(table, self.page_tokens, runner.kernel_decode, runner.kernels)
         stores, k = {}, 0

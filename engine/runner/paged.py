@@ -22,6 +22,7 @@ mlx-lm's overlap of graph building with compute (about 5% at batch 1).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -34,6 +35,8 @@ from engine.kv.store import KVStore
 from engine.model.loader import LoadedModel, ModelLoadError
 from engine.runner.compiled_decode import CompiledDecode
 from engine.runner.tokens import input_tokens
+
+log = logging.getLogger("orchard.engine")
 
 # Layer kinds (engine/model/loader.py's probe) the runner can serve: attention it pages, and
 # recurrent state it batches per sequence. Anything else ("other": e.g. a chunked-attention cache,
@@ -186,7 +189,12 @@ class ModelRunner:
         self._validate(chunks)
         if decode_tokens is not None or all(len(c.token_ids) == 1 for c in chunks):
             if self.compiled is not None:
-                return self.compiled.forward(chunks, decode_tokens)
+                out = self.compiled.forward(chunks, decode_tokens)
+                if out is not None:
+                    return out
+                log.warning("compiled decode steps off for %s: %s", self.loaded.path,
+                            self.compiled.failure)
+                self.compiled = None
             groups = [list(range(len(chunks)))]   # one-token rows: always one call, in order
         else:
             groups = self._groups(chunks)

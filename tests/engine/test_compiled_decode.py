@@ -137,3 +137,21 @@ def test_engine_with_compiled_steps_generates_what_the_plain_engine_does(tiny_ll
     finally:
         for e in engines:
             e.shutdown()
+
+
+def test_a_model_the_trace_cannot_follow_falls_back_to_uncompiled_steps(tiny_llama, monkeypatch,
+                                                                         caplog):
+    # A fake fault: no model at hand breaks the trace, so one is made to (its attention asks
+    # the step for something a compiled step cannot answer).
+    def refuse(self, window):
+        raise NotImplementedError("this model wants host-side key ranges")
+    monkeypatch.setattr(compiled_decode.DeviceDecodeStep, "view", refuse)
+    lm = load_model(tiny_llama)
+    broken, plain = _runner(lm, COMPILED), _runner(lm, PLAIN)
+    assert broken.compiled is not None
+    with caplog.at_level("WARNING", logger="orchard.engine"):
+        a = _decode(broken, [[5, 6, 7, 8]], [[3, 1, 4]], 6, lazy=True)
+    b = _decode(plain, [[5, 6, 7, 8]], [[3, 1, 4]], 6, lazy=True)
+    assert max(np.abs(x - y).max() for x, y in zip(a, b)) <= 1e-5   # nothing half-written
+    assert broken.compiled is None   # off for good after the first failed trace
+    assert "compiled decode steps off" in caplog.text and "host-side key ranges" in caplog.text

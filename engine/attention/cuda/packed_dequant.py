@@ -1,0 +1,193 @@
+"""Packed prefill as native prefill: history dequantized by one kernel, then MLX's own SDPA.
+
+Why: the tile kernel (cuda/packed_prefill.py) unpacks history inside its attention and measured
+1.0-1.4x native prefill time on the H200 (docs/lab/benchmarks-gpu.md, sessions 6-10): its
+~240 registers per thread leave one block per SM, so unpacking and MMAs do not overlap. A
+native prefill chunk already copies its history (it gathers the row's pages into one [B, H, S,
+D] array) before `mx.fast.scaled_dot_product_attention`. This path does the same with one
+difference: the copy is made by a kernel that reads the packed pool and writes the keys and
+values dequantized, so the attention that follows is native's own, and the extra work over
+native is the unpacking arithmetic of that copy (it reads 2-4x fewer bytes than native's).
+
+Layout of the copy, per row b and KV head: keys 0..S-1 are the history (S = the longest row's
+history in the call; positions past row b's own history are zero and masked), then the call's
+own W keys, unquantized (the direct path's rule: a chunk attends to its own rows exactly).
+Keys stay in the rotated basis they are stored in (engine/kv/rotation.py), so the queries and
+the fresh keys are rotated to match: (qR)(kR)^T = qk^T. Values are never rotated.
+
+One thread per (row, head, key, 8 channels) of K and V: code words read as stored (little end
+first, 32 / bits channels per word), one FP32 scale and offset per 64-channel group, 8 outputs.
+Workspace: the copy is the size of native's gathered history (the packed formats save memory
+on stored pages, not on this transient). Opt-in (`KernelChoices.prefill_path = "dequant"`)
+until measured on the H200; checked on the CPU emulator (bench/cuda_emulate.py) and with nvcc.
+Never run on Metal.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from engine.attention.cuda.paged_decode import HEADER, available
+from engine.kv.page_layout import CUDA_SECTIONS, PageLayout
+from engine.kv.rotation import rotate
+
+HEAD_DIMS = (64, 128)
+BITS = (4, 8)
+THREADS = 256
+
+_SOURCE = CUDA_SECTIONS + """
+constexpr int C8 = D / 8;                      // 8-channel units per key
+const float* const poolf = reinterpret_cast<const float*>(pool);
+const int B = dims[0], HKV = dims[1], S = dims[2], W = dims[3], P = dims[4];
+const int T = S + W;
+const size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+if (e >= (size_t)B * HKV * T * C8) return;
+const int c0 = (int)(e % C8) * 8;
+const size_t r = e / C8;                       // (b, hk, t)
+const int t = (int)(r % T), hk = (int)((r / T) % HKV), b = (int)(r / ((size_t)T * HKV));
+TO* const ko = kout + r * D + c0;
+TO* const vo = vout + r * D + c0;
+if (t >= S) {                                  // the call's own rows, as given
+  const size_t src = (((size_t)b * HKV + hk) * W + (t - S)) * D + c0;
+  const bool live = t - S < bounds[2 * b + 1];   // padding may hold anything: 0 * NaN poisons PV
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    put(ko + j, live ? to_f(kf[src + j]) : 0.0f);
+    put(vo + j, live ? to_f(vf[src + j]) : 0.0f);
+  }
+  return;
+}
+if (t >= bounds[2 * b]) {                      // past this row's history: masked, kept finite
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) { put(ko + j, 0.0f); put(vo + j, 0.0f); }
+  return;
+}
+const int page = pages[(size_t)b * P + t / PT];
+const size_t row = ((size_t)page * PT + t % PT) * HKV + hk;
+const int grp = c0 / 64;
+{
+  constexpr int PW = 32 / KB;
+  constexpr unsigned int M = (1u << KB) - 1u;
+  const unsigned int* w = pool + sec(row, KC_OFF, KW_);
+  const float sc = poolf[sec(row, KS_OFF, NG_) + grp], of = poolf[sec(row, KO_OFF, NG_) + grp];
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int c = c0 + j;
+    put(ko + j, (float)((w[c / PW] >> ((c % PW) * KB)) & M) * sc + of);
+  }
+}
+{
+  constexpr int PW = 32 / VB;
+  constexpr unsigned int M = (1u << VB) - 1u;
+  const unsigned int* w = pool + sec(row, VC_OFF, VW_);
+  const float sc = poolf[sec(row, VS_OFF, NG_) + grp], of = poolf[sec(row, VO_OFF, NG_) + grp];
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int c = c0 + j;
+    put(vo + j, (float)((w[c / PW] >> ((c % PW) * VB)) & M) * sc + of);
+  }
+}
+"""
+
+INPUTS = [("kf", "TO"), ("vf", "TO"), ("pool", "uint32"), ("pages", "int32"),
+          ("bounds", "int32"), ("dims", "int32")]
+OUTPUTS = [("kout", "TO"), ("vout", "TO")]
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="orchard_packed_dequant", input_names=[n for n, _ in INPUTS],
+        output_names=[n for n, _ in OUTPUTS], source=_SOURCE, header=HEADER,
+        ensure_row_contiguous=True)
+
+
+def supports(k_bits: int | None, v_bits: int | None, head_dim: int) -> bool:
+    return k_bits in BITS and v_bits in BITS and head_dim in HEAD_DIMS
+
+
+def applies(store, step, queries: mx.array, kernels) -> bool:
+    """Whether a packed layer's call attends through this path: chosen (`kernels.prefill_path`
+    "dequant" with the prefill kernels on), CUDA, a supported format, a prefill chunk (more than
+    one query position) in direct prefill mode, history in some row."""
+    fmt = store.fmt
+    return (kernels.prefill_kernel and kernels.prefill_path == "dequant"
+            and fmt.codes_only and supports(fmt.k_bits, fmt.v_bits, store.geometry.head_dim)
+            and available() and queries.shape[2] > 1
+            and store.attention.prefill_mode == "direct" and bool(step.starts.max() > 0))
+
+
+def step_mask(step, view):
+    """`joint_mask` of one forward call, built once and shared by every packed layer."""
+    mask = view.masks.get("packed_dequant", False)
+    if mask is False:
+        mask = view.masks["packed_dequant"] = joint_mask(step.starts, step.lengths, step.width)
+    return mask
+
+
+def launch(layout: PageLayout, k_bits: int, v_bits: int) -> dict:
+    """The template of one layout's launch (also what the emulator and nvcc checks build)."""
+    d = layout.k_words * 32 // k_bits
+    return {"template": [("D", d), ("KB", k_bits), ("VB", v_bits), ("PT", layout.page_tokens),
+                         ("HK", layout.heads)]}
+
+
+def dequantized_history(k_fresh: mx.array, v_fresh: mx.array, pool: mx.array,
+                        layout: PageLayout, k_bits: int, v_bits: int, pages: mx.array,
+                        bounds: mx.array, span: int) -> tuple[mx.array, mx.array]:
+    """Keys and values [B, Hkv, span + W, D] in k_fresh's dtype: row b's first bounds[b, 0]
+    history keys (rotated basis, as stored) read through its page table `pages` [B, P] from
+    the layer's pool, zeros up to `span`, then its first bounds[b, 1] own rows of k_fresh /
+    v_fresh [B, Hkv, W, D] (k_fresh already rotated), zeros after them."""
+    b, hkv, w, d = k_fresh.shape
+    if not supports(k_bits, v_bits, d) or hkv != layout.heads:
+        raise ValueError(f"packed dequant kernel: unsupported head dim {d}, bits {k_bits}/"
+                         f"{v_bits} or heads {hkv} (layout has {layout.heads})")
+    units = b * hkv * (span + w) * (d // 8)
+    return tuple(_kernel()(
+        inputs=[k_fresh, v_fresh.astype(k_fresh.dtype), pool, pages, bounds,
+                mx.array([b, hkv, span, w, pages.shape[1]], dtype=mx.int32)],
+        template=[*launch(layout, k_bits, v_bits)["template"], ("TO", k_fresh.dtype)],
+        grid=(-(-units // THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(b, hkv, span + w, d)] * 2, output_dtypes=[k_fresh.dtype] * 2))
+
+
+def joint_mask(history: np.ndarray, own: np.ndarray, width: int):
+    """The SDPA mask over [history (max(history) keys) | own keys (width)] for rows with
+    `history[b]` packed keys and `own[b]` new tokens: "causal" when every row has the same
+    history and fills the width (MLX aligns a causal mask to the last key), None for one
+    query, else a boolean array [B, 1, width, span + width]. Padded query positions see their
+    row's keys as its last real position does (so none is fully masked)."""
+    span = int(history.max())
+    if (history == span).all() and (own == width).all():
+        return "causal" if width > 1 else None
+    i = np.minimum(np.arange(width)[None, :, None], own[:, None, None] - 1)   # [B, W, 1]
+    hist = np.broadcast_to(np.arange(span)[None, None, :] < history[:, None, None],
+                           (len(own), width, span))
+    j = np.arange(width)[None, None, :]
+    fresh = (j <= i) & (j < own[:, None, None])
+    return mx.array(np.concatenate([hist, fresh], axis=-1))[:, None]
+
+
+def dequant_prefill_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool: mx.array,
+                              layout: PageLayout, k_bits: int, v_bits: int, pages: mx.array,
+                              bounds: mx.array, longest_history: int, scale: float,
+                              mask=None, history=None, splits=None) -> mx.array:
+    """Attention of a prefill chunk q [B, Hq, W, D] over its packed history plus its own rows
+    k_new / v_new [B, Hkv, W, D] (model basis), with the tile kernel's signature
+    (cuda/packed_prefill.py: bounds [B, 2] = history and own keys per row, `longest_history` =
+    max history): the history dequantized by one kernel (`history`: that function, replaceable
+    by the CPU emulator in checks), then `mx.fast.scaled_dot_product_attention`. `mask`: the
+    `joint_mask` of the bounds (computed from them when not given). `splits` is accepted for
+    the signature and unused. Returns [B, Hq, W, D] in q's dtype."""
+    if mask is None:
+        host = np.array(bounds)
+        mask = joint_mask(host[:, 0], host[:, 1], q.shape[2])
+    dtype = q.dtype
+    k, v = (history or dequantized_history)(
+        rotate(k_new).astype(dtype), v_new.astype(dtype), pool, layout, k_bits, v_bits, pages,
+        bounds, longest_history)
+    return mx.fast.scaled_dot_product_attention(rotate(q).astype(dtype), k, v, scale=scale,
+                                                mask=mask)
