@@ -8,7 +8,7 @@ without; each prefills the same prompts, then decodes greedily with the previous
 array as input (as pipelined decode does). Prints JSON per batch: the largest logit difference
 of any step, whether the greedy tokens agree, traces made, and the median synchronous step time
 of each side (a step built, evaluated and read back; the engine pipelines, so this is a check
-of cost, not its served rate). On a GPU the compiled side attends through the CUDA decode
+of cost, not its served rate), and each side's first step (the compiled side's trace). On a GPU the compiled side attends through the CUDA decode
 kernel inside the trace; on the CPU through gathered, masked pages.
 """
 from __future__ import annotations
@@ -123,7 +123,10 @@ def run(args) -> dict:
                  "traces": ra.compiled.traces,
                  "kernel_decode": ra.kernel_decode,
                  "step_ms_median": {"compiled": round(1000 * statistics.median(ta[4:]), 3),
-                                    "plain": round(1000 * statistics.median(tb[4:]), 3)}}
+                                    "plain": round(1000 * statistics.median(tb[4:]), 3)},
+                 # the first decode step of the shape: the compiled side traces it then
+                 "first_step_ms": {"compiled": round(1000 * ta[0], 3),
+                                   "plain": round(1000 * tb[0], 3)}}
         result["batches"].append(point)
     tmp.cleanup()
     return result

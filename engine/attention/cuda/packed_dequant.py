@@ -67,28 +67,20 @@ if (t >= bounds[2 * b]) {                      // past this row's history: maske
 const int page = pages[(size_t)b * P + t / PT];
 const size_t row = ((size_t)page * PT + t % PT) * HKV + hk;
 const int grp = c0 / 64;
-{
-  constexpr int PW = 32 / KB;
-  constexpr unsigned int M = (1u << KB) - 1u;
-  const unsigned int* w = pool + sec(row, KC_OFF, KW_);
-  const float sc = poolf[sec(row, KS_OFF, NG_) + grp], of = poolf[sec(row, KO_OFF, NG_) + grp];
+// One section pair (codes, scales, offsets) of K or V: 8 channels of this key as floats.
+auto unpack8 = [&](TO* out, int codes, int words, int scales, int offsets, int bits) {
+  const int pw = 32 / bits;
+  const unsigned int m = (1u << bits) - 1u;
+  const unsigned int* w = pool + sec(row, codes, words);
+  const float sc = poolf[sec(row, scales, NG_) + grp], of = poolf[sec(row, offsets, NG_) + grp];
   #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int c = c0 + j;
-    put(ko + j, (float)((w[c / PW] >> ((c % PW) * KB)) & M) * sc + of);
+    put(out + j, (float)((w[c / pw] >> ((c % pw) * bits)) & m) * sc + of);
   }
-}
-{
-  constexpr int PW = 32 / VB;
-  constexpr unsigned int M = (1u << VB) - 1u;
-  const unsigned int* w = pool + sec(row, VC_OFF, VW_);
-  const float sc = poolf[sec(row, VS_OFF, NG_) + grp], of = poolf[sec(row, VO_OFF, NG_) + grp];
-  #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int c = c0 + j;
-    put(vo + j, (float)((w[c / PW] >> ((c % PW) * VB)) & M) * sc + of);
-  }
-}
+};
+unpack8(ko, KC_OFF, KW_, KS_OFF, KO_OFF, KB);
+unpack8(vo, VC_OFF, VW_, VS_OFF, VO_OFF, VB);
 """
 
 INPUTS = [("kf", "TO"), ("vf", "TO"), ("pool", "uint32"), ("pages", "int32"),
