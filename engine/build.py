@@ -77,7 +77,7 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
     from engine.kv.store import KVStore
     from engine.model.loader import load_model
 
-    if cfg.compiled_decode is not None:   # the model's config overrides the backend default
+    if cfg.compiled_decode is not None:   # the engine config overrides the backend default
         kernels = replace(kernels, compiled_decode=cfg.compiled_decode)
 
     # Policy before any weights are read: an unknown value refuses the load (no fallback).

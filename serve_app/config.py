@@ -65,7 +65,11 @@ SERVE_OWNED_ENGINE_KNOBS = {"model", "kv_format", "kv_format_overrides", "kv_bud
 # capacity actor never learns rates for a mode no production replica runs.
 BENCH_ONLY_ENGINE_KNOBS = {"prefill_mode": "served replicas always prefill packed history "
                            "with the direct path; the fused path is reachable from the "
-                           "benchmarks only (orchard bench kv)"}
+                           "benchmarks only (orchard bench kv)",
+                           "compiled_decode": "served replicas compile decode steps wherever "
+                           "the CUDA decode kernels run and fall back on their own where a "
+                           "model cannot be traced; uncompiled steps are reachable from the "
+                           "benchmarks only (--no-compile)"}
 
 
 class ModelConfig(_Strict):

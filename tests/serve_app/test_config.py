@@ -110,3 +110,13 @@ def test_bench_only_prefill_mode_is_refused_in_a_serving_config():
                                               r"config.*benchmarks only"):
             parse_config({"models": [{"id": "m", "path": "/x",
                                       "engine": {"prefill_mode": mode}}]})
+
+
+def test_bench_only_compiled_decode_is_refused_in_a_serving_config():
+    # Rates are learned per execution identity, which does not name the decode path: a served
+    # replica always runs the production one.
+    for value in (True, False):
+        with pytest.raises(ConfigError, match=r"engine\.compiled_decode cannot be set in a "
+                                              r"serving config.*benchmarks only"):
+            parse_config({"models": [{"id": "m", "path": "/x",
+                                      "engine": {"compiled_decode": value}}]})
