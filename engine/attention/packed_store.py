@@ -28,7 +28,6 @@ after its attention (`flush_tail`), so a step still reads the tails it began wit
 from __future__ import annotations
 
 import copy
-
 from typing import Callable, Optional
 
 import mlx.core as mx

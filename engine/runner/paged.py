@@ -118,7 +118,9 @@ def check_supported_layers(loaded: LoadedModel) -> None:
 class ModelRunner:
     """Runs the model over paged KV. `kernels` picks the attention kernels its steps use (decode
     rows attend through the CUDA decode kernels where they apply, see `_kernel_decode_fits`;
-    benches and tests pass other choices to compare with the gather path)."""
+    benches and tests pass other choices to compare with the gather path). Where it applies
+    (`CompiledDecode.fits`, by default where the decode kernel runs) a decode step goes through
+    one compiled function per shape instead (`self.compiled`, engine/runner/compiled_decode.py)."""
 
     def __init__(self, loaded: LoadedModel, kvstore: KVStore, merge_pad_tokens: int = 16,
                  kernels: KernelChoices = DEFAULT_KERNELS):
@@ -142,7 +144,7 @@ class ModelRunner:
         # Per paged layer, what its step cache is made of (class, store, window), looked up
         # once instead of per layer and step; None for layers whose state is not paged.
         self.layer_caches = [(self.cache_class(i), kvstore.layer(i), w) if i in self._paged
-                              else None for i, w in enumerate(self._windows)]
+                             else None for i, w in enumerate(self._windows)]
         wanted = (self.kernel_decode if kernels.compiled_decode is None
                   else kernels.compiled_decode)
         self.compiled = (CompiledDecode(self) if wanted and CompiledDecode.fits(self)
