@@ -338,7 +338,7 @@ def packed_dequant(k_fresh, v_fresh, pool, layout, k_bits, v_bits, pages, bounds
     return tuple(mx.array(a).astype(mx.bfloat16) for a in run(
         "orchard_packed_dequant", [(n, types.get(t, t)) for n, t in pq.INPUTS],
         [(n, types.get(t, t)) for n, t in pq.OUTPUTS], pq._SOURCE, "",
-        [*pq.launch(layout, k_bits, v_bits)["template"], ("TO", "bfloat16")],
+        [*pq.template(layout, k_bits, v_bits), ("TO", "bfloat16")],
         [_bits16(k_fresh), _bits16(v_fresh), np.array(pool), pages, bounds,
          np.array([b, hkv, span, w, pages.shape[1]], np.int32)],
         [(b, hkv, span + w, d)] * 2, (-(-units // pq.THREADS), 1), pq.THREADS, workdir))

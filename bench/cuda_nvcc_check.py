@@ -98,13 +98,14 @@ def dequant_variants():
     """The history-dequant kernel (cuda/packed_dequant.py): every bits pair, both head dims."""
     from engine.attention.cuda import packed_dequant as pq
     from engine.attention.cuda.paged_decode import HEADER
+    from engine.attention.cuda.tile_helpers import kernel_layout
     types = {"TO": "bfloat16"}
     for d in pq.HEAD_DIMS:
         for kb, vb in ((8, 8), (4, 4), (8, 4)):
             yield f"dequant d{d} k{kb}v{vb}", wrap(
                 "orchard_packed_dequant", [(n, types.get(t, t)) for n, t in pq.INPUTS],
                 [(n, types.get(t, t)) for n, t in pq.OUTPUTS], pq._SOURCE, HEADER,
-                [("D", d), ("KB", kb), ("VB", vb), ("PT", 16), ("HK", 4), ("TO", "bfloat16")])
+                [*pq.template(kernel_layout(16, 4, d, kb, vb), kb, vb), ("TO", "bfloat16")])
 
 
 def variants():

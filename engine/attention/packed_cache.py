@@ -46,20 +46,18 @@ class PackedLayerCache(PagedLayerCache):
         self.step.attended += 1
         # The CUDA kernels read the v1 layout only; other formats attend through MLX ops.
         kernels = self.step.kernels
-        if sinks is None and cuda_packed_dequant.applies(self.store, self.step, queries, kernels):
-            # CUDA, opt-in: history dequantized by one kernel, then native's SDPA.
-            self.store.attention.counters.direct += 1   # it is the direct path there
-            bounds, longest = cuda_packed_prefill.step_bounds(self.step, self.view)
-            return cuda_packed_dequant.dequant_prefill_attention(
-                queries, keys, values, self.store.pool, self.store.layout, self.store.fmt.k_bits,
-                self.store.fmt.v_bits, self.view.pages, bounds, longest, scale,
-                mask=cuda_packed_dequant.step_mask(self.step, self.view))
         if sinks is None and self.store.fmt.codes_only and cuda_packed_prefill.applies(
                 self.store, self.step, queries, self._kernel_decode(), kernels):
             # CUDA: packed pages read by page table inside one tensor-core kernel.
             if queries.shape[2] > 1:
                 self.store.attention.counters.direct += 1   # it is the direct path there
             bounds, longest = cuda_packed_prefill.step_bounds(self.step, self.view)
+            if queries.shape[2] > 1 and kernels.prefill_path == "dequant":
+                # Opt-in: history dequantized by one kernel, then native's SDPA.
+                return cuda_packed_dequant.dequant_prefill_attention(
+                    queries, keys, values, self.store.pool, self.store.layout,
+                    self.store.fmt.k_bits, self.store.fmt.v_bits, self.view.pages, bounds,
+                    longest, scale, mask=cuda_packed_dequant.step_mask(self.step, self.view))
             return cuda_packed_prefill.packed_prefill_attention(
                 queries, keys, values, self.store.pool, self.store.layout, self.store.fmt.k_bits,
                 self.store.fmt.v_bits, self.view.pages, bounds, longest, scale,

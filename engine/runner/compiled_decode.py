@@ -106,8 +106,8 @@ class DeviceDecodeStep:
         return self._view
 
     def sdpa_mask(self, view: View) -> mx.array:
-        # (also `page_mask`: the view's keys are its whole padded pages either way)
-        """[B, 1, 1, P*T]: key j of row b is live when j < ends[b] (padding pages are hidden)."""
+        """[B, 1, 1, P*T]: key j of row b is live when j < ends[b] (padding pages are hidden).
+        Also `page_mask`: the view's keys are its whole padded pages either way."""
         if self._mask is None:
             keys = mx.arange(view.pages.shape[1] * self.page_tokens, dtype=mx.int32)
             self._mask = (keys[None, :] < self.ends[:, None])[:, None, None, :]
@@ -168,12 +168,17 @@ class CompiledDecode:
             # Only the stand-ins saw the trace: the stores still hold their arrays, unwritten.
             return None
         del arrays   # the stores' old arrays must be the graph's only references (in place)
-        k = 1
-        for _, store in self.layers:
-            n = len(store.arrays())
-            store.adopt(out[k:k + n])
-            k += n
+        for (_, store), written in self._per_store(out[1:]):
+            store.adopt(written)
         return out[0]
+
+    def _per_store(self, flat):
+        """(layer, store) pairs with their part of `flat` (every store's arrays in order)."""
+        k = 0
+        for layer in self.layers:
+            n = len(layer[1].arrays())
+            yield layer, list(flat[k:k + n])
+            k += n
 
     def _step(self, tokens: mx.array, table: mx.array, *arrays: mx.array) -> list[mx.array]:
         """Traced once per shape: the model over stand-in stores holding the input arrays."""
@@ -187,11 +192,7 @@ class CompiledDecode:
     def _trace(self, tokens: mx.array, table: mx.array, arrays) -> list[mx.array]:
         runner = self.runner
         step = DeviceDecodeStep(table, self.page_tokens, runner.kernel_decode, runner.kernels)
-        stores, k = {}, 0
-        for i, store in self.layers:
-            n = len(store.arrays())
-            stores[i] = store.traced(list(arrays[k:k + n]))
-            k += n
+        stores = {i: store.traced(given) for (i, store), given in self._per_store(arrays)}
         caches = [cache_class(stores[i], step, None, True)
                   for i, (cache_class, _, _) in enumerate(runner.layer_caches)]
         inputs = tokens.astype(mx.int32)[:, None]

@@ -143,8 +143,11 @@ def test_a_model_the_trace_cannot_follow_falls_back_to_uncompiled_steps(tiny_lla
                                                                          caplog):
     # A fake fault: no model at hand breaks the trace, so one is made to (its attention asks
     # the step for something a compiled step cannot answer).
+    class UntraceableModel(Exception):
+        pass
+
     def refuse(self, window):
-        raise NotImplementedError("this model wants host-side key ranges")
+        raise UntraceableModel("this model wants host-side key ranges")
     monkeypatch.setattr(compiled_decode.DeviceDecodeStep, "view", refuse)
     lm = load_model(tiny_llama)
     broken, plain = _runner(lm, COMPILED), _runner(lm, PLAIN)

@@ -19,6 +19,7 @@ import pytest
 from bench import cuda_check, cuda_emulate
 from engine.attention.choices import KernelChoices
 from engine.attention.cuda import packed_dequant
+from engine.attention.cuda import packed_prefill
 
 pytestmark = pytest.mark.gpu
 
@@ -75,4 +76,5 @@ def test_choice_is_validated_and_never_routes_on_the_cpu(tiny_llama):
                     layer_factory=packed_layer_factory("int4", kernels=kernels)).layer(0)
     step = StepBatch([Row(16, 8, [0, 1])], 16)
     q = mx.zeros((1, 4, 8, store.geometry.head_dim))
-    assert not packed_dequant.applies(store, step, q, kernels)   # no CUDA here
+    # The path is taken where the tile kernel would be: never without CUDA.
+    assert not packed_prefill.applies(store, step, q, kernel_decode=True, kernels=kernels)

@@ -18,7 +18,8 @@ the fresh keys are rotated to match: (qR)(kR)^T = qk^T. Values are never rotated
 One thread per (row, head, key, 8 channels) of K and V: code words read as stored (little end
 first, 32 / bits channels per word), one FP32 scale and offset per 64-channel group, 8 outputs.
 Workspace: the copy is the size of native's gathered history (the packed formats save memory
-on stored pages, not on this transient). Opt-in (`KernelChoices.prefill_path = "dequant"`)
+on stored pages, not on this transient). Taken where the tile kernel would be
+(`packed_prefill.applies`) for chunks, when `KernelChoices.prefill_path` is "dequant": opt-in
 until measured on the H200; checked on the CPU emulator (bench/cuda_emulate.py) and with nvcc.
 Never run on Metal.
 """
@@ -29,7 +30,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from engine.attention.cuda.paged_decode import HEADER, available
+from engine.attention.cuda.paged_decode import HEADER
 from engine.kv.page_layout import CUDA_SECTIONS, PageLayout
 from engine.kv.rotation import rotate
 
@@ -100,17 +101,6 @@ def supports(k_bits: int | None, v_bits: int | None, head_dim: int) -> bool:
     return k_bits in BITS and v_bits in BITS and head_dim in HEAD_DIMS
 
 
-def applies(store, step, queries: mx.array, kernels) -> bool:
-    """Whether a packed layer's call attends through this path: chosen (`kernels.prefill_path`
-    "dequant" with the prefill kernels on), CUDA, a supported format, a prefill chunk (more than
-    one query position) in direct prefill mode, history in some row."""
-    fmt = store.fmt
-    return (kernels.prefill_kernel and kernels.prefill_path == "dequant"
-            and fmt.codes_only and supports(fmt.k_bits, fmt.v_bits, store.geometry.head_dim)
-            and available() and queries.shape[2] > 1
-            and store.attention.prefill_mode == "direct" and bool(step.starts.max() > 0))
-
-
 def step_mask(step, view):
     """`joint_mask` of one forward call, built once and shared by every packed layer."""
     mask = view.masks.get("packed_dequant", False)
@@ -119,11 +109,11 @@ def step_mask(step, view):
     return mask
 
 
-def launch(layout: PageLayout, k_bits: int, v_bits: int) -> dict:
-    """The template of one layout's launch (also what the emulator and nvcc checks build)."""
+def template(layout: PageLayout, k_bits: int, v_bits: int) -> list:
+    """The kernel's template ints for one layout (also what the emulator builds)."""
     d = layout.k_words * 32 // k_bits
-    return {"template": [("D", d), ("KB", k_bits), ("VB", v_bits), ("PT", layout.page_tokens),
-                         ("HK", layout.heads)]}
+    return [("D", d), ("KB", k_bits), ("VB", v_bits), ("PT", layout.page_tokens),
+            ("HK", layout.heads)]
 
 
 def dequantized_history(k_fresh: mx.array, v_fresh: mx.array, pool: mx.array,
@@ -141,7 +131,7 @@ def dequantized_history(k_fresh: mx.array, v_fresh: mx.array, pool: mx.array,
     return tuple(_kernel()(
         inputs=[k_fresh, v_fresh.astype(k_fresh.dtype), pool, pages, bounds,
                 mx.array([b, hkv, span, w, pages.shape[1]], dtype=mx.int32)],
-        template=[*launch(layout, k_bits, v_bits)["template"], ("TO", k_fresh.dtype)],
+        template=[*template(layout, k_bits, v_bits), ("TO", k_fresh.dtype)],
         grid=(-(-units // THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, hkv, span + w, d)] * 2, output_dtypes=[k_fresh.dtype] * 2))
 
