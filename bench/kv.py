@@ -32,7 +32,7 @@ import numpy as np
 
 from capacity.formats import FORMAT_BITS, KVFormat
 from capacity.pricing import CostModel
-from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
+from engine.attention.choices import DEFAULT_KERNELS, PREFILL_PATHS, KernelChoices
 from engine.attention.cuda import packed_decode_v2 as cuda_packed_decode_v2
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 from engine.attention.cuda import packed_write as cuda_packed_write
@@ -102,17 +102,18 @@ def prefill_once(runner, tokens, chunk) -> float:
 
 
 def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save,
-                    kernels: KernelChoices = DEFAULT_KERNELS, dequant: bool = False) -> dict:
-    """Prefill time per variant: native, each format's direct and fused modes, and with
-    `dequant` its direct mode through the history-dequant path (cuda/packed_dequant.py)."""
+                    kernels: KernelChoices = DEFAULT_KERNELS, paths: tuple = ()) -> dict:
+    """Prefill time per variant: native, each format's direct and fused modes, and for each of
+    `paths` (KernelChoices.prefill_path values) its direct mode through that CUDA path, named
+    "{format}-{path}" ("direct" takes `kernels.prefill_path`)."""
     rng = np.random.default_rng(0)
     vocab = loaded.geometry.vocab_size
-    via_dequant = replace(kernels, prefill_path="dequant")
     for n in contexts:
         tokens = rng.integers(3, vocab, n).tolist()
         variants = [("native", "native", "direct", kernels)] + [
             (f"{f}-{m}", f, m, kernels) for f in formats for m in ("direct", "fused")] + [
-            (f"{f}-dequant", f, "direct", via_dequant) for f in formats if dequant]
+            (f"{f}-{path}", f, "direct", replace(kernels, prefill_path=path))
+            for path in paths for f in formats]
         runners = {name: make_runner(loaded, f, -(-n // PAGE_TOKENS), m, k)
                    for name, f, m, k in variants}
         times = {name: [] for name in runners}
@@ -168,9 +169,13 @@ def main(argv=None):
     ap.add_argument("--no-prefill-kernel", action="store_true",
                     help="prefill packed layers through the MLX-op direct path, not the CUDA "
                          "tile kernel (engine/attention/cuda/packed_prefill.py), to compare")
+    ap.add_argument("--prefill-paths", default="",
+                    help="also prefill each format's direct mode through these CUDA paths, as "
+                         "FORMAT-PATH variants (comma-separated, any of "
+                         f"{','.join(PREFILL_PATHS)}; 'direct' takes the default, "
+                         f"{DEFAULT_KERNELS.prefill_path!r})")
     ap.add_argument("--prefill-dequant", action="store_true",
-                    help="also prefill each format through the history-dequant path "
-                         "(KernelChoices.prefill_path='dequant', cuda/packed_dequant.py)")
+                    help="the same as --prefill-paths dequant (session 11's command)")
     ap.add_argument("--prefill-split-target", type=int, default=None,
                     help="blocks per launch the CUDA prefill kernel aims for when it splits the "
                          "keys (KernelChoices.prefill_split_target)")
@@ -214,6 +219,10 @@ def main(argv=None):
     ap.add_argument("--quality-tokens", type=int, default=1024)
     ap.add_argument("--quality-chunk", type=int, default=32)
     args = ap.parse_args(argv)
+    paths = tuple(p for p in args.prefill_paths.split(",") if p) + (
+        ("dequant",) if args.prefill_dequant else ())
+    if unknown := set(paths) - set(PREFILL_PATHS):
+        ap.error(f"--prefill-paths: unknown {sorted(unknown)}; choose from {PREFILL_PATHS}")
     kernels = KernelChoices(
         gpu_qmm=args.gpu_qmm, decode_kernel=not args.no_decode_kernel,
         write_kernel=not args.no_write_kernel, prefill_kernel=not args.no_prefill_kernel,
@@ -249,6 +258,7 @@ def main(argv=None):
                                          and cuda_packed_prefill.usable(8, 8, 128)),
                       "decode_tiles_default": kernels.decode_tiles,
                       "packed_decode_default": kernels.packed_decode,
+                      "prefill_path": kernels.prefill_path,
                       "prefill_split_target": (kernels.prefill_split_target
                                                or cuda_packed_prefill.TARGET_BLOCKS),
                       "args": vars(args), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
@@ -263,7 +273,7 @@ def main(argv=None):
     if "prefill" in sections:
         prefill_section(loaded, args.prefill, args.prefill_formats.split(","), args.chunk,
                         args.repeats, result.setdefault("prefill", {}), save, kernels,
-                        dequant=args.prefill_dequant)
+                        paths=tuple(dict.fromkeys(paths)))
     if "decode" in sections:
         decode_section(loaded, args.decode, args.batches, args.decode_formats.split(","),
                        args.steps, args.repeats, result.setdefault("decode", {}), save, kernels,

@@ -33,12 +33,16 @@ class KernelChoices:
     # Packed prefill chunks through the CUDA tile kernel (cuda/packed_prefill.py); off: the
     # MLX-op direct path.
     prefill_kernel: bool = True
-    # How packed prefill chunks attend on CUDA where `prefill_kernel` is on: "tiles" (the tile
-    # kernel, cuda/packed_prefill.py: history unpacked inside the attention) or "dequant"
+    # How packed prefill chunks attend on CUDA where `prefill_kernel` is on: "dequant"
     # (cuda/packed_dequant.py: history dequantized by one kernel into a copy the size of
-    # native's gathered history, then MLX's SDPA as native prefill). "dequant" is opt-in until
-    # the H200 measures it (`bench.kv --prefill-dequant`); it was checked on the CPU emulator.
-    prefill_path: str = "tiles"
+    # native's gathered history, then MLX's SDPA as native prefill) or "tiles" (the tile
+    # kernel, cuda/packed_prefill.py: history unpacked inside the attention, no copy).
+    # "dequant" is the default since the H200 measured it (docs/lab/benchmarks-gpu.md session
+    # 11; 0.5B geometry, time / native): 4K 1.08-1.21x, 16K 0.92-0.99x for int8 and int4,
+    # against the tile kernel's 1.07-1.30x in the same processes (1.0-1.39x over sessions 6-10).
+    # "tiles" keeps the copy away where a chunk's transient memory matters more than its time.
+    # `bench.kv --prefill-paths tiles` compares them.
+    prefill_path: str = "dequant"
     # Blocks per launch the prefill kernel aims for when it splits the keys
     # (None: cuda/packed_prefill.TARGET_BLOCKS).
     prefill_split_target: int | None = None

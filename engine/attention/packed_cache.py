@@ -53,7 +53,7 @@ class PackedLayerCache(PagedLayerCache):
                 self.store.attention.counters.direct += 1   # it is the direct path there
             bounds, longest = cuda_packed_prefill.step_bounds(self.step, self.view)
             if queries.shape[2] > 1 and kernels.prefill_path == "dequant":
-                # Opt-in: history dequantized by one kernel, then native's SDPA.
+                # The default: history dequantized by one kernel, then native's SDPA.
                 return cuda_packed_dequant.dequant_prefill_attention(
                     queries, keys, values, self.store.pool, self.store.layout,
                     self.store.fmt.k_bits, self.store.fmt.v_bits, self.view.pages, bounds,

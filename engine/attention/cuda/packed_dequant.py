@@ -19,9 +19,10 @@ One thread per (row, head, key, 8 channels) of K and V: code words read as store
 first, 32 / bits channels per word), one FP32 scale and offset per 64-channel group, 8 outputs.
 Workspace: the copy is the size of native's gathered history (the packed formats save memory
 on stored pages, not on this transient). Taken where the tile kernel would be
-(`packed_prefill.applies`) for chunks, when `KernelChoices.prefill_path` is "dequant": opt-in
-until measured on the H200; checked on the CPU emulator (bench/cuda_emulate.py) and with nvcc.
-Never run on Metal.
+(`packed_prefill.applies`) for chunks, when `KernelChoices.prefill_path` is "dequant" (the
+default since the H200 measured it: docs/lab/benchmarks-gpu.md session 11). Checked on the H200
+by `bench.cuda_check --kernels dequant` and in CPU tests through the emulator
+(bench/cuda_emulate.py). Never run on Metal.
 """
 from __future__ import annotations
 

@@ -1,0 +1,28 @@
+"""bench.kv's prefill section: each requested CUDA prefill path is its own variant."""
+import json
+
+import pytest
+
+from bench import kv as bench_kv
+
+
+def test_prefill_paths_become_named_variants(tmp_path):
+    """--prefill-paths adds FORMAT-PATH rows beside direct and fused (on the CPU neither path
+    routes, so the rows time the direct path; the names and ratios are what is checked)."""
+    out = tmp_path / "kv.json"
+    bench_kv.main(["--sections", "prefill", "--prefill", "64", "--chunk", "32",
+                   "--prefill-formats", "int4", "--prefill-paths", "tiles,dequant",
+                   "--repeats", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    row = result["prefill"]["64"]
+    assert set(row) == {"native", "int4-direct", "int4-fused", "int4-tiles", "int4-dequant"}
+    assert all(v["ttft_s"] > 0 and v["ratio_to_native"] > 0 for v in row.values())
+    assert result["env"]["prefill_path"] == "dequant"
+
+
+def test_unknown_prefill_path_is_refused_naming_it(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench_kv.main(["--sections", "prefill", "--prefill-paths", "tiles,magic",
+                       "--out", str(tmp_path / "kv.json")])
+    assert "magic" in capsys.readouterr().err
+    assert not (tmp_path / "kv.json").exists()
