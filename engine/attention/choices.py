@@ -22,6 +22,9 @@ class KernelChoices:
     # work; on the CPU the arithmetic is the step); True: wherever it fits (the CPU suite
     # checks it this way); False: never.
     compiled_decode: bool | None = None
+    # Pad a compiled step's rows to a bucket (compiled_decode.bucket_rows) so a served batch
+    # whose size wanders costs a few traces, not one per size; off: one trace per row count.
+    compiled_row_buckets: bool = True
     # Blocks per layer the decode kernels aim for when they split a row's history
     # (None: cuda/paged_decode.TARGET_BLOCKS).
     decode_split_target: int | None = None

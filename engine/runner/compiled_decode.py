@@ -29,7 +29,12 @@ Which steps: every row decodes one token; every layer is paged full attention (n
 recurrent state); every store can stand in for itself inside a trace (`can_trace`, `traced`,
 `adopt`: native pages; packed pages of codes-only formats where the CUDA kernels attend).
 Traces are cached per (rows, P, token dtype); each new shape costs one trace (about one
-uncompiled step plus MLX's compile passes).
+uncompiled step plus MLX's compile passes: 20-150 ms on the H200 once MLX's kernels exist, 4-24 s
+for a process's very first, which compiles them; session 11). So the rows are padded to a
+bucket too (`bucket_rows`: 1, 2, 4, 8, then steps of 4 to 32 and of 8 beyond), by repeating the
+last row: a repeated row computes what its original does and writes the same values to the
+same slot, and its logits are dropped. A served batch's size moves by one row at a time, so
+without buckets every size it passes through is a trace.
 
 Measured on the H200 (docs/lab/benchmarks-gpu.md, session 10): logits bit-identical to
 uncompiled steps; SmolLM2-135M batch-1 decode 1.09x mlx-lm pooled over seven processes (0.94x
@@ -52,6 +57,16 @@ if TYPE_CHECKING:
 
 # The smallest page-table width a trace is made for: short contexts share one trace.
 MIN_BUCKET_PAGES = 4
+
+
+def bucket_rows(rows: int) -> int:
+    """The padded row count a trace is made for: 1, 2, 4, 8, then multiples of 4 up to 32 and
+    of 8 beyond (at most a third more rows than asked past 8: 9 -> 12, 33 -> 40), so 64 rows
+    take 14 shapes, not 64."""
+    if rows <= 8:
+        return 1 << (max(rows, 1) - 1).bit_length()
+    step = 4 if rows <= 32 else 8
+    return -(-rows // step) * step
 
 
 def bucket_pages(pages: int) -> int:
@@ -151,26 +166,31 @@ class CompiledDecode:
     def forward(self, chunks: list[SeqChunk], tokens: mx.array | None) -> mx.array | None:
         """Float32 logits [B, vocab] of one-token rows (lazy), as `ModelRunner.forward`; None
         when this shape's trace failed (`TraceFailed`: the caller runs the step uncompiled)."""
-        t = self.page_tokens
+        t, rows = self.page_tokens, len(chunks)
         need = [c.start // t + 1 for c in chunks]
         width = bucket_pages(max(need))
-        table = np.empty((len(chunks), 1 + width), dtype=np.int32)
+        padded = bucket_rows(rows) if self.runner.kernels.compiled_row_buckets else rows
+        table = np.empty((padded, 1 + width), dtype=np.int32)
         for i, (c, n) in enumerate(zip(chunks, need)):
             table[i, 0] = c.start
             table[i, 1:1 + n] = c.page_table[:n]
             table[i, 1 + n:] = c.page_table[0]   # any live page: the row's end bounds its keys
+        table[rows:] = table[rows - 1]   # padding repeats the last row (module docstring)
         if tokens is None:
             tokens = input_tokens(chunks, 1)
+        tokens = tokens.reshape(-1)
+        if padded > rows:
+            tokens = mx.concatenate([tokens, mx.repeat(tokens[-1:], padded - rows)])
         arrays = [a for _, store in self.layers for a in store.arrays()]
         try:
-            out = self._fn(tokens.reshape(-1), mx.array(table), *arrays)
+            out = self._fn(tokens, mx.array(table), *arrays)
         except TraceFailed:
             # Only the stand-ins saw the trace: the stores still hold their arrays, unwritten.
             return None
         del arrays   # the stores' old arrays must be the graph's only references (in place)
         for (_, store), written in self._per_store(out[1:]):
             store.adopt(written)
-        return out[0]
+        return out[0] if padded == rows else out[0][:rows]
 
     def _per_store(self, flat):
         """(layer, store) pairs with their part of `flat` (every store's arrays in order)."""

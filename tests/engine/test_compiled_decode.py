@@ -20,7 +20,7 @@ from engine.kv.store import KVStore
 from engine.loop import Engine
 from engine.model.loader import load_model
 from engine.runner import compiled_decode
-from engine.runner.compiled_decode import CompiledDecode, bucket_pages
+from engine.runner.compiled_decode import CompiledDecode, bucket_pages, bucket_rows
 from engine.runner.paged import ModelRunner, SeqChunk
 from tests.engine_helpers import PAGE_BYTES_LLAMA, collect, req, run, tokens, wait_idle
 
@@ -90,6 +90,41 @@ def test_one_row_is_traced_once_per_bucket(tiny_llama):
 def test_bucket_widths():
     assert [bucket_pages(n) for n in (1, 3, 4, 5, 8, 9, 100)] == [4, 4, 4, 8, 8, 16, 128]
     assert compiled_decode.MIN_BUCKET_PAGES == 4
+
+
+def test_row_buckets():
+    assert [bucket_rows(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 12]
+    assert [bucket_rows(n) for n in (12, 13, 32, 33, 40, 41, 64)] == [12, 16, 32, 40, 40, 48, 64]
+    assert len({bucket_rows(n) for n in range(1, 65)}) == 14
+
+
+def test_a_shrinking_batch_pads_its_rows_and_writes_only_its_own_slots(tiny_llama):
+    """Rows padded to a bucket by repeating the last row: the real rows' logits and every page
+    equal the uncompiled runner's (a padding row writing anywhere but its original's slot would
+    differ), and a batch shrinking 7 -> 1 costs 4 traces (8, 4, 2, 1 rows), not 7."""
+    lm = load_model(tiny_llama)
+    rng = np.random.default_rng(3)
+    order = rng.permutation(40).tolist()
+    tables = [order[5 * i:5 * i + 5] for i in range(7)]
+    runners = {k: _runner(lm, kernels, page_tokens=8) for k, kernels in (
+        ("buckets", COMPILED), ("exact", KernelChoices(compiled_decode=True,
+                                                        compiled_row_buckets=False)),
+        ("plain", PLAIN))}
+    prompts = [rng.integers(0, lm.geometry.vocab_size, 3 + 2 * i).tolist() for i in range(7)]
+    for r in runners.values():
+        r.forward([SeqChunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
+    lens = [len(p) for p in prompts]
+    for rows in range(7, 0, -1):   # one decode step per batch size, the last row leaving
+        chunks = [SeqChunk(i, [5 + i], lens[i], tables[i]) for i in range(rows)]
+        got = {k: np.array(r.forward(chunks)) for k, r in runners.items()}
+        assert got["buckets"].shape[0] == rows
+        for k in ("buckets", "exact"):
+            assert np.abs(got[k] - got["plain"]).max() <= 1e-4, (k, rows)
+        lens = [n + 1 for n in lens]
+    for x, y in zip(runners["buckets"].kvstore.arrays(), runners["plain"].kvstore.arrays()):
+        assert mx.abs(x - y).max().item() <= 1e-4
+    assert runners["buckets"].compiled.traces == 4
+    assert runners["exact"].compiled.traces == 7
 
 
 def test_runner_refuses_compiled_steps_that_would_not_fit(tiny_model_dirs):
