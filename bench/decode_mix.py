@@ -1,0 +1,153 @@
+"""A served mix through one engine: what compiled decode steps cost while the batch size wanders.
+
+    python -m bench.decode_mix [--model DIR | --shaped-like DIR] --requests 48 --max-num-seqs 16
+
+Requests arrive evenly over `--spread-s` seconds, with seeded prompt and output lengths; the
+engine runs at most `--max-num-seqs` of them, so as requests arrive, rows finish and queued
+requests join, the decode batch passes through many sizes and the rows' page tables through
+several widths. That is what
+makes a compiled engine trace (engine/runner/compiled_decode.py): each new (rows, pages) shape
+costs one trace, paid by every running row as a stalled step.
+
+Variants, each a fresh engine over the same model and requests, run in turns for `--rounds`
+rounds (round 1 also pays the process's first-use kernel compilation, in whichever variant runs
+first; later rounds show what a trace costs once MLX's kernels exist):
+- plain: uncompiled decode steps;
+- exact: compiled steps, one trace per row count (`KernelChoices(compiled_row_buckets=False)`);
+- buckets: compiled steps with rows padded to buckets (production's compiled path).
+Prints JSON per variant and round: wall time and generated tokens per second, traces, time to
+first token and the gap between a request's successive tokens (median, p99, max; a trace shows
+as a long gap), and wall time as a ratio to plain's in the same round.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.output import run_bench
+
+VARIANTS = ("plain", "exact", "buckets")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.decode_mix", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a model folder (default: a small SmolLM2-shaped llama)")
+    src.add_argument("--shaped-like", metavar="DIR",
+                     help="random bf16 weights of this model folder's architecture")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--prompt", default="16,300", help="prompt length range, tokens (lo,hi)")
+    p.add_argument("--tokens", default="16,200", help="output length range, tokens (lo,hi)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {VARIANTS}")
+    p.add_argument("--spread-s", type=float, default=2.0,
+                   help="requests arrive evenly over this many seconds (0: all at once)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the JSON here as well as to stdout")
+    args = p.parse_args(argv)
+    if unknown := set(args.variants.split(",")) - set(VARIANTS):
+        p.error(f"--variants: unknown {sorted(unknown)}; choose from {VARIANTS}")
+    return args
+
+
+def kernels_for(variant: str):
+    from engine.attention.choices import KernelChoices
+    return {"plain": KernelChoices(compiled_decode=False),
+            "exact": KernelChoices(compiled_decode=True, compiled_row_buckets=False),
+            "buckets": KernelChoices(compiled_decode=True)}[variant]
+
+
+def quantiles(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"median_ms": round(1000 * statistics.median(xs), 2),
+            "p99_ms": round(1000 * xs[min(len(xs) - 1, int(0.99 * len(xs)))], 2),
+            "max_ms": round(1000 * xs[-1], 2)}
+
+
+def one_mix(engine, requests, spread_s: float) -> dict:
+    """Submit the requests evenly over `spread_s`; time each one's first token and token gaps."""
+    async def one(i, r):
+        await asyncio.sleep(spread_s * i / len(requests))   # the arrival schedule, not a wait
+        t0, stamps, n = time.perf_counter(), [], 0
+        async for d in engine.generate(r):
+            if d.token_ids:
+                stamps.append(time.perf_counter())
+                n += len(d.token_ids)
+        return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], n
+
+    async def all_of():
+        return await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+
+    t0 = time.perf_counter()
+    got = asyncio.run(all_of())
+    wall = time.perf_counter() - t0
+    compiled = engine._parts.runner.compiled
+    tokens = sum(n for _, _, n in got)
+    return {"wall_s": round(wall, 3), "tokens": tokens, "tok_s": round(tokens / wall, 1),
+            "traces": compiled.traces if compiled is not None else 0,
+            "ttft": quantiles([t for t, _, _ in got]),
+            "token_gap": quantiles([g for _, gaps, _ in got for g in gaps])}
+
+
+def run(args) -> dict:
+    import random
+
+    import mlx.core as mx
+
+    from bench.decode_host import SHAPE
+    from bench.engine import build_shaped
+    from bench.synthetic import build_tiny_model
+    from engine.config import EngineConfig
+    from engine.loop import Engine
+    from engine.request import GenerationRequest
+    from engine.sampling.params import SamplingParams
+
+    tmp = tempfile.TemporaryDirectory()
+    if args.shaped_like:
+        model_dir, shown = build_shaped(args.shaped_like, Path(tmp.name)), {
+            "random_weights_shaped_like": Path(args.shaped_like).name}
+    elif args.model:
+        model_dir, shown = args.model, args.model
+    else:
+        model_dir = str(build_tiny_model("llama", Path(tmp.name) / "m", seed=0, **SHAPE))
+        shown = {"smollm2_layers_small": SHAPE}
+    rng = random.Random(args.seed)
+    (plo, phi), (tlo, thi) = ([int(x) for x in s.split(",")] for s in (args.prompt, args.tokens))
+    shapes = [(rng.randint(plo, phi), rng.randint(tlo, thi)) for _ in range(args.requests)]
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n, _ in shapes]
+    variants = args.variants.split(",")
+    result = {"model": shown, "device": str(mx.default_device()), "requests": args.requests,
+              "max_num_seqs": args.max_num_seqs, "prompt": args.prompt, "tokens": args.tokens,
+              "spread_s": args.spread_s,
+              "rounds": []}
+    for rnd in range(args.rounds):
+        row = {}
+        for v in variants:
+            engine = Engine(EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs,
+                                         max_model_len=phi + thi + 16), kernels=kernels_for(v))
+            try:
+                reqs = [GenerationRequest(f"mix-{rnd}-{i}", p, SamplingParams(
+                    temperature=0.0, max_tokens=n, ignore_eos=True))
+                    for i, (p, (_, n)) in enumerate(zip(prompts, shapes))]
+                row[v] = one_mix(engine, reqs, args.spread_s)
+            finally:
+                engine.shutdown()
+        if "plain" in row:
+            for v in row:
+                row[v]["wall_to_plain"] = round(row[v]["wall_s"] / row["plain"]["wall_s"], 3)
+        result["rounds"].append(row)
+    return result
+
+
+def main(argv=None) -> int:
+    return run_bench(parse_args, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,27 @@
+"""bench.decode_mix: every variant serves the same mix; row buckets trace fewer shapes."""
+import json
+
+import pytest
+
+from bench import decode_mix
+
+
+def test_variants_serve_the_same_tokens_and_buckets_trace_less(tiny_llama, tmp_path):
+    out = tmp_path / "mix.json"
+    decode_mix.main(["--model", tiny_llama, "--requests", "12", "--max-num-seqs", "7",
+                     "--prompt", "4,30", "--tokens", "4,24", "--spread-s", "0",
+                     "--rounds", "1", "--out", str(out)])
+    row = json.loads(out.read_text())["rounds"][0]
+    assert set(row) == {"plain", "exact", "buckets"}
+    assert len({v["tokens"] for v in row.values()}) == 1
+    assert row["plain"]["traces"] == 0 and row["plain"]["wall_to_plain"] == 1.0
+    # The batch shrinks 7 -> 1 at the end: exact traces each size, buckets 8, 4, 2, 1.
+    assert 0 < row["buckets"]["traces"] < row["exact"]["traces"]
+    for v in row.values():
+        assert v["token_gap"]["max_ms"] >= v["token_gap"]["p99_ms"] >= v["token_gap"]["median_ms"]
+
+
+def test_unknown_variant_is_refused_naming_it(capsys):
+    with pytest.raises(SystemExit):
+        decode_mix.parse_args(["--variants", "plain,turbo"])
+    assert "turbo" in capsys.readouterr().err
