@@ -68,9 +68,7 @@ def run(args) -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from bench.decode_host import SHAPE
-    from bench.engine import build_shaped
-    from bench.synthetic import build_tiny_model
+    from bench.decode_host import bench_model
     from engine.attention.choices import KernelChoices
     from engine.attention.packed_store import packed_layer_factory
     from engine.kv.store import KVStore
@@ -78,14 +76,7 @@ def run(args) -> dict:
     from engine.runner.paged import ModelRunner
 
     tmp = tempfile.TemporaryDirectory()
-    if args.shaped_like:
-        model_dir, shown = build_shaped(args.shaped_like, Path(tmp.name)), {
-            "random_weights_shaped_like": Path(args.shaped_like).name}
-    elif args.model:
-        model_dir, shown = args.model, args.model
-    else:
-        model_dir = str(build_tiny_model("llama", Path(tmp.name) / "m", seed=0, **SHAPE))
-        shown = {"smollm2_layers_small": SHAPE}
+    model_dir, shown = bench_model(args, Path(tmp.name))
     gpu = mx.default_device() != mx.cpu
     lm = load_model(model_dir, dtype="bfloat16" if gpu else "float32", fuse=True)
     rng = np.random.default_rng(0)

@@ -31,6 +31,21 @@ SHAPE = dict(hidden_size=72, num_hidden_layers=30, intermediate_size=128,
              max_position_embeddings=4096)
 
 
+def bench_model(args, root: Path) -> tuple[str, object]:
+    """(model folder, how results name it) for a bench's `--shaped-like` / `--model` / default
+    (the host-bound SmolLM2-layered llama above, built under `root`)."""
+    from bench.engine import build_shaped
+    from bench.synthetic import build_tiny_model
+
+    if getattr(args, "shaped_like", None):
+        return build_shaped(args.shaped_like, root), {
+            "random_weights_shaped_like": Path(args.shaped_like).name}
+    if args.model:
+        return args.model, args.model
+    return (str(build_tiny_model("llama", root / "m", seed=0, **SHAPE)),
+            {"smollm2_layers_small": SHAPE})
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.decode_host", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,13 +73,11 @@ def run(args) -> dict:
 
     from mlx_lm.utils import load
 
-    from bench.synthetic import build_tiny_model
     from engine.config import EngineConfig
     from engine.loop import Engine
 
     tmp = tempfile.TemporaryDirectory()
-    model_dir = args.model or str(build_tiny_model("llama", Path(tmp.name) / "m", seed=0,
-                                                   **SHAPE))
+    model_dir, shown = bench_model(args, Path(tmp.name))
     batches = [int(x) for x in args.batches.split(",") if x]
     rng = random.Random(0)
     eng = Engine(EngineConfig(model=model_dir, max_num_seqs=max(batches),
@@ -74,7 +87,7 @@ def run(args) -> dict:
     if not args.no_mlx_lm:
         model, tokenizer = load(model_dir)
         tokenizer.eos_token_ids = []
-    out = {"model": args.model or {"smollm2_layers_small": SHAPE}, "decode": [],
+    out = {"model": shown, "decode": [],
            "compiled_decode": compile_choice(args).compiled_decode}
     prof_text = io.StringIO()
     try:

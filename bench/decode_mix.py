@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.kv_runners import progress
 from bench.output import run_bench
 
 VARIANTS = ("plain", "exact", "buckets")
@@ -100,23 +101,14 @@ def run(args) -> dict:
 
     import mlx.core as mx
 
-    from bench.decode_host import SHAPE
-    from bench.engine import build_shaped
-    from bench.synthetic import build_tiny_model
+    from bench.decode_host import bench_model
     from engine.config import EngineConfig
     from engine.loop import Engine
     from engine.request import GenerationRequest
     from engine.sampling.params import SamplingParams
 
     tmp = tempfile.TemporaryDirectory()
-    if args.shaped_like:
-        model_dir, shown = build_shaped(args.shaped_like, Path(tmp.name)), {
-            "random_weights_shaped_like": Path(args.shaped_like).name}
-    elif args.model:
-        model_dir, shown = args.model, args.model
-    else:
-        model_dir = str(build_tiny_model("llama", Path(tmp.name) / "m", seed=0, **SHAPE))
-        shown = {"smollm2_layers_small": SHAPE}
+    model_dir, shown = bench_model(args, Path(tmp.name))
     rng = random.Random(args.seed)
     (plo, phi), (tlo, thi) = ([int(x) for x in s.split(",")] for s in (args.prompt, args.tokens))
     shapes = [(rng.randint(plo, phi), rng.randint(tlo, thi)) for _ in range(args.requests)]
@@ -136,6 +128,8 @@ def run(args) -> dict:
                     temperature=0.0, max_tokens=n, ignore_eos=True))
                     for i, (p, (_, n)) in enumerate(zip(prompts, shapes))]
                 row[v] = one_mix(engine, reqs, args.spread_s)
+                progress(f"round {rnd + 1}/{args.rounds} {v}: {row[v]['wall_s']} s, "
+                         f"{row[v]['tok_s']} tok/s, {row[v]['traces']} traces", bench="decode_mix")
             finally:
                 engine.shutdown()
         if "plain" in row:

@@ -28,7 +28,7 @@ def make_runner(loaded, fmt, pages, mode="direct", kernels: KernelChoices = DEFA
                              kernels=kernels)
 
 
-def progress(message: str) -> None:
+def progress(message: str, bench: str = "bench_kv") -> None:
     """One line per measured variant on stderr (a 16K CPU prefill takes minutes per variant);
     stdout stays the JSON document."""
-    print(f"[bench_kv {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    print(f"[{bench} {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

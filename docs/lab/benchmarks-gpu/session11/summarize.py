@@ -67,7 +67,8 @@ def checks():
     print(f"## device check: {len(d['cases'])} cases, {len(bad)} failed, largest error "
           f"{max(c['max_abs_err'] for c in d['cases'])}")
     print("\n## compiled vs plain decode steps: first step ms (trace), sync step ms")
-    for p in json.loads((HERE / "a/compiled.json").read_text())["batches"]:
+    for p in [*json.loads((HERE / "a/compiled.json").read_text())["batches"],
+              *json.loads((HERE / "e/padded.json").read_text())["batches"]]:
         print(f"{p['kv_format']} B{p['batch']}: |diff| {p['max_abs_logit_diff']}, equal "
               f"{p['greedy_tokens_equal']}, first {p['first_step_ms']}, step {p['step_ms_median']}")
 
