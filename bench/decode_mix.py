@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from bench.kv_runners import progress
-from bench.output import run_bench
+from bench.output import emit, run_bench
 
 VARIANTS = ("plain", "exact", "buckets")
 
@@ -120,6 +120,7 @@ def run(args) -> dict:
               "rounds": []}
     for rnd in range(args.rounds):
         row = {}
+        result["rounds"].append(row)
         for v in variants:
             engine = Engine(EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs,
                                          max_model_len=phi + thi + 16), kernels=kernels_for(v))
@@ -132,10 +133,11 @@ def run(args) -> dict:
                          f"{row[v]['tok_s']} tok/s, {row[v]['traces']} traces", bench="decode_mix")
             finally:
                 engine.shutdown()
+            if args.out:   # after every variant, so a run cut short keeps what it measured
+                emit(result, args.out, quiet=True)
         if "plain" in row:
             for v in row:
                 row[v]["wall_to_plain"] = round(row[v]["wall_s"] / row["plain"]["wall_s"], 3)
-        result["rounds"].append(row)
     return result
 
 

@@ -5,9 +5,12 @@ import json
 from pathlib import Path
 
 
-def emit(result: dict, out: str | None) -> None:
+def emit(result: dict, out: str | None, quiet: bool = False) -> None:
+    """The result as JSON on stdout (unless `quiet`: a partial result saved on the way) and in
+    `out` if given."""
     text = json.dumps(result, indent=1)
-    print(text)
+    if not quiet:
+        print(text)
     if out:
         Path(out).write_text(text + "\n")
 
