@@ -41,8 +41,8 @@ class KernelChoices:
     # native's gathered history, then MLX's SDPA as native prefill) or "tiles" (the tile
     # kernel, cuda/packed_prefill.py: history unpacked inside the attention, no copy).
     # "dequant" is the default since the H200 measured it (docs/lab/benchmarks-gpu.md session
-    # 11; 0.5B geometry, time / native): 4K 1.08-1.21x, 16K 0.92-0.99x for int8 and int4,
-    # against the tile kernel's 1.07-1.30x in the same processes (1.0-1.39x over sessions 6-10).
+    # 11; 0.5B geometry, time / native, seven runs): int8 and int4 at 4K 0.84-1.21x, at 16K
+    # 0.85-1.15x, against the tile kernel's 0.77-1.17x and 1.13-1.34x in the same processes.
     # "tiles" keeps the copy away where a chunk's transient memory matters more than its time.
     # `bench.kv --prefill-paths tiles` compares them.
     prefill_path: str = "dequant"
