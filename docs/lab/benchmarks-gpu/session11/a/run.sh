@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 11 device batch A: the history-dequant packed prefill path (cuda/packed_dequant.py)
 # checked against references, then timed beside the tile kernel and native three times; the
-# compiled decode step's first-step (trace) cost; more SmolLM2-shape 8K prefill samples.
+# compiled decode step's first-step (trace) cost.
 # Everything lands in $OUT/a.tar.gz; a step starts only if its limit fits the run's budget.
 set -u
 S=$(dirname "$(mktemp -u)")
