@@ -8,8 +8,9 @@ without; each prefills the same prompts, then decodes greedily with the previous
 array as input (as pipelined decode does). Prints JSON per batch: the largest logit difference
 of any step, whether the greedy tokens agree, traces made, and the median synchronous step time
 of each side (a step built, evaluated and read back; the engine pipelines, so this is a check
-of cost, not its served rate), and each side's first step (the compiled side's trace). On a GPU the compiled side attends through the CUDA decode
-kernel inside the trace; on the CPU through gathered, masked pages.
+of cost, not its served rate), and each side's first step (the compiled side's trace). On a
+GPU the compiled side attends through the CUDA decode kernel inside the trace; on the CPU
+through gathered, masked pages.
 """
 from __future__ import annotations
 
@@ -19,25 +20,32 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.decode_host import add_model_args
 from bench.output import run_bench
+
+
+# Steps left out of the median step time (the first is the trace; the next settle).
+WARM_STEPS = 4
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.compiled_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="a model folder (default: a small SmolLM2-shaped llama)")
-    src.add_argument("--shaped-like", metavar="DIR",
-                     help="random bf16 weights of this model folder's architecture")
+    add_model_args(p)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--prompt", type=int, default=100, help="prompt tokens per row")
-    p.add_argument("--steps", type=int, default=64, help="decode steps per batch")
+    p.add_argument("--steps", type=int, default=64,
+                   help=f"decode steps per batch (at least {WARM_STEPS + 1}: step times leave "
+                        f"out the first {WARM_STEPS})")
     p.add_argument("--page-tokens", type=int, default=64)
     p.add_argument("--kv-formats", default="native",
                    help="KV formats to check, comma-separated (packed formats compile only where "
                         "the CUDA kernels attend; elsewhere their point says so)")
     p.add_argument("--out", help="write the JSON here as well as to stdout")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps <= WARM_STEPS:
+        p.error(f"--steps must be at least {WARM_STEPS + 1}, got {args.steps}")
+    return args
 
 
 def decode(runner, prompts, tables, steps):
@@ -113,8 +121,8 @@ def run(args) -> dict:
                                                  if x != y), None),
                  "traces": ra.compiled.traces,
                  "kernel_decode": ra.kernel_decode,
-                 "step_ms_median": {"compiled": round(1000 * statistics.median(ta[4:]), 3),
-                                    "plain": round(1000 * statistics.median(tb[4:]), 3)},
+                 "step_ms_median": {side: round(1000 * statistics.median(t[WARM_STEPS:]), 3)
+                                    for side, t in (("compiled", ta), ("plain", tb))},
                  # the first decode step of the shape: the compiled side traces it then
                  "first_step_ms": {"compiled": round(1000 * ta[0], 3),
                                    "plain": round(1000 * tb[0], 3)}}

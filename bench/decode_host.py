@@ -31,6 +31,14 @@ SHAPE = dict(hidden_size=72, num_hidden_layers=30, intermediate_size=128,
              max_position_embeddings=4096)
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """`--model` / `--shaped-like` as the benches that take `bench_model` read them."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a model folder (default: a small SmolLM2-shaped llama)")
+    src.add_argument("--shaped-like", metavar="DIR",
+                     help="random bf16 weights of this model folder's architecture")
+
+
 def bench_model(args, root: Path) -> tuple[str, object]:
     """(model folder, how results name it) for a bench's `--shaped-like` / `--model` / default
     (the host-bound SmolLM2-layered llama above, built under `root`)."""

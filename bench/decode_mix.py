@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.kv_runners import progress
+from bench.decode_host import add_model_args
 from bench.output import emit, run_bench
 
 VARIANTS = ("plain", "exact", "buckets")
@@ -37,10 +37,7 @@ VARIANTS = ("plain", "exact", "buckets")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.decode_mix", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="a model folder (default: a small SmolLM2-shaped llama)")
-    src.add_argument("--shaped-like", metavar="DIR",
-                     help="random bf16 weights of this model folder's architecture")
+    add_model_args(p)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--prompt", default="16,300", help="prompt length range, tokens (lo,hi)")
@@ -102,6 +99,7 @@ def run(args) -> dict:
     import mlx.core as mx
 
     from bench.decode_host import bench_model
+    from bench.kv_runners import progress
     from engine.config import EngineConfig
     from engine.loop import Engine
     from engine.request import GenerationRequest
