@@ -258,8 +258,9 @@ def prefill_case(rng, fmt_name, hq, kvh, d, history, own, page_tokens=16, splits
     scale = d ** -0.5
     bounds = np.stack([history, own], axis=1).astype(np.int32)
     run = kernel or cuda_packed_prefill.packed_prefill_attention
+    pinned = {} if splits is None else {"splits": splits}   # only the tile kernel splits keys
     got = run(q, k_new, v_new, pool, layout, fmt.k_bits, fmt.v_bits, mx.array(tables),
-              mx.array(bounds), int(history.max()), scale, splits=splits)
+              mx.array(bounds), int(history.max()), scale, **pinned)
     got = np.array(got.astype(mx.float32)) if isinstance(got, mx.array) else got
     err = 0.0
     for b, packed in enumerate(per_row):

@@ -5,9 +5,8 @@
 Requests arrive evenly over `--spread-s` seconds, with seeded prompt and output lengths; the
 engine runs at most `--max-num-seqs` of them, so as requests arrive, rows finish and queued
 requests join, the decode batch passes through many sizes and the rows' page tables through
-several widths. That is what
-makes a compiled engine trace (engine/runner/compiled_decode.py): each new (rows, pages) shape
-costs one trace, paid by every running row as a stalled step.
+several widths. That is what makes a compiled engine trace (engine/runner/compiled_decode.py):
+each new (rows, pages) shape costs one trace, paid by every running row as a stalled step.
 
 Variants, each a fresh engine over the same model and requests, run in turns for `--rounds`
 rounds (round 1 also pays the process's first-use kernel compilation, in whichever variant runs
@@ -23,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from bench.decode_host import add_model_args
 from bench.output import emit, run_bench
+from loadtest.report import pct
 
 VARIANTS = ("plain", "exact", "buckets")
 
@@ -40,8 +39,10 @@ def parse_args(argv=None):
     add_model_args(p)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--prompt", default="16,300", help="prompt length range, tokens (lo,hi)")
-    p.add_argument("--tokens", default="16,200", help="output length range, tokens (lo,hi)")
+    p.add_argument("--prompt", type=length_range, default="16,300",
+                   help="prompt length range, tokens (LO,HI)")
+    p.add_argument("--tokens", type=length_range, default="16,200",
+                   help="output length range, tokens (LO,HI)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {VARIANTS}")
     p.add_argument("--spread-s", type=float, default=2.0,
                    help="requests arrive evenly over this many seconds (0: all at once)")
@@ -62,10 +63,20 @@ def kernels_for(variant: str):
 
 
 def quantiles(xs: list[float]) -> dict:
-    xs = sorted(xs)
-    return {"median_ms": round(1000 * statistics.median(xs), 2),
-            "p99_ms": round(1000 * xs[min(len(xs) - 1, int(0.99 * len(xs)))], 2),
-            "max_ms": round(1000 * xs[-1], 2)}
+    """Median, p99 and max of seconds, in ms (the load test's percentile)."""
+    return {"median_ms": round(1000 * pct(xs, 50), 2), "p99_ms": round(1000 * pct(xs, 99), 2),
+            "max_ms": round(1000 * max(xs), 2)}
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """LO,HI token counts, 1 <= LO <= HI (argparse type: a bad range is a usage error)."""
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI token counts, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return lo, hi
 
 
 def one_mix(engine, requests, spread_s: float) -> dict:
@@ -108,7 +119,7 @@ def run(args) -> dict:
     tmp = tempfile.TemporaryDirectory()
     model_dir, shown = bench_model(args, Path(tmp.name))
     rng = random.Random(args.seed)
-    (plo, phi), (tlo, thi) = ([int(x) for x in s.split(",")] for s in (args.prompt, args.tokens))
+    (plo, phi), (tlo, thi) = args.prompt, args.tokens
     shapes = [(rng.randint(plo, phi), rng.randint(tlo, thi)) for _ in range(args.requests)]
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n, _ in shapes]
     variants = args.variants.split(",")

@@ -243,7 +243,8 @@ def main(argv=None):
                       "machine": platform.machine(), "dtype": loaded.dtype_name,
                       "model": args.model or f"synthetic-llama {GEOMETRIES[args.geometry]}",
                       "geometry": loaded.geometry.describe()[:1], "page_tokens": PAGE_TOKENS,
-                      "compiled_decode": not args.no_compile,
+                      # null: compiled where the CUDA decode kernel runs (never on the CPU)
+                      "compiled_decode": kernels.compiled_decode,
                       "decode_kernels": (not args.no_decode_kernel
                                          and cuda_paged_decode.available()),
                       "split_target": (kernels.decode_split_target

@@ -21,7 +21,11 @@ def test_variants_serve_the_same_tokens_and_buckets_trace_less(tiny_llama, tmp_p
         assert v["token_gap"]["max_ms"] >= v["token_gap"]["p99_ms"] >= v["token_gap"]["median_ms"]
 
 
-def test_unknown_variant_is_refused_naming_it(capsys):
+def test_bad_arguments_are_refused_naming_them(capsys):
     with pytest.raises(SystemExit):
         decode_mix.parse_args(["--variants", "plain,turbo"])
     assert "turbo" in capsys.readouterr().err
+    for bad in ("300", "40,16", "0,5"):
+        with pytest.raises(SystemExit):
+            decode_mix.parse_args(["--prompt", bad])
+        assert "--prompt" in capsys.readouterr().err

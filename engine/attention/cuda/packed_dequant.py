@@ -157,14 +157,14 @@ def joint_mask(history: np.ndarray, own: np.ndarray, width: int):
 def dequant_prefill_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool: mx.array,
                               layout: PageLayout, k_bits: int, v_bits: int, pages: mx.array,
                               bounds: mx.array, longest_history: int, scale: float,
-                              mask=None, history=None, splits=None) -> mx.array:
+                              mask=None, history=None) -> mx.array:
     """Attention of a prefill chunk q [B, Hq, W, D] over its packed history plus its own rows
     k_new / v_new [B, Hkv, W, D] (model basis), with the tile kernel's signature
     (cuda/packed_prefill.py: bounds [B, 2] = history and own keys per row, `longest_history` =
     max history): the history dequantized by one kernel (`history`: that function, replaceable
     by the CPU emulator in checks), then `mx.fast.scaled_dot_product_attention`. `mask`: the
-    `joint_mask` of the bounds (computed from them when not given). `splits` is accepted for
-    the signature and unused. Returns [B, Hq, W, D] in q's dtype."""
+    `joint_mask` of the bounds (computed from them when not given). Returns [B, Hq, W, D] in
+    q's dtype."""
     if mask is None:
         host = np.array(bounds)
         mask = joint_mask(host[:, 0], host[:, 1], q.shape[2])
