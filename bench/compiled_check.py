@@ -4,11 +4,13 @@
 
 Two runners over the same weights and page tables, one with compiled decode steps
 (engine/runner/compiled_decode.py, forced on: `KernelChoices(compiled_decode=True)`) and one
-without; each prefills the same prompts, then decodes greedily with the previous step's sampled
+without (on CUDA its native decode kernel reads keys the store scattered into the pages, where
+the compiled side's kernel writes them itself, unless `--plain-own-writes`); each prefills the same prompts, then decodes greedily with the previous step's sampled
 array as input (as pipelined decode does). Prints JSON per batch: the largest logit difference
 of any step, whether the greedy tokens agree, traces made, and the median synchronous step time
 of each side (a step built, evaluated and read back; the engine pipelines, so this is a check
-of cost, not its served rate), and each side's first step (the compiled side's trace). On a
+of cost, not its served rate), each side's first step (the compiled side's trace), and whether
+how far apart the pages both sides left are. On a
 GPU the compiled side attends through the CUDA decode kernel inside the trace; on the CPU
 through gathered, masked pages.
 """
@@ -38,6 +40,10 @@ def parse_args(argv=None):
                    help=f"decode steps per batch (at least {WARM_STEPS + 1}: step times leave "
                         f"out the first {WARM_STEPS})")
     p.add_argument("--page-tokens", type=int, default=64)
+    p.add_argument("--plain-own-writes", action="store_true",
+                   help="the uncompiled side's CUDA decode kernel writes the step's own keys too "
+                        "(default: it takes the scatter path, KernelChoices("
+                        "decode_writes_own=False), so the check also compares the two writes)")
     p.add_argument("--kv-formats", default="native",
                    help="KV formats to check, comma-separated (packed formats compile only where "
                         "the CUDA kernels attend; elsewhere their point says so)")
@@ -69,7 +75,9 @@ def decode(runner, prompts, tables, steps):
         out.append(np.array(logits.astype(mx.float32)))
         ids.append(np.array(toks).tolist())
         lens = [n + 1 for n in lens]
-    return out, ids, times
+    pages = [np.array(a.astype(mx.float32)) if a.dtype == mx.bfloat16 else np.array(a)
+             for a in runner.kvstore.arrays()]
+    return out, ids, times, pages
 
 
 def run(args) -> dict:
@@ -100,7 +108,8 @@ def run(args) -> dict:
         tables = [[r + b * j for j in range(per_row)] for r in range(b)]
         sides = {}
         for name, compiled in (("compiled", True), ("plain", False)):
-            kernels = KernelChoices(compiled_decode=compiled)
+            kernels = KernelChoices(compiled_decode=compiled,
+                                    decode_writes_own=compiled or args.plain_own_writes)
             factory = {} if fmt == "native" else {"layer_factory": packed_layer_factory(
                 fmt, "direct", lambda n: True, kernels)}
             store = KVStore(lm.geometry, b * per_row, t, lm.dtype, **factory)
@@ -113,12 +122,14 @@ def run(args) -> dict:
             result["batches"].append({"kv_format": fmt, "batch": b,
                                       "compiled": "does not fit this runner here"})
             continue
-        (la, ia, ta, ra), (lb, ib, tb, _) = sides["compiled"], sides["plain"]
+        (la, ia, ta, pa, ra), (lb, ib, tb, pb, _) = sides["compiled"], sides["plain"]
         point = {"kv_format": fmt, "batch": b, "steps": args.steps,
                  "max_abs_logit_diff": float(max(np.abs(x - y).max() for x, y in zip(la, lb))),
                  "greedy_tokens_equal": ia == ib,
                  "first_token_divergence": next((i for i, (x, y) in enumerate(zip(ia, ib))
                                                  if x != y), None),
+                 "pages_max_abs_diff": float(max(np.abs(x.astype(np.float64) - y).max()
+                                                 for x, y in zip(pa, pb))),
                  "traces": ra.compiled.traces,
                  "kernel_decode": ra.kernel_decode,
                  "step_ms_median": {side: round(1000 * statistics.median(t[WARM_STEPS:]), 3)

@@ -2,21 +2,14 @@
 
     python -m bench.cuda_check --out cuda_check.json
 
-Runs only where MLX has a CUDA device (the kernels' only backend); nothing here runs in the CPU
-test suite. References: the native kernel against float32 numpy attention over the gathered
-rows; the packed kernel against the engine's own direct packed attention
-(engine.attention.packed.direct_attention, FP32), row by row, over the same packed pages.
-Page tables are random permutations and row lengths random (some rows long enough to split the
-history over several blocks, some with no history at all), so paging, splits, the merge and the
-step's own key are all exercised. Packed history is built as the engine stores it: one uint32
-pool per layer (engine/kv/page_layout.py), rows written as records through PageLayout.write_rows;
-the references read it back section by section (PageLayout.section), the kernels through their
-own CUDA addressing (page_layout.CUDA_SECTIONS). The packed prefill kernel
-(engine/attention/cuda/packed_prefill.py) against the same direct attention, row by row, for
-ragged batches of chunks over packed history (rows without history, chunk padding filled with
-NaN, pinned key splits), and as a decode step. The history-dequant prefill path
-(engine/attention/cuda/packed_dequant.py: its kernel, then MLX's SDPA) through the same cases
-(`--kernels dequant`).
+Runs only where MLX has a CUDA device (the kernels' only backend; the CPU suite runs their
+sources on bench/cuda_emulate.py). References: the native kernel (and its OWN variant, which
+writes the step's own keys into the pages) against float32 numpy attention over the gathered
+rows; packed decode, prefill (tiles, `--kernels dequant`: the history-dequant path) and write
+kernels against the engine's own direct packed attention (engine.attention.packed, FP32) or
+packed records, row by row, over packed pages built as the engine stores them (one uint32 pool
+per layer, engine/kv/page_layout.py). Page tables are random permutations and row lengths
+random (rows long enough to split, rows with no history, NaN chunk padding, pinned splits).
 Exit status 1 if any case exceeds its tolerance.
 """
 from __future__ import annotations
@@ -91,19 +84,34 @@ def _history_kv(packed) -> PackedKV | None:
 
 
 def native_case(rng, rows, hq, kvh, d, longest, page_tokens=64) -> dict:
+    """The native kernel over pages holding every row's keys, and its OWN variant (it attends
+    to each row's last key from its inputs and writes it to its slot, which starts poisoned):
+    both against float32 numpy attention; OWN must also leave exactly the written pages."""
     lengths = rng.integers(1, longest + 1, rows)
-    lengths[0] = longest
+    lengths[0] = longest   # the longest row sets the split plan
     tables, num_pages = _tables(rng, rows, lengths, page_tokens)
     kp = rng.standard_normal((kvh, num_pages, page_tokens, d)).astype(np.float32)
     vp = rng.standard_normal((kvh, num_pages, page_tokens, d)).astype(np.float32)
     q = rng.standard_normal((rows, hq, 1, d)).astype(np.float32)
     kb, vb, qb = (mx.array(a).astype(mx.bfloat16) for a in (kp, vp, q))
     scale = d ** -0.5
+    ends = mx.array(lengths.astype(np.int32))
     out = cuda_paged_decode.paged_decode_attention(
-        qb, kb, vb, mx.array(tables), mx.array(lengths.astype(np.int32)), scale,
-        int(lengths.max()))
+        qb, kb, vb, mx.array(tables), ends, scale, int(lengths.max()))
     got = np.array(out.astype(mx.float32))
     kp, vp, q = (np.array(a.astype(mx.float32)) for a in (kb, vb, qb))
+    slots = [(tables[b, (n - 1) // page_tokens], (n - 1) % page_tokens)
+             for b, n in enumerate(lengths)]
+    kn, vn = (np.stack([a[:, page, off] for page, off in slots])[:, :, None] for a in (kp, vp))
+    k_poisoned, v_poisoned = kp.copy(), vp.copy()
+    for page, off in slots:
+        k_poisoned[:, page, off] = v_poisoned[:, page, off] = 1e4
+    kw, vw = (mx.array(a).astype(mx.bfloat16) for a in (k_poisoned, v_poisoned))
+    own = cuda_paged_decode.paged_decode_attention(
+        qb, kw, vw, mx.array(tables), ends, scale, int(lengths.max()),
+        own=tuple(mx.array(a).astype(mx.bfloat16) for a in (kn, vn)))
+    got_own = np.array(own.astype(mx.float32))   # the pages are read after the kernel ran
+    written = sum(_max_err(np.array(w.astype(mx.float32)), a) for w, a in ((kw, kp), (vw, vp)))
     err = 0.0
     for b in range(rows):
         n = int(lengths[b])
@@ -113,11 +121,12 @@ def native_case(rng, rows, hq, kvh, d, longest, page_tokens=64) -> dict:
             s = keys[h // (hq // kvh)] @ q[b, h, 0] * scale
             p = np.exp(s - s.max())
             ref = (p / p.sum()) @ vals[h // (hq // kvh)]
-            err = max(err, _max_err(got[b, h, 0], ref))
+            err = max(err, _max_err(got[b, h, 0], ref), _max_err(got_own[b, h, 0], ref))
+    same = bool(np.array_equal(got, got_own))
     return {"kernel": "native", "rows": rows, "hq": hq, "kvh": kvh, "head_dim": d,
-            "longest": int(lengths.max()),
-            "splits": cuda_paged_decode.split_count(rows, kvh, int(lengths.max())),
-            "max_abs_err": round(err, 5), "ok": err < TOLERANCE}
+            "longest": longest, "splits": cuda_paged_decode.split_count(rows, kvh, longest),
+            "max_abs_err": round(err, 5), "own_equals_plain": same, "own_pages_err": written,
+            "ok": err < TOLERANCE and written == 0.0 and same}
 
 
 def reference_packed_decode(q, k_new, v_new, pool, layout, bits, tables, ends, scale):

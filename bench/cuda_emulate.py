@@ -187,9 +187,10 @@ int main(int argc, char** argv) {
 
 
 def build(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]], source: str,
-          helpers: str, template: list[tuple[str, object]]) -> str:
+          helpers: str, template: list[tuple[str, object]], writes: tuple[int, ...] = ()) -> str:
     """A C++ program that runs kernel `source` over a grid (argv: dir, blocks x, blocks y,
-    threads) on inputs in_<i>.bin and outputs out_<i>.bin of that dir (outputs updated)."""
+    threads) on inputs in_<i>.bin and outputs out_<i>.bin of that dir (outputs updated, and
+    the inputs numbered in `writes`: a kernel that writes an input in place)."""
     consts = template_constants(template, CPP_TYPES)
     params = [f"const {CPP_TYPES[t]}* {n}" for n, t in inputs]
     params += [f"{CPP_TYPES[t]}* {n}" for n, t in outputs]
@@ -202,11 +203,10 @@ def build(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str
     load += [f"static {CPP_TYPES[t]}* p_{n} = ({CPP_TYPES[t]}*)b_out{i}.data();"
              for i, (n, t) in enumerate(outputs)]
     call = f"{name}(" + ", ".join(f"p_{n}" for n, _ in inputs + outputs) + ");"
-    save = []
-    for i in range(len(outputs)):
-        save.append(f'{{ char p[4096]; std::snprintf(p, sizeof p, "%s/out_{i}.bin", dir); '
-                    f'FILE* f = std::fopen(p, "wb"); std::fwrite(b_out{i}.data(), 1, '
-                    f'b_out{i}.size() - 16, f); std::fclose(f); }}')
+    save = [f'{{ char p[4096]; std::snprintf(p, sizeof p, "%s/{f}_{i}.bin", dir); '
+            f'FILE* f = std::fopen(p, "wb"); std::fwrite(b_{f}{i}.data(), 1, '
+            f'b_{f}{i}.size() - 16, f); std::fclose(f); }}'
+            for f, i in [("out", i) for i in range(len(outputs))] + [("in", i) for i in writes]]
     kernel = (f"void {name}(" + ", ".join(params) + ") {\n" + "\n".join(consts) + "\n"
               + source + "\n}\n")
     return (PRELUDE + ASYNC_CPU + helpers + kernel
@@ -218,10 +218,11 @@ _BUILT: dict[str, Path] = {}
 
 
 def run(name, inputs, outputs, source, helpers, template, arrays, out_shapes, grid, threads,
-        workdir: Path) -> list[np.ndarray]:
+        workdir: Path, writes: tuple[int, ...] = ()) -> list[np.ndarray]:
     """Compile (cached by source) and run; `arrays` numpy inputs in `inputs` order (bfloat16
-    as uint16 bit patterns); returns the outputs, NaN-initialised before the run."""
-    program = build(name, inputs, outputs, source, helpers, template)
+    as uint16 bit patterns); returns the outputs, NaN-initialised before the run, then the
+    inputs numbered in `writes` as the kernel left them."""
+    program = build(name, inputs, outputs, source, helpers, template, writes)
     key = hashlib.sha256(program.encode()).hexdigest()[:16]
     exe = _BUILT.get(key)
     if exe is None or not exe.exists():
@@ -244,6 +245,10 @@ def run(name, inputs, outputs, source, helpers, template, arrays, out_shapes, gr
     got = []
     for i, ((_, t), shape) in enumerate(zip(outputs, out_shapes)):
         raw = np.fromfile(case / f"out_{i}.bin", NP_TYPES[t]).reshape(shape)
+        got.append((raw.astype(np.uint32) << 16).view(np.float32) if t == "bfloat16" else raw)
+    for i in writes:
+        (_, t), shape = inputs[i], np.shape(arrays[i])
+        raw = np.fromfile(case / f"in_{i}.bin", NP_TYPES[t]).reshape(shape)
         got.append((raw.astype(np.uint32) << 16).view(np.float32) if t == "bfloat16" else raw)
     shutil.rmtree(case)
     return got

@@ -81,6 +81,26 @@ def decode_variants():
                             v1._SOURCE, HEADER, template)
 
 
+def native_variants():
+    """The native decode kernel (cuda/paged_decode.py), plain and OWN (it writes the step's own
+    keys into the pages), both head dims, GQA groups, split modes."""
+    from engine.attention.cuda import paged_decode as pd
+    base = [("q", "bfloat16"), ("kp", "bfloat16"), ("vp", "bfloat16"), ("pages", "int32"),
+            ("ends", "int32"), ("dims", "int32"), ("scale", "float32")]
+    outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
+    for d in pd.HEAD_DIMS:
+        for g in (1, 3, 8):
+            for split in (False, True):
+                for own in (False, True):
+                    template = [("D", d), ("G", g), ("PT", 64), ("TQ", "bfloat16"),
+                                ("TK", "bfloat16"), ("OWN", own), ("SPLIT", split),
+                                ("TO", "bfloat16")]
+                    extra = [("kn", "bfloat16"), ("vn", "bfloat16")] if own else []
+                    yield f"native d{d} g{g} split={split} own={own}", wrap(
+                        "orchard_paged_decode" + ("_own" if own else ""), base + extra,
+                        outputs, pd._native_source(own), pd.HEADER, template)
+
+
 def write_variants():
     """The packed write kernel (cuda/packed_write.py): rows to pool records, every bits pair."""
     from engine.attention.cuda import packed_write as pw
@@ -110,6 +130,7 @@ def dequant_variants():
 
 def variants():
     """(label, wrapped source) for every kernel variant the engine launches."""
+    yield from native_variants()
     yield from decode_variants()
     yield from write_variants()
     yield from dequant_variants()

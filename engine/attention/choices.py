@@ -17,6 +17,11 @@ class KernelChoices:
     # CUDA decode kernels (engine/attention/cuda/paged_decode.py, packed_decode.py) where they
     # fit; off: the gather / direct paths they replace.
     decode_kernel: bool = True
+    # The native CUDA decode kernel takes the step's own keys and values as inputs, attends to
+    # them from there and writes them into their page slot itself, so a decode step issues no
+    # page scatter (cuda/paged_decode.py, `own`). Off: each layer's store scatters them into
+    # the pages first and the kernel reads them back (the path before session 12).
+    decode_writes_own: bool = True
     # Decode steps through one compiled function per shape (engine/runner/compiled_decode.py)
     # where the step fits it. None: where the CUDA decode kernel runs (a GPU decode step is host
     # work; on the CPU the arithmetic is the step); True: wherever it fits (the CPU suite

@@ -211,9 +211,14 @@ class PagedLayerCache:
         self.offset = step.offset
         self.direct = direct
         self.in_place_decode = in_place_decode
+        self._own: tuple[mx.array, mx.array] | None = None   # written by the decode kernel
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b, h, n, d = keys.shape
+        if n == 1 and self._kernel_writes_own():
+            # The CUDA decode kernel writes them (attend): no scatter in this step's graph.
+            self._own = (keys, values)
+            return keys, values
         write_decode = getattr(self.store, "write_decode", None)
         if n == 1 and write_decode is not None:   # one token per row, written as it comes
             write_decode(self.step.slots, keys, values)
@@ -237,6 +242,13 @@ class PagedLayerCache:
     def _kernel_decode(self) -> bool:
         return self.step.kernel_decode and self.view.window is None
 
+    def _kernel_writes_own(self) -> bool:
+        """Whether this decode step's own keys go to the pages through the CUDA decode kernel
+        (cuda/paged_decode.py, `own`): direct mode (attend gets the fresh rows), the kernel
+        path, a store whose pages the kernel reads as they are (`kernel_writes_own`)."""
+        return (self.direct and self._kernel_decode() and self.step.kernels.decode_writes_own
+                and getattr(self.store, "kernel_writes_own", False))
+
     def gathered(self) -> tuple[mx.array, mx.array]:
         k, v = self.store.gather(self.view.pages)
         if self.view.key_slice is not None:
@@ -256,12 +268,15 @@ class PagedLayerCache:
         """Attention over this layer's pages (the hook calls it). Reads the pages, so it is
         right in either mode; in direct mode `keys`/`values` are the call's fresh rows."""
         self.step.attended += 1
+        own, self._own = self._own, None
         if sinks is None and self._kernel_decode():
             k_pages, v_pages = self.store.head_major_pages()
             return cuda_paged_decode.paged_decode_attention(
                 queries, k_pages, v_pages, self.view.pages, self.step.ends, scale,
                 self.step.longest, self.step.kernels.decode_split_target,
-                self.step.kernels.decode_split_min_keys)
+                self.step.kernels.decode_split_min_keys, own=own)
+        if own is not None:   # sinks: the kernel does not serve this call, so write them now
+            self.store.write_decode(self.step.slots, *own)
         pages = getattr(self.store, "head_major_pages", None)
         group = queries.shape[1] // keys.shape[1]
         # Page-wise PV partials (group*n rows per page) stay no larger than a gathered V copy.

@@ -117,6 +117,9 @@ class NativeLayerStore:
     """
 
     can_trace = True   # a compiled decode step may stand in for it (`traced`, `adopt`)
+    # The CUDA decode kernel may write a decode step's keys into these pages itself
+    # (cuda/paged_decode.py, `own`): they are whole row-contiguous arrays this store holds.
+    kernel_writes_own = True
 
     def __init__(self, geometry: LayerGeometry, num_pages: int, page_tokens: int,
                  dtype: mx.Dtype):

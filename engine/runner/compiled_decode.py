@@ -86,9 +86,12 @@ class DeviceSlots:
         return None   # the store must scatter by array, never slice at host coordinates
 
     def token_major(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
-        """(head, page, offset) indices broadcasting to [B, heads, 1] (`Slots.token_major`)."""
-        return (mx.arange(heads, dtype=mx.int32)[None, :, None],
-                self.page[:, None, None], self.offset[:, None, None])
+        """(head, page, offset) indices broadcasting to [B, heads, 1] (`Slots.token_major`),
+        built once per step (every layer's write shares them: one arange, not one per layer)."""
+        if heads not in self._by_heads:
+            self._by_heads[heads] = (mx.arange(heads, dtype=mx.int32)[None, :, None],
+                                     self.page[:, None, None], self.offset[:, None, None])
+        return self._by_heads[heads]
 
 
 class DeviceDecodeStep:

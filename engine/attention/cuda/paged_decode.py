@@ -79,6 +79,13 @@ for (int e = threadIdx.x; e < G * D; e += blockDim.x) {{
 }}
 """
 
+# The native kernel's body. With OWN (the `_native_kernel(own=True)` variant) the row's newest
+# key, position ends[b] - 1, is not read from the pages but from the inputs kn / vn [B, HKV, D]
+# (the step's own keys after RoPE and its values), and the kernel writes them to their page
+# slot itself: the decode step then issues no page scatter at all (see
+# `paged_decode_attention`'s `own`). No block reads that slot from the pages, so the write
+# races with no read; split 0's last warp writes, the block whose key range holds the position
+# attends to it from the inputs, in the plain kernel's order.
 _NATIVE = """
 constexpr int NW = 4;
 constexpr int VPT = D / 32;
@@ -89,7 +96,8 @@ const int split = blockIdx.y, NS = gridDim.y;
 const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 const int n = ends[b];
 const int per = (n + NS - 1) / NS;
-const int j0 = split * per, j1 = min(n, j0 + per);
+const int j0 = split * per;
+const int j1 = min(OWN ? n - 1 : n, j0 + per);   // keys read from the pages
 const float sc = scale[0];
 const float NEG_INF = -__int_as_float(0x7f800000);
 
@@ -103,15 +111,8 @@ for (int g = 0; g < G; ++g) {
     acc[g][i] = 0.0f;
   }
 }
-for (int j = j0 + warp; j < j1; j += NW) {
-  const int page = pages[(size_t)b * P + j / PT];
-  const size_t base = (((size_t)hk * NP + page) * PT + j % PT) * D + lane * VPT;
-  float kv[VPT], vv[VPT];
-  #pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    kv[i] = to_f(kp[base + i]);
-    vv[i] = to_f(vp[base + i]);
-  }
+// One key into every query head's online softmax (kv, vv: this lane's VPT elements).
+auto visit = [&](const float* kv, const float* vv) {
   #pragma unroll
   for (int g = 0; g < G; ++g) {
     float s = 0.0f;
@@ -126,6 +127,17 @@ for (int j = j0 + warp; j < j1; j += NW) {
     for (int i = 0; i < VPT; ++i) acc[g][i] = acc[g][i] * c + p * vv[i];
     m[g] = mn;
   }
+};
+for (int j = j0 + warp; j < j1; j += NW) {
+  const int page = pages[(size_t)b * P + j / PT];
+  const size_t base = (((size_t)hk * NP + page) * PT + j % PT) * D + lane * VPT;
+  float kv[VPT], vv[VPT];
+  #pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    kv[i] = to_f(kp[base + i]);
+    vv[i] = to_f(vp[base + i]);
+  }
+  visit(kv, vv);
 }
 """ + BLOCK_MERGE.format(store="""
 #pragma unroll
@@ -134,6 +146,37 @@ for (int g = 0; g < G; ++g) {
   #pragma unroll
   for (int i = 0; i < VPT; ++i) sa[warp][g][lane * VPT + i] = acc[g][i];
 }""")
+
+# The OWN variant's extra part, placed before the block merge (`_native_source`).
+_OWN = """
+const int pos = n - 1;
+const size_t own = ((size_t)b * HKV + hk) * D + lane * VPT;
+// The warp that would read it last from the pages (j = j0 + warp, step NW) attends to it, so
+// every sum runs in the plain kernel's order: the output is bit-identical to the scatter path.
+if (pos >= j0 && pos < j0 + per && warp == (pos - j0) % NW) {
+  float kv[VPT], vv[VPT];
+  #pragma unroll
+  for (int i = 0; i < VPT; ++i) { kv[i] = to_f(kn[own + i]); vv[i] = to_f(vn[own + i]); }
+  visit(kv, vv);
+}
+if (split == 0 && warp == NW - 1) {
+  // The write MLX does not know of: kp / vp are inputs (const) to MLX, written in place here.
+  const int page = pages[(size_t)b * P + pos / PT];
+  const size_t slot = (((size_t)hk * NP + page) * PT + pos % PT) * D + lane * VPT;
+  #pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    put(const_cast<TK*>(kp) + slot + i, to_f(kn[own + i]));
+    put(const_cast<TK*>(vp) + slot + i, to_f(vn[own + i]));
+  }
+}
+"""
+
+
+def _native_source(own: bool) -> str:
+    """The kernel body: `_NATIVE` with the OWN part spliced in before the block merge."""
+    head, merge = _NATIVE.split("__shared__ float sm[NW][G]", 1)
+    return head + (_OWN if own else "") + "__shared__ float sm[NW][G]" + merge
+
 
 _MERGE = """
 const int r = blockIdx.x, d = threadIdx.x;
@@ -154,11 +197,14 @@ put(out + (size_t)r * D + d, num / den);
 
 
 @lru_cache(maxsize=None)
-def _native_kernel():
+def _native_kernel(own: bool = False):
+    """The native decode kernel; `own`: the variant that attends to and writes the step's own
+    keys and values (inputs kn, vn)."""
+    extra = ["kn", "vn"] if own else []
     return mx.fast.cuda_kernel(
-        name="orchard_paged_decode", input_names=["q", "kp", "vp", "pages", "ends", "dims",
-                                                   "scale"],
-        output_names=["out", "part", "ml"], source=_NATIVE, header=HEADER,
+        name="orchard_paged_decode" + ("_own" if own else ""),
+        input_names=["q", "kp", "vp", "pages", "ends", "dims", "scale", *extra],
+        output_names=["out", "part", "ml"], source=_native_source(own), header=HEADER,
         ensure_row_contiguous=True)
 
 
@@ -238,16 +284,31 @@ def _merge_args(rows: int, hq: int, head_dim: int, dtype: mx.Dtype) -> dict:
 def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, pages: mx.array,
                            ends: mx.array, scale: float, longest: int,
                            target_blocks: int | None = None,
-                           min_keys: int | None = None) -> mx.array:
+                           min_keys: int | None = None,
+                           own: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """Attention of one query per row [B, Hq, 1, D] over head-major pages [kvh, NP, T, D]:
     row b reads keys 0..ends[b]-1 through its page table `pages[b]`; `longest` is max(ends) on
-    the host (it picks the split count, aiming at `target_blocks`). Returns [B, Hq, 1, D]."""
+    the host (it picks the split count, aiming at `target_blocks`). Returns [B, Hq, 1, D].
+
+    `own`: the step's own keys and values [B, kvh, 1, D] (key ends[b] - 1 of each row, not yet
+    in the pages). The kernel attends to them from these arrays and writes them to their page
+    slot IN PLACE, behind MLX's back (MLX sees the pages as inputs only), so the step issues no
+    scatter. Why: a scatter is two graph nodes per layer, and in pipelined decode its page
+    array is often still held by the previous step's kernels when it is issued, so MLX cannot
+    donate it and copies the whole layer's pages first (measured on the H200, session 12:
+    52 such copies per 30-layer step at batch 1). What this relies on: the page arrays are
+    whole row-contiguous arrays the store holds (so MLX passes the kernel their buffers, never a
+    copy), and every reader of the pages runs on the same stream after this kernel, or reads
+    them on the host only after the step retired (as the engine does)."""
     b, hq, _, d = q.shape
     kvh, num_pages, page_tokens, _ = k_pages.shape
     splits = split_count(b, kvh, longest, target_blocks, min_keys)
+    extra = [] if own is None else [a if a.dtype == k_pages.dtype else a.astype(k_pages.dtype)
+                                    for a in own]
     return launch_split(
-        _native_kernel(), [q, k_pages, v_pages, pages, ends,
-                           _dims(hq, kvh, num_pages, pages.shape[1]), _scale(float(scale))],
+        _native_kernel(own is not None),
+        [q, k_pages, v_pages, pages, ends, _dims(hq, kvh, num_pages, pages.shape[1]),
+         _scale(float(scale)), *extra],
         [("D", d), ("G", hq // kvh), ("PT", page_tokens), ("TQ", q.dtype),
-         ("TK", k_pages.dtype)],
+         ("TK", k_pages.dtype), ("OWN", own is not None)],
         b, kvh, hq, d, splits, q.dtype)

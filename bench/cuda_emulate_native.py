@@ -1,0 +1,53 @@
+"""The native decode kernel (engine/attention/cuda/paged_decode.py) on the CPU emulator
+(bench/cuda_emulate.py: one fiber per GPU thread), with the pages it writes in place read back.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench import cuda_emulate as ce
+
+
+def native_decode(q, k_pages, v_pages, tables, ends, scale, own=None, target_blocks=None,
+                  workdir: Path | None = None):
+    """The native decode kernel (cuda/paged_decode.py) and, with several splits, its merge,
+    run here with the split plan its host side picks (`paged_decode_attention`'s arguments, as
+    numpy float32 arrays that are rounded to bfloat16). `own`: (keys, values) [B, kvh, 1, D] of
+    the OWN variant, which attends to them and writes them into the pages. Returns
+    (out [B, Hq, 1, D], k_pages, v_pages after the kernel), float32."""
+    import mlx.core as mx
+
+    from engine.attention.cuda import paged_decode as pd
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
+    rows, hq, _, d = q.shape
+    kvh, num_pages, pt, _ = k_pages.shape
+    tables, ends = np.asarray(tables, np.int32), np.asarray(ends, np.int32)
+    bf = [(n, "bfloat16") for n in ("q", "kp", "vp")]
+    inputs = [*bf, ("pages", "int32"), ("ends", "int32"), ("dims", "int32"), ("scale", "float32")]
+    q, k_pages, v_pages = (mx.array(a) for a in (q, k_pages, v_pages))
+    arrays = [ce._bits16(q), ce._bits16(k_pages), ce._bits16(v_pages), tables, ends,
+              np.array([hq, kvh, num_pages, tables.shape[1]], np.int32),
+              np.array([scale], np.float32)]
+    if own is not None:
+        inputs += [("kn", "bfloat16"), ("vn", "bfloat16")]
+        arrays += [ce._bits16(mx.array(own[0])), ce._bits16(mx.array(own[1]))]
+    splits = pd.split_count(rows, kvh, int(ends.max()), target_blocks)
+    parts = rows * hq * (splits if splits > 1 else 1)
+    template = [("D", d), ("G", hq // kvh), ("PT", pt), ("TQ", "bfloat16"), ("TK", "bfloat16"),
+                ("OWN", own is not None), ("SPLIT", splits > 1), ("TO", "bfloat16")]
+    name = "orchard_paged_decode" + ("_own" if own is not None else "")
+    out, part, ml, kp, vp = ce.run(
+        name, inputs, [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")],
+        pd._native_source(own is not None), "", template, arrays,
+        [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits), pd.THREADS, workdir,
+        writes=(1, 2))
+    if splits > 1:
+        (out,) = ce.run("orchard_decode_merge", [("part", "float32"), ("ml", "float32"),
+                                              ("dims", "int32")], [("out", "bfloat16")],
+                     pd._MERGE, "", [("D", d), ("TO", "bfloat16")],
+                     [part, ml, np.array([splits], np.int32)], [(rows, hq, 1, d)],
+                     (rows * hq, 1), d, workdir)
+    return out, kp, vp
