@@ -321,7 +321,7 @@ def packed_write(k, v, k_bits, v_bits, layout, workdir: Path | None = None):
     blocks = -(-2 * n * h // pw.WARPS)
     (rec,) = run("orchard_packed_write", [("k", "bfloat16"), ("v", "bfloat16"),
                                           ("signs", "float32"), ("dims", "int32")],
-                 [("rec", "uint32")], pw._SOURCE, "",   # the prelude stands in for HEADER
+                 [("rec", "uint32")], pw.source(False), "",   # the prelude stands in for HEADER
                  [("D", d), ("KB", k_bits), ("VB", v_bits), ("TI", "bfloat16")],
                  [_bits16(k), _bits16(v), np.array(pw._signs(d)), np.array([n, h], np.int32)],
                  [(n, layout.record_words)], (blocks, 1), pw.WARPS * 32, workdir)

@@ -102,16 +102,21 @@ def native_variants():
 
 
 def write_variants():
-    """The packed write kernel (cuda/packed_write.py): rows to pool records, every bits pair."""
+    """The packed write kernel (cuda/packed_write.py): rows to pool records, or (in place)
+    straight into the pool, every bits pair."""
     from engine.attention.cuda import packed_write as pw
     from engine.attention.cuda.paged_decode import HEADER
+    base = [("k", "bfloat16"), ("v", "bfloat16"), ("signs", "float32"), ("dims", "int32")]
     for d in pw.HEAD_DIMS:
         for kb, vb in ((8, 8), (4, 4), (8, 4)):
+            template = [("D", d), ("KB", kb), ("VB", vb), ("TI", "bfloat16")]
             yield f"write d{d} k{kb}v{vb}", wrap(
-                "orchard_packed_write", [("k", "bfloat16"), ("v", "bfloat16"),
-                                         ("signs", "float32"), ("dims", "int32")],
-                [("rec", "uint32")], pw._SOURCE, HEADER,
-                [("D", d), ("KB", kb), ("VB", vb), ("TI", "bfloat16")])
+                "orchard_packed_write", base, [("rec", "uint32")], pw.source(False), HEADER,
+                template)
+            yield f"write in place d{d} k{kb}v{vb}", wrap(
+                "orchard_packed_write_in_place",
+                base + [("pool", "uint32"), ("slot", "int32"), ("tmpl", "int32")],
+                [("done", "uint32")], pw.source(True), HEADER, template)
 
 
 def dequant_variants():

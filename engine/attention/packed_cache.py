@@ -30,8 +30,18 @@ class PackedLayerCache(PagedLayerCache):
                                 "hook; this model's attention does not (runner is in gather mode)")
         super().__init__(store, step, window, direct, in_place_decode)
 
-    # update_and_fetch is the base class's direct path: the store packs the new rows on write,
-    # and the step's own rows go back to attention unquantized; history is read packed in attend().
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The base class's direct path: the store packs the new rows on write, and the step's
+        own rows go back to attention unquantized; history is read packed in attend(). A decode
+        step that attends through the CUDA decode kernel has its rows written into the pool by
+        the write kernel itself (`PackedLayerStore.write(..., in_place=True)`)."""
+        b, h, n, d = keys.shape
+        if (n == 1 and self._kernel_decode() and self.step.valid is None
+                and not self.step.kernels.decode_tiles and self.store.writes_in_place()):
+            self.store.write(self.step.slots, keys.reshape(b, h, d),
+                             values.reshape(b, h, values.shape[-1]), in_place=True)
+            return keys, values
+        return super().update_and_fetch(keys, values)
 
     @staticmethod
     def kernel_decode_fits(store) -> bool:

@@ -118,8 +118,25 @@ class PackedLayerStore:
         """As `k`, for values."""
         return Packed(*(self.layout.section(self.pool, n) for n in V_SECTIONS))
 
-    def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
-        """Quantize N new rows ([N, heads, dim], keys after RoPE) into their slots."""
+    def writes_in_place(self) -> bool:
+        """Whether decode rows may go into the pool through the CUDA write kernel itself
+        (`write(..., in_place=True)`): a format it serves, the pool the layer's only state."""
+        return (self.can_trace and self.attention.kernels.write_kernel
+                and self.attention.kernels.decode_writes_own
+                and cuda_packed_write.usable(self.fmt.k_bits, self.fmt.v_bits,
+                                             self.geometry.head_dim))
+
+    def write(self, slots: Slots, k: mx.array, v: mx.array, in_place: bool = False) -> None:
+        """Quantize N new rows ([N, heads, dim], keys after RoPE) into their slots. `in_place`:
+        the CUDA write kernel stores them into the pool itself, no scatter; the pool held after
+        is the same buffer made to depend on that write (so the step's readers follow it)."""
+        if in_place:
+            if "slot_pairs" not in slots._by_heads:   # [N, 2] page, offset: once per step
+                slots._by_heads["slot_pairs"] = mx.stack([slots.page, slots.offset], axis=1)
+            self.pool = mx.depends(self.pool, cuda_packed_write.write_in_place(
+                k, v, self.fmt.k_bits, self.fmt.v_bits, self.layout, self.pool,
+                slots._by_heads["slot_pairs"]))
+            return
         if (self.fmt.codes_only and self.attention.kernels.write_kernel
                 and cuda_packed_write.usable(self.fmt.k_bits, self.fmt.v_bits,
                                              self.geometry.head_dim)):

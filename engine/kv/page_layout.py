@@ -140,7 +140,7 @@ class PageLayout:
         width] blocks in order) for in-page offsets `offset` [N]. Computed on the device from a
         per-layout template: building it on the host (numpy, then an upload) cost ~1 ms per
         512-row prefill chunk, which the H200 measured as +20-30% prefill time."""
-        base, mult = _record_template(self, names)
+        base, mult = record_template(self, names)
         return _int32(offset)[:, None] * mult + base
 
     def row_index(self, page, offset, names=SECTIONS) -> tuple[mx.array, mx.array]:
@@ -171,9 +171,9 @@ def _int32(x) -> mx.array:
 
 
 @lru_cache(maxsize=None)
-def _record_template(layout: PageLayout, names: tuple) -> tuple[mx.array, mx.array]:
+def record_template(layout: PageLayout, names: tuple = SECTIONS) -> tuple[mx.array, mx.array]:
     """(base, per-offset stride) [words] int32 of a record's columns: column j of a row at
-    offset t is base[j] + t * stride[j]."""
+    offset t is base[j] + t * stride[j] (the CUDA write kernel's in-place variant reads it)."""
     base, mult = [], []
     for name in names:
         w = layout.width(name)

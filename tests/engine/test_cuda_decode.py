@@ -229,7 +229,7 @@ def test_native_kernel_writes_its_own_key_in_place_on_cpu_fibers(tmp_path):
     in the last split), pages interleaved; the slots start poisoned, so attending to the slot
     instead of the input shows. The plain kernel over pages that already hold the key (the
     scatter path) gives the same output, bit for bit."""
-    from bench import cuda_emulate_native
+    from bench import cuda_emulate_inplace
 
     assert shutil.which("g++"), "the CPU emulation of the CUDA kernel compiles with g++"
     rng = np.random.default_rng(11)
@@ -247,10 +247,10 @@ def test_native_kernel_writes_its_own_key_in_place_on_cpu_fibers(tmp_path):
         kp[:, page, off] = vp[:, page, off] = 1e4   # poison: the kernel must not read the slot
     assert cuda_paged_decode.split_count(rows, kvh, int(ends.max())) > 1
     scale = d ** -0.5
-    out, k_after, v_after = cuda_emulate_native.native_decode(q, kp, vp, tables, ends, scale,
+    out, k_after, v_after = cuda_emulate_inplace.native_decode(q, kp, vp, tables, ends, scale,
                                                        own=(kn, vn), workdir=tmp_path)
     assert np.array_equal(k_after, written_k) and np.array_equal(v_after, written_v)
-    plain, k_same, _ = cuda_emulate_native.native_decode(q, written_k, written_v, tables, ends, scale,
+    plain, k_same, _ = cuda_emulate_inplace.native_decode(q, written_k, written_v, tables, ends, scale,
                                                   workdir=tmp_path)
     assert np.array_equal(k_same, written_k)   # the plain kernel writes nothing
     assert np.array_equal(out, plain)   # same sums in the same order: bit-identical
@@ -297,6 +297,36 @@ def test_write_kernel_source_runs_on_cpu_fibers(tmp_path):
     for fmt, rows, heads, d in (("int8", 3, 2, 64), ("int4", 5, 3, 128), ("k8v4", 2, 4, 128)):
         case = cuda_check.write_case(rng, fmt, rows, heads, d, kernel=kernel)
         assert case["ok"], case
+
+
+def test_write_kernel_in_place_variant_writes_exactly_the_records(tmp_path):
+    """The write kernel's in-place variant on the emulator: the pool it leaves equals the record
+    kernel's records scattered by page_layout (the path it replaces), word for word, for int8,
+    int4 and k8v4, rows at scattered pages and offsets; every other word is untouched."""
+    import mlx.core as mx
+
+    from bench import cuda_emulate, cuda_emulate_inplace
+    from capacity.formats import KVFormat
+    from engine.attention.cuda.tile_helpers import kernel_layout
+
+    assert shutil.which("g++"), "the CPU emulation of the CUDA kernel compiles with g++"
+    rng = np.random.default_rng(13)
+    for fmt_name, rows, heads, d in (("int8", 3, 2, 64), ("int4", 4, 3, 128),
+                                     ("k8v4", 2, 4, 128)):
+        fmt = KVFormat(fmt_name, d, "bfloat16")
+        layout = kernel_layout(16, heads, d, fmt.k_bits, fmt.v_bits)
+        k, v = (mx.array(rng.standard_normal((rows, heads, d)).astype(np.float32))
+                .astype(mx.bfloat16) for _ in range(2))
+        pool = rng.integers(0, 2**32, (6, layout.page_words), dtype=np.uint32)
+        slot = np.array([[5, 15], [0, 0], [3, 7], [1, 9]][:rows], np.int32)
+        got = cuda_emulate_inplace.packed_write_in_place(k, v, fmt.k_bits, fmt.v_bits, layout,
+                                                         pool, slot, workdir=tmp_path)
+        records = cuda_emulate.packed_write(k, v, fmt.k_bits, fmt.v_bits, layout,
+                                            workdir=tmp_path)
+        want = mx.array(pool)
+        layout.write_rows(want, layout.row_index(mx.array(slot[:, 0]), mx.array(slot[:, 1])),
+                          records)
+        assert np.array_equal(got, np.array(want)), fmt_name
 
 
 def test_device_check_counts_nan_as_a_failure():

@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from capacity.formats import GROUP_SIZE
 from engine.attention.cuda.paged_decode import HEADER, available
-from engine.kv.page_layout import PageLayout
+from engine.kv.page_layout import PageLayout, record_template
 from engine.kv.rotation import rotation_signs
 
 HEAD_DIMS = (64, 128)
@@ -92,23 +92,44 @@ for (int o = 1; o < lpw; o <<= 1) word |= __shfl_xor_sync(0xffffffff, word, o);
 // then K scales, K offsets, V scales, V offsets, each [H][NG] as FP32 bits.
 constexpr int KW = D * KB / 32, VW = D * VB / 32, NG = D / 64;
 const int row = r / H, head = r % H;
-const size_t base = (size_t)row * H * (KW + VW + 4 * NG);
+const int RW = H * (KW + VW + 4 * NG);  // words of one row's record
 const int words = D / vpw, c0 = lane * VPT;
-if (c0 % vpw == 0)
-  rec[base + (is_k ? 0 : H * KW) + head * words + c0 / vpw] = word;
+STORE_WORD
+if (c0 % vpw == 0) store((is_k ? 0 : H * KW) + head * words + c0 / vpw, word);
 if (c0 % 64 == 0) {
-  const size_t meta = base + H * (KW + VW) + (is_k ? 0 : 2 * H * NG) + head * NG + c0 / 64;
-  rec[meta] = __float_as_uint(sc);
-  rec[meta + H * NG] = __float_as_uint(lo);
+  const int meta = H * (KW + VW) + (is_k ? 0 : 2 * H * NG) + head * NG + c0 / 64;
+  store(meta, __float_as_uint(sc));
+  store(meta + H * NG, __float_as_uint(lo));
 }
 """
+# How word j of the row's record is stored: into the output records, or (IN_PLACE) straight into
+# the layer's pool at the row's slot, behind MLX's back (the pool is an input to MLX): page
+# slot[row][0], column tmpl[j] + slot[row][1] * tmpl[RW + j] (page_layout's record template).
+_TO_RECORDS = """auto store = [&](int j, unsigned int w) { rec[(size_t)row * RW + j] = w; };"""
+_IN_PLACE = """const int PWORDS = dims[2];
+if (wi == 0 && lane == 0) done[0] = 0u;
+auto store = [&](int j, unsigned int w) {
+  const_cast<uint32_t*>(pool)[(size_t)slot[2 * row] * PWORDS + tmpl[j]
+                              + (size_t)slot[2 * row + 1] * tmpl[RW + j]] = w;
+};"""
+
+
+def source(in_place: bool) -> str:
+    """The kernel body, emitting records or (`in_place`) writing them into the pool."""
+    return _SOURCE.replace("STORE_WORD", _IN_PLACE if in_place else _TO_RECORDS)
 
 
 @lru_cache(maxsize=None)
-def _kernel():
+def _kernel(in_place: bool = False):
+    if in_place:
+        return mx.fast.cuda_kernel(
+            name="orchard_packed_write_in_place",
+            input_names=["k", "v", "signs", "dims", "pool", "slot", "tmpl"],
+            output_names=["done"], source=source(True), header=HEADER,
+            ensure_row_contiguous=True)
     return mx.fast.cuda_kernel(
         name="orchard_packed_write", input_names=["k", "v", "signs", "dims"],
-        output_names=["rec"], source=_SOURCE, header=HEADER,
+        output_names=["rec"], source=source(False), header=HEADER,
         ensure_row_contiguous=True)
 
 
@@ -122,8 +143,14 @@ def _signs(head_dim: int) -> mx.array:
 
 
 @lru_cache(maxsize=256)
-def _dims(n: int, h: int) -> mx.array:
-    return mx.array([n, h], dtype=mx.int32)
+def _dims(*values: int) -> mx.array:
+    return mx.array(values, dtype=mx.int32)
+
+
+def _check_fits(n: int, h: int, d: int, k_bits: int, v_bits: int, layout: PageLayout) -> None:
+    if (h, d * k_bits // 32, d * v_bits // 32) != (layout.heads, layout.k_words, layout.v_words) \
+            or layout.k_groups != d // GROUP_SIZE or layout.v_groups != d // GROUP_SIZE:
+        raise ValueError(f"rows [{n}, {h}, {d}] at {k_bits}/{v_bits} bits do not fit {layout}")
 
 
 def quantize_record(k: mx.array, v: mx.array, k_bits: int, v_bits: int,
@@ -131,9 +158,7 @@ def quantize_record(k: mx.array, v: mx.array, k_bits: int, v_bits: int,
     """Rows [N, H, D] as their pool records [N, layout.record_words] in one launch: the same
     words as `page_layout.packed_record(quantize(rotate(k), k_bits), quantize(v, v_bits))`."""
     n, h, d = k.shape
-    if (h, d * k_bits // 32, d * v_bits // 32) != (layout.heads, layout.k_words, layout.v_words) \
-            or layout.k_groups != d // GROUP_SIZE or layout.v_groups != d // GROUP_SIZE:
-        raise ValueError(f"rows [{n}, {h}, {d}] at {k_bits}/{v_bits} bits do not fit {layout}")
+    _check_fits(n, h, d, k_bits, v_bits, layout)
     warps = 2 * n * h
     (rec,) = _kernel()(
         inputs=[k, v, _signs(d), _dims(n, h)],
@@ -141,6 +166,34 @@ def quantize_record(k: mx.array, v: mx.array, k_bits: int, v_bits: int,
         grid=(-(-warps // WARPS) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(n, layout.record_words)], output_dtypes=[mx.uint32])
     return rec
+
+
+def write_in_place(k: mx.array, v: mx.array, k_bits: int, v_bits: int, layout: PageLayout,
+                   pool: mx.array, slot: mx.array) -> mx.array:
+    """Rows [N, H, D] quantized as `quantize_record` does, each record written straight into
+    `pool` at its row's `slot` ([N, 2] int32: page, offset) by the kernel itself, IN PLACE:
+    MLX sees the pool as an input only. Returns a one-word array that is ready once the pool
+    holds the rows; the caller makes every later reader of the pool depend on it
+    (`mx.depends`). Why: a decode step's record scatter is a graph node per layer, and in
+    pipelined decode MLX often cannot donate the pool to it (the previous step's kernels still
+    hold it), so it copied the layer's whole pool first (session 12). Relies on the pool being
+    a whole row-contiguous array the store holds, as it is."""
+    n, h, d = k.shape
+    _check_fits(n, h, d, k_bits, v_bits, layout)
+    warps = 2 * n * h
+    (done,) = _kernel(True)(
+        inputs=[k, v, _signs(d), _dims(n, h, pool.shape[1]), pool, slot, _template(layout)],
+        template=[("D", d), ("KB", k_bits), ("VB", v_bits), ("TI", k.dtype)],
+        grid=(-(-warps // WARPS) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(1,)], output_dtypes=[mx.uint32])
+    return done
+
+
+@lru_cache(maxsize=None)
+def _template(layout: PageLayout) -> mx.array:
+    """[2 * record_words] int32: the record template's base columns, then per-offset strides."""
+    base, mult = record_template(layout)
+    return mx.concatenate([base, mult]).astype(mx.int32)
 
 
 def usable(k_bits, v_bits, head_dim: int) -> bool:

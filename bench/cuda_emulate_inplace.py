@@ -1,5 +1,8 @@
-"""The native decode kernel (engine/attention/cuda/paged_decode.py) on the CPU emulator
-(bench/cuda_emulate.py: one fiber per GPU thread), with the pages it writes in place read back.
+"""Kernels that write their inputs in place, on the CPU emulator (bench/cuda_emulate.py: one
+fiber per GPU thread), with what they wrote read back: the native decode kernel's OWN variant
+(engine/attention/cuda/paged_decode.py writes the step's own keys into the pages) and the packed
+write kernel's in-place variant (engine/attention/cuda/packed_write.py writes records into the
+pool).
 """
 from __future__ import annotations
 
@@ -51,3 +54,25 @@ def native_decode(q, k_pages, v_pages, tables, ends, scale, own=None, target_blo
                      [part, ml, np.array([splits], np.int32)], [(rows, hq, 1, d)],
                      (rows * hq, 1), d, workdir)
     return out, kp, vp
+
+
+def packed_write_in_place(k, v, k_bits, v_bits, layout, pool, slot,
+                          workdir: Path | None = None) -> np.ndarray:
+    """The write kernel's in-place variant (cuda/packed_write.write_in_place's signature and
+    launch, `slot` [N, 2] int32 page and offset): returns the pool [pages, words] uint32 as the
+    kernel left it."""
+    from engine.attention.cuda import packed_write as pw
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
+    n, h, d = k.shape
+    blocks = -(-2 * n * h // pw.WARPS)
+    pool = np.array(pool)
+    _, got = ce.run(
+        "orchard_packed_write_in_place",
+        [("k", "bfloat16"), ("v", "bfloat16"), ("signs", "float32"), ("dims", "int32"),
+         ("pool", "uint32"), ("slot", "int32"), ("tmpl", "int32")], [("done", "uint32")],
+        pw.source(True), "", [("D", d), ("KB", k_bits), ("VB", v_bits), ("TI", "bfloat16")],
+        [ce._bits16(k), ce._bits16(v), np.array(pw._signs(d)),
+         np.array([n, h, pool.shape[1]], np.int32), pool, np.asarray(slot, np.int32),
+         np.array(pw._template(layout))], [(1,)], (blocks, 1), pw.WARPS * 32, workdir,
+        writes=(4,))
+    return got
