@@ -16,9 +16,10 @@ varies enters as arrays:
   host-to-device upload. Write slots, row ends and the key mask are derived from it on the
   device.
 The page arrays are inputs and outputs of the compiled function (it cannot keep state): each
-store gets its written arrays back after the call (`adopt`). The writes stay in place: once the
-store holds the new array, the old one's only reference is the graph's scatter, as in an
-uncompiled step.
+store gets its arrays back after the call (`adopt`). Where the CUDA kernels write the step's
+keys themselves (`KernelChoices.decode_writes_own`: the native decode kernel, the packed write
+kernel's in-place variant) the outputs are the inputs, written in place behind MLX's back; where
+a store scatters (the CPU, or that choice off), they are the scatters' outputs.
 
 Attention inside the trace: the CUDA decode kernel where the runner uses it, with its split plan
 fixed by the bucket's capacity (P * page_tokens keys; a split past a row's end does no work), or
