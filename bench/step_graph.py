@@ -43,6 +43,8 @@ def parse_args(argv=None):
     add_model_args(p)
     p.add_argument("--batch", type=int, default=1, help="rows per decode step")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
+    p.add_argument("--kv-format", default="native",
+                   help="the engine's KV format (mlx-lm's side is always its own cache)")
     p.add_argument("--steps", type=int, default=64,
                    help=f"timed steps per side (the first {WARM_STEPS} left out)")
     p.add_argument("--parts", default="time,kernels",
@@ -58,6 +60,11 @@ def parse_args(argv=None):
         p.error(f"--parts: unknown part(s) {', '.join(unknown)} (known: time, kernels)")
     if args.steps <= WARM_STEPS or args.batch < 1 or not 0 < args.short < args.long:
         p.error(f"need --steps > {WARM_STEPS}, --batch >= 1 and 0 < --short < --long")
+    from capacity.formats import KVFormatError, normalize_format_name
+    try:
+        args.kv_format = normalize_format_name(args.kv_format)
+    except KVFormatError as e:
+        p.error(f"--kv-format: {e}")
     args.parts = parts
     return args
 
@@ -105,7 +112,8 @@ def kernels_child(args, model_dir: str, folder: Path) -> dict:
     tokenizer.eos_token_ids = []
     prompts = [[3 + (i * 7 + j) % 200 for j in range(args.prompt)] for i in range(args.batch)]
     eng = Engine(EngineConfig(model=model_dir, max_num_seqs=args.batch, max_step_tokens=2048,
-                              max_model_len=args.prompt + args.long + 16))
+                              max_model_len=args.prompt + args.long + 16,
+                              kv_format=args.kv_format))
     sides = {"engine": lambda n, tag: engine_decode(eng, prompts, n, tag),
              "mlx_lm": lambda n, tag: mlx_decode(model, tokenizer, prompts, n)}
     seen: set = set()
@@ -142,6 +150,7 @@ def kernels_part(args) -> dict:
         argv = [sys.executable, "-m", "bench.step_graph", "--kernels-child", str(folder),
                 "--batch", str(args.batch), "--prompt", str(args.prompt),
                 "--short", str(args.short), "--long", str(args.long), "--parts", "kernels",
+                "--kv-format", args.kv_format,
                 "--out", str(out_file)]
         argv += (["--shaped-like", args.shaped_like] if args.shaped_like
                  else ["--model", args.model] if args.model else [])
@@ -182,6 +191,7 @@ def time_part(args, model_dir: str) -> dict:
     from mlx_lm.utils import load
 
     from engine.attention.choices import KernelChoices
+    from engine.attention.packed_store import packed_layer_factory
     from engine.kv.store import KVStore
     from engine.model.loader import load_model
     from engine.runner.paged import ModelRunner, SeqChunk
@@ -197,7 +207,9 @@ def time_part(args, model_dir: str) -> dict:
     # scattered (the path before the kernel wrote them itself; the same on the CPU).
     for name, kernels in (("engine", KernelChoices()),
                           ("engine_scatter_writes", KernelChoices(decode_writes_own=False))):
-        store = KVStore(lm.geometry, b * per_row, t, lm.dtype)
+        factory = {} if args.kv_format == "native" else {"layer_factory": packed_layer_factory(
+            args.kv_format, "direct", lambda n: True, kernels)}
+        store = KVStore(lm.geometry, b * per_row, t, lm.dtype, **factory)
         runner = ModelRunner(lm, store, kernels=kernels)
         logits = runner.forward([SeqChunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
         state = {"toks": mx.argmax(logits, axis=-1).astype(mx.int32), "n": args.prompt}
@@ -242,6 +254,7 @@ def run(args) -> dict:
         tmp.cleanup()
         return result
     result = {"model": shown, "device": str(mx.default_device()), "batch": args.batch,
+              "kv_format": args.kv_format,
               "prompt": args.prompt,
               "env": {k: os.environ[k] for k in ("MLX_MAX_OPS_PER_BUFFER",
                                                  "MLX_USE_CUDA_GRAPHS") if k in os.environ}}

@@ -17,10 +17,13 @@ class KernelChoices:
     # CUDA decode kernels (engine/attention/cuda/paged_decode.py, packed_decode.py) where they
     # fit; off: the gather / direct paths they replace.
     decode_kernel: bool = True
-    # The native CUDA decode kernel takes the step's own keys and values as inputs, attends to
-    # them from there and writes them into their page slot itself, so a decode step issues no
-    # page scatter (cuda/paged_decode.py, `own`). Off: each layer's store scatters them into
-    # the pages first and the kernel reads them back (the path before session 12).
+    # Decode steps through the CUDA kernels write their own keys without a scatter: the native
+    # decode kernel takes them as inputs, attends to them from there and stores them into their
+    # page slot itself (cuda/paged_decode.py, `own`); a packed layer's write kernel stores its
+    # records straight into the pool (cuda/packed_write.write_in_place). Why: in pipelined
+    # decode MLX often could not scatter in place and copied whole page arrays (the H200
+    # measured 52 such copies in a 60-scatter SmolLM2 step; docs/lab/benchmarks-gpu.md
+    # session 12). Off: stores scatter the rows first (the path before; benches compare).
     decode_writes_own: bool = True
     # Decode steps through one compiled function per shape (engine/runner/compiled_decode.py)
     # where the step fits it. None: where the CUDA decode kernel runs (a GPU decode step is host

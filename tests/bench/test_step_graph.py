@@ -42,11 +42,13 @@ def test_graphs_since_counts_only_new_files(tmp_path):
     assert count == 1 and sum(names.values()) == 3
 
 
-def test_time_split_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("fmt", ["native", "int4"])
+def test_time_split_on_the_cpu(tmp_path, fmt):
     out = tmp_path / "g.json"
     step_graph.main(["--steps", str(step_graph.WARM_STEPS + 2), "--prompt", "16",
-                     "--out", str(out)])
+                     "--kv-format", fmt, "--out", str(out)])
     result = json.loads(out.read_text())
+    assert result["kv_format"] == fmt
     for side in ("engine", "engine_scatter_writes", "mlx_lm"):
         t = result["time_ms"][side]
         assert t["step"] >= t["build"] > 0 and t["issue"] >= 0
@@ -59,3 +61,6 @@ def test_bad_arguments_are_refused_naming_them(capsys):
     assert "flame" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         step_graph.parse_args(["--short", "40", "--long", "8"])
+    with pytest.raises(SystemExit):
+        step_graph.parse_args(["--kv-format", "int3"])
+    assert "int3" in capsys.readouterr().err
