@@ -4,14 +4,15 @@
 
 Two runners over the same weights and page tables, one with compiled decode steps
 (engine/runner/compiled_decode.py, forced on: `KernelChoices(compiled_decode=True)`) and one
-without (on CUDA its native decode kernel reads keys the store scattered into the pages, where
-the compiled side's kernel writes them itself, unless `--plain-own-writes`); each prefills the same prompts, then decodes greedily with the previous step's sampled
-array as input (as pipelined decode does). Prints JSON per batch: the largest logit difference
-of any step, whether the greedy tokens agree, traces made, and the median synchronous step time
-of each side (a step built, evaluated and read back; the engine pipelines, so this is a check
-of cost, not its served rate), each side's first step (the compiled side's trace), and whether
-how far apart the pages both sides left are. On a
-GPU the compiled side attends through the CUDA decode kernel inside the trace; on the CPU
+without. On CUDA the uncompiled side's native decode kernel reads keys its store scattered into
+the pages, where the compiled side's kernel writes them itself (`--plain-own-writes`: both write
+them), so the check compares the two writes too. Each side prefills the same prompts, then
+decodes greedily with the previous step's sampled array as input (as pipelined decode does).
+Prints JSON per batch: the largest logit difference of any step, whether the greedy tokens
+agree, how far apart the pages both sides left are, traces made, the median synchronous step
+time of each side (a step built, evaluated and read back; the engine pipelines, so this is a
+check of cost, not its served rate) and each side's first step (the compiled side's trace). On
+a GPU the compiled side attends through the CUDA decode kernel inside the trace; on the CPU
 through gathered, masked pages.
 """
 from __future__ import annotations
@@ -54,6 +55,24 @@ def parse_args(argv=None):
     return args
 
 
+def interleaved_tables(rows: int, per_row: int) -> list[list[int]]:
+    """Page tables whose rows' pages interleave, so a wrong table lookup reads another row's
+    keys."""
+    return [[r + rows * j for j in range(per_row)] for r in range(rows)]
+
+
+def make_runner(lm, fmt: str, num_pages: int, page_tokens: int, kernels):
+    """A ModelRunner over a fresh store of `num_pages` pages in KV format `fmt`."""
+    from engine.attention.packed_store import packed_layer_factory
+    from engine.kv.store import KVStore
+    from engine.runner.paged import ModelRunner
+
+    factory = {} if fmt == "native" else {"layer_factory": packed_layer_factory(
+        fmt, "direct", lambda n: True, kernels)}
+    store = KVStore(lm.geometry, num_pages, page_tokens, lm.dtype, **factory)
+    return ModelRunner(lm, store, kernels=kernels)
+
+
 def decode(runner, prompts, tables, steps):
     """Greedy steps after prefill: (per-step logits as numpy, tokens, step seconds)."""
     import mlx.core as mx
@@ -86,10 +105,7 @@ def run(args) -> dict:
 
     from bench.decode_host import bench_model
     from engine.attention.choices import KernelChoices
-    from engine.attention.packed_store import packed_layer_factory
-    from engine.kv.store import KVStore
     from engine.model.loader import load_model
-    from engine.runner.paged import ModelRunner
 
     tmp = tempfile.TemporaryDirectory()
     model_dir, shown = bench_model(args, Path(tmp.name))
@@ -104,20 +120,15 @@ def run(args) -> dict:
     for fmt, b in points:
         prompts = [rng.integers(3, vocab, args.prompt).tolist() for _ in range(b)]
         per_row = -(-(args.prompt + args.steps + 1) // t)
-        # Rows' pages interleaved, so a wrong table lookup reads another row's keys.
-        tables = [[r + b * j for j in range(per_row)] for r in range(b)]
+        tables = interleaved_tables(b, per_row)
         sides = {}
         for name, compiled in (("compiled", True), ("plain", False)):
             kernels = KernelChoices(compiled_decode=compiled,
                                     decode_writes_own=compiled or args.plain_own_writes)
-            factory = {} if fmt == "native" else {"layer_factory": packed_layer_factory(
-                fmt, "direct", lambda n: True, kernels)}
-            store = KVStore(lm.geometry, b * per_row, t, lm.dtype, **factory)
-            runner = ModelRunner(lm, store, kernels=kernels)
+            runner = make_runner(lm, fmt, b * per_row, t, kernels)
             if compiled and runner.compiled is None:
                 break
             sides[name] = (*decode(runner, prompts, tables, args.steps), runner)
-            del store
         if "compiled" not in sides:
             result["batches"].append({"kv_format": fmt, "batch": b,
                                       "compiled": "does not fit this runner here"})

@@ -77,14 +77,16 @@ KERNEL_NAME = re.compile(r"(_Z\w+|void [\w:<>, ]+)")
 
 
 def node_names(dot: str) -> Counter:
-    """Nodes of one CUDA graph dot file by name: a kernel's function (demangled text or the
-    mangled symbol, templates cut), else the node's type line."""
+    """Nodes of one CUDA graph dot file by name: a kernel's function (the mangled symbol or
+    demangled text, templates cut), else the label's first line that is not the node's index
+    (cuBLAS kernels such as `nvjet_...` are not mangled)."""
     out: Counter = Counter()
     for _, attrs in NODE.findall(dot):
         m = LABEL.search(attrs)
         label = m.group(1) if m else attrs
         k = KERNEL_NAME.search(label)
-        name = k.group(1) if k else label.replace("\\n", " ").split("|")[0]
+        lines = [ln.strip() for ln in label.splitlines() if ln.strip()]
+        name = k.group(1) if k else next((ln for ln in lines if not ln.isdigit()), "?")
         out[re.sub(r"<.*", "", name).strip()[:90]] += 1
     return out
 
@@ -110,7 +112,7 @@ def kernels_child(args, model_dir: str, folder: Path) -> dict:
 
     model, tokenizer = load(model_dir)
     tokenizer.eos_token_ids = []
-    prompts = [[3 + (i * 7 + j) % 200 for j in range(args.prompt)] for i in range(args.batch)]
+    prompts = _prompts(args)
     eng = Engine(EngineConfig(model=model_dir, max_num_seqs=args.batch, max_step_tokens=2048,
                               max_model_len=args.prompt + args.long + 16,
                               kv_format=args.kv_format))
@@ -164,6 +166,11 @@ def kernels_part(args) -> dict:
 
 # ---- the time part -----------------------------------------------------------------------
 
+def _prompts(args) -> list[list[int]]:
+    """The same fixed prompts for every part and side: `--batch` rows of `--prompt` tokens."""
+    return [[3 + (i * 7 + j) % 200 for j in range(args.prompt)] for i in range(args.batch)]
+
+
 def split_steps(build, issue_args, steps: int) -> dict:
     """Median ms of build / issue / wait over synchronous steps (`build()` returns the arrays
     to evaluate; `issue_args()` any more, e.g. the KV arrays)."""
@@ -180,8 +187,7 @@ def split_steps(build, issue_args, steps: int) -> dict:
         mx.synchronize()
         t3 = time.perf_counter()
         for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
-            v_ms = 1000 * v
-            parts[k].append(v_ms)
+            parts[k].append(1000 * v)
     return {k: round(statistics.median(v[WARM_STEPS:]), 3) for k, v in parts.items()}
 
 
@@ -190,27 +196,23 @@ def time_part(args, model_dir: str) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
+    from bench.compiled_check import interleaved_tables, make_runner
     from engine.attention.choices import KernelChoices
-    from engine.attention.packed_store import packed_layer_factory
-    from engine.kv.store import KVStore
     from engine.model.loader import load_model
-    from engine.runner.paged import ModelRunner, SeqChunk
+    from engine.runner.paged import SeqChunk
 
     b, t = args.batch, 64
-    prompts = [[3 + (i * 7 + j) % 200 for j in range(args.prompt)] for i in range(b)]
+    prompts = _prompts(args)
     gpu = mx.default_device() != mx.cpu
     lm = load_model(model_dir, dtype="bfloat16" if gpu else "float32", fuse=True)
     per_row = -(-(args.prompt + args.steps + 1) // t)
-    tables = [[r + b * j for j in range(per_row)] for r in range(b)]
+    tables = interleaved_tables(b, per_row)
     out = {}
     # The engine as it runs, then with the CUDA decode kernel reading keys the stores
     # scattered (the path before the kernel wrote them itself; the same on the CPU).
     for name, kernels in (("engine", KernelChoices()),
                           ("engine_scatter_writes", KernelChoices(decode_writes_own=False))):
-        factory = {} if args.kv_format == "native" else {"layer_factory": packed_layer_factory(
-            args.kv_format, "direct", lambda n: True, kernels)}
-        store = KVStore(lm.geometry, b * per_row, t, lm.dtype, **factory)
-        runner = ModelRunner(lm, store, kernels=kernels)
+        runner = make_runner(lm, args.kv_format, b * per_row, t, kernels)
         logits = runner.forward([SeqChunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
         state = {"toks": mx.argmax(logits, axis=-1).astype(mx.int32), "n": args.prompt}
 
@@ -222,15 +224,13 @@ def time_part(args, model_dir: str) -> dict:
             state["n"] = n + 1
             return [state["toks"]]
 
-        out[name] = split_steps(engine_build, store.arrays, args.steps)
+        out[name] = split_steps(engine_build, runner.kvstore.arrays, args.steps)
         out[name]["compiled"] = runner.compiled is not None
-        del runner, store
+        del runner
 
     model, _ = load(model_dir)
     cache = make_prompt_cache(model)
-    y = mx.array(prompts, dtype=mx.int32)
-    mx.eval(model(y, cache=cache))
-    ref = {"y": mx.zeros((b, 1), dtype=mx.int32) + 5}
+    ref = {"y": mx.argmax(model(mx.array(prompts), cache=cache)[:, -1, :], axis=-1)[:, None]}
 
     def mlx_build():   # as mlx-lm's generate_step: logits, log-softmax, argmax
         logits = model(ref["y"], cache=cache)[:, -1, :]

@@ -121,16 +121,11 @@ def source(in_place: bool) -> str:
 
 @lru_cache(maxsize=None)
 def _kernel(in_place: bool = False):
-    if in_place:
-        return mx.fast.cuda_kernel(
-            name="orchard_packed_write_in_place",
-            input_names=["k", "v", "signs", "dims", "pool", "slot", "tmpl"],
-            output_names=["done"], source=source(True), header=HEADER,
-            ensure_row_contiguous=True)
+    extra, output = (["pool", "slot", "tmpl"], "done") if in_place else ([], "rec")
     return mx.fast.cuda_kernel(
-        name="orchard_packed_write", input_names=["k", "v", "signs", "dims"],
-        output_names=["rec"], source=source(False), header=HEADER,
-        ensure_row_contiguous=True)
+        name="orchard_packed_write" + ("_in_place" if in_place else ""),
+        input_names=["k", "v", "signs", "dims", *extra], output_names=[output],
+        source=source(in_place), header=HEADER, ensure_row_contiguous=True)
 
 
 def supports(k_bits: int | None, v_bits: int | None, head_dim: int) -> bool:
@@ -147,25 +142,11 @@ def _dims(*values: int) -> mx.array:
     return mx.array(values, dtype=mx.int32)
 
 
-def _check_fits(n: int, h: int, d: int, k_bits: int, v_bits: int, layout: PageLayout) -> None:
-    if (h, d * k_bits // 32, d * v_bits // 32) != (layout.heads, layout.k_words, layout.v_words) \
-            or layout.k_groups != d // GROUP_SIZE or layout.v_groups != d // GROUP_SIZE:
-        raise ValueError(f"rows [{n}, {h}, {d}] at {k_bits}/{v_bits} bits do not fit {layout}")
-
-
 def quantize_record(k: mx.array, v: mx.array, k_bits: int, v_bits: int,
                     layout: PageLayout) -> mx.array:
     """Rows [N, H, D] as their pool records [N, layout.record_words] in one launch: the same
     words as `page_layout.packed_record(quantize(rotate(k), k_bits), quantize(v, v_bits))`."""
-    n, h, d = k.shape
-    _check_fits(n, h, d, k_bits, v_bits, layout)
-    warps = 2 * n * h
-    (rec,) = _kernel()(
-        inputs=[k, v, _signs(d), _dims(n, h)],
-        template=[("D", d), ("KB", k_bits), ("VB", v_bits), ("TI", k.dtype)],
-        grid=(-(-warps // WARPS) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(n, layout.record_words)], output_dtypes=[mx.uint32])
-    return rec
+    return _launch(k, v, k_bits, v_bits, layout, None, None)
 
 
 def write_in_place(k: mx.array, v: mx.array, k_bits: int, v_bits: int, layout: PageLayout,
@@ -174,26 +155,35 @@ def write_in_place(k: mx.array, v: mx.array, k_bits: int, v_bits: int, layout: P
     `pool` at its row's `slot` ([N, 2] int32: page, offset) by the kernel itself, IN PLACE:
     MLX sees the pool as an input only. Returns a one-word array that is ready once the pool
     holds the rows; the caller makes every later reader of the pool depend on it
-    (`mx.depends`). Why: a decode step's record scatter is a graph node per layer, and in
-    pipelined decode MLX often cannot donate the pool to it (the previous step's kernels still
-    hold it), so it copied the layer's whole pool first (session 12). Relies on the pool being
-    a whole row-contiguous array the store holds, as it is."""
+    (`mx.depends`). Why: the record scatter it replaces is a graph node per layer and step,
+    and a scatter in pipelined decode may find its array still held by the previous step, so
+    MLX copies the whole array first (session 12 counted those copies for native pages).
+    Relies on the pool being a whole row-contiguous array the store holds, as it is."""
+    return _launch(k, v, k_bits, v_bits, layout, pool, slot)
+
+
+def _launch(k, v, k_bits, v_bits, layout, pool, slot) -> mx.array:
+    """One launch of the kernel: records out, or (with `pool`, `slot`) written in place."""
     n, h, d = k.shape
-    _check_fits(n, h, d, k_bits, v_bits, layout)
+    if (h, d * k_bits // 32, d * v_bits // 32) != (layout.heads, layout.k_words, layout.v_words) \
+            or layout.k_groups != d // GROUP_SIZE or layout.v_groups != d // GROUP_SIZE:
+        raise ValueError(f"rows [{n}, {h}, {d}] at {k_bits}/{v_bits} bits do not fit {layout}")
+    in_place = pool is not None
+    inputs = ([k, v, _signs(d), _dims(n, h, pool.shape[1]), pool, slot, _template(layout)]
+              if in_place else [k, v, _signs(d), _dims(n, h)])
     warps = 2 * n * h
-    (done,) = _kernel(True)(
-        inputs=[k, v, _signs(d), _dims(n, h, pool.shape[1]), pool, slot, _template(layout)],
-        template=[("D", d), ("KB", k_bits), ("VB", v_bits), ("TI", k.dtype)],
+    (out,) = _kernel(in_place)(
+        inputs=inputs, template=[("D", d), ("KB", k_bits), ("VB", v_bits), ("TI", k.dtype)],
         grid=(-(-warps // WARPS) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(1,)], output_dtypes=[mx.uint32])
-    return done
+        output_shapes=[(1,) if in_place else (n, layout.record_words)],
+        output_dtypes=[mx.uint32])
+    return out
 
 
 @lru_cache(maxsize=None)
 def _template(layout: PageLayout) -> mx.array:
     """[2 * record_words] int32: the record template's base columns, then per-offset strides."""
-    base, mult = record_template(layout)
-    return mx.concatenate([base, mult]).astype(mx.int32)
+    return mx.concatenate(list(record_template(layout)))
 
 
 def usable(k_bits, v_bits, head_dim: int) -> bool:
