@@ -1,6 +1,7 @@
 """Time the CUDA decode attention kernels alone (native, packed v1, packed v2); print (save) JSON.
 
     python -m bench.decode_kernels --contexts 4096,32768 --batches 1,8 --out decode_kernels.json
+    python -m bench.decode_kernels --kernels native,int4:v2 --min-keys 256,128,64   # split plans
 
 `bench.kv` measures whole decode steps, where host work (issuing the graph) and the rest of the
 model share the time; this isolates the attention call of one layer, so a kernel change shows
@@ -79,10 +80,20 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="native,int4:v1,int4:v2,int8:v1,int8:v2")
     ap.add_argument("--split-target", type=int, default=None,
                     help="blocks per layer the kernels aim for (default: each kernel's own)")
+    ap.add_argument("--min-keys", default="",
+                    help="comma list of smallest keys per split to time each kernel at "
+                         "(e.g. 256,128,64: one row per value, named KERNEL@mkN; default: "
+                         "each kernel's own plan only)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", default="decode_kernels.json")
     args = ap.parse_args(argv)
+    try:
+        plans = [int(x) for x in args.min_keys.split(",") if x] or [None]
+    except ValueError:
+        ap.error(f"--min-keys: comma list of integers, got {args.min_keys!r}")
+    if any(m is not None and m < 1 for m in plans):
+        ap.error("--min-keys: values must be >= 1")
     if not cuda_paged_decode.available():
         print("no CUDA device: nothing to time", file=sys.stderr)
         return 2
@@ -96,11 +107,12 @@ def main(argv=None) -> int:
                 rng, rows, n, hq, kvh, d, args.page_tokens)
             pools = {}
             row = {}
-            for spec in args.kernels.split(","):
+            for spec, mk in ((s, m) for s in args.kernels.split(",") for m in plans):
+                name = spec if mk is None else f"{spec}@mk{mk}"
                 if spec == "native":
-                    def call():
+                    def call(mk=mk):
                         return cuda_paged_decode.paged_decode_attention(
-                            q, *native, tables, ends, scale, n, args.split_target)
+                            q, *native, tables, ends, scale, n, args.split_target, mk)
                     kv_bytes = 2 * rows * kvh * n * d * 2
                 else:
                     fmt, version = spec.split(":")
@@ -110,21 +122,22 @@ def main(argv=None) -> int:
                         mx.eval(pools[bits][0])
                     words, layout = pools[bits]
 
-                    def call(words=words, layout=layout, bits=bits, version=version):
+                    def call(words=words, layout=layout, bits=bits, version=version, mk=mk):
                         return cuda_packed_decode.packed_decode_attention(
                             q, k_new, v_new, words, layout, bits, tables, ends, n, scale,
-                            args.split_target, version=version)
+                            args.split_target, version=version, min_keys=mk)
                     kv_bytes = 2 * rows * kvh * n * (d * bits // 8 + 2 * 4 * (d // 64))
                 try:
-                    row[spec] = _time(call, args.layers, args.rounds)
-                    row[spec]["GB_s"] = round(kv_bytes / row[spec]["us_best"] / 1e3, 1)
+                    row[name] = _time(call, args.layers, args.rounds)
+                    row[name]["GB_s"] = round(kv_bytes / row[name]["us_best"] / 1e3, 1)
                 except Exception as e:   # record it, time the rest
-                    row[spec] = {"error": f"{type(e).__name__}: {e}"[:300]}
-                print(f"ctx {n} batch {rows} {spec}: {row[spec]}", file=sys.stderr, flush=True)
-            if "us_median" in row.get("native", {}):
-                for spec, r in row.items():
+                    row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                print(f"ctx {n} batch {rows} {name}: {row[name]}", file=sys.stderr, flush=True)
+            base = row.get("native", row.get(f"native@mk{plans[0]}", {}))
+            if "us_median" in base:   # against native at its own (or the first) plan
+                for r in row.values():
                     if "us_median" in r:
-                        r["speed_vs_native"] = round(row["native"]["us_median"] / r["us_median"], 3)
+                        r["speed_vs_native"] = round(base["us_median"] / r["us_median"], 3)
             result["cases"][f"ctx{n}-b{rows}"] = row
             del native, pools
     emit(result, args.out)

@@ -79,21 +79,27 @@ class _DecodeTimer:
         runner = self.runner
         mx.synchronize()
         t0 = time.perf_counter()
-        prev = None
+        prev, marks = None, [t0]
         for _ in range(steps):
             logits = runner.forward([SeqChunk(i, [7], self.pos, t)
                                      for i, t in enumerate(self.tables)])
             if not self.pipelined:
                 mx.eval(logits)
+                marks.append(time.perf_counter())
             else:
                 mx.async_eval(logits, *runner.kvstore.arrays())
                 if prev is not None:
                     mx.eval(prev)   # the engine reads step n back while step n+1 is queued
+                    marks.append(time.perf_counter())
                 prev = logits
             self.pos += 1
         if prev is not None:
             mx.eval(prev)
-        return time.perf_counter() - t0
+            marks.append(time.perf_counter())
+        # Step intervals (a pipelined step's: from one step's result to the next one's), so
+        # a round's time can be told apart into steady steps and stalls.
+        self.last_step_ms = [1e3 * (b - a) for a, b in zip(marks[1:], marks[2:])]
+        return marks[-1] - t0
 
 
 def _decode_time(loaded, spec, pages, b, n, room, steps, repeats,
@@ -102,6 +108,14 @@ def _decode_time(loaded, spec, pages, b, n, room, steps, repeats,
     timer = _DecodeTimer(loaded, spec, pages, b, n, room, kernels, pipelined)
     timer.round(steps)   # warm-up
     return min(timer.round(steps) for _ in range(max(1, repeats)))
+
+
+def _quantiles(ms: list[float]) -> list[float]:
+    """[p10, p50, p90, max] of a round's step intervals, ms (empty: a round of one step)."""
+    if not ms:
+        return []
+    q = np.quantile(np.asarray(ms), [0.1, 0.5, 0.9, 1.0])
+    return [round(float(x), 3) for x in q]
 
 
 def _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats, kernels,
@@ -117,12 +131,15 @@ def _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats, kernels
         except Exception as e:  # a backend missing a kernel: record it, bench the rest
             row[fmt] = {"error": f"{type(e).__name__}: {e}"[:300]}
     times = {fmt: [] for fmt in timers}
+    steps_ms = {fmt: [] for fmt in timers}
     for _ in range(repeats):
         for fmt, timer in timers.items():
             times[fmt].append(timer.round(steps))
+            steps_ms[fmt].append(_quantiles(timer.last_step_ms))
     for fmt, ts in times.items():
         row[fmt] = {"tok_s": round(b * steps / min(ts), 2),
-                    "tok_s_rounds": [round(b * steps / t, 2) for t in ts]}
+                    "tok_s_rounds": [round(b * steps / t, 2) for t in ts],
+                    "step_ms_rounds_p10_p50_p90_max": steps_ms[fmt]}
         if fmt != "native" and "native" in times:
             paired = [tn / t for tn, t in zip(times["native"], ts)]
             row[fmt]["ratios_paired"] = [round(r, 3) for r in paired]

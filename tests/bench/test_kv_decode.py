@@ -64,3 +64,8 @@ def test_interleaved_decode_reports_paired_ratios(tmp_path):
         assert len(paired) == 3 and all(r > 0 for r in paired)
         assert row[fmt]["ratio_paired_median"] == sorted(paired)[1]
         assert row[fmt]["tok_s"] == max(row[fmt]["tok_s_rounds"])
+        # Each round's step intervals: p10 <= p50 <= p90 <= max, one entry per round (2 steps
+        # pipelined: one interval between the two results).
+        steps = row[fmt]["step_ms_rounds_p10_p50_p90_max"]
+        assert len(steps) == 3
+        assert all(len(q) == 4 and q == sorted(q) and q[0] > 0 for q in steps)
