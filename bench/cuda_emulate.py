@@ -261,14 +261,16 @@ def _bits16(x) -> np.ndarray:
 
 def packed_decode(q, k_new, v_new, pool, layout, bits, tables, ends, scale,
                   target_blocks=None, workdir: Path | None = None,
-                  version: str = "v2") -> np.ndarray:
+                  version: str = "v2", own: bool = False):
     """A packed decode kernel (`version` "v2": cuda/packed_decode_v2_source.py, "v1":
     cuda/packed_decode.py) and, with several splits, the merge kernel (cuda/paged_decode.py),
     run here with the split plan its host side picks; packed_case's kernel signature (history:
-    the layer's uint32 pool and its engine.kv.page_layout.PageLayout, checked as the host side
-    checks it). Returns [B, Hq, 1, D] float32 (from the bf16 output)."""
+    the layer's uint32 pool and its PageLayout, checked as the host side checks it). Returns
+    [B, Hq, 1, D] float32 (from the bf16 output); `own` (v2's variant that stores the own rows
+    into the pool): (that, the pool as the kernel left it)."""
     from engine.attention.cuda import packed_decode as v1
     from engine.attention.cuda import packed_decode_v2_source as v2
+    from engine.attention.cuda import packed_write as pw
     from engine.attention.cuda import tile_helpers
     from engine.attention.cuda import paged_decode as pd
     from engine.attention.cuda.packed_decode_v2 import TARGET_BLOCKS, _signs
@@ -296,18 +298,23 @@ def packed_decode(q, k_new, v_new, pool, layout, bits, tables, ends, scale,
     template = [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", layout.heads),
                 ("KB", bits), ("TQ", "bfloat16"), ("TK", "bfloat16"), ("SPLIT", splits > 1),
                 ("TO", "bfloat16")]
+    if version == "v2":
+        template, helpers = template + [("OWN", own)], helpers + pw.QUANTIZE
+    elif own:
+        raise ValueError("only the v2 kernel stores own rows")
     outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
-    out, part, ml = run(name, inputs, outputs, source, helpers, template, arrays,
-                        [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits),
-                        pd.THREADS, workdir)
+    out, part, ml, *written = run(
+        name, inputs, outputs, source, helpers, template, arrays,
+        [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits), pd.THREADS, workdir,
+        writes=(3,) if own else ())   # the pool: after q, kf, vf
     if splits == 1:
-        return out
+        return (out, *written) if own else out
     (merged,) = run("orchard_decode_merge", [("part", "float32"), ("ml", "float32"),
                                              ("dims", "int32")], [("out", "bfloat16")],
                     pd._MERGE, "", [("D", d), ("TO", "bfloat16")],
                     [part, ml, np.array([splits], np.int32)], [(rows, hq, 1, d)],
                     (rows * hq, 1), d, workdir)
-    return merged
+    return (merged, *written) if own else merged
 
 
 def packed_write(k, v, k_bits, v_bits, layout, workdir: Path | None = None):
@@ -321,7 +328,7 @@ def packed_write(k, v, k_bits, v_bits, layout, workdir: Path | None = None):
     blocks = -(-2 * n * h // pw.WARPS)
     (rec,) = run("orchard_packed_write", [("k", "bfloat16"), ("v", "bfloat16"),
                                           ("signs", "float32"), ("dims", "int32")],
-                 [("rec", "uint32")], pw.source(False), "",   # the prelude stands in for HEADER
+                 [("rec", "uint32")], pw.source(False), pw.QUANTIZE,   # the prelude: HEADER
                  [("D", d), ("KB", k_bits), ("VB", v_bits), ("TI", "bfloat16")],
                  [_bits16(k), _bits16(v), np.array(pw._signs(d)), np.array([n, h], np.int32)],
                  [(n, layout.record_words)], (blocks, 1), pw.WARPS * 32, workdir)

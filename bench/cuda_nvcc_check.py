@@ -71,9 +71,11 @@ def decode_variants():
                                 ("TQ", "bfloat16"), ("TK", "bfloat16"), ("SPLIT", split),
                                 ("TO", "bfloat16")]
                     tag = f"d{d} g{g} k{kb}v{kb} split={split}"
-                    yield f"decode-v2 {tag}", wrap(
-                        "orchard_packed_decode_v2", fresh + packed + [("signs", "float32")],
-                        outputs, v2._SOURCE, v2._HEADER, template)
+                    for own in (False, True):   # the variant that stores the own rows
+                        yield f"decode-v2 {tag} own={own}", wrap(
+                            "orchard_packed_decode_v2" + ("_own" if own else ""),
+                            fresh + packed + [("signs", "float32")], outputs, v2._SOURCE,
+                            v2._HEADER, template + [("OWN", own)])
                     if g in (3, 4):
                         yield f"decode-v1 {tag}", wrap(
                             "orchard_packed_decode",
@@ -111,12 +113,12 @@ def write_variants():
         for kb, vb in ((8, 8), (4, 4), (8, 4)):
             template = [("D", d), ("KB", kb), ("VB", vb), ("TI", "bfloat16")]
             yield f"write d{d} k{kb}v{vb}", wrap(
-                "orchard_packed_write", base, [("rec", "uint32")], pw.source(False), HEADER,
-                template)
+                "orchard_packed_write", base, [("rec", "uint32")], pw.source(False),
+                HEADER + pw.QUANTIZE, template)
             yield f"write in place d{d} k{kb}v{vb}", wrap(
                 "orchard_packed_write_in_place",
                 base + [("pool", "uint32"), ("slot", "int32"), ("tmpl", "int32")],
-                [("done", "uint32")], pw.source(True), HEADER, template)
+                [("done", "uint32")], pw.source(True), HEADER + pw.QUANTIZE, template)
 
 
 def dequant_variants():

@@ -19,8 +19,9 @@ class KernelChoices:
     decode_kernel: bool = True
     # Decode steps through the CUDA kernels write their own keys without a scatter: the native
     # decode kernel takes them as inputs, attends to them from there and stores them into their
-    # page slot itself (cuda/paged_decode.py, `own`); a packed layer's write kernel stores its
-    # records straight into the pool (cuda/packed_write.write_in_place). Why: in pipelined
+    # page slot itself (cuda/paged_decode.py, `own`); a packed layer's v2 decode kernel
+    # quantizes them and stores the records into the pool itself (cuda/packed_decode_v2.py,
+    # `own`), else the write kernel does (cuda/packed_write.write_in_place). Why: in pipelined
     # decode MLX often could not scatter in place and copied whole page arrays (the H200
     # measured 52 such copies in a 60-scatter SmolLM2 step; docs/lab/benchmarks-gpu.md
     # session 12). Off: stores scatter the rows first (the path before; benches compare).

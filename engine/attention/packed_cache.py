@@ -33,15 +33,25 @@ class PackedLayerCache(PagedLayerCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The base class's direct path: the store packs the new rows on write, and the step's
         own rows go back to attention unquantized; history is read packed in attend(). A decode
-        step that attends through the CUDA decode kernel has its rows written into the pool by
-        the write kernel itself (`PackedLayerStore.write(..., in_place=True)`)."""
-        b, h, n, d = keys.shape
-        if (n == 1 and self._kernel_decode() and self.step.valid is None
-                and not self.step.kernels.decode_tiles and self.store.writes_in_place()):
-            self.store.write(self.step.slots, keys.reshape(b, h, d),
-                             values.reshape(b, h, values.shape[-1]), in_place=True)
+        step that attends through a CUDA decode kernel leaves the write to attend(): the v2
+        kernel stores the rows itself, else the write kernel does, in place."""
+        if keys.shape[2] == 1 and self._in_place_decode():
+            self._own = (keys, values)
             return keys, values
         return super().update_and_fetch(keys, values)
+
+    def _in_place_decode(self) -> bool:
+        """Whether this step's rows go into the pool in place (no scatter): decode through the
+        CUDA decode kernel, every row real, a store whose pool may be written so."""
+        return (self._kernel_decode() and self.step.valid is None
+                and not self.step.kernels.decode_tiles and self.store.writes_in_place())
+
+    def _write_own(self, own: tuple[mx.array, mx.array]) -> None:
+        """A deferred decode write through the write kernel's in-place variant."""
+        keys, values = own
+        b, h, _, d = keys.shape
+        self.store.write(self.step.slots, keys.reshape(b, h, d),
+                         values.reshape(b, h, values.shape[-1]), in_place=True)
 
     @staticmethod
     def kernel_decode_fits(store) -> bool:
@@ -54,8 +64,16 @@ class PackedLayerCache(PagedLayerCache):
 
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
         self.step.attended += 1
-        # The CUDA kernels read the v1 layout only; other formats attend through MLX ops.
+        own, self._own = self._own, None
         kernels = self.step.kernels
+        if own is not None:
+            fmt, group = self.store.fmt, queries.shape[1] // keys.shape[1]
+            if sinks is None and cuda_packed_decode.writes_own(
+                    kernels.packed_decode, fmt.k_bits, fmt.v_bits, keys.shape[-1], group):
+                # The v2 decode kernel stores the rows into the pool itself: no write launch.
+                return self._kernel_attend(queries, keys, values, scale, own=True)
+            self._write_own(own)
+        # The CUDA kernels read the v1 layout only; other formats attend through MLX ops.
         if sinks is None and self.store.fmt.codes_only and cuda_packed_prefill.applies(
                 self.store, self.step, queries, self._kernel_decode(), kernels):
             # CUDA: packed pages read by page table inside one tensor-core kernel.
@@ -73,11 +91,7 @@ class PackedLayerCache(PagedLayerCache):
                 self.store.fmt.v_bits, self.view.pages, bounds, longest, scale,
                 target_blocks=kernels.prefill_split_target)
         if sinks is None and self._kernel_decode():
-            return cuda_packed_decode.packed_decode_attention(
-                queries, keys, values, self.store.pool, self.store.layout, self.store.fmt.k_bits,
-                self.view.pages, self.step.ends, self.step.longest, scale,
-                kernels.decode_split_target, version=kernels.packed_decode,
-                min_keys=kernels.decode_split_min_keys)
+            return self._kernel_attend(queries, keys, values, scale)
         ctx = self._context()
         hist, hist_mask, new_mask = ctx.history(self.store), ctx.hist_mask, ctx.new_mask
         rows = self.store.sink_rows
@@ -102,6 +116,15 @@ class PackedLayerCache(PagedLayerCache):
         if tails is not None:
             self.store.flush_tail()   # this step's new tail rows, after the old tails were read
         return out
+
+    def _kernel_attend(self, queries, keys, values, scale, own: bool = False) -> mx.array:
+        """A decode step through the CUDA packed decode kernel (`own`: it stores the rows)."""
+        kernels = self.step.kernels
+        return cuda_packed_decode.packed_decode_attention(
+            queries, keys, values, self.store.pool, self.store.layout, self.store.fmt.k_bits,
+            self.view.pages, self.step.ends, self.step.longest, scale,
+            kernels.decode_split_target, version=kernels.packed_decode,
+            min_keys=kernels.decode_split_min_keys, own=own)
 
     def _context(self) -> "_StepContext":
         """Index work for packed history, built once per step and shared by layers."""

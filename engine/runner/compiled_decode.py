@@ -17,9 +17,10 @@ varies enters as arrays:
   device.
 The page arrays are inputs and outputs of the compiled function (it cannot keep state): each
 store gets its arrays back after the call (`adopt`). Where the CUDA kernels write the step's
-keys themselves (`KernelChoices.decode_writes_own`: the native decode kernel, the packed write
-kernel's in-place variant) the outputs are the inputs, written in place behind MLX's back; where
-a store scatters (the CPU, or that choice off), they are the scatters' outputs.
+keys themselves (`KernelChoices.decode_writes_own`: the native and the v2 packed decode
+kernels, else the packed write kernel's in-place variant) the outputs are the inputs, written
+in place behind MLX's back; where a store scatters (the CPU, or that choice off), they are the
+scatters' outputs.
 
 Attention inside the trace: the CUDA decode kernel where the runner uses it, with its split plan
 fixed by the bucket's capacity (P * page_tokens keys; a split past a row's end does no work), or

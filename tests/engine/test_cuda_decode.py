@@ -370,3 +370,34 @@ def test_kernel_timing_bench_flow(tmp_path, monkeypatch):
         assert set(row) == {"native", "int4:v1", "int4:v2", "int8:v1", "int8:v2"}
         assert all("speed_vs_native" in r for r in row.values()), row
     assert {"native", "v1", "v2"} <= set(calls)
+
+
+def test_v2_kernel_own_variant_stores_the_write_kernels_records(tmp_path):
+    """The v2 kernel's OWN variant (it stores the step's own rows into the pool itself, so a
+    decode step launches no write kernel) on the emulator: its output equals the plain kernel's
+    bit for bit, and the pool it leaves equals the write kernel's in-place variant applied to
+    the same pool (one quantizer: the same words at the same slot, nothing else touched).
+    Rows: a long one (several splits; the own key in its last), one without history, one whose
+    own key opens a page; int4 at head dim 128 and int8 at 64."""
+    from bench import cuda_emulate, cuda_emulate_inplace
+    from bench.decode_kernels import _case_inputs
+
+    assert shutil.which("g++"), "the CPU emulation of the CUDA kernel compiles with g++"
+    rng = np.random.default_rng(17)
+    pt = 16
+    for bits, hq, kvh, d in ((4, 16, 4, 128), (8, 9, 3, 64)):
+        q, k_new, v_new, _, pool_of, tables, _ = _case_inputs(rng, 3, 600, hq, kvh, d, pt)
+        pool, layout = pool_of(bits)
+        tables, before = np.array(tables), np.array(pool)
+        ends = np.array([600, 1, 33], np.int32)
+        assert cuda_paged_decode.split_count(3, kvh, 600) > 1
+        args = (q, k_new, v_new, pool, layout, bits, tables, ends, d ** -0.5)
+        plain = cuda_emulate.packed_decode(*args, workdir=tmp_path)
+        out, pool_after = cuda_emulate.packed_decode(*args, workdir=tmp_path, own=True)
+        assert np.array_equal(out, plain), bits
+        slot = np.array([[tables[b, (n - 1) // pt], (n - 1) % pt] for b, n in enumerate(ends)],
+                        np.int32)
+        want = cuda_emulate_inplace.packed_write_in_place(
+            k_new[:, :, 0], v_new[:, :, 0], bits, bits, layout, before, slot, workdir=tmp_path)
+        assert not np.array_equal(want, before)   # the slots did change
+        assert np.array_equal(pool_after, want), bits

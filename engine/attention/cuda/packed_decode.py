@@ -180,10 +180,17 @@ def supports(k_bits: int | None, v_bits: int | None, head_dim: int) -> bool:
     return k_bits == v_bits and k_bits in BITS and head_dim in HEAD_DIMS
 
 
+def writes_own(version: str, k_bits: int, v_bits: int, head_dim: int, group: int) -> bool:
+    """Whether a decode of this layer goes through the v2 kernel, which can store the step's
+    own rows itself (`packed_decode_attention(..., own=True)`)."""
+    return version == "v2" and packed_decode_v2.supports(k_bits, v_bits, head_dim, group)
+
+
 def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool: mx.array,
                             layout: PageLayout, bits: int, pages: mx.array, ends: mx.array,
                             longest: int, scale: float, target_blocks: int | None = None,
-                            version: str = "v1", min_keys: int | None = None) -> mx.array:
+                            version: str = "v1", min_keys: int | None = None,
+                            own: bool = False) -> mx.array:
     """Attention of one query per row q [B, Hq, 1, D] over packed history plus its own key.
 
     k_new/v_new [B, Hkv, 1, D]: the step's fresh rows (model basis). pool [num_pages,
@@ -192,14 +199,17 @@ def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool:
     and then its own key; `longest` = max(ends) on the host (with `target_blocks`, it picks
     the split count). Returns [B, Hq, 1, D] in q's
     dtype. `version` "v2": the tiled kernel (cuda/packed_decode_v2.py) where it supports the
-    GQA group (KernelChoices.packed_decode); this one otherwise.
+    GQA group (KernelChoices.packed_decode); this one otherwise. `own`: the v2 kernel also
+    stores the own rows into the pool (`writes_own` says where it can); this one never does.
     """
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
-    if version == "v2" and packed_decode_v2.supports(bits, bits, d, hq // kvh):
+    if writes_own(version, bits, bits, d, hq // kvh):
         return packed_decode_v2.packed_decode_attention(
             q, k_new, v_new, pool, layout, bits, pages, ends, longest, scale, target_blocks,
-            min_keys)
+            min_keys, own=own)
+    if own:
+        raise ValueError(f"packed decode {version}: only the v2 kernel stores own rows")
     check_pool(pool, layout, d, bits, bits, kvh, vectors=False)   # word reads only
     splits = split_count(b, kvh, longest, target_blocks, min_keys)
     return launch_split(

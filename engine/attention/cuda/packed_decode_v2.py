@@ -90,10 +90,19 @@ def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool:
                             layout: PageLayout, bits: int, pages: mx.array, ends: mx.array,
                             longest: int, scale: float,
                             target_blocks: int | None = None,
-                            min_keys: int | None = None) -> mx.array:
+                            min_keys: int | None = None, own: bool = False) -> mx.array:
     """cuda/packed_decode.packed_decode_attention's contract (q [B, Hq, 1, D], unrotated;
     history in `pool` as `layout` describes it, keys rotated; row b attends ends[b] - 1 history
-    keys then its own key) through the tiled kernel. Returns [B, Hq, 1, D] in q's dtype."""
+    keys then its own key) through the tiled kernel. Returns [B, Hq, 1, D] in q's dtype.
+
+    `own`: the kernel also quantizes the step's own rows (k_new, v_new: key ends[b] - 1 of each
+    row) and stores them into `pool` at their slot IN PLACE, the same words the write kernel's
+    `write_in_place` would store (one quantizer, cuda/packed_write.QUANTIZE), so a decode step
+    issues no write of its own: per layer no write kernel and no slot arithmetic (H200, 0.5B
+    geometry, batch 1, with them: 128 graph nodes per step against native's 111;
+    docs/lab/benchmarks-gpu.md session 13). What it relies on: `pool` is the
+    whole row-contiguous array the store holds, and every later reader runs after this kernel
+    on the same stream (as for the native kernel's `own`, cuda/paged_decode.py)."""
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
     if not supports(bits, bits, d, hq // kvh) or hq % kvh:
@@ -102,8 +111,8 @@ def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool:
     check_pool(pool, layout, d, bits, bits, kvh)
     splits = split_count(b, kvh, longest, target_blocks or TARGET_BLOCKS, min_keys)
     return launch_split(
-        _kernel(), [q, k_new, v_new, pool, pages, ends,
-                    _dims(hq, kvh, pages.shape[1]), _scale(float(scale)), _signs(d)],
+        _kernel(own), [q, k_new, v_new, pool, pages, ends,
+                       _dims(hq, kvh, pages.shape[1]), _scale(float(scale)), _signs(d)],
         [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", layout.heads),
-         ("KB", bits), ("TQ", q.dtype), ("TK", k_new.dtype)],
+         ("KB", bits), ("TQ", q.dtype), ("TK", k_new.dtype), ("OWN", own)],
         b, kvh, hq, d, splits, q.dtype)

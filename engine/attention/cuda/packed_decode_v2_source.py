@@ -12,11 +12,12 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from engine.attention.cuda.packed_write import QUANTIZE
 from engine.attention.cuda.paged_decode import HEADER
 from engine.attention.cuda.tile_helpers import ASYNC, HELPERS
 from engine.kv.page_layout import CUDA_SECTIONS
 
-_HEADER = HEADER + ASYNC + HELPERS
+_HEADER = HEADER + ASYNC + HELPERS + QUANTIZE
 
 _SOURCE = """
 constexpr int VB = KB;                       // equal key and value bits (`supports`)
@@ -354,13 +355,38 @@ for (int e = tid; e < G * D; e += NT) {
     put(out + rh * D + d, num / st_l[h]);
   }
 }
+
+// OWN: the step's own key and value (the row's last, position nh) are quantized and stored
+// into the pool, word for word as the write kernel (cuda/packed_write.py) would: split 0's
+// warp 0 takes this head's key, warp 1 its value. The pool is an MLX input, written behind
+// MLX's back; no block of this launch reads that row (every history range ends before nh).
+// Last in the kernel: placed first, it raised ptxas's count to 128 registers from 96 (int4,
+// head dim 128), one block less per SM.
+if (OWN && split == 0 && warp < 2) {
+  float x[VPT];
+  #pragma unroll
+  for (int i = 0; i < VPT; ++i) x[i] = to_f((warp == 0 ? kf : vf)[fresh + lane * VPT + i]);
+  unsigned int word;
+  float qsc, qlo;
+  orch_quantize<D, KB>(x, warp == 0, signs, lane, word, qsc, qlo);
+  const size_t r = row_of(nh);
+  uint32_t* const dst = const_cast<uint32_t*>(pool);
+  const int c = lane * VPT;
+  if (c % CPW == 0) dst[sec(r, warp == 0 ? KC_OFF : VC_OFF, LW) + c / CPW] = word;
+  if (c % 64 == 0) {
+    dst[sec(r, warp == 0 ? KS_OFF : VS_OFF, NG) + c / 64] = __float_as_uint(qsc);
+    dst[sec(r, warp == 0 ? KO_OFF : VO_OFF, NG) + c / 64] = __float_as_uint(qlo);
+  }
+}
 """
 
 
 @lru_cache(maxsize=None)
-def kernel():
+def kernel(own: bool = False):
+    """The kernel; `own`: the variant that also stores the step's own rows into the pool (its
+    template's OWN, set by the caller; one source, so the two agree in everything else)."""
     return mx.fast.cuda_kernel(
-        name="orchard_packed_decode_v2",
+        name="orchard_packed_decode_v2" + ("_own" if own else ""),
         input_names=["q", "kf", "vf", "pool", "pages", "ends", "dims", "scale", "signs"],
         output_names=["out", "part", "ml"], source=_SOURCE, header=_HEADER,
         ensure_row_contiguous=True)

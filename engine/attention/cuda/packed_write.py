@@ -33,61 +33,80 @@ from engine.kv.rotation import rotation_signs
 HEAD_DIMS = (64, 128)
 BITS = (4, 8)
 WARPS = 4
+# One (row, head) of K or V quantized by one warp, as engine/kv/quant.py does (keys after
+# engine/kv/rotation.py's rotation): x holds this lane's VPT = D / 32 channels from lane * VPT.
+# `rotate` (keys): x R first (the fixed signs, then the normalised Sylvester-order Walsh-Hadamard
+# transform: in registers, then across lanes). Leaves in `word` the packed word that holds
+# channel lane * VPT (every lane sharing that word gets it whole) and in `sc` / `lo` the scale and
+# offset of the lane's 64-channel group. Whole warps only (it shuffles). Shared with the packed
+# decode kernel, which stores a step's own row this way (cuda/packed_decode_v2_source.py).
+QUANTIZE = """
+template <int D, int BITS>
+__device__ __forceinline__ void orch_quantize(float (&x)[D / 32], bool rotate, const float* signs,
+                                              int lane, unsigned int& word, float& sc, float& lo) {
+  constexpr int VPT = D / 32;          // channels per lane
+  constexpr int LPG = 64 / VPT;        // lanes per 64-channel group
+  constexpr int VPW = 32 / BITS;       // channels per packed word
+  const float top = (float)((1 << BITS) - 1);
+  if (rotate) {
+    #pragma unroll
+    for (int i = 0; i < VPT; ++i) x[i] *= signs[lane * VPT + i];
+    #pragma unroll
+    for (int h = 1; h < VPT; h <<= 1) {
+      #pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        if (!(i & h)) { const float a = x[i], b = x[i + h]; x[i] = a + b; x[i + h] = a - b; }
+      }
+    }
+    #pragma unroll
+    for (int h = 1; h < 32; h <<= 1) {
+      #pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const float o = __shfl_xor_sync(0xffffffff, x[i], h);
+        x[i] = (lane & h) ? o - x[i] : x[i] + o;
+      }
+    }
+    const float norm = rsqrtf((float)D);
+    #pragma unroll
+    for (int i = 0; i < VPT; ++i) x[i] *= norm;
+  }
+  lo = x[0];
+  float hi = x[0];
+  #pragma unroll
+  for (int i = 1; i < VPT; ++i) { lo = fminf(lo, x[i]); hi = fmaxf(hi, x[i]); }
+  #pragma unroll
+  for (int o = 1; o < LPG; o <<= 1) {
+    lo = fminf(lo, __shfl_xor_sync(0xffffffff, lo, o));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffff, hi, o));
+  }
+  sc = (hi - lo) / top;
+  const float safe = sc > 0.0f ? sc : 1.0f;
+  word = 0;
+  #pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const float qf = fminf(fmaxf(rintf((x[i] - lo) / safe), 0.0f), top);
+    word |= ((unsigned int)qf) << (((lane * VPT + i) % VPW) * BITS);
+  }
+  #pragma unroll
+  for (int o = 1; o < VPW / VPT; o <<= 1) word |= __shfl_xor_sync(0xffffffff, word, o);
+}
+"""
 _SOURCE = """
 constexpr int VPT = D / 32;            // channels per lane
-constexpr int LPG = 64 / VPT;          // lanes per 64-channel group
 const int N = dims[0], H = dims[1];
 const int lane = threadIdx.x % 32;
 const int wi = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
 if (wi >= 2 * N * H) return;           // whole warps only: shuffles below see every lane
 const bool is_k = wi < N * H;
 const int r = is_k ? wi : wi - N * H;  // row * H + head
-const int bits = is_k ? KB : VB;
-const int vpw = 32 / bits;             // channels per packed word
-const float top = (float)((1 << bits) - 1);
+const int vpw = 32 / (is_k ? KB : VB); // channels per packed word
 float x[VPT];
 #pragma unroll
 for (int i = 0; i < VPT; ++i) x[i] = to_f((is_k ? k : v)[(size_t)r * D + lane * VPT + i]);
-if (is_k) {   // x R: signs, then the normalised Hadamard transform (natural order)
-  #pragma unroll
-  for (int i = 0; i < VPT; ++i) x[i] *= signs[lane * VPT + i];
-  #pragma unroll
-  for (int h = 1; h < VPT; h <<= 1) {
-    #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      if (!(i & h)) { const float a = x[i], b = x[i + h]; x[i] = a + b; x[i + h] = a - b; }
-    }
-  }
-  #pragma unroll
-  for (int h = 1; h < 32; h <<= 1) {
-    #pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      const float o = __shfl_xor_sync(0xffffffff, x[i], h);
-      x[i] = (lane & h) ? o - x[i] : x[i] + o;
-    }
-  }
-  const float norm = rsqrtf((float)D);
-  #pragma unroll
-  for (int i = 0; i < VPT; ++i) x[i] *= norm;
-}
-float lo = x[0], hi = x[0];
-#pragma unroll
-for (int i = 1; i < VPT; ++i) { lo = fminf(lo, x[i]); hi = fmaxf(hi, x[i]); }
-#pragma unroll
-for (int o = 1; o < LPG; o <<= 1) {
-  lo = fminf(lo, __shfl_xor_sync(0xffffffff, lo, o));
-  hi = fmaxf(hi, __shfl_xor_sync(0xffffffff, hi, o));
-}
-const float sc = (hi - lo) / top;
-const float safe = sc > 0.0f ? sc : 1.0f;
-unsigned int word = 0;
-#pragma unroll
-for (int i = 0; i < VPT; ++i) {
-  const float qf = fminf(fmaxf(rintf((x[i] - lo) / safe), 0.0f), top);
-  word |= ((unsigned int)qf) << (((lane * VPT + i) % vpw) * bits);
-}
-const int lpw = vpw / VPT;             // lanes sharing one packed word
-for (int o = 1; o < lpw; o <<= 1) word |= __shfl_xor_sync(0xffffffff, word, o);
+unsigned int word;
+float sc, lo;
+if (is_k) orch_quantize<D, KB>(x, true, signs, lane, word, sc, lo);
+else orch_quantize<D, VB>(x, false, signs, lane, word, sc, lo);
 // The row's record (engine.kv.page_layout.SECTIONS order): K codes [H][KW], V codes [H][VW],
 // then K scales, K offsets, V scales, V offsets, each [H][NG] as FP32 bits.
 constexpr int KW = D * KB / 32, VW = D * VB / 32, NG = D / 64;
@@ -125,7 +144,7 @@ def _kernel(in_place: bool = False):
     return mx.fast.cuda_kernel(
         name="orchard_packed_write" + ("_in_place" if in_place else ""),
         input_names=["k", "v", "signs", "dims", *extra], output_names=[output],
-        source=source(in_place), header=HEADER, ensure_row_contiguous=True)
+        source=source(in_place), header=HEADER + QUANTIZE, ensure_row_contiguous=True)
 
 
 def supports(k_bits: int | None, v_bits: int | None, head_dim: int) -> bool:
