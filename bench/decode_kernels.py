@@ -77,7 +77,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="16:4", help="query:KV heads")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-tokens", type=int, default=16)
-    ap.add_argument("--kernels", default="native,int4:v1,int4:v2,int8:v1,int8:v2")
+    ap.add_argument("--kernels", default="native,int4:v1,int4:v2,int8:v1,int8:v2",
+                    help="native, or FORMAT:v1 / FORMAT:v2 / FORMAT:v2own (v2's variant that "
+                         "also stores the step's own rows into the pool)")
     ap.add_argument("--split-target", type=int, default=None,
                     help="blocks per layer the kernels aim for (default: each kernel's own)")
     ap.add_argument("--min-keys", default="",
@@ -117,15 +119,18 @@ def main(argv=None) -> int:
                 else:
                     fmt, version = spec.split(":")
                     bits = {"int4": 4, "int8": 8}[fmt]
+                    # "v2own": the v2 kernel's variant that also stores the own rows
+                    version, own = version.removesuffix("own"), version.endswith("own")
                     if bits not in pools:
                         pools[bits] = pool(bits)
                         mx.eval(pools[bits][0])
                     words, layout = pools[bits]
 
-                    def call(words=words, layout=layout, bits=bits, version=version, mk=mk):
+                    def call(words=words, layout=layout, bits=bits, version=version, mk=mk,
+                             own=own):
                         return cuda_packed_decode.packed_decode_attention(
                             q, k_new, v_new, words, layout, bits, tables, ends, n, scale,
-                            args.split_target, version=version, min_keys=mk)
+                            args.split_target, version=version, min_keys=mk, own=own)
                     kv_bytes = 2 * rows * kvh * n * (d * bits // 8 + 2 * 4 * (d // 64))
                 try:
                     row[name] = _time(call, args.layers, args.rounds)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sysconfig
 import tempfile
@@ -208,6 +209,10 @@ def main(argv=None):
                          "by round, and report each round's paired ratio to native and their "
                          "median (robust to a machine's slow spells; default: one format's "
                          "rounds after another's, best of each)")
+    ap.add_argument("--graph-dots", metavar="DIR", default=None,
+                    help="with --interleave on CUDA: count each format's CUDA graph nodes per "
+                         "decode step from the dot files MLX writes to DIR (start the bench "
+                         "with MLX_SAVE_CUDA_GRAPHS_DOT_FILE=DIR/g)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sections", default="capacity,prefill,decode",
                     help="any of capacity,prefill,decode,quality")
@@ -223,6 +228,10 @@ def main(argv=None):
         ("dequant",) if args.prefill_dequant else ())
     if unknown := set(paths) - set(PREFILL_PATHS):
         ap.error(f"--prefill-paths: unknown {sorted(unknown)}; choose from {PREFILL_PATHS}")
+    if args.graph_dots and not (args.interleave and Path(os.environ.get(
+            "MLX_SAVE_CUDA_GRAPHS_DOT_FILE", "")).parent == Path(args.graph_dots)):
+        ap.error("--graph-dots DIR needs --interleave and MLX_SAVE_CUDA_GRAPHS_DOT_FILE=DIR/g "
+                 "set when the bench starts (MLX reads it once)")
     kernels = KernelChoices(
         gpu_qmm=args.gpu_qmm, decode_kernel=not args.no_decode_kernel,
         write_kernel=not args.no_write_kernel, prefill_kernel=not args.no_prefill_kernel,
@@ -278,7 +287,8 @@ def main(argv=None):
     if "decode" in sections:
         decode_section(loaded, args.decode, args.batches, args.decode_formats.split(","),
                        args.steps, args.repeats, result.setdefault("decode", {}), save, kernels,
-                       pipelined=args.pipelined, interleave=args.interleave)
+                       pipelined=args.pipelined, interleave=args.interleave,
+                       dots=Path(args.graph_dots) if args.graph_dots else None)
     if "quality" in sections:
         docs = heldout_docs(args.quality_root or sysconfig.get_paths()["stdlib"],
                             args.quality_docs, args.quality_tokens, loaded.tokenizer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -19,6 +20,7 @@ from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.kv.store import KVStore, Slots
 from engine.runner.paged import SeqChunk
 from bench.kv_runners import PAGE_TOKENS, make_runner, progress
+from bench.step_graph import graphs_since
 
 
 def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
@@ -79,13 +81,18 @@ class _DecodeTimer:
         runner = self.runner
         mx.synchronize()
         t0 = time.perf_counter()
-        prev, marks = None, [t0]
+        prev, marks, split = None, [t0], []
         for _ in range(steps):
+            s0 = time.perf_counter()
             logits = runner.forward([SeqChunk(i, [7], self.pos, t)
                                      for i, t in enumerate(self.tables)])
             if not self.pipelined:
+                s1 = time.perf_counter()
+                mx.async_eval(logits, *runner.kvstore.arrays())
+                s2 = time.perf_counter()
                 mx.eval(logits)
                 marks.append(time.perf_counter())
+                split.append((s1 - s0, s2 - s1, marks[-1] - s2))
             else:
                 mx.async_eval(logits, *runner.kvstore.arrays())
                 if prev is not None:
@@ -99,6 +106,10 @@ class _DecodeTimer:
         # Step intervals (a pipelined step's: from one step's result to the next one's), so
         # a round's time can be told apart into steady steps and stalls.
         self.last_step_ms = [1e3 * (b - a) for a, b in zip(marks[1:], marks[2:])]
+        # Synchronous steps: median ms of building the graph (Python), issuing it
+        # (mx.async_eval: MLX encodes and launches its kernels) and waiting for the device.
+        self.last_split_ms = ([round(1e3 * statistics.median(x), 3) for x in zip(*split)]
+                              if split else [])
         return marks[-1] - t0
 
 
@@ -118,8 +129,17 @@ def _quantiles(ms: list[float]) -> list[float]:
     return [round(float(x), 3) for x in q]
 
 
+def _per_step(found: tuple, steps: int) -> dict:
+    """CUDA graph nodes of one round (step_graph.graphs_since's (files, nodes by kernel)) per
+    step, with the kernels that make up at least half a node per step."""
+    files, names = found
+    return {"graphs": round(files / steps, 2), "nodes": round(sum(names.values()) / steps, 1),
+            "by_kernel": {k: round(v / steps, 2) for k, v in names.most_common()
+                          if v / steps >= 0.5}}
+
+
 def _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats, kernels,
-                     pipelined) -> dict:
+                     pipelined, dots: Path | None = None) -> dict:
     """Every format's decode set up first, then timed in turns (native, then each format, per
     round), so a slow spell of the machine lands on every format of its round: the ratio of
     each round is paired, and the row reports their median beside the best tok/s."""
@@ -132,14 +152,25 @@ def _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats, kernels
             row[fmt] = {"error": f"{type(e).__name__}: {e}"[:300]}
     times = {fmt: [] for fmt in timers}
     steps_ms = {fmt: [] for fmt in timers}
-    for _ in range(repeats):
+    split_ms = {fmt: [] for fmt in timers}
+    graphs = {}
+    for r in range(repeats):
         for fmt, timer in timers.items():
+            if dots is not None and r == 0:
+                graphs_since(dots, seen := set())   # what earlier rounds left
             times[fmt].append(timer.round(steps))
             steps_ms[fmt].append(_quantiles(timer.last_step_ms))
+            split_ms[fmt].append(timer.last_split_ms)
+            if dots is not None and r == 0:
+                graphs[fmt] = _per_step(graphs_since(dots, seen), steps)
     for fmt, ts in times.items():
         row[fmt] = {"tok_s": round(b * steps / min(ts), 2),
                     "tok_s_rounds": [round(b * steps / t, 2) for t in ts],
                     "step_ms_rounds_p10_p50_p90_max": steps_ms[fmt]}
+        if not pipelined:
+            row[fmt]["build_issue_wait_ms_rounds"] = split_ms[fmt]
+        if fmt in graphs:
+            row[fmt]["graph_nodes_per_step"] = graphs[fmt]
         if fmt != "native" and "native" in times:
             paired = [tn / t for tn, t in zip(times["native"], ts)]
             row[fmt]["ratios_paired"] = [round(r, 3) for r in paired]
@@ -149,14 +180,14 @@ def _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats, kernels
 
 def decode_section(loaded, contexts, batches, formats, steps, repeats, out: dict, save,
                    kernels: KernelChoices = DEFAULT_KERNELS, pipelined: bool = False,
-                   interleave: bool = False) -> dict:
+                   interleave: bool = False, dots: Path | None = None) -> dict:
     for n in contexts:
         for b in batches:
             room = steps * (repeats + 1)
             pages = b * -(-(n + room) // PAGE_TOKENS)
             if interleave:
                 row = _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats,
-                                       kernels, pipelined)
+                                       kernels, pipelined, dots)
                 for fmt in row:
                     progress(f"decode ctx {n} batch {b} {fmt}: {row[fmt].get('tok_s')} tok/s, "
                              f"paired ratios {row[fmt].get('ratios_paired')}")

@@ -3,6 +3,7 @@ import json
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from bench import kv as bench_kv
 from bench import kv_decode
@@ -69,3 +70,35 @@ def test_interleaved_decode_reports_paired_ratios(tmp_path):
         steps = row[fmt]["step_ms_rounds_p10_p50_p90_max"]
         assert len(steps) == 3
         assert all(len(q) == 4 and q == sorted(q) and q[0] > 0 for q in steps)
+
+
+def test_synchronous_rounds_split_build_issue_wait(tmp_path):
+    """Synchronous interleaved rounds record, per round, the median build / issue / wait of a
+    step (ms, each positive); pipelined rounds do not (their parts overlap)."""
+    out = tmp_path / "kv.json"
+    bench_kv.main(["--sections", "decode", "--decode", "64", "--batches", "1",
+                   "--decode-formats", "int4", "--steps", "3", "--repeats", "2",
+                   "--interleave", "--out", str(out)])
+    row = json.loads(out.read_text())["decode"]["ctx64-b1"]
+    for fmt in ("native", "int4"):
+        rounds = row[fmt]["build_issue_wait_ms_rounds"]
+        assert len(rounds) == 2 and all(len(r) == 3 and min(r) > 0 for r in rounds)
+
+
+def test_graph_dots_needs_the_mlx_variable_and_interleave(tmp_path, monkeypatch):
+    """--graph-dots counts the dot files MLX writes only when MLX was told to write them
+    there: without the variable (or without --interleave) the bench refuses at once."""
+    monkeypatch.delenv("MLX_SAVE_CUDA_GRAPHS_DOT_FILE", raising=False)
+    for extra in ([], ["--interleave"]):
+        with pytest.raises(SystemExit):
+            bench_kv.main(["--sections", "decode", "--graph-dots", str(tmp_path), *extra])
+    monkeypatch.setenv("MLX_SAVE_CUDA_GRAPHS_DOT_FILE", str(tmp_path / "g"))
+    with pytest.raises(SystemExit):
+        bench_kv.main(["--sections", "decode", "--graph-dots", str(tmp_path)])
+
+
+def test_graph_counts_per_step():
+    """A round's dot-file nodes become per-step counts, rare kernels left out."""
+    from collections import Counter
+    got = kv_decode._per_step((8, Counter({"gemv": 40, "decode": 16, "rare": 1})), 4)
+    assert got == {"graphs": 2.0, "nodes": 14.2, "by_kernel": {"gemv": 10.0, "decode": 4.0}}
