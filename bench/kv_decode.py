@@ -156,12 +156,14 @@ def _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats, kernels
     graphs = {}
     for r in range(repeats):
         for fmt, timer in timers.items():
-            if dots is not None and r == 0:
-                graphs_since(dots, seen := set())   # what earlier rounds left
+            count = dots is not None and r == 0
+            seen: set = set()
+            if count:
+                graphs_since(dots, seen)   # the files earlier rounds and set-up left
             times[fmt].append(timer.round(steps))
             steps_ms[fmt].append(_quantiles(timer.last_step_ms))
             split_ms[fmt].append(timer.last_split_ms)
-            if dots is not None and r == 0:
+            if count:
                 graphs[fmt] = _per_step(graphs_since(dots, seen), steps)
     for fmt, ts in times.items():
         row[fmt] = {"tok_s": round(b * steps / min(ts), 2),

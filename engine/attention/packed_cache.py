@@ -30,21 +30,13 @@ class PackedLayerCache(PagedLayerCache):
                                 "hook; this model's attention does not (runner is in gather mode)")
         super().__init__(store, step, window, direct, in_place_decode)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The base class's direct path: the store packs the new rows on write, and the step's
-        own rows go back to attention unquantized; history is read packed in attend(). A decode
-        step that attends through a CUDA decode kernel leaves the write to attend(): the v2
-        kernel stores the rows itself, else the write kernel does, in place."""
-        if keys.shape[2] == 1 and self._in_place_decode():
-            self._own = (keys, values)
-            return keys, values
-        return super().update_and_fetch(keys, values)
-
-    def _in_place_decode(self) -> bool:
-        """Whether this step's rows go into the pool in place (no scatter): decode through the
-        CUDA decode kernel, every row real, a store whose pool may be written so."""
-        return (self._kernel_decode() and self.step.valid is None
-                and not self.step.kernels.decode_tiles and self.store.writes_in_place())
+    def _kernel_writes_own(self) -> bool:
+        """Whether the base class's update_and_fetch hands this decode step's rows to attend()
+        unwritten (the mechanism the native kernel uses): the step attends through the CUDA
+        packed decode kernel and the store's pool may be written in place. attend() then has
+        the v2 kernel store them itself, or the write kernel's in-place variant."""
+        return (self._kernel_decode() and not self.step.kernels.decode_tiles
+                and self.store.writes_in_place())
 
     def _write_own(self, own: tuple[mx.array, mx.array]) -> None:
         """A deferred decode write through the write kernel's in-place variant."""
