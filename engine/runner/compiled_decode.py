@@ -52,6 +52,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.attention.paged import PagedLayerCache, View
+from engine.runner.row_pages import RowPages
 from engine.runner.tokens import input_tokens
 
 if TYPE_CHECKING:
@@ -149,6 +150,9 @@ class CompiledDecode:
         self.page_tokens = runner.page_tokens
         self.layers = [(i, runner.kvstore.layer(i))
                        for i in runner.loaded.geometry.paged_layers]
+        # Rows' page ids kept between steps, range-checked as they arrive (the runner leaves
+        # the check of a compiled step's ids to it: engine/runner/row_pages.py).
+        self.row_pages = RowPages(runner.kvstore.num_pages)
         self.traces = 0   # how many shapes were traced (tests and benches read it)
         self.failure: str | None = None   # why a trace failed, if one did
         self._fn = mx.compile(self._step)
@@ -176,10 +180,10 @@ class CompiledDecode:
         width = bucket_pages(max(need))
         padded = bucket_rows(rows) if self.runner.kernels.compiled_row_buckets else rows
         table = np.empty((padded, 1 + width), dtype=np.int32)
-        for i, (c, n) in enumerate(zip(chunks, need)):
+        for i, (c, n, ids) in enumerate(zip(chunks, need, self.row_pages.arrays(chunks, need))):
             table[i, 0] = c.start
-            table[i, 1:1 + n] = c.page_table[:n]
-            table[i, 1 + n:] = c.page_table[0]   # any live page: the row's end bounds its keys
+            table[i, 1:1 + n] = ids
+            table[i, 1 + n:] = ids[0]   # any live page: the row's end bounds its keys
         table[rows:] = table[rows - 1]   # padding repeats the last row (module docstring)
         if tokens is None:
             tokens = input_tokens(chunks, 1)

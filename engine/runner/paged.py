@@ -51,7 +51,10 @@ class SeqChunk:
     # token) lets a caller queue step n+1 before step n is read back, as mlx-lm's generators do.
     token_ids: list[int] | mx.array
     start: int              # tokens of this sequence already in KV
-    page_table: list[int]   # physical page ids covering start + len(token_ids)
+    # Physical page ids covering start + len(token_ids). While the sequence runs, its list only
+    # grows by appending (as PageTable's does): compiled decode steps keep each row's ids
+    # converted from earlier steps (engine/runner/row_pages.py); a new table is a new list.
+    page_table: list[int]
 
 
 class RecurrentStates:
@@ -188,8 +191,11 @@ class ModelRunner:
         `decode_tokens` (optional): every chunk is one token and these are their ids as one
         int array [len(chunks)] (pipelined decode passes the previous step's sampled array
         whole instead of a slice per row)."""
-        self._validate(chunks)
-        if decode_tokens is not None or all(len(c.token_ids) == 1 for c in chunks):
+        one_token = decode_tokens is not None or all(len(c.token_ids) == 1 for c in chunks)
+        # A compiled step range-checks the page ids itself, as they first arrive (RowPages):
+        # on long contexts checking every id of every row each step is most of its host work.
+        self._validate(chunks, page_ids=not (one_token and self.compiled is not None))
+        if one_token:
             if self.compiled is not None:
                 out = self.compiled.forward(chunks, decode_tokens)
                 if out is not None:
@@ -241,7 +247,7 @@ class ModelRunner:
         if self.recurrent is not None:
             self.recurrent.release(seq_id)
 
-    def _validate(self, chunks: list[SeqChunk]) -> None:
+    def _validate(self, chunks: list[SeqChunk], page_ids: bool = True) -> None:
         if not chunks:
             raise ValueError("forward needs at least one chunk")
         seen = set()
@@ -255,7 +261,8 @@ class ModelRunner:
             if len(c.page_table) < need:
                 raise ValueError(f"sequence {c.seq_id}: page table has {len(c.page_table)} "
                                  f"pages, needs {need} for {c.start + len(c.token_ids)} tokens")
-            if min(c.page_table[:need]) < 0 or max(c.page_table[:need]) >= self.kvstore.num_pages:
+            if page_ids and (min(c.page_table[:need]) < 0
+                             or max(c.page_table[:need]) >= self.kvstore.num_pages):
                 raise ValueError(f"sequence {c.seq_id}: page id out of range")
 
     def _groups(self, chunks: list[SeqChunk]) -> list[list[int]]:

@@ -72,13 +72,14 @@ def test_interleaved_decode_reports_paired_ratios(tmp_path):
         assert all(len(q) == 4 and q == sorted(q) and q[0] > 0 for q in steps)
 
 
-def test_synchronous_rounds_split_build_issue_wait(tmp_path):
-    """Synchronous interleaved rounds record, per round, the median build / issue / wait of a
-    step (ms, each positive); pipelined rounds do not (their parts overlap)."""
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_rounds_split_build_issue_wait(tmp_path, pipelined):
+    """Interleaved rounds record, per round, the median build / issue / wait of a step (ms,
+    each positive), synchronous and pipelined (there the wait is for the previous step)."""
     out = tmp_path / "kv.json"
     bench_kv.main(["--sections", "decode", "--decode", "64", "--batches", "1",
                    "--decode-formats", "int4", "--steps", "3", "--repeats", "2",
-                   "--interleave", "--out", str(out)])
+                   "--interleave", "--out", str(out), *(["--pipelined"] if pipelined else [])])
     row = json.loads(out.read_text())["decode"]["ctx64-b1"]
     for fmt in ("native", "int4"):
         rounds = row[fmt]["build_issue_wait_ms_rounds"]

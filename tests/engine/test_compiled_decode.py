@@ -87,6 +87,55 @@ def test_one_row_is_traced_once_per_bucket(tiny_llama):
     assert runner.compiled.traces == 3   # buckets of 4, 8 and 16 pages
 
 
+def test_tables_growing_by_appends_are_followed_and_converted_once(tiny_llama):
+    """Page lists that grow by appending (as PageTable's do) between compiled steps: logits and
+    pages equal the uncompiled runner's every step, and each id is converted from its list once
+    (RowPages), not once per step; a new list for the same sequence is converted afresh."""
+    lm = load_model(tiny_llama)
+    fast, slow = _runner(lm, COMPILED, page_tokens=4), _runner(lm, PLAIN, page_tokens=4)
+    spare = [30, 2, 17, 8, 25, 11, 36, 5, 22, 14, 39, 1, 28, 9, 19, 33]
+    prompts = [[7, 8, 9, 10, 11], [3, 4]]
+    owned = {r: [[31, 12], [0]] for r in ("fast", "slow")}   # just enough for the prompts
+    for r, runner in (("fast", fast), ("slow", slow)):
+        runner.forward([SeqChunk(i, p, 0, owned[r][i]) for i, p in enumerate(prompts)])
+    lens, free = [5, 2], {r: list(spare) for r in owned}
+    for step in range(20):   # 5 -> 25 and 2 -> 22 keys: rows cross 5 page boundaries each
+        got = []
+        for r, runner in (("fast", fast), ("slow", slow)):
+            for i, n in enumerate(lens):
+                if n // 4 + 1 > len(owned[r][i]):
+                    owned[r][i].append(free[r].pop(0))   # the same list object grows
+            got.append(np.array(runner.forward(
+                [SeqChunk(i, [5 + step], n, owned[r][i]) for i, n in enumerate(lens)])))
+        assert np.abs(got[0] - got[1]).max() <= 1e-4, step
+        lens = [n + 1 for n in lens]
+    for x, y in zip(fast.kvstore.arrays(), slow.kvstore.arrays()):
+        assert mx.abs(x - y).max().item() <= 1e-4
+    pages = fast.compiled.row_pages
+    assert pages.converted == sum(n // 4 + 1 for n in (24, 21))   # each needed id once
+    fast.forward([SeqChunk(0, [1], lens[0], list(owned["fast"][0]))])   # a new list object
+    assert pages.converted == sum(n // 4 + 1 for n in (24, 21)) + lens[0] // 4 + 1
+
+
+def test_compiled_steps_refuse_page_ids_out_of_range_and_write_nothing(tiny_llama):
+    """The compiled step checks the ids it converts (the runner leaves that to it): an id out
+    of range, on a row's first step or appended later, is refused before anything runs."""
+    lm = load_model(tiny_llama)
+    runner = _runner(lm, COMPILED, pages=8, page_tokens=4)
+    table = [3]
+    runner.forward([SeqChunk(0, [1, 2, 3], 0, table)])
+    before = [np.array(a) for a in runner.kvstore.arrays()]
+    with pytest.raises(ValueError, match="sequence 1: page id out of range"):
+        runner.forward([SeqChunk(0, [4], 3, table), SeqChunk(1, [4], 0, [8])])
+    runner.forward([SeqChunk(0, [4], 3, table)])   # fills page 3
+    table.append(-1)   # the list grows by a bad id
+    written = [np.array(a) for a in runner.kvstore.arrays()]
+    with pytest.raises(ValueError, match="sequence 0: page id out of range"):
+        runner.forward([SeqChunk(0, [5], 4, table)])
+    assert all(np.array_equal(np.array(a), b) for a, b in zip(runner.kvstore.arrays(), written))
+    assert any(not np.array_equal(a, b) for a, b in zip(written, before))
+
+
 def test_bucket_widths():
     assert [bucket_pages(n) for n in (1, 3, 4, 5, 8, 9, 100)] == [4, 4, 4, 8, 8, 16, 128]
     assert compiled_decode.MIN_BUCKET_PAGES == 4
