@@ -153,6 +153,7 @@ class CompiledDecode:
         # Rows' page ids kept between steps, range-checked as they arrive (the runner leaves
         # the check of a compiled step's ids to it: engine/runner/row_pages.py).
         self.row_pages = RowPages(runner.kvstore.num_pages)
+        self._tables: dict[tuple[int, int], np.ndarray] = {}
         self.traces = 0   # how many shapes were traced (tests and benches read it)
         self.failure: str | None = None   # why a trace failed, if one did
         self._fn = mx.compile(self._step)
@@ -179,7 +180,11 @@ class CompiledDecode:
         need = [c.start // t + 1 for c in chunks]
         width = bucket_pages(max(need))
         padded = bucket_rows(rows) if self.runner.kernels.compiled_row_buckets else rows
-        table = np.empty((padded, 1 + width), dtype=np.int32)
+        # One host buffer per shape (mx.array copies it): a fresh 8 x 4K table cost more to
+        # allocate and fault in than to fill.
+        table = self._tables.get((padded, width))
+        if table is None:
+            table = self._tables[padded, width] = np.empty((padded, 1 + width), dtype=np.int32)
         for i, (c, n, ids) in enumerate(zip(chunks, need, self.row_pages.arrays(chunks, need))):
             table[i, 0] = c.start
             table[i, 1:1 + n] = ids
