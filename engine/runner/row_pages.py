@@ -2,9 +2,10 @@
 
 Why: a compiled decode step uploads every row's page table (engine/runner/compiled_decode.py).
 At 32K context a row holds 2,049 pages of 16 tokens; converting eight such Python lists to
-numpy and range-checking them in Python took about 1.1 ms of host work per batch-8 step on the
-2-core dev box (0.1 ms at 4K batch 1), work that grows with the context while the device's
-share of a packed step shrinks.
+numpy and range-checking them in Python took about 0.7 ms of host work per batch-8 step on the
+2-core dev box (0.013 ms kept here), work that grows with the context while the device's share
+of a packed step shrinks: on the H200 it held packed int4 decode at 32K batch 8 to native's
+step time (docs/lab/benchmarks-gpu.md, sessions 13 and 14).
 
 A sequence's page list only grows by appending: `PageTable` appends the ids it allocates and
 gives a released or replaced table a new list (engine/kv/pages.py), and `SeqChunk` states the
