@@ -86,22 +86,15 @@ class _DecodeTimer:
             s0 = time.perf_counter()
             logits = runner.forward([SeqChunk(i, [7], self.pos, t)
                                      for i, t in enumerate(self.tables)])
-            if not self.pipelined:
-                s1 = time.perf_counter()
-                mx.async_eval(logits, *runner.kvstore.arrays())
-                s2 = time.perf_counter()
-                mx.eval(logits)
+            s1 = time.perf_counter()
+            mx.async_eval(logits, *runner.kvstore.arrays())
+            s2 = time.perf_counter()
+            # Pipelined, the engine reads step n back while step n+1 is queued.
+            waited, prev = (prev, logits) if self.pipelined else (logits, None)
+            if waited is not None:
+                mx.eval(waited)
                 marks.append(time.perf_counter())
                 split.append((s1 - s0, s2 - s1, marks[-1] - s2))
-            else:
-                s1 = time.perf_counter()
-                mx.async_eval(logits, *runner.kvstore.arrays())
-                s2 = time.perf_counter()
-                if prev is not None:
-                    mx.eval(prev)   # the engine reads step n back while step n+1 is queued
-                    marks.append(time.perf_counter())
-                    split.append((s1 - s0, s2 - s1, marks[-1] - s2))
-                prev = logits
             self.pos += 1
         if prev is not None:
             mx.eval(prev)
