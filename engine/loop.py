@@ -130,6 +130,9 @@ class Engine:
         if bad:
             raise InvalidRequest(f"logit_bias / stop_token_ids name token ids out of range "
                                  f"(vocab {self.vocab_size}): {bad[:5]}")
+        if p.min_tokens and not p.eos_token_ids:
+            # The sampler holds back exactly the ids the scheduler would finish on.
+            p = replace(p, eos_token_ids=tuple(sorted(self.scheduler.eos_ids)))
         # The grammar is compiled here, off the engine thread (a bad schema is refused now).
         constraint = None if p.grammar is None else \
             await asyncio.to_thread(self._parts.grammar.make, p.grammar)

@@ -39,7 +39,8 @@ class ResultStreams:
     def open(self, seq: Seq, sink: Sink) -> None:
         """Start streaming an accepted request's results to `sink`."""
         self.live[seq.request_id] = LiveRequest(
-            seq, sink, TextStream(self.tokenizer, seq.prompt_ids, seq.params.stop))
+            seq, sink, TextStream(self.tokenizer, seq.prompt_ids, seq.params.stop,
+                                       seq.params.min_tokens))
 
     def note_logprobs(self, request_id: str, logprobs) -> None:
         """The logprobs of the token the request's next delivery carries."""

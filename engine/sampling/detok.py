@@ -3,7 +3,9 @@
 Text is decoded incrementally (prefix/read offsets, as vLLM and TGI do) so a multi-byte character
 split across tokens is held until complete. Stop strings are matched on the decoded text: the
 match and everything after it are never emitted, and a tail that could still become a stop string
-is held back until it either completes the match or diverges.
+is held back until it either completes the match or diverges. With `min_tokens` (vLLM's rule)
+stop strings are not matched until that many tokens were pushed: text before is emitted as it
+decodes, and matching starts in the text that follows.
 """
 from __future__ import annotations
 
@@ -11,13 +13,15 @@ _CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so leading spaces c
 
 
 class TextStream:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
+                 min_tokens: int = 0):
         self._decode = tokenizer.decode
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix = 0
         self._read = len(self._ids)
         self._stop = stop
         self._longest_stop = max((len(s) for s in stop), default=0)
+        self._unmatched = min_tokens   # tokens still to push before stop strings count
         self.text = ""       # decoded output text so far (may extend past a stop match)
         self._emitted = 0    # characters of `text` already handed out
         self.stopped = False
@@ -28,6 +32,10 @@ class TextStream:
             return ""
         self._ids.append(token_id)
         self.text += self._decode_new()
+        if self._unmatched > 0:
+            self._unmatched -= 1
+            out, self._emitted = self.text[self._emitted:], len(self.text)
+            return out
         return self._release()
 
     def flush(self) -> str:

@@ -29,6 +29,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()   # finish with "stop" when sampled (never decoded)
     logprobs: int | None = None     # None = off; k = the sampled token's logprob + k alternatives
     grammar: str | None = None      # llguidance grammar the output must match (structured.py)
+    # vLLM's extension: EOS and stop_token_ids are masked out of the logits (and stop strings
+    # not matched) until this many tokens have been generated; benchmarks use it to fix lengths.
+    min_tokens: int = 0
+    # The model's end-of-sequence ids: the engine fills them in at submit (Engine.generate), so
+    # the sampler can hold them back for min_tokens without knowing the tokenizer.
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -39,6 +45,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias",
                            tuple((t, float(b)) for t, b in self.logit_bias))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         _require(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
                  f"temperature must be in [0, 100], got {self.temperature!r}")
         _require(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
@@ -66,6 +73,15 @@ class SamplingParams:
                  "stop_token_ids must be token ids >= 0")
         _require(self.grammar is None or (isinstance(self.grammar, str) and self.grammar),
                  "grammar must be a non-empty llguidance grammar")
+        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+                 f"min_tokens must be in [0, max_tokens={self.max_tokens!r}], "
+                 f"got {self.min_tokens!r}")
+        # A grammar's document ends where the grammar says (only EOS is allowed then): forcing
+        # more tokens would leave a row with no token it may take.
+        _require(not (self.min_tokens and self.grammar is not None),
+                 "min_tokens cannot be combined with a grammar (structured output)")
+        _require(all(_is_int(t) and t >= 0 for t in self.eos_token_ids),
+                 "eos_token_ids must be token ids >= 0")
         _require(self.logprobs is None or (_is_int(self.logprobs)
                                            and 0 <= self.logprobs <= MAX_LOGPROBS),
                  f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
@@ -83,6 +99,15 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         return self.penalized or bool(self.logit_bias)
+
+    @property
+    def held_back_ids(self) -> tuple[int, ...]:
+        """Token ids masked while fewer than min_tokens were generated: those that would end
+        the sequence (EOS only when it ends it, i.e. without ignore_eos)."""
+        if not self.min_tokens:
+            return ()
+        ends = (() if self.ignore_eos else self.eos_token_ids) + self.stop_token_ids
+        return tuple(sorted(set(ends)))
 
     @property
     def synchronous(self) -> bool:

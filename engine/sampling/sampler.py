@@ -10,6 +10,9 @@ Per-row options, all applied inside one batched call (rows without an option pay
   greedy and sampled rows pick from. mlx-lm's processors are per-sequence closures with one
   scalar each, so the batched forms here take one value per row. Presence and frequency count
   the generated tokens (OpenAI's definition); repetition covers prompt and output (HF, vLLM).
+- `min_tokens` (vLLM's): while a row has generated fewer, the tokens that would end it (EOS,
+  stop_token_ids) are masked, after the other processors. It reads only the row's token index,
+  which pipelined decode keeps exact, so it costs no synchronous step.
 - `min_p`, `top_k`, `top_p` restrict sampled rows' support after temperature.
 - `logprobs` are of the model's own distribution (log-softmax of the raw logits, before
   processors and temperature), as vLLM reports them by default: they sum to the sequence's
@@ -68,7 +71,7 @@ def sample(logits: mx.array, rows: list[RowSpec]) -> mx.array:
 
 def process_logits(logits: mx.array, rows: list[RowSpec]) -> mx.array:
     """Apply the rows' logits processors; rows without any are untouched (and unread)."""
-    picked = [i for i, r in enumerate(rows) if r.params.processes_logits]
+    picked = [i for i, r in enumerate(rows) if r.params.processes_logits or _holds_back(r)]
     if not picked:
         return logits
     if len(picked) == len(rows):
@@ -115,7 +118,19 @@ def _processed(logits: mx.array, rows: list[RowSpec]) -> mx.array:
                          lambda s: s.params.frequency_penalty or s.params.presence_penalty)
         logits = (logits - mx.array(freq, dtype=logits.dtype)[:, None] * counts
                   - mx.array(pres, dtype=logits.dtype)[:, None] * (counts > 0))
+    held = [(r, t) for r, spec in enumerate(rows) if _holds_back(spec)
+            for t in spec.params.held_back_ids if t < vocab]
+    if held:
+        from engine.sampling.logits_processors import MASKED
+
+        r, t = zip(*held)
+        logits = logits.at[mx.array(r), mx.array(t)].add(MASKED)
     return logits
+
+
+def _holds_back(spec: RowSpec) -> bool:
+    """The row's next token may not end it yet (fewer than min_tokens generated)."""
+    return spec.index < spec.params.min_tokens and bool(spec.params.held_back_ids)
 
 
 def _counts(rows: list[RowSpec], vocab: int, tokens_of, applies) -> mx.array:
