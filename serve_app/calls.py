@@ -31,6 +31,7 @@ class GenerateCall:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0   # EOS / stop ids held back until this many tokens (vLLM's extension)
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -57,6 +58,7 @@ class GenerateCall:
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             max_tokens=self.max_tokens, stop=tuple(self.stop), ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
             min_p=self.min_p, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from enum import IntEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
@@ -32,8 +33,15 @@ class _Req(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class UsageStats(IntEnum):
+    """Where a stream reports usage: nowhere, a final chunk, or also every chunk (vLLM's
+    `continuous_usage_stats`, which counts only together with include_usage, as in vLLM)."""
+    NONE, FINAL, CONTINUOUS = range(3)
+
+
 class StreamOptions(_Req):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False   # vLLM's extension (GuideLLM sends it)
     include_obfuscation: Any = None   # ignored: padding against side channels, not content
 
 
@@ -88,6 +96,7 @@ class _Sampling(_Req):
     repetition_penalty: float | None = None         # vLLM's extension
     logit_bias: dict[str, float] | None = None
     ignore_eos: StrictBool = False   # vLLM's extension: generate max_tokens (benchmarks, tests)
+    min_tokens: StrictInt = 0        # vLLM's extension: no EOS / stop before this many tokens
     # Safely ignored (IGNORED_FIELDS).
     user: Any = None
     metadata: Any = None
@@ -102,8 +111,9 @@ class _Sampling(_Req):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+    def include_usage(self) -> UsageStats:
+        so = self.stream_options or StreamOptions()
+        return UsageStats(so.include_usage * (1 + so.continuous_usage_stats))
 
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
@@ -185,6 +195,7 @@ def check_values(req: ChatCompletionRequest | CompletionRequest) -> None:
     mt = req.requested_max_tokens()
     if mt is not None and mt < 1:
         raise bad_request(f"max_tokens must be >= 1, got {mt}", param="max_tokens")
+    _check_range(req.min_tokens, "min_tokens", 0, math.inf if mt is None else mt)
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     _check_range(req.temperature, "temperature", 0.0, 2.0)

@@ -154,18 +154,21 @@ class Choices:
         if lp is not None:
             c.logprobs.append(lp)
 
-    def chunks(self, index: int, item: ReplicaDelta) -> list[str]:
+    def chunks(self, index: int, item: ReplicaDelta, usage: bool = False) -> list[str]:
+        """This item's SSE chunks; `usage`: each carries the request's usage so far (vLLM's
+        continuous_usage_stats: completion tokens of all choices up to this item)."""
         c = self.choices[index]
         lp = self._logprobs(c, item)
         split, first = c.take(item)
         c.chars += len(item.text)
+        so_far = usage_body(self.usage()) if usage else None
         out = []
         if split.content or split.reasoning or split.tool_calls or first or lp:
             out.append(self.builder.chunk(split.content, None, index=index, first=first,
                                           logprobs=lp, reasoning=split.reasoning or None,
-                                          tool_calls=split.tool_calls or None))
+                                          tool_calls=split.tool_calls or None, usage=so_far))
         if item.finish_reason is not None:
-            out.append(self.builder.chunk(None, c.openai_finish(), index=index))
+            out.append(self.builder.chunk(None, c.openai_finish(), index=index, usage=so_far))
         return out
 
     def _joined_logprobs(self, c: Choice) -> Any:
@@ -261,17 +264,19 @@ def usage_body(u: dict | None) -> dict:
                         u.get("cached_tokens", 0))
 
 
-async def sse(out: Choices, streams: list, include_usage: bool, tracker: Tracker,
+async def sse(out: Choices, streams: list, include_usage: P.UsageStats, tracker: Tracker,
               failed_mid_stream: Callable[[str, str, Exception], APIError]
               ) -> AsyncIterator[str]:
     """The SSE body of a streamed reply; a failure after the first byte ends it with an error
-    event (`failed_mid_stream` maps and counts it)."""
+    event (`failed_mid_stream` maps and counts it). Usage comes in a last chunk with no choices
+    (FINAL), and also on every chunk (CONTINUOUS)."""
     finish, merged = None, merge(streams)
     try:
         try:
             async for index, item in merged:
                 tracker.delta(item)
-                for chunk in out.chunks(index, item):
+                for chunk in out.chunks(index, item,
+                                        include_usage == P.UsageStats.CONTINUOUS):
                     yield chunk
             finish = out.finish()
         except Exception as e:  # noqa: BLE001 - after the first byte: an error event

@@ -152,6 +152,13 @@ class CallBuilder:
                                       code="unsupported_parameter")
         prompt_text, prompt_ids = await self._prompt_ids(kind, req, entry.tokenizer, plan)
         max_tokens = self._max_tokens(req, len(prompt_ids), entry)
+        if req.min_tokens > max_tokens:   # only when max_tokens was left to the default
+            raise bad_request(f"min_tokens={req.min_tokens} exceeds the {max_tokens} tokens "
+                              "this request may generate; set max_tokens", param="min_tokens")
+        if req.min_tokens and grammar is not None:
+            # A finished document allows only EOS: forcing more tokens leaves nothing to take.
+            raise bad_request("min_tokens cannot be combined with response_format or a forced "
+                              "tool call", param="min_tokens", code="unsupported_parameter")
         vocab = len(entry.tokenizer)
         for name, ids in (("logit_bias", req.logit_bias_ids()),
                           ("stop_token_ids", req.stop_token_ids or ())):
@@ -167,7 +174,7 @@ class CallBuilder:
             top_p=1.0 if req.top_p is None else float(req.top_p), top_k=req.top_k or 0,
             # Choices of one seeded request differ from each other and are reproducible.
             seed=None if req.seed is None else req.seed + i, stop=req.stop_list(),
-            ignore_eos=req.ignore_eos, min_p=req.min_p or 0.0,
+            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, min_p=req.min_p or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None
