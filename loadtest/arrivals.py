@@ -7,9 +7,10 @@ seed: `random.Random(seed)`, no global state.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 # Gap between consecutive requests of one pattern group, in seconds.
 PATTERN_GAPS = {"burst": 0.0, "stagger-25ms": 0.025, "stagger-100ms": 0.100,
@@ -42,6 +43,13 @@ class Schedule:
     def to_json(self) -> str:
         return json.dumps({"meta": self.meta, "arrivals": [asdict(a) for a in self.arrivals]})
 
+    def reseeded(self, replay: int) -> "Schedule":
+        """The same send times and prompt lengths with fresh prompt texts: replaying one
+        schedule's texts again would hit the prefix caches of servers that keep them, which
+        measures the cache, not serving (see docs/lab/benchmarks-loadtest.md)."""
+        return Schedule([replace(a, seed=fresh_seed(a.seed, replay)) for a in self.arrivals],
+                        {**self.meta, "replay": replay})
+
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
         obj = json.loads(text)
@@ -64,6 +72,16 @@ def gamma_times(rate: float, duration: float, shape: float, rng: random.Random) 
         if t >= duration:
             return times
         times.append(t)
+
+
+def poisson_count(rate: float, n: int, rng: random.Random) -> list[float]:
+    """Exactly `n` arrivals with exponential gaps of mean 1/rate, the first at t = 0."""
+    if rate <= 0 or n < 1:
+        raise ValueError("rate must be positive and n at least 1")
+    times = [0.0]
+    while len(times) < n:
+        times.append(times[-1] + rng.expovariate(rate))
+    return times
 
 
 def burst_times(size: int, period: float, count: int, start: float = 0.0) -> list[float]:
@@ -111,6 +129,22 @@ def mixed_patterns(mix, max_tokens: int, patterns=tuple(PATTERN_GAPS), rounds: i
             arrivals.extend(group)
             cursor += offsets[-1] + round_gap
     return arrivals
+
+
+def uniform_lengths(n: int, lo: int, hi: int, rng: random.Random) -> list[int]:
+    """`n` prompt lengths drawn uniformly from [lo, hi] tokens."""
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def with_lengths(arrivals: list[Arrival], lengths: list[int]) -> list[Arrival]:
+    return [replace(a, prompt_tokens=n) for a, n in zip(arrivals, lengths, strict=True)]
+
+
+def fresh_seed(seed: int, replay: int) -> int:
+    """A request's text seed for replay number `replay`: a hash, so no two replays of a
+    bench (targets, rates, repeats) share a prompt, yet each replays the same when re-run."""
+    digest = hashlib.sha256(f"{replay}/{seed}".encode()).digest()
+    return int.from_bytes(digest[:6], "big")
 
 
 def sort_and_index(arrivals: list[Arrival]) -> list[Arrival]:

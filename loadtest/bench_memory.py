@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import psutil
 
-from engine.model.names import MODEL_HELP, model_arg
 from loadtest import memory_limit, orchard_proc, peer, probe, prompts
+from loadtest.models import MODEL_HELP, model_arg, weight_bytes
 from loadtest.sse import SSEParser, parse_event
 
 MIB = 1 << 20
@@ -198,8 +198,6 @@ def orchard_config(model: str, model_id: str, kv_format: str, kv_bytes: int) -> 
 def orchard_kv_bytes(model: str, limit_mib: int, runtime_mib: int) -> int:
     """What is left of the limit for the KV pool: weights at the compute dtype and a runtime
     allowance (the Ray worker, MLX, prefill scratch) come first."""
-    from serve_app.memory_plan import weight_bytes
-
     left = limit_mib * MIB - weight_bytes(model, 4) - runtime_mib * MIB
     if left < 64 * MIB:
         raise SystemExit(f"orchard bench memory: a {limit_mib} MiB limit leaves "

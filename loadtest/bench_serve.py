@@ -1,9 +1,12 @@
 """`python -m loadtest bench-serve`: one schedule, several targets, one comparison.
 
-Targets are Orchard endpoints (one per KV format, given as URL + model id) and `mlx_lm.server` on
-the same model (started here with --peer-model, or given by URL). The schedule is built once and
-replayed against each target in turn: on one machine, running them at the same time would make
-them compete for the same cores and measure the contention instead of the servers.
+Targets are Orchard endpoints (one per KV format, given as URL + model id), `mlx_lm.server` on
+the same model and llama.cpp's `llama-server` on GGUFs of it (started here with --orchard-model,
+--peer-model, --llama-model, or given by URL). The schedule (send times, prompt lengths) is built
+once per rate and replayed against each target in turn: on one machine, running them at the same
+time would make them compete for the same cores and measure the contention instead of the
+servers. Each replay gets fresh prompt texts, so no server is ever sent a prompt twice (a
+repeated prompt would measure its prefix cache, not its serving).
 """
 from __future__ import annotations
 
@@ -14,10 +17,18 @@ import re
 import shlex
 import sys
 
-from engine.model.names import MODEL_HELP, model_arg, served_id
+import itertools
+import subprocess
+from importlib import metadata
+
 from loadtest import runner
+from loadtest.models import MODEL_HELP, model_arg, model_dir, served_id
 
 PEER_LABEL = "mlx_lm.server"
+# What a user's side-by-side measured (issue 30): prompts of 25-400 tokens, 40 Poisson arrivals
+# per rate, every request generating its full max_tokens.
+DEFAULT_PROMPT_TOKENS = (25, 400)
+DEFAULT_EXTRA_BODY = '{"ignore_eos": true}'
 DOC_BEGIN = "<!-- loadtest:bench-serve:begin -->"
 DOC_END = "<!-- loadtest:bench-serve:end -->"
 
@@ -58,11 +69,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--orchard-model",
                    help="start `orchard serve --model THIS` (defaults, a fresh Ray and fresh "
                    "learned rates) as the target 'orchard'; same names as --peer-model")
+    p.add_argument("--llama-model", action="append", default=[], type=_gguf,
+                   help="start llama.cpp's llama-server on this GGUF as a target (repeat for "
+                   "several): f32 or q4_1 (SmolLM2 GGUFs written by `make llama-server`) or a "
+                   ".gguf path; 16 slots, continuous batching, all cores")
+    p.add_argument("--llama-binary", default=None,
+                   help="llama-server binary (default: the one `make llama-server` builds)")
+    p.add_argument("--llama-slots", type=int, default=16,
+                   help="llama-server parallel slots (-np); its context is slots x (longest "
+                   "prompt + max tokens)")
+    p.add_argument("--reuse-servers", action="store_true",
+                   help="keep the servers this bench starts across rates (faster); by default "
+                   "each rate starts them fresh, as a user restarting between runs has them: "
+                   "no learned rates or warm caches from an earlier rate")
     p.add_argument("--rates", type=_rates,
                    help="comma-separated mean rates (req/s) to sweep, e.g. 0.5,1,2,4; each rate "
                    "gets --requests-per-rate requests (duration = requests / rate) on one "
                    "schedule shared by every target; overrides --rate/--duration")
-    p.add_argument("--requests-per-rate", type=int, default=30)
+    p.add_argument("--requests-per-rate", type=_positive, default=40,
+                   help="arrivals per rate (exactly this many for poisson; default 40, enough "
+                   "to saturate the servers on a small box)")
     p.add_argument("--peer-dtype", default="auto",
                    choices=["auto", "as-is", "float32", "bfloat16", "float16"],
                    help="weights dtype given to the peer (auto: float32 on Linux, where MLX "
@@ -73,7 +99,29 @@ def parser() -> argparse.ArgumentParser:
                    help="replay the schedule this many times per target, rotating the target "
                    "order each time so host-load drift does not always favour the same one")
     runner.add_load_args(p)
+    # A user's comparison: fresh prompts of 25-400 tokens, every answer max_tokens long (servers
+    # that ignore ignore_eos, like mlx_lm.server, show it in the tokens counted from the text).
+    p.set_defaults(prompt_tokens=DEFAULT_PROMPT_TOKENS, extra_body=DEFAULT_EXTRA_BODY)
     return p
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"want a positive whole number, got {text!r}")
+    return n
+
+
+def _gguf(spec: str) -> str:
+    from loadtest import llama_peer
+
+    try:
+        return llama_peer.gguf_path(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def comparison_markdown(summaries: dict[str, dict], baseline: str, command: str,
@@ -112,62 +160,134 @@ def write_docs_section(path: str, body: str) -> None:
         f.write(text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from loadtest import orchard_proc, peer
+def start_servers(args, out_dir: str) -> tuple[list, list, dict]:
+    """Start what the bench starts itself; (targets, handles to stop, settings by target)."""
+    from loadtest import llama_peer, orchard_proc, peer
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(argv)
-    targets = list(args.target)
-    os.makedirs(args.out, exist_ok=True)
-    started = []
+    targets, started, settings = [], [], {}
     try:
         if args.orchard_model:
             print(f"[loadtest] starting orchard serve --model {args.orchard_model}", flush=True)
             server = orchard_proc.start(args.orchard_model,
-                                        os.path.join(args.out, "orchard_serve.log"))
+                                        os.path.join(out_dir, "orchard_serve.log"))
             started.append(server)
-            targets.insert(0, runner.Target(server.url, served_id(args.orchard_model), "native",
-                                            "orchard"))
+            targets.append(runner.Target(server.url, served_id(args.orchard_model), "native",
+                                         "orchard"))
+            settings["orchard"] = {"server": "orchard serve", "version": _git_version(),
+                                   "command": f"orchard serve --model {args.orchard_model}",
+                                   "settings": "defaults (fresh Ray, fresh learned rates)"}
         if args.peer_model:
             dtype = peer.default_dtype() if args.peer_dtype == "auto" else args.peer_dtype
             model = peer.prepare_model(args.peer_model, dtype)
             print(f"[loadtest] starting {PEER_LABEL} on {model} ({dtype})", flush=True)
-            p = peer.start(model, log_path=os.path.join(args.out, "mlx_lm_server.log"))
+            p = peer.start(model, log_path=os.path.join(out_dir, "mlx_lm_server.log"))
             started.append(p)
             targets.append(runner.Target(p.url, p.model, "native", PEER_LABEL))
-        elif args.peer_url:
-            targets.append(runner.Target(args.peer_url.rstrip("/"), None, "native", PEER_LABEL))
-        if not targets:
-            print("no targets: give --target, --orchard-model and/or --peer-model/--peer-url",
-                  file=sys.stderr)
-            return 2
-        command = "python -m loadtest bench-serve " + " ".join(shlex.quote(a) for a in argv)
+            settings[PEER_LABEL] = {"server": PEER_LABEL, "version": _dist_versions(),
+                                    "weights": dtype, "settings": "defaults"}
+        lo, hi = args.prompt_tokens or (0, max(int(x) for x in args.mix.split(",")))
+        for gguf in args.llama_model:
+            name = llama_peer.label(gguf)
+            print(f"[loadtest] starting llama-server on {gguf}", flush=True)
+            s = llama_peer.start(gguf, os.path.join(out_dir, f"{name}.log"),
+                                 binary=args.llama_binary or llama_peer.DEFAULT_BINARY,
+                                 slots=args.llama_slots,
+                                 ctx_per_slot=llama_peer.slot_context(hi, args.max_tokens))
+            started.append(s)
+            targets.append(runner.Target(s.url, s.model, "native", name))
+            settings[name] = s.settings
+    except BaseException:
+        for proc in started:
+            proc.stop()
+        raise
+    return targets, started, settings
+
+
+def _git_version() -> str:
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, cwd=runner.REPO_ROOT, timeout=10)
+        return f"git {out.stdout.strip()}" if out.returncode == 0 else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _dist_versions() -> str:
+    found = []
+    for dist in ("mlx-lm", "mlx"):
+        try:
+            found.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join(found) or "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    if not (args.target or args.orchard_model or args.peer_model or args.peer_url
+            or args.llama_model):
+        print("no targets: give --target, --orchard-model, --peer-model/--peer-url and/or "
+              "--llama-model", file=sys.stderr)
+        return 2
+    if args.tokenizer is None:
+        # Count output tokens from the text with the served model's tokenizer when we know it.
+        for spec in (args.peer_model, args.orchard_model):
+            try:
+                args.tokenizer = runner._tokenizer_arg(model_dir(spec)) if spec else None
+            except (ValueError, argparse.ArgumentTypeError):
+                continue
+            if args.tokenizer:
+                break
+    os.makedirs(args.out, exist_ok=True)
+    command = "python -m loadtest bench-serve " + " ".join(shlex.quote(a) for a in argv)
+    replays = itertools.count()   # one number per replay in the whole bench: fresh prompts
+    fixed = list(args.target) + ([runner.Target(args.peer_url.rstrip("/"), None, "native",
+                                                PEER_LABEL)] if args.peer_url else [])
+    started: list = []
+    settings: dict = {}
+
+    def servers(out_dir: str) -> list:
+        nonlocal started
+        targets, started, new = start_servers(args, out_dir)
+        settings.update(new)
+        return targets + fixed
+
+    try:
         if not args.rates:
-            return _compare(args, targets, args.out, command)
-        results, clean = {}, True
+            return _compare(args, servers(args.out), args.out, command, replays, settings)
+        results, clean, targets = {}, True, None
         for rate in args.rates:
             args.rate, args.duration = rate, args.requests_per_rate / rate
+            args.count = args.requests_per_rate
             out = os.path.join(args.out, f"rate_{rate:g}")
+            os.makedirs(out, exist_ok=True)
+            if targets is None or not args.reuse_servers:
+                for proc in started:
+                    proc.stop()
+                started = []
+                targets = servers(out)
             print(f"[loadtest] rate {rate:g} req/s -> {out}", flush=True)
-            clean &= _compare(args, targets, out, command) == 0
+            clean &= _compare(args, targets, out, command, replays, settings) == 0
             with open(os.path.join(out, "bench.json")) as f:
                 results[f"{rate:g}"] = json.load(f)
     finally:
         for proc in started:
             proc.stop()
-    md = sweep_markdown(results, args.baseline, command)
+    md = sweep_markdown(results, args.baseline, command, settings)
     with open(os.path.join(args.out, "sweep.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump({"command": command, "rates": results}, f, indent=1)
+        json.dump({"command": command, "servers": settings, "rates": results}, f, indent=1)
     if args.docs:
         write_docs_section(args.docs, md)
     print(md)
     return 0 if clean else 1
 
 
-def _compare(args, targets: list, out_dir: str, command: str) -> int:
-    """One schedule replayed against every target (--repeats times, rotating the order)."""
+def _compare(args, targets: list, out_dir: str, command: str, replays, settings: dict) -> int:
+    """One schedule replayed against every target (--repeats times, rotating the order), each
+    replay with prompt texts no other replay of this bench has sent."""
     from loadtest import plots, report
 
     os.makedirs(out_dir, exist_ok=True)
@@ -180,16 +300,18 @@ def _compare(args, targets: list, out_dir: str, command: str) -> int:
     schedule = runner.build_schedule(args, {"context": min(contexts),
                                             "advertised_concurrency": min(caps, default=None)})
     per: dict[str, list] = {t.name: [] for t in targets}
-    for rep in range(args.repeats):
-        for t in targets[rep % len(targets):] + targets[:rep % len(targets)]:
-            out = os.path.join(out_dir, re.sub(r"[^A-Za-z0-9_.-]+", "_", t.name))
-            out = os.path.join(out, f"r{rep}") if args.repeats > 1 else out
-            s = runner.run_locust(t, schedule, args, out)
-            per[t.name].append((s, report.load_records(s["files"]["records"])[0]))
+    for rep, t in replay_order(targets, args.repeats):
+        out = os.path.join(out_dir, re.sub(r"[^A-Za-z0-9_.-]+", "_", t.name))
+        out = os.path.join(out, f"r{rep}") if args.repeats > 1 else out
+        s = runner.run_locust(t, schedule.reseeded(next(replays)), args, out)
+        per[t.name].append((s, report.load_records(s["files"]["records"])[0]))
     args.no_plots = not combined_plots
     summaries = {k: v[0][0] if len(v) == 1 else
                  report.pool(v, schedule.meta, args.slo_ttft_ms, args.slo_tpot_ms)
                  for k, v in per.items()}
+    for k, sm in summaries.items():
+        sm["server"] = settings.get(k, {"server": "given by URL"})
+        sm.setdefault("output_token_count", per[k][0][0].get("output_token_count"))
     runs = {k: [r for _, recs in v for r in recs] for k, v in per.items()}
     plot_paths = plots.all_plots(runs, out_dir, timeline={k: v[0][1] for k, v in per.items()}) \
         if combined_plots else []
@@ -206,7 +328,15 @@ def _compare(args, targets: list, out_dir: str, command: str) -> int:
     return 0 if all(runner.clean(s, args.scenario) for s in summaries.values()) else 1
 
 
-def sweep_markdown(results: dict[str, dict], baseline: str, command: str) -> str:
+def replay_order(targets: list, repeats: int) -> list[tuple[int, object]]:
+    """(repeat, target) in the order they run: the target order rotates each repeat so host-load
+    drift does not always favour the same one."""
+    return [(rep, t) for rep in range(repeats)
+            for t in targets[rep % len(targets):] + targets[:rep % len(targets)]]
+
+
+def sweep_markdown(results: dict[str, dict], baseline: str, command: str,
+                   servers: dict | None = None) -> str:
     """One row per (rate, target) with its ratios to the baseline at that rate (>1 is better
     for tok/s, <1 for TTFT)."""
     def get(summary: dict, *path):
@@ -235,7 +365,10 @@ def sweep_markdown(results: dict[str, dict], baseline: str, command: str) -> str
                         f"{c['error'] + c['hung']} | "
                         + " | ".join("-" if v is None else f"{v:.1f}" for v in vals) + " | "
                         + " | ".join(ratios) + " |")
-    return "\n".join(rows + ["", "Command:", "", "```", command, "```"])
+    notes = [f"- {name}: " + ", ".join(f"{k} `{v}`" for k, v in info.items())
+             for name, info in (servers or {}).items()]
+    return "\n".join(rows + ([""] + notes if notes else [])
+                     + ["", "Command:", "", "```", command, "```"])
 
 
 if __name__ == "__main__":

@@ -24,9 +24,13 @@ class RequestRecord:
     retry_after: str | None = None
     chunk_times: list[float] = field(default_factory=list)  # each text event, from send
     done: float | None = None             # end of stream, from send
-    output_tokens: int | None = None      # server usage.completion_tokens
+    output_tokens: int | None = None      # counted from `text` with the model's tokenizer
+                                          # (--tokenizer), else usage.completion_tokens
     prompt_tokens: int | None = None      # server usage.prompt_tokens
     usage_missing: bool = False           # server sent no usage; output_tokens = text events
+    usage_tokens: int | None = None       # what the server's usage said, kept to compare
+    tokens_from: str = "usage"            # "text" once recounted with the tokenizer
+    text: str = ""                        # the generated text as the client received it
     finish_reason: str | None = None
     error: str | None = None
     hung: bool = False                    # still streaming when the run's patience ran out

@@ -16,8 +16,8 @@ import tempfile
 import sys
 from dataclasses import dataclass
 
-from engine.model.names import served_id
 from loadtest import probe, scenarios
+from loadtest.models import served_id
 from loadtest.arrivals import DEFAULT_MIX, Schedule
 
 LOCUSTFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "locustfile.py")
@@ -45,6 +45,12 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mix", default=",".join(map(str, DEFAULT_MIX)),
                    help="prompt lengths in tokens before scaling to the context")
+    p.add_argument("--prompt-tokens", type=token_range, default=None, metavar="MIN-MAX",
+                   help="draw each prompt's length uniformly from MIN-MAX tokens (seeded) "
+                   "instead of cycling through --mix")
+    p.add_argument("--tokenizer", type=_tokenizer_arg,
+                   help="tokenizer.json or model folder: count output tokens from the streamed "
+                   "text with it (what a user counts) instead of the server's usage figure")
     p.add_argument("--context", type=int, help="model context (default: from /v1/models, "
                    "else 4096)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -83,6 +89,26 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="directory for CSV, HTML, records, summary.json and plots")
 
 
+def _tokenizer_arg(spec: str) -> str:
+    from loadtest.tokens import tokenizer_path
+
+    try:
+        return tokenizer_path(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def token_range(text: str) -> tuple[int, int]:
+    """argparse `type=` for MIN-MAX token ranges, e.g. 25-400."""
+    try:
+        lo, hi = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want MIN-MAX tokens like 25-400, got {text!r}")
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"want 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest run", description=__doc__.split("\n")[0])
     p.add_argument("--host", required=True, help="base URL, e.g. http://127.0.0.1:8000")
@@ -103,7 +129,8 @@ def params_from(args, context: int, capacity: int | None) -> scenarios.Params:
         mix=tuple(int(x) for x in args.mix.split(",")), context=context,
         max_tokens=args.max_tokens, gamma_shape=args.gamma_shape, burst_size=args.burst_size,
         burst_period=args.burst_period, rounds=args.rounds, round_gap=args.round_gap,
-        capacity=args.capacity or capacity, overload_factor=args.overload_factor)
+        capacity=args.capacity or capacity, overload_factor=args.overload_factor,
+        prompt_range=args.prompt_tokens, count=getattr(args, "count", None))
 
 
 def discover(target: Target, args) -> dict:
@@ -166,7 +193,15 @@ def run_locust(target: Target, schedule: Schedule, args, out: str) -> dict:
     if not os.path.exists(rec_path):
         raise RuntimeError(f"locust exited {rc} without writing {rec_path}")
     records, meta = report.load_records(rec_path)
+    counted = {"from": "usage"}
+    if args.tokenizer:
+        from loadtest.tokens import TextCounter
+
+        counted = TextCounter(args.tokenizer).recount(records)
+        with open(rec_path, "w") as f:  # pooled summaries re-read the records from here
+            json.dump({"meta": meta, "records": [r.to_dict() for r in records]}, f)
     summary = report.summarize(records, meta, args.slo_ttft_ms, args.slo_tpot_ms)
+    summary["output_token_count"] = counted
     summary["target"].update(model=target.model, kv=target.kv, label=target.name)
     summary["calibration"] = {"tokens_per_word": cal.tokens_per_word, "overhead": cal.overhead,
                               "probe_s": probe_s}

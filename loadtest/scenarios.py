@@ -26,15 +26,24 @@ class Params:
     round_gap: float = 2.0            # mixed: quiet seconds between pattern groups
     capacity: int | None = None       # overload: advertised concurrent requests
     overload_factor: float = 3.0
+    prompt_range: tuple | None = None  # (min, max) tokens drawn uniformly instead of the mix
+    count: int | None = None          # poisson/smoke: exactly this many arrivals at `rate`
+
+
+def _poisson_times(p: Params, rate: float, duration: float, rng) -> list[float]:
+    # A fixed count (rate sweeps) keeps every rate's run equally long in requests, so the
+    # server reaches the same depth of queue it would under a user's N-request test.
+    return (A.poisson_count(p.rate or rate, p.count, rng) if p.count
+            else A.poisson_times(p.rate or rate, p.duration or duration, rng))
 
 
 def _poisson(p: Params, mix, rng):
-    times = A.poisson_times(p.rate or 4.0, p.duration or 30.0, rng)
+    times = _poisson_times(p, 4.0, 30.0, rng)
     return A.assign(times, mix, p.max_tokens, "poisson", p.seed)
 
 
 def _smoke(p: Params, mix, rng):
-    times = A.poisson_times(p.rate or 2.0, p.duration or 8.0, rng)
+    times = _poisson_times(p, 2.0, 8.0, rng)
     return A.assign(times, mix, p.max_tokens, "poisson", p.seed)
 
 
@@ -79,7 +88,13 @@ def build(name: str, params: Params) -> A.Schedule:
     arrivals = A.sort_and_index(SCENARIOS[name](params, mix, rng))
     if not arrivals:
         raise ValueError(f"scenario {name!r} produced no requests; raise duration or rate")
+    if params.prompt_range:
+        lo, hi = params.prompt_range
+        hi = min(hi, A.scale_mix([hi], params.context, params.max_tokens)[0])
+        arrivals = A.with_lengths(arrivals, A.uniform_lengths(len(arrivals), min(lo, hi), hi,
+                                                              random.Random(params.seed + 1)))
     meta = {"scenario": name, "params": {**asdict(params), "mix": list(params.mix)},
-            "scaled_mix": mix, "requests": len(arrivals),
+            "scaled_mix": mix if not params.prompt_range else
+            [min(a.prompt_tokens for a in arrivals), max(a.prompt_tokens for a in arrivals)], "requests": len(arrivals),
             "peak_rate_1s": A.peak_rate([a.t for a in arrivals])}
     return A.Schedule(arrivals, meta)

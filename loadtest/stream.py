@@ -72,6 +72,7 @@ def _consume(resp, rec: RequestRecord, start: float) -> None:
                 rec.error = f"stream error: {chunk.error}"[:300]
             if chunk.text:
                 rec.chunk_times.append(now)
+                rec.text += chunk.text
             if chunk.finish_reason:
                 rec.finish_reason = chunk.finish_reason
             if chunk.usage:
@@ -82,7 +83,7 @@ def _consume(resp, rec: RequestRecord, start: float) -> None:
     if not saw_done and rec.error is None:
         rec.error = "stream ended without [DONE]"
     if usage and usage.get("completion_tokens") is not None:
-        rec.output_tokens = int(usage["completion_tokens"])
+        rec.output_tokens = rec.usage_tokens = int(usage["completion_tokens"])
         rec.prompt_tokens = usage.get("prompt_tokens")
     else:
         rec.usage_missing = True

@@ -101,3 +101,12 @@ def test_no_module_over_400_lines():
     long = {str(p.relative_to(REPO)): n for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+
+
+def test_loadtest_speaks_http_only():
+    """loadtest/ imports nothing from the product (issue 31): it drives any OpenAI-compatible
+    server over HTTP, so it must not lean on Orchard's code, even inside a function."""
+    bad = [f"{name} imports {imp}" for name, path in _modules("loadtest").items()
+           for imp in _imports(name, path, top_level_only=False)
+           if imp.split(".")[0] in PRODUCT]
+    assert not bad, bad

@@ -44,7 +44,10 @@ def test_same_schedule_against_two_targets(openai_stub, tmp_path):
     sums = bench["summaries"]
     assert list(sums) == ["other", "mlx_lm.server"]
     scheds = [json.loads(open(s["files"]["schedule"]).read())["arrivals"] for s in sums.values()]
-    assert scheds[0] == scheds[1] and len(scheds[0]) == 4
+    # The same load (send times, prompt lengths) with prompt texts neither server saw before.
+    work = [[(a["t"], a["prompt_tokens"]) for a in sc] for sc in scheds]
+    assert work[0] == work[1] and len(work[0]) == 4
+    assert not {a["seed"] for a in scheds[0]} & {a["seed"] for a in scheds[1]}
     for s in sums.values():
         assert s["counts"]["ok"] == 4, s["error_examples"]
     assert sums["other"]["target"]["kv"] == "int4"
@@ -80,7 +83,7 @@ def test_sweep_starts_orchard_and_the_peer_and_compares_each_rate(tmp_path):
         assert list(sums) == ["orchard", "mlx_lm.server"]
         scheds = [json.loads(open(s["files"]["schedule"]).read())["arrivals"]
                   for s in sums.values()]
-        assert scheds[0] == scheds[1] and scheds[0]
+        assert [a["t"] for a in scheds[0]] == [a["t"] for a in scheds[1]] and scheds[0]
         for s in sums.values():
             assert s["counts"]["ok"] == s["counts"]["sent"] > 0, s["error_examples"]
     md = (out / "sweep.md").read_text()
@@ -88,3 +91,24 @@ def test_sweep_starts_orchard_and_the_peer_and_compares_each_rate(tmp_path):
     # Orchard served with default settings and was stopped with SIGTERM (its drain).
     log = (out / "orchard_serve.log").read_text()
     assert "with default settings" in log and "shutting down (draining" in log
+
+
+@pytest.mark.slow
+def test_a_sweep_never_sends_a_prompt_twice(openai_stub, tmp_path):
+    """Two rates x two repeats x two targets: exactly N arrivals per replay, and no prompt seed
+    (hence no prompt text) is used by two replays."""
+    a, b = openai_stub(), openai_stub()
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "loadtest", "bench-serve", "--peer-url", a,
+           "--target", f"label=other,url={b},model=stub", "--rates", "8,16",
+           "--requests-per-rate", "3", "--repeats", "2", "--scenario", "poisson",
+           "--context", "1024", "--max-tokens", "4", "--no-plots", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seeds = []
+    for path in sorted(out.rglob("schedule.json")):
+        arrivals = json.loads(path.read_text())["arrivals"]
+        assert len(arrivals) == 3
+        assert all(25 <= x["prompt_tokens"] <= 400 for x in arrivals)
+        seeds += [x["seed"] for x in arrivals]
+    assert len(seeds) == 2 * 2 * 2 * 3 == len(set(seeds))
