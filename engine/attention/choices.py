@@ -82,6 +82,9 @@ class KernelChoices:
     # Decode scores on the CPU as a BLAS GEMM on the codes (engine/attention/cpu_gemm.py)
     # instead of MLX's scalar CPU quantized_matmul: 2-3x faster there.
     cpu_code_gemm: bool = sys.byteorder == "little"
+    # Prefill chunks on the CPU (float32) take their softmax in NumPy between MLX's GEMMs
+    # (engine/attention/cpu_softmax.py): MLX's CPU exp is scalar; off: mx.fast's SDPA.
+    cpu_softmax: bool = True
 
     def __post_init__(self):
         if self.prefill_path not in PREFILL_PATHS:

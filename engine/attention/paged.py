@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from engine.attention import cpu_softmax
 from engine.attention.choices import DEFAULT_KERNELS
 from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.kv.store import LayerStore, Slots
@@ -83,6 +84,9 @@ class StepBatch:
         # of gather.
         self.kernel_decode = False
         self.kernels = DEFAULT_KERNELS   # the runner's KernelChoices (split targets, tiles)
+        # Set by the runner: multi-token rows attend through engine/attention/cpu_softmax.py
+        # (CPU backend, float32 pages, KernelChoices.cpu_softmax).
+        self.cpu_softmax = False
         self._ends: mx.array | None = None
         self.longest = int((self.starts + self.lengths).max())   # keys of the longest row
 
@@ -286,6 +290,9 @@ class PagedLayerCache:
             return paged_decode_attention(queries, k_pages, v_pages, self.step, self.view,
                                           scale, sinks)
         k, v = self.gathered()
+        if self.step.cpu_softmax and sinks is None and queries.shape[2] > 1:
+            return cpu_softmax.prefill_attention(queries, k, v, scale,
+                                                 self.step.sdpa_mask(self.view))
         return mx.fast.scaled_dot_product_attention(
             queries, k, v, scale=scale, mask=self.step.sdpa_mask(self.view), sinks=sinks)
 

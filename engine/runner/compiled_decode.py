@@ -103,6 +103,7 @@ class DeviceDecodeStep:
 
     width = 1
     valid = None
+    cpu_softmax = False   # one query per row: mx.softmax inside the trace, never NumPy
 
     def __init__(self, table: mx.array, page_tokens: int, kernel_decode: bool, kernels):
         # One copy of the page columns, so a kernel that wants row-contiguous inputs does not

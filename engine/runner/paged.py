@@ -141,6 +141,7 @@ class ModelRunner:
         # On the CPU, decode reads pages in place (gather_mm, float32 only there) instead of
         # gathering a copy of the context.
         self.in_place_decode = mx.default_device() == mx.cpu and kvstore.dtype == mx.float32
+        self.cpu_softmax = self.in_place_decode and kernels.cpu_softmax
         install_sdpa_hook(loaded.model)
         self.direct = self._hook_reaches_every_layer()
         self.kernel_decode = kernels.decode_kernel and self._kernel_decode_fits()
@@ -286,6 +287,7 @@ class ModelRunner:
         step = StepBatch(rows, self.page_tokens)
         step.kernel_decode = self.kernel_decode and step.width == 1
         step.kernels = self.kernels
+        step.cpu_softmax = self.cpu_softmax
         if tokens is not None and step.width == 1:
             inputs = tokens.reshape(-1, 1).astype(mx.int32)
         else:

@@ -1,0 +1,89 @@
+"""Prefill attention on the CPU with the softmax done by NumPy on MLX's own buffer.
+
+MLX's CPU backend has no vector math on x86: `exp` (and so `softmax`, `sigmoid`) runs one
+element at a time through a polynomial whose fused multiply-adds are libm calls. On the 2-core
+dev box `mx.exp` over 9 x 512 x 1,024 float32 scores took 120 ms against 7 ms for `np.exp`, and
+it made attention about 60 % of a SmolLM2 1,200-token prefill (bench/cpu_profile.py). So the
+score and value products stay MLX GEMMs (OpenBLAS), and only the softmax between them runs in
+NumPy, in place on the evaluated score array (MLX arrays expose their buffer to NumPy without a
+copy; the array is this function's own fresh result, so no other array sees the write).
+
+Queries are taken in blocks of rows: a causal block reads keys only up to its last query, so the
+masked upper triangle is neither multiplied nor exponentiated, and the scores never exceed
+SCORE_ELEMENTS per block. The price: the graph is evaluated up to each layer's attention while
+the step is being built, which only matters where building overlaps compute (GPU decode, never
+this path: prefill chunks on the CPU).
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+# Masked scores: float32's lowest finite value, as mlx-lm does (exp underflows to exactly 0).
+_LOWEST = np.float32(np.finfo(np.float32).min)
+
+# The most scores one block materialises (32 MiB of float32).
+SCORE_ELEMENTS = 1 << 23
+# Query rows per causal block: small enough that skipping the upper triangle pays, large
+# enough that the GEMMs stay efficient and the per-block Python cost stays small.
+CAUSAL_BLOCK = 128
+
+
+def softmax_in_place(scores: mx.array) -> mx.array:
+    """Softmax over the last axis of `scores` (float32, a fresh result only the caller holds),
+    computed by NumPy into the array's own buffer; returns `scores`, now evaluated."""
+    mx.eval(scores)
+    a = np.asarray(scores)
+    a -= a.max(axis=-1, keepdims=True)
+    np.exp(a, out=a)
+    a *= 1.0 / a.sum(axis=-1, keepdims=True)
+    return scores
+
+
+def prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                      mask: mx.array | str | None) -> mx.array:
+    """mx.fast.scaled_dot_product_attention's result for float32 q [B, Hq, L, D] against
+    k [B, Hkv, S, D], v [B, Hkv, S, Dv]; `mask`: None, "causal" (bottom-right aligned, as
+    MLX's) or a boolean array broadcastable to [B, 1, L, S]."""
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    q = (q * scale).reshape(B, Hkv, g, L, D)
+    kt = k.swapaxes(-1, -2)[:, :, None]                  # [B, Hkv, 1, D, S]
+    v = v[:, :, None]                                    # [B, Hkv, 1, S, Dv]
+    causal = isinstance(mask, str)
+    rows = max(1, SCORE_ELEMENTS // (B * Hq * S))
+    if causal:
+        rows = min(rows, CAUSAL_BLOCK)
+    keep = None if mask is None or causal else mask[:, :, None]   # [B, 1, 1, L, S]
+    outs = []
+    for lo in range(0, L, rows):
+        hi = min(lo + rows, L)
+        end = S - L + hi if causal else S               # keys the block's last query sees
+        s = q[:, :, :, lo:hi] @ kt[..., :end]            # [B, Hkv, g, hi-lo, end]
+        if keep is not None:
+            s = mx.where(keep[..., lo:hi, :], s, _LOWEST)
+        elif causal:
+            # Query lo+i sits at key position S-L+lo+i: keys after it are the block's upper
+            # triangle over its last hi-lo key columns.
+            s = _mask_upper(s, hi - lo)
+        outs.append(softmax_in_place(s) @ v[..., :end, :])
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.reshape(B, Hq, L, v.shape[-1])
+
+
+def _mask_upper(s: mx.array, n: int) -> mx.array:
+    """Scores with key column end-n+j hidden from query row i where j > i."""
+    mx.eval(s)
+    a = np.asarray(s)
+    np.copyto(a[..., a.shape[-1] - n:], _LOWEST, where=_upper(n))
+    return s
+
+
+_UPPER: dict[int, np.ndarray] = {}
+
+
+def _upper(n: int) -> np.ndarray:
+    if n not in _UPPER:
+        _UPPER[n] = np.triu(np.ones((n, n), dtype=bool), k=1)
+    return _UPPER[n]

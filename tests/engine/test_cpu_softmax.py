@@ -1,0 +1,91 @@
+"""CPU prefill attention with NumPy's softmax (engine/attention/cpu_softmax.py) gives MLX's
+attention, and the runner takes it for multi-token rows on the CPU."""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.attention import cpu_softmax
+from engine.attention.choices import KernelChoices
+from engine.kv.store import KVStore
+from engine.model.loader import load_model
+from engine.runner.paged import ModelRunner, SeqChunk
+
+ARCHS = ["llama", "qwen3", "gemma3_text", "gpt_oss"]
+
+
+def _qkv(b, hq, hkv, n, s, seed=0):
+    mx.random.seed(seed)
+    return (mx.random.normal((b, hq, n, 16)), mx.random.normal((b, hkv, s, 16)),
+            mx.random.normal((b, hkv, s, 16)))
+
+
+@pytest.mark.parametrize("n,s", [(7, 7), (40, 100), (300, 300), (130, 517)])
+def test_causal_matches_mlx(n, s):
+    # 300 and 130 query rows span several causal blocks (CAUSAL_BLOCK = 128).
+    q, k, v = _qkv(1, 6, 2, n, s)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    got = cpu_softmax.prefill_attention(q, k, v, 0.25, "causal")
+    assert got.shape == ref.shape
+    assert mx.abs(got - ref).max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("scores", [1 << 23, 500])   # one block; blocks of a few rows
+def test_array_mask_and_no_mask_match_mlx(monkeypatch, scores):
+    monkeypatch.setattr(cpu_softmax, "SCORE_ELEMENTS", scores)
+    q, k, v = _qkv(3, 4, 2, 9, 20, seed=1)
+    rng = np.random.default_rng(0)
+    keep = rng.random((3, 1, 9, 20)) < 0.6
+    keep[..., 0] = True                       # no fully masked query row (as the runner's)
+    mask = mx.array(keep)
+    for m in (mask, None):
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask=m)
+        got = cpu_softmax.prefill_attention(q, k, v, 0.5, m)
+        assert mx.abs(got - ref).max().item() <= 1e-5
+
+
+def test_softmax_in_place_writes_the_array_it_returns():
+    x = mx.random.normal((5, 33)) * 4
+    ref = mx.softmax(x, axis=-1, precise=True)
+    y = x + 0                                 # a fresh result this test alone holds
+    assert cpu_softmax.softmax_in_place(y) is y
+    assert mx.abs(y - ref).max().item() <= 1e-6
+
+
+def _chunked_prefill(runner, prompts):
+    """Each prompt in chunks of 19 tokens, rows of different lengths in one forward (mixed
+    calls), then one decode step; every forward's logits."""
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(prompts))]
+    pos = [0] * len(prompts)
+    out = []
+    while any(p < len(t) for p, t in zip(pos, prompts)):
+        chunks = [SeqChunk(i, t[p:p + 19], p, tables[i])
+                  for i, (p, t) in enumerate(zip(pos, prompts)) if p < len(t)]
+        out.append(runner.forward(chunks))
+        pos = [min(p + 19, len(t)) for p, t in zip(pos, prompts)]
+    out.append(runner.forward([SeqChunk(i, [5], len(t), tables[i])
+                               for i, t in enumerate(prompts)]))
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_runner_prefill_matches_mlx_attention(tiny_model_dirs, arch, monkeypatch):
+    lm = load_model(tiny_model_dirs[arch])
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, lm.geometry.vocab_size, n).tolist() for n in (45, 12, 30)]
+    new = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype))
+    old = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype),
+                      kernels=KernelChoices(cpu_softmax=False))
+    assert new.cpu_softmax and not old.cpu_softmax   # the CPU suite, float32 pages
+    calls = []
+    real = cpu_softmax.prefill_attention
+    monkeypatch.setattr(cpu_softmax, "prefill_attention",
+                        lambda q, *a: calls.append(q.shape[2]) or real(q, *a))
+    got = _chunked_prefill(new, prompts)
+    # Every multi-token call of a paged layer without sinks took it; gpt_oss's sinks never.
+    assert (not calls) if arch == "gpt_oss" else calls and min(calls) > 1
+    ref = _chunked_prefill(old, prompts)
+    for a, b in zip(got, ref):
+        assert mx.abs(a - b).max().item() <= 1e-4
+        assert mx.array_equal(mx.argmax(a, axis=-1), mx.argmax(b, axis=-1))
