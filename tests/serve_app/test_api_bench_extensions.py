@@ -128,17 +128,38 @@ def test_bad_extension_values_are_400s_naming_the_field(http):
             "stream_options.usage_every_ms")
 
 
+_CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
 @pytest.mark.parametrize("path, body", [
+    # GuideLLM 0.8.1 (guidellm/backends/openai/request_handlers.py), fixed output length.
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "one two three"}],
-                              "max_completion_tokens": 7}),
-    ("/v1/completions", {"prompt": "one two three", "max_tokens": 7}),
-], ids=["chat", "completions"])
-def test_guidellm_bodies_succeed(http, path, body):
-    """What GuideLLM 0.8.1 sends for a synthetic request with a fixed output length: streamed,
-    usage on every chunk, `stop: null`, `ignore_eos: true`."""
-    evs = events(http, path, {"model": MODEL, "stream": True,
-                              "stream_options": {"include_usage": True,
-                                                 "continuous_usage_stats": True},
-                              "stop": None, "ignore_eos": True, **body})
-    assert all("usage" in e for e in evs)
-    assert evs[-1]["usage"]["completion_tokens"] == 7
+                              "max_completion_tokens": 7, "stop": None, "ignore_eos": True,
+                              "stream_options": _CONTINUOUS}),
+    ("/v1/completions", {"prompt": "one two three", "max_tokens": 7, "stop": None,
+                         "ignore_eos": True, "stream_options": _CONTINUOUS}),
+    # vLLM's `vllm bench serve` (vllm/benchmarks/lib/endpoint_request_func.py), --ignore-eos.
+    ("/v1/completions", {"prompt": "one two three", "repetition_penalty": 1.0, "max_tokens": 7,
+                         "logprobs": None, "stream_options": {"include_usage": True},
+                         "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "one two three"}]}], "max_completion_tokens": 7,
+        "stream_options": {"include_usage": True}, "ignore_eos": True}),
+    # genai-perf with its documented fixed-length inputs (--extra-inputs min_tokens / ignore_eos).
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "one two three"}],
+                              "max_tokens": 7, "min_tokens": 7, "ignore_eos": True}),
+], ids=["guidellm-chat", "guidellm-completions", "vllm-bench-completions", "vllm-bench-chat",
+        "genai-perf-chat"])
+def test_benchmark_client_bodies_succeed(http, path, body):
+    """The bodies these clients build, streamed: each gets exactly its 7 tokens, counted in the
+    usage they read (every chunk with continuous_usage_stats, the last one with include_usage)."""
+    evs = events(http, path, {"model": MODEL, "stream": True, **body})
+    so = body.get("stream_options", {})
+    if so.get("continuous_usage_stats"):
+        assert all("usage" in e for e in evs)
+    if so.get("include_usage"):
+        assert evs[-1]["usage"]["completion_tokens"] == 7
+    text = "".join((c.get("delta") or {}).get("content") or c.get("text") or ""
+                   for e in evs for c in e["choices"])
+    finishes = [c["finish_reason"] for e in evs for c in e["choices"] if c["finish_reason"]]
+    assert text and finishes == ["length"]
