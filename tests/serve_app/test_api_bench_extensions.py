@@ -148,8 +148,13 @@ _CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
     # genai-perf with its documented fixed-length inputs (--extra-inputs min_tokens / ignore_eos).
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "one two three"}],
                               "max_tokens": 7, "min_tokens": 7, "ignore_eos": True}),
+    # llmperf (ray-project/llmperf openai_chat_completions_client.py): an empty system turn,
+    # its sampling params merged in; it reads choices[0] of every chunk (no usage chunk).
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": ""},
+                                           {"role": "user", "content": "one two three"}],
+                              "max_tokens": 7, "ignore_eos": True}),
 ], ids=["guidellm-chat", "guidellm-completions", "vllm-bench-completions", "vllm-bench-chat",
-        "genai-perf-chat"])
+        "genai-perf-chat", "llmperf-chat"])
 def test_benchmark_client_bodies_succeed(http, path, body):
     """The bodies these clients build, streamed: each gets exactly its 7 tokens, counted in the
     usage they read (every chunk with continuous_usage_stats, the last one with include_usage)."""
@@ -163,3 +168,5 @@ def test_benchmark_client_bodies_succeed(http, path, body):
                    for e in evs for c in e["choices"])
     finishes = [c["finish_reason"] for e in evs for c in e["choices"] if c["finish_reason"]]
     assert text and finishes == ["length"]
+    if not so:
+        assert all(e["choices"] for e in evs)
