@@ -58,8 +58,12 @@ def _rates(text: str) -> list[float]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest bench-serve",
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m loadtest bench-serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Defaults measure what a user sees: --prompt-tokens "
+                                "25-400, 40 Poisson arrivals per rate, ignore_eos, output tokens "
+                                "counted from the text (--tokenizer), servers fresh per rate. "
+                                "docs/loadtest.md has the details.")
     p.add_argument("--target", action="append", type=parse_target, default=[],
                    help="label=NAME,url=URL,model=ID,kv=FORMAT (repeat per target); model= "
                    "takes what `orchard loadtest --model` takes (e.g. smollm2)")
