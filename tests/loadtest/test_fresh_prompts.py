@@ -136,3 +136,15 @@ def test_runner_keeps_its_old_defaults():
     assert args.prompt_tokens is None and args.tokenizer is None
     p = runner.params_from(args, 4096, None)
     assert p.prompt_range is None and p.count is None
+
+
+def test_model_names_without_the_product():
+    """loadtest's own short-name table (it may not import engine.model.names)."""
+    from loadtest import models
+
+    assert models.served_id("smollm2") == "smollm2-135m" == models.served_id("smollm2-135m")
+    assert models.served_id("/some/path") == "/some/path"
+    assert models.model_dir("orchard-tiny") == TINY
+    assert models.weight_bytes(TINY, 4) > 0
+    with pytest.raises(ValueError, match="config.json"):
+        models.model_dir("/no/such/model")
