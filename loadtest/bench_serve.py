@@ -82,6 +82,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-slots", type=int, default=16,
                    help="llama-server parallel slots (-np); its context is slots x (longest "
                    "prompt + max tokens)")
+    p.add_argument("--llama-args", default="",
+                   help="more llama-server options for every --llama-model, one string, e.g. "
+                   "'--no-repack' (its CPU weight repacking of Q4_1 crashed on the project's "
+                   "x86 box)")
     p.add_argument("--reuse-servers", action="store_true",
                    help="keep the servers this bench starts across rates (faster); by default "
                    "each rate starts them fresh, as a user restarting between runs has them: "
@@ -196,7 +200,8 @@ def start_servers(args, out_dir: str) -> tuple[list, list, dict]:
             s = llama_peer.start(gguf, os.path.join(out_dir, f"{name}.log"),
                                  binary=args.llama_binary or llama_peer.DEFAULT_BINARY,
                                  slots=args.llama_slots,
-                                 ctx_per_slot=llama_peer.slot_context(hi, args.max_tokens))
+                                 ctx_per_slot=llama_peer.slot_context(hi, args.max_tokens),
+                                 extra_args=tuple(shlex.split(args.llama_args)))
             started.append(s)
             targets.append(runner.Target(s.url, s.model, "native", name))
             settings[name] = s.settings

