@@ -45,13 +45,16 @@ def _guidellm_venv() -> Path:
     return venv
 
 
-def test_guidellm_poisson_run_has_no_failed_request(orchard_url, tiny_llama, tmp_path):
+@pytest.mark.parametrize("request_format", ["/v1/chat/completions", "/v1/completions"],
+                         ids=["chat", "completions"])
+def test_guidellm_poisson_run_has_no_failed_request(orchard_url, tiny_llama, tmp_path,
+                                                    request_format):
     venv = _guidellm_venv()
     out = tmp_path / "guidellm.json"
     # `python -m guidellm`: the venv's scripts name the folder it was built in (shebangs).
     cmd = [str(venv / "bin" / "python"), "-m", "guidellm", "run",
            "--backend", f"kind=openai_http,target={orchard_url},model={TEST_MODEL},"
-                        f"api_key={TEST_API_KEY}",
+                        f"api_key={TEST_API_KEY},request_format={request_format}",
            "--profile", "kind=poisson,rate=2",
            "--constraint", f"kind=max_requests,count={REQUESTS}",
            "--constraint", "kind=max_duration,seconds=180",
