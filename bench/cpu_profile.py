@@ -17,6 +17,12 @@ every variant and shape is timed twice in the same process, interleaved over --r
   `glue` is whatever runs between them (reshapes, transposes, residual adds). Barriers cost
   threading hand-offs, so `by_op` sums a little above `plain`: read its shares, not its sum.
 
+`--engine` adds the served view of the same shapes, through `Engine` (one per variant, default
+config but for the variant's KernelChoices): a lone --prompt-token request's time to first token
+and the steady decode rate of --rows requests (prompts of --contexts lengths) decoding together;
+`step_s` (rows / rate) beside the runner's decode step shows the engine's own host work
+(scheduling, sampling bookkeeping, streams).
+
 Times are wall clock (the host is shared: compare shares and ratios within one run, never
 absolute times across runs).
 """
@@ -48,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--variant", action="append", default=[], type=variant_arg,
                    help="NAME[:FIELD=VALUE,...] KernelChoices for one runner (repeatable)")
     p.add_argument("--no-by-op", action="store_true", help="time the plain steps only")
+    p.add_argument("--engine", action="store_true", help="also time the shapes through Engine")
+    p.add_argument("--decode-tokens", type=int, default=24,
+                   help="tokens each --engine decode request generates")
     p.add_argument("--out")
     return p.parse_args(argv)
 
@@ -158,7 +167,7 @@ def run(args) -> dict:
                      for i, c in enumerate(contexts)]
 
     def prefill(runner):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         build = 0.0
         for pos in range(0, args.prompt, args.chunk):
             ids = prompt[pos:pos + args.chunk]
@@ -167,21 +176,21 @@ def run(args) -> dict:
             tok = sample_rows(logits, [spec])
             build += time.perf_counter() - b0
             mx.eval(tok, kv.arrays())
-        return time.perf_counter() - t0, build
+        return time.perf_counter() - t0, time.process_time() - c0, build
 
     def decode(runner):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         logits = runner.forward(decode_chunks)
         tok = sample_rows(logits, [spec] * len(decode_chunks))
         build = time.perf_counter() - t0
         mx.eval(tok, kv.arrays())
-        return time.perf_counter() - t0, build
+        return time.perf_counter() - t0, time.process_time() - c0, build
 
     def by_op(step, runner):
         timer.times.clear()
         timer.on = True
         try:
-            total, _ = step(runner)
+            total = step(runner)[0]
         finally:
             timer.on = False
         out = {k: round(v, 4) for k, v in sorted(timer.times.items(), key=lambda kv: -kv[1])}
@@ -204,8 +213,9 @@ def run(args) -> dict:
             shapes[s](runners[v])
         for _ in range(args.repeats):
             for (v, s), got in rounds.items():
-                total, build = shapes[s](runners[v])
-                got["plain"].append({"total_s": round(total, 4), "build_s": round(build, 4)})
+                total, cpu, build = shapes[s](runners[v])
+                got["plain"].append({"total_s": round(total, 4), "cpu_s": round(cpu, 4),
+                                     "build_s": round(build, 4)})
                 if not args.no_by_op:
                     got["by_op"].append(by_op(shapes[s], runners[v]))
     for (v, s), got in rounds.items():
@@ -218,12 +228,85 @@ def run(args) -> dict:
             point["by_op_share"] = {k: round(x / whole, 3) for k, x in ops.items()
                                     if k != "total_s"}
         point["rounds"] = got
-    for s in chosen:   # each variant's best plain time over the first variant's
-        base = next(iter(result[s].values()))["plain_best"]["total_s"]
+    for s in chosen:   # each variant's time over the first variant's, round by round
+        base = next(iter(result[s].values()))["rounds"]["plain"]
         for point in result[s].values():
-            point["time_vs_first_variant"] = round(point["plain_best"]["total_s"] / base, 3)
+            for clock in ("total_s", "cpu_s"):
+                point[f"{clock}_vs_first_median"] = _median_ratio(
+                    [r[clock] for r in point["rounds"]["plain"]], [r[clock] for r in base])
+    del runners, kv, loaded
+    if args.engine:
+        result["engine"] = served(args, variants, prompt, contexts, vocab)
     result["machine"]["loadavg_at_end"] = os.getloadavg()
     return result
+
+
+def _median_ratio(xs: list[float], bases: list[float]) -> float:
+    import statistics
+    return round(statistics.median(x / b for x, b in zip(xs, bases)), 3)
+
+
+def served(args, variants: dict, prompt: list[int], contexts: list[int], vocab: int) -> dict:
+    """TTFT of a lone prompt and steady decode of --rows requests through Engine, per variant,
+    interleaved over --repeats rounds (best of each)."""
+    import asyncio
+
+    import numpy as np
+
+    from bench.engine import Window
+    from engine.attention.choices import KernelChoices
+    from engine.config import EngineConfig
+    from engine.loop import Engine
+    from engine.request import GenerationRequest
+    from engine.sampling.params import SamplingParams
+
+    rng = np.random.default_rng(1)
+    cfg = EngineConfig(model=args.model, max_num_seqs=args.rows, page_tokens=args.page_tokens,
+                       kv_budget_bytes=256 << 20, max_step_tokens=args.chunk)
+    engines = {name: Engine(cfg, kernels=KernelChoices(**fields))
+               for name, fields in variants.items()}
+    rounds = {name: {"ttft_s": [], "ttft_cpu_s": [], "decode_tok_s": [], "decode_tok_s_cpu": []}
+              for name in engines}
+
+    def fresh(n):   # never repeats a prompt (no prefix cache here, but keep runs independent)
+        return rng.integers(100, vocab - 100, n).tolist()
+
+    async def lone(eng, rid):
+        t, c = time.perf_counter(), time.process_time()
+        async for _ in eng.generate(GenerationRequest(rid, fresh(len(prompt)), SamplingParams(
+                temperature=0, max_tokens=1, ignore_eos=True))):
+            return time.perf_counter() - t, time.process_time() - c
+
+    async def decode(eng, rid):
+        w = Window(len(contexts))
+
+        async def row(i, n):
+            params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True, seed=i)
+            async for d in eng.generate(GenerationRequest(f"{rid}-{i}", fresh(n), params)):
+                w.add(i, len(d.token_ids))
+        await asyncio.gather(*(row(i, n) for i, n in enumerate(contexts)))
+        return w.rate()
+
+    try:
+        for r in range(-1, args.repeats):   # round -1 warms each engine up, unrecorded
+            for name, eng in engines.items():
+                ttft = asyncio.run(lone(eng, f"p{r}"))
+                rate = asyncio.run(decode(eng, f"d{r}"))
+                if r >= 0:
+                    for key, x in zip(rounds[name], (*ttft, *rate)):
+                        rounds[name][key].append(round(x, 3))
+    finally:
+        for eng in engines.values():
+            eng.shutdown()
+    out = {}
+    first = next(iter(rounds.values()))
+    for name, got in rounds.items():
+        best_rate = max(got["decode_tok_s"])
+        out[name] = {"ttft_s_best": min(got["ttft_s"]), "decode_tok_s_best": best_rate,
+                     "decode_step_s": round(len(contexts) / best_rate, 4),
+                     **{f"{k}_vs_first_median": _median_ratio(got[k], first[k]) for k in got},
+                     "rounds": got}
+    return out
 
 
 def main(argv=None) -> int:

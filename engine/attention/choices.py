@@ -82,9 +82,13 @@ class KernelChoices:
     # Decode scores on the CPU as a BLAS GEMM on the codes (engine/attention/cpu_gemm.py)
     # instead of MLX's scalar CPU quantized_matmul: 2-3x faster there.
     cpu_code_gemm: bool = sys.byteorder == "little"
-    # Prefill chunks on the CPU (float32) take their softmax in NumPy between MLX's GEMMs
-    # (engine/attention/cpu_softmax.py): MLX's CPU exp is scalar; off: mx.fast's SDPA.
+    # Attention on the CPU (float32) takes its softmax in NumPy between MLX's GEMMs
+    # (engine/attention/cpu_softmax.py): MLX's CPU exp is scalar. Off: mx.fast's SDPA for
+    # prefill, mx.softmax in paged decode.
     cpu_softmax: bool = True
+    # The same for mlx-lm's SwiGLU activation (engine/model/cpu_swiglu.py): MLX's CPU sigmoid
+    # is scalar too. Off: mlx-lm's compiled swiglu.
+    cpu_swiglu: bool = True
 
     def __post_init__(self):
         if self.prefill_path not in PREFILL_PATHS:

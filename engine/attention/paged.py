@@ -84,8 +84,8 @@ class StepBatch:
         # of gather.
         self.kernel_decode = False
         self.kernels = DEFAULT_KERNELS   # the runner's KernelChoices (split targets, tiles)
-        # Set by the runner: multi-token rows attend through engine/attention/cpu_softmax.py
-        # (CPU backend, float32 pages, KernelChoices.cpu_softmax).
+        # Set by the runner: attention's softmax runs in NumPy (engine/attention/cpu_softmax.py;
+        # CPU backend, float32 pages, KernelChoices.cpu_softmax).
         self.cpu_softmax = False
         self._ends: mx.array | None = None
         self.longest = int((self.starts + self.lengths).max())   # keys of the longest row
@@ -193,12 +193,16 @@ def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, st
     s = s.transpose(0, 1, 3, 2, 4).reshape(b, kv_heads, group, n, p * t)
     mask = step.page_mask(view)[:, :, None]                            # [b, 1, 1, n, p*t]
     s = mx.where(mask, s, _LOWEST[s.dtype])
+    # Both score arrays below are fresh results only this function holds, as
+    # cpu_softmax.softmax_in_place requires.
+    softmax = (cpu_softmax.softmax_in_place if step.cpu_softmax
+               else lambda x: mx.softmax(x, axis=-1, precise=True))
     if sinks is not None:
         sink = mx.broadcast_to(sinks.astype(s.dtype).reshape(1, kv_heads, group, 1, 1),
                                (b, kv_heads, group, n, 1))
-        probs = mx.softmax(mx.concatenate([sink, s], axis=-1), axis=-1, precise=True)[..., 1:]
+        probs = softmax(mx.concatenate([sink, s], axis=-1))[..., 1:]
     else:
-        probs = mx.softmax(s, axis=-1, precise=True)
+        probs = softmax(s)
     probs = probs.reshape(b, kv_heads, group * n, p, t).transpose(0, 1, 3, 2, 4)
     out = mx.gather_mm(probs, v_pages, None, rhs)                     # [b, kvh, p, g*n, dv]
     return out.sum(axis=2).reshape(b, hq, n, v_pages.shape[-1])

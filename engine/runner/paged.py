@@ -32,6 +32,7 @@ from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.attention.paged import PagedLayerCache, Row, StepBatch, install_sdpa_hook
 from engine.kv.store import KVStore
+from engine.model.cpu_swiglu import install_swiglu_hook, numpy_swiglu
 from engine.model.loader import LoadedModel, ModelLoadError
 from engine.runner.compiled_decode import CompiledDecode
 from engine.runner.tokens import input_tokens
@@ -142,7 +143,10 @@ class ModelRunner:
         # gathering a copy of the context.
         self.in_place_decode = mx.default_device() == mx.cpu and kvstore.dtype == mx.float32
         self.cpu_softmax = self.in_place_decode and kernels.cpu_softmax
+        self.cpu_swiglu = self.in_place_decode and kernels.cpu_swiglu
         install_sdpa_hook(loaded.model)
+        if self.cpu_swiglu:
+            install_swiglu_hook(loaded.model)
         self.direct = self._hook_reaches_every_layer()
         self.kernel_decode = kernels.decode_kernel and self._kernel_decode_fits()
         # Per paged layer, what its step cache is made of (class, store, window), looked up
@@ -296,7 +300,8 @@ class ModelRunner:
         direct, in_place = self.direct, self.in_place_decode
         caches = [native[i] if lc is None else lc[0](lc[1], step, lc[2], direct, in_place)
                   for i, lc in enumerate(self.layer_caches)]
-        out = self.call_model(inputs, caches, step, last_only)
+        with numpy_swiglu(self.cpu_swiglu):
+            out = self.call_model(inputs, caches, step, last_only)
         if native:
             self.recurrent.keep(chunks, native)
         return out

@@ -1,5 +1,5 @@
-"""CPU prefill attention with NumPy's softmax (engine/attention/cpu_softmax.py) gives MLX's
-attention, and the runner takes it for multi-token rows on the CPU."""
+"""CPU attention with NumPy's softmax (engine/attention/cpu_softmax.py) and SwiGLU in NumPy
+(engine/model/cpu_swiglu.py) give MLX's results, and the runner takes them on the CPU."""
 from __future__ import annotations
 
 import mlx.core as mx
@@ -89,3 +89,42 @@ def test_runner_prefill_matches_mlx_attention(tiny_model_dirs, arch, monkeypatch
     for a, b in zip(got, ref):
         assert mx.abs(a - b).max().item() <= 1e-4
         assert mx.array_equal(mx.argmax(a, axis=-1), mx.argmax(b, axis=-1))
+
+
+def test_numpy_swiglu_matches_mlx():
+    from mlx_lm.models.activations import swiglu
+
+    from engine.model.cpu_swiglu import numpy_silu_mul
+    gate = mx.concatenate([mx.random.normal((4, 30)) * 8, mx.array([[-200.0, -90, 0, 90]])],
+                          axis=None).reshape(-1, 31)
+    x = mx.random.normal(gate.shape)
+    ref = swiglu(gate, x)
+    assert mx.allclose(numpy_silu_mul(gate, x), ref, rtol=1e-5, atol=1e-6)
+    # Strided halves of one array, as the fused gate/up projection hands them over.
+    fused = mx.random.normal((3, 5, 16))
+    g, u = mx.split(fused, [8], axis=-1)
+    assert mx.allclose(numpy_silu_mul(g, u), swiglu(g, u), rtol=1e-5, atol=1e-6)
+
+
+def test_runner_swiglu_in_numpy_only_inside_its_steps(tiny_llama, monkeypatch):
+    from engine.model import cpu_swiglu
+    calls = []
+    real = cpu_swiglu.numpy_silu_mul
+    monkeypatch.setattr(cpu_swiglu, "numpy_silu_mul",
+                        lambda g, x: calls.append(g.shape) or real(g, x))
+    lm = load_model(tiny_llama)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, lm.geometry.vocab_size, n).tolist() for n in (33, 8)]
+    new = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype))
+    old = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype),
+                      kernels=KernelChoices(cpu_swiglu=False))
+    assert new.cpu_swiglu and not old.cpu_swiglu
+    ref = _chunked_prefill(old, prompts)
+    assert not calls   # hook installed by `new`, but `old`'s steps keep mlx-lm's function
+    got = _chunked_prefill(new, prompts)
+    assert len(calls) == len(got) * lm.geometry.num_layers   # every layer of every forward
+    for a, b in zip(got, ref):
+        assert mx.abs(a - b).max().item() <= 1e-4
+    calls.clear()
+    lm.model(mx.array([prompts[0]]))   # mlx-lm's own call, outside a runner step
+    assert not calls

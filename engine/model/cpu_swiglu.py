@@ -1,0 +1,64 @@
+"""mlx-lm's SwiGLU (silu(gate) * x) computed by NumPy during the engine's CPU steps.
+
+MLX's CPU backend has no vector math on x86: its sigmoid runs one element at a time through a
+polynomial whose fused multiply-adds are libm calls (30 ns an element on the 2-core dev box,
+against about 1 ns for NumPy's exp). In a SmolLM2 1,200-token prefill that made the MLP's
+activation about 17 % of the time once attention's softmax had moved to NumPy
+(bench/cpu_profile.py). The projections around it stay MLX GEMMs.
+
+How, without forking mlx-lm's model files: `install_swiglu_hook` points every model module's
+`swiglu` at `_swiglu`, as engine/attention/paged.py does for attention. The hook computes in
+NumPy only inside `numpy_swiglu()` on this thread (the runner's model calls on the CPU) and only
+for float32 inputs; every other caller (mlx-lm itself, other threads, a compiled trace, which
+cannot evaluate mid-graph) gets mlx-lm's function unchanged.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from contextlib import contextmanager
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import activations
+
+_ORIGINAL = activations.swiglu
+_state = threading.local()
+
+
+def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    if getattr(_state, "on", False) and gate.dtype == mx.float32 and x.dtype == mx.float32:
+        return numpy_silu_mul(gate, x)
+    return _ORIGINAL(gate, x)
+
+
+def numpy_silu_mul(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x, evaluated now: gate / (1 + exp(-gate)) * x in NumPy (float32)."""
+    mx.eval(gate, x)
+    g, u = np.asarray(gate), np.asarray(x)   # views of MLX's buffers (strided slices too)
+    out = np.negative(g)
+    with np.errstate(over="ignore"):          # exp(-gate) = inf: gate / inf = -0, as MLX's
+        np.exp(out, out=out)
+    out += 1
+    np.divide(g, out, out=out)
+    out *= u
+    return mx.array(out)
+
+
+def install_swiglu_hook(model) -> None:
+    """Point every module of `model` that calls mlx-lm's `swiglu` at the hook. Idempotent."""
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        if getattr(module, "swiglu", None) is _ORIGINAL:
+            module.swiglu = _swiglu
+
+
+@contextmanager
+def numpy_swiglu(on: bool = True):
+    """While inside (and `on`), hooked SwiGLU calls on this thread compute in NumPy."""
+    before = getattr(_state, "on", False)
+    _state.on = on
+    try:
+        yield
+    finally:
+        _state.on = before
