@@ -13,7 +13,8 @@ every variant and shape is timed twice in the same process, interleaved over --r
 - `plain`: the step as served (lazy graph, one evaluation), best round; `build_s` is the host
   time to build the graph before anything is evaluated.
 - `by_op`: the same step with an evaluation barrier after every op class (projections, norms,
-  rope, KV writes, attention, activation, LM head, sampling), so each op's time is its own;
+  rope, KV writes, attention and apart its NumPy softmax, activation, LM head, sampling), so
+  each op's time is its own;
   `glue` is whatever runs between them (reshapes, transposes, residual adds). Barriers cost
   threading hand-offs, so `by_op` sums a little above `plain`: read its shares, not its sum.
 
@@ -80,11 +81,13 @@ def variant_arg(spec: str) -> tuple[str, dict]:
 
 
 class OpTimer:
-    """Evaluation barriers around op classes, patched onto the classes the model calls."""
+    """Evaluation barriers around op classes, patched onto the classes the model calls. A timed
+    call inside another (the softmax inside attention) counts for itself only."""
 
     def __init__(self):
         self.times: dict[str, float] = defaultdict(float)
         self.on = False
+        self._nested: list[float] = []   # time of timed calls inside each open timed call
 
     def wrap(self, name: str, fn):
         import mlx.core as mx
@@ -96,11 +99,17 @@ class OpTimer:
             t = time.perf_counter()
             mx.eval([a for a in (*args, *kwargs.values()) if isinstance(a, mx.array)])
             t1 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            mx.eval(out)
+            timer._nested.append(0.0)
+            try:
+                out = fn(*args, **kwargs)
+                mx.eval(out)
+            finally:
+                inner = timer._nested.pop()
             t2 = time.perf_counter()
             timer.times["glue"] += t1 - t
-            timer.times[name] += t2 - t1
+            timer.times[name] += t2 - t1 - inner
+            if timer._nested:
+                timer._nested[-1] += t2 - t
             return out
         return timed
 
@@ -110,13 +119,17 @@ class OpTimer:
         import mlx.nn as nn
         from mlx_lm.models import llama
 
+        from engine.attention import cpu_softmax
         from engine.attention.paged import PagedLayerCache
 
         rope_cls = type(loaded.model.model.layers[0].self_attn.rope)
         saved = [(nn.Linear, "__call__"), (nn.RMSNorm, "__call__"), (rope_cls, "__call__"),
                  (PagedLayerCache, "update_and_fetch"), (PagedLayerCache, "attend"),
-                 (nn.Embedding, "__call__"), (llama, "swiglu")]
-        names = ["projections", "norms", "rope", "kv_write", "attention", "embed", "activation"]
+                 (nn.Embedding, "__call__"), (llama, "swiglu"),
+                 (cpu_softmax, "softmax_in_place"), (cpu_softmax, "_exp_in_place"),
+                 (cpu_softmax, "_mask_upper")]
+        names = ["projections", "norms", "rope", "kv_write", "attention", "embed", "activation",
+                 "attention_softmax", "attention_softmax", "attention_softmax"]
         originals = [getattr(obj, attr) for obj, attr in saved]
         head = loaded.head
         try:

@@ -35,12 +35,18 @@ CAUSAL_BLOCK = 128
 def softmax_in_place(scores: mx.array) -> mx.array:
     """Softmax over the last axis of `scores` (float32, a fresh result only the caller holds),
     computed by NumPy into the array's own buffer; returns `scores`, now evaluated."""
+    a = _exp_in_place(scores)
+    a *= 1.0 / a.sum(axis=-1, keepdims=True)
+    return scores
+
+
+def _exp_in_place(scores: mx.array) -> np.ndarray:
+    """exp(scores - row max) into `scores`' own buffer (as `softmax_in_place`); the NumPy view."""
     mx.eval(scores)
     a = np.asarray(scores)
     a -= a.max(axis=-1, keepdims=True)
     np.exp(a, out=a)
-    a *= 1.0 / a.sum(axis=-1, keepdims=True)
-    return scores
+    return a
 
 
 def prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
@@ -73,8 +79,11 @@ def prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
             # Query lo+i sits at key position S-L+lo+i: keys after it are the block's upper
             # triangle over its last hi-lo key columns.
             s = _mask_upper(s, n)
-        p = softmax_in_place(s).reshape(B, Hkv, g * n, end)
-        outs.append((p @ v[..., :end, :]).reshape(B, Hkv, g, n, v.shape[-1]))
+        # Unnormalised weights times V, then divided by each row's sum: the division runs
+        # over Dv outputs per row instead of `end` weights (one pass over the scores less).
+        total = mx.array(_exp_in_place(s).sum(axis=-1, keepdims=True))
+        out = (s.reshape(B, Hkv, g * n, end) @ v[..., :end, :]).reshape(B, Hkv, g, n, -1)
+        outs.append(out / total)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(B, Hq, L, v.shape[-1])
 
