@@ -269,7 +269,7 @@ def served(args, variants: dict, prompt: list[int], contexts: list[int], vocab: 
     from bench.engine import Window
     from engine.attention.choices import KernelChoices
     from engine.config import EngineConfig
-    from engine.loop import Engine
+    from engine import Engine
     from engine.request import GenerationRequest
     from engine.sampling.params import SamplingParams
 

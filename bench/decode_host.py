@@ -82,7 +82,7 @@ def run(args) -> dict:
     from mlx_lm.utils import load
 
     from engine.config import EngineConfig
-    from engine.loop import Engine
+    from engine import Engine
 
     tmp = tempfile.TemporaryDirectory()
     model_dir, shown = bench_model(args, Path(tmp.name))

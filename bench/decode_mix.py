@@ -112,7 +112,7 @@ def run(args) -> dict:
     from bench.decode_host import bench_model
     from bench.kv_runners import progress
     from engine.config import EngineConfig
-    from engine.loop import Engine
+    from engine import Engine
     from engine.request import GenerationRequest
     from engine.sampling.params import SamplingParams
 

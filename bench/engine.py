@@ -297,7 +297,7 @@ def run(args) -> dict:
     from mlx_lm.utils import load
 
     from engine.config import EngineConfig
-    from engine.loop import Engine
+    from engine import Engine
 
     tmp = tempfile.TemporaryDirectory()
     if args.shaped_like:

@@ -126,7 +126,7 @@ def engine_rates(eng, batch: int, options: dict, prompt: int, tokens: int,
 
 def run(args) -> dict:
     from engine.config import EngineConfig
-    from engine.loop import Engine
+    from engine import Engine
     from engine.model.names import resolve_model
 
     path = resolve_model(args.model)

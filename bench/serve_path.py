@@ -57,7 +57,7 @@ class EnginePath:
 
     def __init__(self, model: str, max_tokens: int):
         from engine.config import EngineConfig
-        from engine.loop import Engine
+        from engine import Engine
         from serve_app.tokens import chat_prompt_ids
 
         self.engine = Engine(EngineConfig(model=model, kv_budget_bytes=BENCH_KV_BYTES))

@@ -108,7 +108,7 @@ def kernels_child(args, model_dir: str, folder: Path) -> dict:
 
     from bench.engine import engine_decode, mlx_decode
     from engine.config import EngineConfig
-    from engine.loop import Engine
+    from engine import Engine
 
     model, tokenizer = load(model_dir)
     tokenizer.eos_token_ids = []

@@ -4,7 +4,7 @@ import random
 import time
 
 from engine.config import EngineConfig
-from engine.loop import Engine
+from engine import Engine
 from engine.request import GenerationRequest
 from engine.sampling.params import SamplingParams
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig
-from engine.loop import Engine
+from engine import Engine
 from engine.request import GenerationRequest
 from engine.sampling.params import SamplingParams
 from tests.engine_helpers import PAGE_BYTES_LLAMA, prompt, run, tokens, wait_idle

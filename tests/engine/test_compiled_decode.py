@@ -17,7 +17,7 @@ import pytest
 from engine.attention.choices import KernelChoices
 from engine.config import EngineConfig
 from engine.kv.store import KVStore
-from engine.loop import Engine
+from engine import Engine
 from engine.model.loader import load_model
 from engine.runner import compiled_decode
 from engine.runner.compiled_decode import CompiledDecode, bucket_pages, bucket_rows

@@ -72,7 +72,7 @@ def test_engine_fuses_by_default_and_can_be_told_not_to(tmp_path):
     """The config reaches the load: an Engine's model is fused unless told not to, and both
     generate the same greedy tokens."""
     from engine.config import EngineConfig
-    from engine.loop import Engine
+    from engine import Engine
     from engine.request import GenerationRequest
     from engine.sampling.params import SamplingParams
     from tests.engine_helpers import collect, run, tokens

@@ -18,7 +18,7 @@ import pytest
 from engine.kv.budget import ByteLedger, build_cost_model
 from engine.config import EngineConfig
 from engine.errors import DeadlineUnmeetable
-from engine.loop import Engine
+from engine import Engine
 from engine.request import GenerationRequest
 from engine.sampling.params import SamplingParams
 from tests.engine_helpers import collect, prompt, run, tokens

@@ -4,7 +4,7 @@ from pydantic import ValidationError
 
 from capacity.formats import KVFormatError
 from engine.config import EngineConfig
-from engine.loop import Engine
+from engine import Engine
 from tests.engine_helpers import PAGE_BYTES_LLAMA, collect, make_engine, req, run, tokens
 
 

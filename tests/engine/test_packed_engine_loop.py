@@ -5,7 +5,7 @@ import pytest
 
 from capacity.formats import KVFormat
 from engine.config import EngineConfig
-from engine.loop import Engine
+from engine import Engine
 from engine.request import GenerationRequest
 from engine.sampling.params import SamplingParams
 from tests.engine_helpers import collect, run, tokens, wait_idle

@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import EngineError
-from engine.loop import Engine
+from engine import Engine
 from engine.request import GenerationRequest
 from engine.sampling.params import SamplingParams
 from tests.engine_helpers import PAGE_BYTES_LLAMA, collect, prompt, run, tokens, wait_idle

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine.config import EngineConfig
-from engine.loop import Engine
+from engine import Engine
 from tests.engine_helpers import PAGE_BYTES_LLAMA, collect, req, run, tokens, wait_idle
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.kv.store import KVStore
-from engine.loop import Engine
+from engine import Engine
 from engine.model.loader import ModelLoadError, load_model
 from engine.runner.paged import ModelRunner
 from bench.synthetic import SPECIAL_TOKENS, build_tokenizer
