@@ -136,6 +136,7 @@ class CapacityActor:
         return (await self.apply([CommitOp(request_id, replica_id, raw_tokens, model_id)]))[0]
 
     async def release(self, request_id: str, telemetry: dict | None = None) -> bool:
+        """`telemetry`: RequestTelemetry's wire form (ReleaseOp validates it)."""
         return (await self.apply([ReleaseOp(request_id, telemetry)]))[0]
 
     async def cancel(self, request_id: str) -> bool:

@@ -145,7 +145,7 @@ class Fleet:
     def cancel(self, request_id: str) -> bool:
         return self.ledger.cancel(request_id) is not None
 
-    def release(self, request_id: str, telemetry: RequestTelemetry | dict | None = None) -> bool:
+    def release(self, request_id: str, telemetry: RequestTelemetry | None = None) -> bool:
         """Refund once; learn from the telemetry of the refund that actually happened."""
         res = self.ledger.release(request_id)
         if res is None:
@@ -153,8 +153,6 @@ class Fleet:
         self.counters["replica_releases"] += 1
         if telemetry is None:
             return True
-        if not isinstance(telemetry, RequestTelemetry):
-            telemetry = RequestTelemetry.model_validate(telemetry)
         rep = self.ledger.replica(res.model, res.replica_id)
         chip = rep.key.chip_class if rep else "unknown"
         execution = (parse_execution(telemetry.execution_identity)

@@ -6,19 +6,24 @@ older or newer by a trailing optional field still decodes:
 
     ["hold", model_id, raw_tokens, request_id, prompt_tokens=None, exclude=(), wait_s=0.0]
     ["commit", request_id, replica_id, raw_tokens=None, model_id=None]
-    ["release", request_id, telemetry=None]
+    ["release", request_id, telemetry=None]      # RequestTelemetry as its field dict
     ["cancel", request_id]
     ["heartbeat", report]
     ["retire", [replica_id, ...]]     # replicas the serving layer saw go away
 
-`encode_op` is the client's side, `decode_op` the actor's (capacity/ops.py). Pure Python.
+`encode_op` is the client's side, `decode_op` the actor's (capacity/ops.py). A field that is a
+wire model (capacity/protocol.py) travels as its field dict and is validated back into the model
+when the operation is built, so the actor reads the type the replica made. Pure Python.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Union
 
+from pydantic import BaseModel
+
 from capacity.errors import CapacityError
+from capacity.protocol import RequestTelemetry
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +57,12 @@ class CommitOp:
 class ReleaseOp:
     name: ClassVar[str] = "release"
     request_id: str
-    telemetry: dict | None = None    # RequestTelemetry's wire form
+    telemetry: RequestTelemetry | None = None
+
+    def __post_init__(self):
+        if self.telemetry is not None and not isinstance(self.telemetry, RequestTelemetry):
+            # The wire form (a dict); a malformed one raises pydantic's ValueError here.
+            object.__setattr__(self, "telemetry", RequestTelemetry.model_validate(self.telemetry))
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +90,18 @@ OPS: dict[str, type] = {cls.name: cls for cls in (HoldOp, CommitOp, ReleaseOp, C
 
 def encode_op(op: Op) -> list:
     """The wire form of an operation: [name, field, ...]."""
-    return [op.name, *(getattr(op, f) for f in _FIELDS[type(op)])]
+    return [op.name, *(_plain(getattr(op, f)) for f in _FIELDS[type(op)])]
+
+
+def _plain(value: Any) -> Any:
+    """msgpack and pickle carry the same plain data: a wire model goes as its field dict."""
+    return value.model_dump() if isinstance(value, BaseModel) else value
 
 
 def decode_op(raw: Any) -> Op:
     """An operation from its wire form (an Op passes through). Raises TypeError for the wrong
-    arity or shape, ValueError for an empty one, CapacityError for an unknown name."""
+    arity or shape, ValueError for an empty one or a malformed wire model, CapacityError for an
+    unknown name."""
     if isinstance(raw, _OP_TYPES):
         return raw
     name, *args = raw

@@ -226,10 +226,10 @@ class CapacityClient:
             return True
         return await self._report(CommitOp(request_id, replica_id, raw_tokens, model_id))
 
-    async def release(self, request_id: str, telemetry: RequestTelemetry | dict | None = None) -> bool:
+    async def release(self, request_id: str, telemetry: RequestTelemetry | None = None) -> bool:
         if self._local.settle(request_id):
             return True
-        return await self._report(ReleaseOp(request_id, _dump(telemetry)))
+        return await self._report(ReleaseOp(request_id, telemetry))
 
     async def cancel(self, request_id: str) -> bool:
         if self._local.settle(request_id):

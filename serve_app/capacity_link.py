@@ -10,12 +10,12 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from capacity.errors import ProtocolError
 
 if TYPE_CHECKING:
-    from capacity.protocol import HeartbeatReport
+    from capacity.protocol import HeartbeatReport, RequestTelemetry
     from serve_app.capacity_client import CapacityClient
     from serve_app.config import CapacitySettings
 
@@ -33,9 +33,6 @@ class ReplicaReporter(Protocol):
 
     def heartbeat_report(self, incarnation: int, seq: int) -> "HeartbeatReport":
         """The replica's sequence-numbered heartbeat (serve_app/heartbeat.py)."""
-
-    def execution_identity(self) -> str | None:
-        """The loaded engine's execution identity in wire form; None for native."""
 
 
 def make_client(settings: "CapacitySettings") -> "CapacityClient":
@@ -97,7 +94,7 @@ class CapacityLink:
     def commit_soon(self, request_id: str) -> None:
         self._spawn(self.commit(request_id))
 
-    def release_soon(self, request_id: str, telemetry: dict[str, Any]) -> None:
+    def release_soon(self, request_id: str, telemetry: "RequestTelemetry") -> None:
         """Release from a `finally` that may run during cancellation: schedule, don't await."""
         self._spawn(self._release(request_id, telemetry))
 
@@ -106,19 +103,9 @@ class CapacityLink:
         self._pending.add(task)   # keep a reference until done (asyncio holds tasks weakly)
         task.add_done_callback(self._pending.discard)
 
-    async def _release(self, request_id: str, telemetry: dict[str, Any]) -> None:
-        from capacity.protocol import RequestTelemetry
-
+    async def _release(self, request_id: str, telemetry: "RequestTelemetry") -> None:
         try:
-            t = RequestTelemetry(
-                prompt_tokens=telemetry["prompt_tokens"],
-                completion_tokens=telemetry["completion_tokens"],
-                batch_size=max(1, telemetry["batch_size_at_admission"]),
-                ttft_s=telemetry["ttft_s"] or None, tpot_s=telemetry["tpot_s"] or None,
-                max_batch_size=max(1, telemetry.get("max_batch_size", 1)),
-                execution_identity=self.reporter.execution_identity(),
-                finish_reason=telemetry["finish_reason"])
-            await self.client.release(request_id, t)
+            await self.client.release(request_id, telemetry)
         except Exception:  # noqa: BLE001
             log.warning("release of %s failed", request_id, exc_info=True)
 

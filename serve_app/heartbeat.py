@@ -1,4 +1,5 @@
-"""Build a replica's sequence-numbered heartbeat from its engine's live state.
+"""A replica's reports to the capacity actor, built from values: its identity (fixed at start),
+its sequence-numbered heartbeat, and each request's telemetry.
 
 The slot carries the *actual* execution identity of the loaded engine, its raw-token budget
 use, its cost model and its observed rates, and the list of active request ids, so the actor
@@ -6,11 +7,33 @@ can reconcile reservations whose release was lost.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from capacity.identity import execution_identity
+from capacity.pricing import CostModel
 from capacity.protocol import (ACTOR_CAPABILITIES, MAX_ACTIVE_LISTED, ActiveRequest,
-                               CostModelWire, HeartbeatReport, SlotReport)
+                               CostModelWire, HeartbeatReport, RequestTelemetry, SlotReport)
+
+
+@dataclass(frozen=True)
+class ReplicaIdentity:
+    """Who reports, fixed for the replica's life: the key the actor learns its rates under."""
+
+    replica_id: str
+    node_id: str
+    model_id: str
+    chip_class: str
+    execution: str | None     # wire form (kvq-v1:...:prefill=...); None for native (wire rule)
+
+    @classmethod
+    def of(cls, replica_id: str, node_id: str, model_id: str, format_identity: str,
+           prefill_mode: str) -> "ReplicaIdentity":
+        """The wire execution, not the bare format identity, which the actor's grammar would
+        quarantine and drop."""
+        return cls(replica_id, node_id, model_id, chip_class(),
+                   execution_identity(format_identity, prefill_mode) or None)
 
 
 def chip_class() -> str:
@@ -42,20 +65,17 @@ def _wire_chip(text: str) -> str:
     return "".join(c for c in text if c.isascii() and (c.isalnum() or c in "._|+-"))[:64]
 
 
-def slot_report(server: Any, state: str | None = None) -> SlotReport:
-    eng = server.engine
-    stats = eng.stats()
-    cost = eng.cost_model()
+def slot_report(ident: ReplicaIdentity, stats: Any, cost: CostModel, active: dict[str, int],
+                state: str | None = None) -> SlotReport:
+    """`stats`: the engine's EngineStats now; `active`: request id -> raw tokens being served."""
     running = stats.num_requests_running
     waiting = stats.num_requests_waiting
-    execution = execution_identity(eng.format_identity, stats.prefill_mode)
-    active = server.active_raw_tokens()
     step_s = stats.decode_step_s
     return SlotReport(
-        model_id=server.model_id,
+        model_id=ident.model_id,
         state=state or ("running" if running + waiting or active else "idle"),
-        declared_execution=execution or None,   # native omits it (wire rule)
-        execution_identity=execution or None,
+        declared_execution=ident.execution,
+        execution_identity=ident.execution,
         num_running=running,
         num_waiting=waiting,
         raw_budget_used=sum(active.values()),
@@ -73,9 +93,48 @@ def slot_report(server: Any, state: str | None = None) -> SlotReport:
     )
 
 
-def build_report(server: Any, incarnation: int, seq: int, state: str | None = None
-                 ) -> HeartbeatReport:
-    return HeartbeatReport(replica_id=server.replica_id, node_id=server.node_id,
-                           chip_class=chip_class(), incarnation=incarnation, seq=seq,
+def build_report(ident: ReplicaIdentity, stats: Any, cost: CostModel, active: dict[str, int],
+                 incarnation: int, seq: int, state: str | None = None) -> HeartbeatReport:
+    return HeartbeatReport(replica_id=ident.replica_id, node_id=ident.node_id,
+                           chip_class=ident.chip_class, incarnation=incarnation, seq=seq,
                            capabilities=sorted(ACTOR_CAPABILITIES),
-                           slots=[slot_report(server, state)])
+                           slots=[slot_report(ident, stats, cost, active, state)])
+
+
+@dataclass
+class RequestMeter:
+    """One request's batch and timing facts as its deltas pass; its telemetry at the end."""
+
+    prompt_tokens: int            # the prompt's length, until the engine reports usage
+    running_at_admission: int     # engine requests running when this one arrived
+    started: float = field(default_factory=time.monotonic)
+    last_t: float | None = None   # when the last delta came
+    ttft_s: float | None = None
+    usage: Any = None             # the engine's latest TokenUsage
+    finish: str | None = None
+    deltas: int = 0
+
+    def saw(self, delta: Any) -> bool:
+        """Record an engine delta; True for the first."""
+        self.deltas += 1
+        self.last_t = time.monotonic()
+        if delta.ttft_s is not None:
+            self.ttft_s = delta.ttft_s
+        self.usage, self.finish = delta.usage, delta.finish_reason
+        return self.deltas == 1
+
+    def telemetry(self, running_at_end: int, execution: str | None) -> RequestTelemetry:
+        u = self.usage
+        completion = u.completion_tokens if u else 0
+        last_t = self.started if self.last_t is None else self.last_t
+        tpot = ((last_t - self.started - (self.ttft_s or 0)) / (completion - 1)
+                if completion > 1 else None)
+        return RequestTelemetry(
+            prompt_tokens=u.prompt_tokens if u else self.prompt_tokens,
+            completion_tokens=completion,
+            batch_size=max(1, self.running_at_admission + 1),
+            # Seen at admission and at finish: a request is a solo sample only if both are 1
+            # (the actor takes solo decode rates only from such requests).
+            max_batch_size=max(1, max(self.running_at_admission, running_at_end) + 1),
+            ttft_s=self.ttft_s or None, tpot_s=tpot or None,
+            execution_identity=execution, finish_reason=self.finish or "cancelled")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from serve_app.calls import GenerateCall, stamp
 from serve_app.capacity_link import CapacityLink
 from serve_app.errors import from_exception
-from serve_app.heartbeat import build_report, chip_class
+from serve_app.heartbeat import ReplicaIdentity, RequestMeter, build_report
 from serve_app.wire import ReplicaDelta, ReplicaError, ReplicaItem, TokenUsage
 
 if TYPE_CHECKING:
@@ -76,6 +76,10 @@ class ModelServer:
         self.engine = self._make_engine(engine_cfg)
         self.replica_id = _replica_id()
         self.node_id = _node_id()
+        # The engine's format and prefill mode are fixed once loaded: the identity is too.
+        self.identity = ReplicaIdentity.of(self.replica_id, self.node_id, self.model_id,
+                                           self.engine.format_identity,
+                                           self.engine.stats().prefill_mode)
         self.capacity = CapacityLink(capacity, self) if capacity is not None else None
         self._started = False
         self.wedge_timeout_s = WEDGE_TIMEOUT_S
@@ -83,7 +87,7 @@ class ModelServer:
         self._inflight: dict[str, int] = {}   # request id -> raw tokens
 
     def _make_engine(self, engine_cfg: Any) -> Any:
-        from engine.loop import Engine
+        from engine import Engine
 
         return Engine(engine_cfg)
 
@@ -99,71 +103,66 @@ class ModelServer:
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[ReplicaItem]:
         """Stream ReplicaDeltas; an error before the first delta comes as one ReplicaError."""
-        from engine.request import GenerationRequest
-
         stamp(call.trace, "replica_in")
         await self.start()
+        meter = self._admit(call)
+        try:
+            try:
+                async for d in self.engine.generate(self._engine_request(call), coalesce=True):
+                    yield self._replica_delta(d, call, first=meter.saw(d))
+            except Exception as e:  # noqa: BLE001 - mapped once to an HTTP error
+                if meter.deltas:
+                    raise
+                err = from_exception(e)
+                if err.status >= 500 and err.code == "internal_error":
+                    log.exception("request %s failed", call.request_id)
+                meter.finish = f"refused:{err.reason}"
+                yield ReplicaError(err.to_wire())
+        finally:
+            self._settle(call, meter)
+
+    def _admit(self, call: GenerateCall) -> RequestMeter:
+        """Count the request in flight and commit its hold; the meter starts now."""
         started = time.monotonic()
         self._inflight[call.request_id] = call.raw_tokens
         if self.capacity is not None:
             # Off the first-token path: the client sends reports in order, so this commit
             # still reaches the actor before this request's release.
             self.capacity.commit_soon(call.request_id)
-        stats_at_admission = self.engine.stats()
-        usage, ttft, finish, last_t, n_deltas = None, None, None, started, 0
-        try:
-            try:
-                req = GenerationRequest(call.request_id, call.prompt_ids, call.sampling_params(),
-                                        first_token_deadline=call.deadline_monotonic(),
-                                        tenant=call.tenant)
-                stream = self.engine.generate(req, coalesce=True)
-                async for d in stream:
-                    n_deltas += 1
-                    last_t = time.monotonic()
-                    if d.ttft_s is not None:
-                        ttft = d.ttft_s
-                    usage, finish = d.usage, d.finish_reason
-                    first = n_deltas == 1
-                    if first and call.trace is not None:
-                        stamp(call.trace, "replica_first_delta")
-                        call.trace["engine_ttft_s"] = d.ttft_s
-                    yield ReplicaDelta(
-                        text=d.text, token_ids=tuple(d.token_ids),
-                        finish_reason=d.finish_reason,
-                        usage=TokenUsage(d.usage.prompt_tokens, d.usage.completion_tokens,
-                                         d.usage.cached_tokens),
-                        ttft_s=d.ttft_s,
-                        logprobs=None if d.logprobs is None else tuple(
-                            (e.logprob, tuple(tuple(a) for a in e.top)) for e in d.logprobs),
-                        replica_id=self.replica_id if first else None,
-                        trace=call.trace if first else None)
-            except Exception as e:  # noqa: BLE001 - mapped once to an HTTP error
-                if n_deltas:
-                    raise
-                err = from_exception(e)
-                if err.status >= 500 and err.code == "internal_error":
-                    log.exception("request %s failed", call.request_id)
-                finish = f"refused:{err.reason}"
-                yield ReplicaError(err.to_wire())
-        finally:
-            self._inflight.pop(call.request_id, None)
-            # Safe at any point and idempotent: covers client disconnects mid-stream.
-            self.engine.cancel(call.request_id)
-            if self.capacity is not None:
-                self.capacity.release_soon(call.request_id, {
-                    "prompt_tokens": usage.prompt_tokens if usage else len(call.prompt_ids),
-                    "completion_tokens": usage.completion_tokens if usage else 0,
-                    "cached_tokens": usage.cached_tokens if usage else 0,
-                    "batch_size_at_admission": stats_at_admission.num_requests_running + 1,
-                    # Seen at admission and at finish: a request is a solo sample only if both
-                    # are 1 (the actor takes solo decode rates only from such requests).
-                    "max_batch_size": max(stats_at_admission.num_requests_running,
-                                          self.engine.stats().num_requests_running) + 1,
-                    "ttft_s": ttft,
-                    "tpot_s": ((last_t - started - (ttft or 0)) / (usage.completion_tokens - 1)
-                               if usage and usage.completion_tokens > 1 else None),
-                    "finish_reason": finish or "cancelled",
-                })
+        return RequestMeter(len(call.prompt_ids), self.engine.stats().num_requests_running,
+                            started)
+
+    @staticmethod
+    def _engine_request(call: GenerateCall) -> Any:
+        from engine.request import GenerationRequest
+
+        return GenerationRequest(call.request_id, call.prompt_ids, call.sampling_params(),
+                                 first_token_deadline=call.deadline_monotonic(),
+                                 tenant=call.tenant)
+
+    def _replica_delta(self, d: Any, call: GenerateCall, first: bool) -> ReplicaDelta:
+        """An engine delta in wire form; the first also carries the replica id and the trace."""
+        if first and call.trace is not None:
+            stamp(call.trace, "replica_first_delta")
+            call.trace["engine_ttft_s"] = d.ttft_s
+        return ReplicaDelta(
+            text=d.text, token_ids=tuple(d.token_ids), finish_reason=d.finish_reason,
+            usage=TokenUsage(d.usage.prompt_tokens, d.usage.completion_tokens,
+                             d.usage.cached_tokens),
+            ttft_s=d.ttft_s,
+            logprobs=None if d.logprobs is None else tuple(
+                (e.logprob, tuple(tuple(a) for a in e.top)) for e in d.logprobs),
+            replica_id=self.replica_id if first else None,
+            trace=call.trace if first else None)
+
+    def _settle(self, call: GenerateCall, meter: RequestMeter) -> None:
+        """However the request ended: forget it, cancel it, release its hold with telemetry."""
+        self._inflight.pop(call.request_id, None)
+        # Safe at any point and idempotent: covers client disconnects mid-stream.
+        self.engine.cancel(call.request_id)
+        if self.capacity is not None:
+            self.capacity.release_soon(call.request_id, meter.telemetry(
+                self.engine.stats().num_requests_running, self.identity.execution))
 
     async def info(self) -> dict:
         """Model facts the ingress needs: context limit, identity, tokenizer files."""
@@ -195,16 +194,8 @@ class ModelServer:
         return dict(self._inflight)
 
     def heartbeat_report(self, incarnation: int, seq: int) -> "HeartbeatReport":
-        return build_report(self, incarnation, seq)
-
-    def execution_identity(self) -> str | None:
-        """The wire form (kvq-v1:...:prefill=...), not the bare format identity, which the
-        actor's grammar would quarantine and drop; None for native."""
-        from capacity.identity import execution_identity
-
-        return execution_identity(
-            self.engine.format_identity,
-            self.engine.stats().prefill_mode) or None
+        return build_report(self.identity, self.engine.stats(), self.engine.cost_model(),
+                            self.active_raw_tokens(), incarnation, seq)
 
     # --- Serve hooks --------------------------------------------------------------------
 
@@ -232,7 +223,7 @@ class ModelServer:
 
     def record_replica_metadata(self) -> dict:
         return {"model_id": self.model_id, "replica_id": self.replica_id,
-                "chip_class": chip_class(), "memory_bytes": _memory_bytes(),
+                "chip_class": self.identity.chip_class, "memory_bytes": _memory_bytes(),
                 "format_identity": self.engine.format_identity, "node_id": self.node_id,
                 "node_ip": _node_ip(),
                 "kv_format_negotiation": getattr(self, "kv_format_reason", "")}

@@ -7,6 +7,7 @@ import time
 import uuid
 
 from capacity.actor import get_or_create_actor
+from capacity.protocol import RequestTelemetry
 from serve_app.capacity_client import CapacityClient
 from capacity.errors import CapacityRefused
 
@@ -75,8 +76,8 @@ def test_kill_restores_histories_and_reservations(ray_session, tmp_path):
             out = await client.heartbeat(beat(6, used=300, active=[("a", 300)]))
             assert out["accepted"] and out["caps"]["m"] == 12
             assert (await client.snapshot())["outstanding_raw_tokens"] == 300
-            assert await client.release("a", {"prompt_tokens": 100, "batch_size": 1,
-                                              "ttft_s": 0.2, "tpot_s": 0.013})
+            assert await client.release("a", RequestTelemetry(prompt_tokens=100, batch_size=1,
+                                                                ttft_s=0.2, tpot_s=0.013))
             assert not await client.release("a")                  # idempotent: no double refund
             assert (await client.snapshot())["outstanding_raw_tokens"] == 0
 

@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from capacity.actor import get_or_create_actor
+from capacity.protocol import RequestTelemetry
 from serve_app.capacity_client import CapacityClient
 from capacity.transport.fast_link import FastLink
 from capacity.transport.fastpath import FastConnection, FastFailed, encode
@@ -67,7 +68,7 @@ def test_hold_commit_release_over_the_direct_connection(actor_name):
         assert hold.replica_id == "r0" and hold.ranking == ["r0"] and not hold.fallback
         assert await client.commit("a", "r0")
         assert (await client.snapshot())["outstanding_raw_tokens"] == 300
-        assert await client.release("a", {"prompt_tokens": 10, "batch_size": 1})
+        assert await client.release("a", RequestTelemetry(prompt_tokens=10, batch_size=1))
         assert not await client.release("a")                      # idempotent, as over Ray
         holds = await asyncio.gather(*(client.hold("m", 10, f"c{i}") for i in range(40)))
         assert all(await asyncio.gather(*(client.release(h.request_id) for h in holds)))

@@ -7,6 +7,7 @@ import pytest
 from capacity.errors import CapacityRefused
 from capacity.fleet import Fleet, FleetConfig
 from capacity.identity import ExecutionKey
+from capacity.protocol import RequestTelemetry
 
 INT4 = "kvq-v1:affine-v1-k4v4-g64-f32-h128-s1:prefill=direct"
 
@@ -67,8 +68,8 @@ def test_hold_commit_release_learns_once():
     assert hold.replica_id == "r0" and hold.ranking == ["r0"]
     assert hold.predicted_ttft_s == pytest.approx(600 / 600 + 1 / 50)
     assert f.commit("a", "r0", 0.1)
-    tel = {"prompt_tokens": 600, "completion_tokens": 10, "batch_size": 1, "max_batch_size": 1,
-           "ttft_s": 0.51, "tpot_s": 0.02}
+    tel = RequestTelemetry(prompt_tokens=600, completion_tokens=10, batch_size=1, max_batch_size=1,
+                           ttft_s=0.51, tpot_s=0.02)
     assert f.release("a", tel) and not f.release("a", tel)
     key = ExecutionKey.make("m", "M4|Max", None)
     assert f.rates.prefill_tps(key) == pytest.approx(600 / 0.51)
@@ -119,11 +120,11 @@ def test_telemetry_is_solo_only_if_the_request_never_shared_the_box():
     base = {"prompt_tokens": 10, "batch_size": 1, "ttft_s": 0.1, "tpot_s": 0.02}
     for i, extra in enumerate([{}, {"max_batch_size": 3}]):   # unknown, or shared later
         f.hold("m", 100, f"q{i}", 0.0)
-        assert f.release(f"q{i}", {**base, **extra})
+        assert f.release(f"q{i}", RequestTelemetry(**base, **extra))
     assert f.rates.solo_median(key) == (None, 0)
     f.heartbeat(report("peer", 1, running=1), 0.0)            # the box is busy elsewhere
     f.hold("m", 100, "q9", 0.0)
-    assert f.release("q9", {**base, "max_batch_size": 1})
+    assert f.release("q9", RequestTelemetry(**base, max_batch_size=1))
     assert f.rates.solo_median(key) == (None, 0)
     assert f.rates.fit(key) is None and len(f.rates._hist[key].ttft) == 3   # still samples
 

@@ -6,7 +6,7 @@ from capacity.errors import ProtocolError
 from capacity.protocol import ActorUnreachable
 from capacity.identity import INVALID, NATIVE, ExecutionKey
 from capacity.pricing import CostModel, Workspace
-from capacity.protocol import (ActorInfo, CostModelWire, HeartbeatReport,
+from capacity.protocol import (ActorInfo, CostModelWire, HeartbeatReport, RequestTelemetry,
                                SlotReport, check_version, negotiate_kv_format)
 
 INT4 = "kvq-v1:affine-v1-k4v4-g64-f32-h128-s1:prefill=direct"
@@ -96,3 +96,26 @@ def test_batched_operations_have_one_codec_and_malformed_ones_fail_alone():
     out = BatchOps(Fleet()).apply([("nope", 1), ("cancel",), ("cancel", "x")])
     assert out[0]["error"] == "CapacityError" and out[1]["error"] == "MalformedOp"
     assert out[2] is False
+
+
+def test_request_telemetry_round_trips_through_the_ops_codec_as_one_type():
+    import pickle
+
+    import msgpack
+
+    from capacity.fleet import Fleet
+    from capacity.operations import ReleaseOp, decode_op, encode_op
+    from capacity.ops import BatchOps
+
+    tel = RequestTelemetry(prompt_tokens=600, completion_tokens=10, batch_size=2,
+                           max_batch_size=3, ttft_s=0.5, tpot_s=0.02, execution_identity=INT4,
+                           finish_reason="stop")
+    wire = encode_op(ReleaseOp("a", tel))
+    for carried in (msgpack.unpackb(msgpack.packb(wire)), pickle.loads(pickle.dumps(wire))):
+        got = decode_op(carried)                     # the direct connection's and Ray's forms
+        assert isinstance(got.telemetry, RequestTelemetry) and got.telemetry == tel
+    assert decode_op(encode_op(ReleaseOp("a"))).telemetry is None
+    # A malformed report fails alone, before it refunds anything.
+    fleet = Fleet()
+    out = BatchOps(fleet).apply([["release", "a", {"batch_size": 0}], ["cancel", "b"]])
+    assert out[0]["error"] == "ValidationError" and out[1] is False
