@@ -164,7 +164,9 @@ def get_or_create_actor(namespace: str = DEFAULT_NAMESPACE, name: str = DEFAULT_
     """Create-or-get the named detached actor (idempotent across callers). Blocking GCS call.
 
     `resources` pins where it is created (e.g. {"head": 0.01}): unpinned, Ray may place it on
-    a worker, and losing that worker would then take the ledger down with the worker's slots."""
+    a worker, and losing that worker would then take the ledger down with the worker's slots.
+    A bad `config` raises ConfigInvalid here, naming the key, not inside the actor's start."""
+    FleetConfig.from_dict(config)
     return CapacityActor.options(name=name, namespace=namespace, lifetime="detached",
                                  get_if_exists=True, resources=resources or None).remote(
         config, snapshot_path, persist_interval_s, reap_interval_s)

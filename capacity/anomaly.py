@@ -9,22 +9,17 @@ Observability only: it never changes routing. Pure Python.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from capacity.identity import ExecutionKey
+from capacity.sections import Section
 
 
-@dataclass(frozen=True)
-class AnomalyConfig:
+class AnomalyConfig(Section):
     efficiency: float = 0.80     # fraction of peak bandwidth a healthy decode reaches on weights
     threshold: float = 0.35      # observed/expected below this is flagged (healthy MoE may sit ~0.44)
     min_samples: int = 3         # slots in a bucket before it can be judged
     max_running: int = 1         # only near-solo slots say anything about per-request speed
-
-    @classmethod
-    def from_dict(cls, data: dict | None) -> "AnomalyConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (data or {}).items() if k in names})
 
 
 @dataclass(frozen=True)

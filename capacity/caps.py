@@ -24,14 +24,16 @@ objective: past that point holding the stream speed would cost the TTFT objectiv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
+
+from pydantic import Field
 
 from capacity.identity import ExecutionKey
 from capacity.rates import RateRegistry
+from capacity.sections import Section
 
 
-@dataclass(frozen=True)
-class CapConfig:
+class CapConfig(Section):
     floor_tps: float = 15.0          # TPOT objective: per-request decode rate at the cap
     max_slowdown: float = 2.0        # ... but never more than solo / this (see module doc)
     ttft_objective_s: float | None = 2.0   # queued past half of it: admitted above the cap
@@ -40,12 +42,7 @@ class CapConfig:
     min_solo_samples: int = 5        # same-identity, same-chip solo samples before a cap can grow
     fallback_concurrency: int = 4    # native with neither samples nor seed
     # Native solo tok/s seeds: "model" or "model@chip_class" -> tok/s. Never used for quantized.
-    native_seeds: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, data: dict | None) -> "CapConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (data or {}).items() if k in names})
+    native_seeds: dict[str, float] = Field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,10 @@ class ProtocolError(CapacityError, ValueError):
     """A report cannot be accepted: unsupported protocol version or an incompatible capability."""
 
 
+class ConfigInvalid(CapacityError, ValueError):
+    """The actor's config has an unknown section or key, or a bad value; the message names it."""
+
+
 class UnknownReservation(CapacityError, KeyError):
     """A commit names a reservation the ledger never held (or already settled and forgot)."""
 

@@ -6,37 +6,39 @@ no lock is ever held across the fleet or across an await. Pure Python; callers p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
+
+from pydantic import Field, ValidationError
 
 from capacity.anomaly import AnomalyConfig, DecodeObservation, check
 from capacity.caps import CapConfig, CapDecision, resolve_cap
-from capacity.errors import CapacityRefused, IdentityError
+from capacity.errors import CapacityRefused, ConfigInvalid, IdentityError
 from capacity.forecast import ForecastConfig, forecast_ttft
 from capacity.identity import ExecutionKey, normalize_chip_class, parse_execution
 from capacity.ledger import Headroom, Ledger, LedgerConfig, Replica
 from capacity.protocol import (RESIDENT_STATES, ActorInfo, HeartbeatReport, RequestTelemetry,
                                check_version)
 from capacity.rates import RateConfig, RateRegistry, RequestSample
+from capacity.sections import Section, describe
 
 SNAPSHOT_VERSION = 1
 
 
-@dataclass(frozen=True)
-class FleetConfig:
-    ledger: LedgerConfig = field(default_factory=LedgerConfig)
-    rates: RateConfig = field(default_factory=RateConfig)
-    caps: CapConfig = field(default_factory=CapConfig)
-    forecast: ForecastConfig = field(default_factory=ForecastConfig)
-    anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
+class FleetConfig(Section):
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig)
+    rates: RateConfig = Field(default_factory=RateConfig)
+    caps: CapConfig = Field(default_factory=CapConfig)
+    forecast: ForecastConfig = Field(default_factory=ForecastConfig)
+    anomaly: AnomalyConfig = Field(default_factory=AnomalyConfig)
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "FleetConfig":
-        data = data or {}
-        return cls(**{f.name: _SECTIONS[f.name].from_dict(data.get(f.name)) for f in fields(cls)})
-
-
-_SECTIONS = {"ledger": LedgerConfig, "rates": RateConfig, "caps": CapConfig,
-             "forecast": ForecastConfig, "anomaly": AnomalyConfig}
+        """Sections from their wire form (the actor's `config`); an unknown section or key, or
+        a bad value, raises ConfigInvalid naming it."""
+        try:
+            return cls.model_validate(data or {})
+        except ValidationError as e:
+            raise ConfigInvalid(describe(e, "capacity config")) from None
 
 
 @dataclass(frozen=True)

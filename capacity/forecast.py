@@ -9,23 +9,18 @@ Only warm forecasts (penalty 0) train it, because the penalty is a configured gu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from capacity.identity import ExecutionKey
 from capacity.rates import RateRegistry
+from capacity.sections import Section
 
 
-@dataclass(frozen=True)
-class ForecastConfig:
+class ForecastConfig(Section):
     cold_load_penalty_s: float = 30.0      # unmeasured packed prefill / unknown slot state
     idle_shutdown_penalty_s: float = 20.0  # a slot that must reload its model first
     prefill_to_decode_ratio: float = 12.0  # native prefill fallback when only decode is known
     min_rate_tps: float = 1.0              # rates are floored so a forecast is always finite
-
-    @classmethod
-    def from_dict(cls, data: dict | None) -> "ForecastConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (data or {}).items() if k in names})
 
 
 @dataclass(frozen=True)

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from capacity.errors import CapacityRefused
 from capacity.identity import ExecutionKey
 from capacity.protocol import RESIDENT_STATES, SlotReport
+from capacity.sections import Section
 
 HELD, COMMITTED = "held", "committed"
 RELEASED, CANCELLED, EXPIRED, DROPPED = "released", "cancelled", "expired", "dropped"
 
 
-@dataclass(frozen=True)
-class LedgerConfig:
+class LedgerConfig(Section):
     hold_ttl_s: float = 30.0        # a hold that never commits is refunded after this
     commit_ttl_s: float = 900.0     # a commit whose release never arrives (longer than any request)
     stale_after_s: float = 15.0     # no heartbeat for this long: not routable (3 x a 5 s interval)
@@ -39,11 +39,6 @@ class LedgerConfig:
     retired_memory: int = 10_000    # retired replica ids remembered (a late report stays dead)
     retry_after_s: float = 1.0      # Retry-After hint on refusals
     ranking_size: int = 8           # candidates returned per hold (the router's retry plan)
-
-    @classmethod
-    def from_dict(cls, data: dict | None) -> "LedgerConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (data or {}).items() if k in names})
 
 
 @dataclass(slots=True)

@@ -10,14 +10,14 @@ measured per format instead of one global constant. Pure Python.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from capacity.identity import ExecutionKey
 from capacity.ring import Ring, finite_positive
+from capacity.sections import Section
 
 
-@dataclass(frozen=True)
-class RateConfig:
+class RateConfig(Section):
     load_window: int = 50            # load-inclusive decode tok/s samples kept per identity
     solo_window: int = 50            # solo decode tok/s samples kept per identity
     sample_window: int = 256         # per-request samples kept per identity (least-squares fit)
@@ -29,12 +29,6 @@ class RateConfig:
     ttft_clamp: tuple[float, float] = (0.2, 1.5)  # applied ratio bounds (one bad day can't zero TTFT)
     max_decode_tps: float = 500.0    # reports above this are refused (inflation guard)
     max_prefill_tps: float = 20000.0
-
-    @classmethod
-    def from_dict(cls, data: dict | None) -> "RateConfig":
-        names = {f.name for f in fields(cls)}
-        data = {k: (tuple(v) if k == "ttft_clamp" else v) for k, v in (data or {}).items() if k in names}
-        return cls(**data)
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,12 @@ from typing import Any
 
 import yaml
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PositiveFloat, ValidationError,
-                      field_validator, model_validator)
+                      ValidationInfo, field_serializer, field_validator, model_validator)
 
+from capacity.caps import CapConfig
+from capacity.fleet import FleetConfig
 from capacity.formats import normalize_format_name, normalize_overrides
+from engine.config import EngineConfig
 
 DEFAULT_MODEL_ID = "orchard-tiny"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +62,20 @@ class ReplicaResources(_Strict):
         return opts
 
 
+# Where a served replica's defaults differ from the engine library's (EngineConfig), declared once;
+# a model's `engine:` knobs win over them.
+SERVED_ENGINE_DEFAULTS: dict[str, Any] = {
+    # A served replica reuses earlier prompts' KV pages: a chat resends its whole history every
+    # turn, and without reuse each turn prefills it all again (on a 2-core CPU box a 4K-token
+    # SmolLM2 history is a minute of prefill). Cached pages are evicted least recently used when
+    # a request needs the memory, so the cache never refuses work.
+    "enable_prefix_caching": True,
+}
+# 32 = mlx_lm.server's own decode concurrency: the learned cap protects stream speed when nothing
+# queues; under a queue requests stretch up to this ceiling (docs/serving.md). A model's own
+# `max_num_seqs` key, not an engine knob: routing and Serve's ceiling read it too.
+SERVED_MAX_NUM_SEQS = 32
+
 SERVE_OWNED_ENGINE_KNOBS = {"model", "kv_format", "kv_format_overrides", "kv_budget_bytes",
                             "kv_memory_fraction", "max_num_seqs"}
 # Engine paths kept for benchmarks: served replicas always run the production path, so the
@@ -80,15 +97,17 @@ class ModelConfig(_Strict):
     kv_format: str | None = Field(None, description="None = the exact-model override or default")
     replicas: int = Field(1, ge=1)
     kv_budget_bytes: int | None = Field(None, gt=0)
-    # 32 = mlx_lm.server's own decode concurrency: the learned cap protects stream speed when
-    # nothing queues; under a queue requests stretch up to this ceiling (docs/serving.md).
-    max_num_seqs: int = Field(32, ge=1, description="concurrency ceiling per replica")
+    max_num_seqs: int = Field(SERVED_MAX_NUM_SEQS, ge=1, description="concurrency ceiling per "
+                              "replica")
     max_ongoing_requests: int | None = Field(
         None, ge=1, description="Serve's per-replica hard cap; default = 2x max_num_seqs")
     resources: ReplicaResources = Field(default_factory=ReplicaResources)
     max_replicas_per_node: int | None = Field(None, ge=1, description="spread replicas")
-    engine: dict[str, Any] = Field(default_factory=dict,
-                                   description="extra EngineConfig knobs, passed through")
+    engine: EngineConfig = Field(
+        default_factory=dict, validate_default=True, description="the replica's engine: the "
+        "YAML's `engine:` knobs over SERVED_ENGINE_DEFAULTS; the serve-owned knobs "
+        "(SERVE_OWNED_ENGINE_KNOBS) come from the model's own keys, the kv policy and the memory "
+        "plan when the replica starts (engine_config)")
     warmup: bool = Field(True, description="decode a few steps alone and in a batch before "
                          "taking traffic: no first-use cost on the first request, and the "
                          "capacity actor learns this box's batch slowdown from the start")
@@ -98,11 +117,13 @@ class ModelConfig(_Strict):
     def _format(cls, v: str | None) -> str | None:
         return v if v is None else normalize_format_name(v)
 
-    @field_validator("engine")
+    @field_validator("engine", mode="before")
     @classmethod
-    def _engine_knobs(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from engine.config import EngineConfig
-
+    def _engine_tree(cls, v: Any, info: ValidationInfo) -> Any:
+        """The YAML's `engine:` mapping -> EngineConfig, refusing knobs a serving config decides
+        elsewhere, bench-only paths and unknown names (each message names the knob)."""
+        if not isinstance(v, dict):
+            return v         # an EngineConfig already, or a type pydantic reports
         # These are decided by the serving config itself (format policy, budgets, ceiling);
         # letting the passthrough set them would silently override that decision.
         owned = sorted(set(v) & SERVE_OWNED_ENGINE_KNOBS)
@@ -117,7 +138,22 @@ class ModelConfig(_Strict):
         if unknown:
             raise ValueError(f"unknown engine knob(s) {', '.join(unknown)}; see "
                              "engine/config.py for EngineConfig's fields")
-        return v
+        # `model` is required; the replica sets it from the resolved path (engine_config).
+        return {**SERVED_ENGINE_DEFAULTS, **v, "model": str(info.data.get("path") or "")}
+
+    @field_serializer("engine")
+    def _engine_knobs(self, engine: EngineConfig) -> dict[str, Any]:
+        # The knobs as the YAML gives them, so a dumped config validates again.
+        return engine.model_dump(exclude_unset=True, exclude=SERVE_OWNED_ENGINE_KNOBS)
+
+    def engine_config(self, kv_format: str) -> EngineConfig:
+        """The replica's EngineConfig: this model's engine knobs plus what the rest of the config
+        decided: the resolved path, the KV format (kv policy, negotiated), the KV budget (memory
+        plan) and the ceiling."""
+        return EngineConfig.model_validate({
+            **self.engine.model_dump(exclude_unset=True), "model": self.path,
+            "kv_format": kv_format, "kv_budget_bytes": self.kv_budget_bytes,
+            "max_num_seqs": self.max_num_seqs})
 
     @field_validator("id")
     @classmethod
@@ -145,6 +181,10 @@ class KVDefaults(_Strict):
         return normalize_overrides(v)
 
 
+# The actor's cap defaults (capacity.caps.CapConfig), declared there once.
+_CAPS = CapConfig()
+
+
 class CapacitySettings(_Strict):
     namespace: str = "orchard"
     snapshot_path: str | None = Field(None, description="where the actor persists learned rates; "
@@ -162,29 +202,35 @@ class CapacitySettings(_Strict):
                             "for capacity; beyond that a request is refused (429) at once")
     decode_floor_tps: float | None = Field(
         None, gt=0, description="TPOT objective: per-request decode tok/s a user must still see "
-        "at the concurrency cap (the actor's caps.floor_tps; None = its default, 15), never "
-        "more than solo / max_slowdown. Applies when the actor is created")
-    max_slowdown: float = Field(2.0, ge=1.0, description="where even a lone request decodes "
-                                "below decode_floor_tps, the cap keeps each stream within this "
-                                "factor of its solo time per token instead")
+        f"at the concurrency cap (the actor's caps.floor_tps; None = its default, "
+        f"{_CAPS.floor_tps:g}), never more than solo / max_slowdown. Applies when the actor is "
+        "created")
+    max_slowdown: float = Field(
+        _CAPS.max_slowdown, ge=1.0, description="where even a lone request decodes below "
+        "decode_floor_tps, the cap keeps each stream within this factor of its solo time per "
+        "token instead")
     actor_resources: dict[str, PositiveFloat] = Field(
         default_factory=dict, description="Ray resources the capacity actor needs, which pins "
         "where it is created: {head: 0.01} keeps it on the head (cluster.yaml), so losing a "
         "worker never takes the ledger with it; {} = anywhere (one box)")
     ttft_objective_s: float | None = Field(
-        2.0, gt=0, description="TTFT objective: a request queued for capacity half this long is "
-        "admitted above the learned cap (up to max_num_seqs, memory permitting) rather than "
+        _CAPS.ttft_objective_s, gt=0, description="TTFT objective: a request queued for "
+        "capacity half this long is admitted above the learned cap (up to max_num_seqs, memory permitting) rather than "
         "miss it; null = never above the cap (queue, then 429)")
 
     def actor_config(self) -> dict | None:
-        """The capacity actor's FleetConfig sections these settings set (None: defaults)."""
+        """The capacity actor's FleetConfig sections these settings set (None: defaults), in
+        their wire form: the actor may be created by another process. Built through the typed
+        sections, so a knob CapConfig lacks fails here by name."""
         caps = {}
         if self.decode_floor_tps is not None:
             caps["floor_tps"] = self.decode_floor_tps
         for name in ("max_slowdown", "ttft_objective_s"):
             if name in self.model_fields_set:
                 caps[name] = getattr(self, name)
-        return {"caps": caps} if caps else None
+        if not caps:
+            return None
+        return FleetConfig(caps=CapConfig(**caps)).model_dump(exclude_unset=True)
 
 
 class MemorySettings(_Strict):

@@ -48,14 +48,6 @@ def _memory_bytes() -> int:
         return 0
 
 
-# A served replica reuses earlier prompts' KV pages by default: a chat resends its whole
-# history every turn, and without reuse each turn prefills it all again (on a 2-core CPU box a
-# 4K-token SmolLM2 history is a minute of prefill). Cached pages are evicted least recently used
-# when a request needs the memory, so the cache never refuses work. `engine:
-# {enable_prefix_caching: false}` in a model's config turns it off.
-SERVED_ENGINE_DEFAULTS = {"enable_prefix_caching": True}
-
-
 class ModelServer:
     """Engine + capacity reporting for one model replica (usable in-process as well).
 
@@ -64,16 +56,10 @@ class ModelServer:
     def __init__(self, model: "ModelConfig", kv_format: str, capacity: "CapacitySettings | None",
                  drain_timeout_s: float):
         """`model`: its config with the planned KV budget (serve_app.memory_plan.with_kv_budgets)."""
-        from engine.config import EngineConfig
-
         self.model_id = model.id
         self.model_path = model.path
         self.drain_timeout_s = drain_timeout_s
-        engine_cfg = EngineConfig(model=model.path, kv_format=kv_format,
-                                  kv_budget_bytes=model.kv_budget_bytes,
-                                  max_num_seqs=model.max_num_seqs,
-                                  **{**SERVED_ENGINE_DEFAULTS, **model.engine})
-        self.engine = self._make_engine(engine_cfg)
+        self.engine = self._make_engine(model.engine_config(kv_format))
         self.replica_id = _replica_id()
         self.node_id = _node_id()
         # The engine's format and prefill mode are fixed once loaded: the identity is too.

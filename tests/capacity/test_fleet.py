@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from capacity.errors import CapacityRefused
+from capacity.errors import CapacityRefused, ConfigInvalid
 from capacity.fleet import Fleet, FleetConfig
 from capacity.identity import ExecutionKey
 from capacity.protocol import RequestTelemetry
@@ -107,10 +107,20 @@ def test_persisted_rates_survive_a_restart_but_reservations_come_from_reports():
 
 
 def test_config_sections_are_configurable_from_dicts():
-    cfg = FleetConfig.from_dict({"caps": {"overcommit": 2.0, "unknown": 1},
+    cfg = FleetConfig.from_dict({"caps": {"overcommit": 2.0},
                                  "ledger": {"hold_ttl_s": 3.0}, "rates": {"ttft_clamp": [0.5, 1.0]}})
     assert cfg.caps.overcommit == 2.0 and cfg.ledger.hold_ttl_s == 3.0
     assert cfg.rates.ttft_clamp == (0.5, 1.0) and cfg.forecast.cold_load_penalty_s == 30.0
+    assert FleetConfig.from_dict(None) == FleetConfig()
+
+
+def test_config_refuses_an_unknown_key_by_name():
+    with pytest.raises(ConfigInvalid) as e:
+        FleetConfig.from_dict({"caps": {"floor_tp": 9.0}, "ledgr": {}})
+    assert str(e.value).splitlines() == ["capacity config: caps.floor_tp: unknown key",
+                                         "capacity config: ledgr: unknown key"]
+    with pytest.raises(ConfigInvalid, match="rates.load_window"):
+        FleetConfig.from_dict({"rates": {"load_window": "many"}})
 
 
 def test_telemetry_is_solo_only_if_the_request_never_shared_the_box():
