@@ -5,7 +5,7 @@
 Two shapes, both through the engine's own ModelRunner over the paged KV store (what a served
 step runs): a long prefill (one prompt of --prompt tokens, batch 1, in chunks of --chunk as
 the scheduler cuts it at max_step_tokens) and a saturated decode step (--rows rows whose contexts
-are spread over --contexts).
+are spread over --contexts; more counts, e.g. `--rows 16,32`, add shapes `decode_rows32`...).
 
 Each --variant (a name and KernelChoices fields, e.g. `--variant before:cpu_softmax=0`; none
 given: production's choices as `default`) gets its own runner over the same model and pages, and
@@ -35,6 +35,7 @@ import platform
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from functools import partial
 
 from bench.output import run_bench
 from engine.model.names import MODEL_HELP, model_arg
@@ -47,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt", type=int, default=1200, help="prefill prompt tokens")
     p.add_argument("--chunk", type=int, default=512,
                    help="prefill chunk (the engine's max_step_tokens)")
-    p.add_argument("--rows", type=int, default=16, help="decode rows")
+    p.add_argument("--rows", default="16", help="decode rows (comma-separated counts)")
     p.add_argument("--contexts", default="100,500", help="decode contexts: lo,hi (spread)")
     p.add_argument("--page-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -157,9 +158,11 @@ def run(args) -> dict:
     loaded = load_model(args.model, fuse=True)
     rng = np.random.default_rng(0)
     lo, hi = (int(x) for x in args.contexts.split(","))
-    contexts = np.linspace(lo, hi, args.rows).astype(int).tolist()
+    counts = [int(x) for x in args.rows.split(",")]
+    contexts = np.linspace(lo, hi, counts[0]).astype(int).tolist()
     t = args.page_tokens
-    pages_per = [-(-n // t) for n in [args.prompt, *[c + 1 for c in contexts]]]
+    # Every decode row gets pages for the longest context (shapes of other row counts reuse them).
+    pages_per = [-(-args.prompt // t)] + [-(-(hi + 1) // t)] * max(counts)
     kv = KVStore(loaded.geometry, sum(pages_per), t, loaded.dtype)
     variants = dict(args.variant or [("default", {})])
     runners = {name: ModelRunner(loaded, kv, kernels=KernelChoices(**fields))
@@ -176,8 +179,10 @@ def run(args) -> dict:
     prompt = rng.integers(100, vocab - 100, args.prompt).tolist()
     # Decode rows' histories: their KV is whatever the pages hold (the cost does not depend on
     # it); only the lengths matter.
-    decode_chunks = [SeqChunk(i + 1, [int(rng.integers(100, vocab - 100))], c, tables[i + 1])
-                     for i, c in enumerate(contexts)]
+    decode_shapes = {
+        n: [SeqChunk(i + 1, [int(rng.integers(100, vocab - 100))], c, tables[i + 1])
+            for i, c in enumerate(np.linspace(lo, hi, n).astype(int).tolist())]
+        for n in counts}
 
     def prefill(runner):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -191,10 +196,11 @@ def run(args) -> dict:
             mx.eval(tok, kv.arrays())
         return time.perf_counter() - t0, time.process_time() - c0, build
 
-    def decode(runner):
+    def decode(runner, rows=counts[0]):
+        chunks = decode_shapes[rows]
         t0, c0 = time.perf_counter(), time.process_time()
-        logits = runner.forward(decode_chunks)
-        tok = sample_rows(logits, [spec] * len(decode_chunks))
+        logits = runner.forward(chunks)
+        tok = sample_rows(logits, [spec] * len(chunks))
         build = time.perf_counter() - t0
         mx.eval(tok, kv.arrays())
         return time.perf_counter() - t0, time.process_time() - c0, build
@@ -210,15 +216,18 @@ def run(args) -> dict:
         out["total_s"] = round(total, 4)
         return out
 
-    shapes = {"prefill": prefill, "decode": decode}
+    shapes = {"prefill": prefill, "decode": decode,
+              **{f"decode_rows{n}": partial(decode, rows=n) for n in counts[1:]}}
     chosen = [s for s in args.shapes.split(",") if s]
+    if "decode" in chosen:
+        chosen += [f"decode_rows{n}" for n in counts[1:]]
     relative = os.path.relpath(args.model)
     result = {"model": args.model if relative.startswith("..") else relative,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "device": str(mx.default_device()),
                           "loadavg_at_start": os.getloadavg()},
               "prefill_shape": {"prompt": args.prompt, "chunk": args.chunk},
-              "decode_shape": {"rows": args.rows, "contexts": contexts},
+              "decode_shape": {"rows": counts, "contexts": contexts},
               "page_tokens": t, "variants": variants, "repeats": args.repeats}
     rounds = {(v, s): {"plain": [], "by_op": []} for v in runners for s in chosen}
     with timer.patched(loaded):
@@ -274,7 +283,7 @@ def served(args, variants: dict, prompt: list[int], contexts: list[int], vocab: 
     from engine.sampling.params import SamplingParams
 
     rng = np.random.default_rng(1)
-    cfg = EngineConfig(model=args.model, max_num_seqs=args.rows, page_tokens=args.page_tokens,
+    cfg = EngineConfig(model=args.model, max_num_seqs=len(contexts), page_tokens=args.page_tokens,
                        kv_budget_bytes=256 << 20, max_step_tokens=args.chunk)
     engines = {name: Engine(cfg, kernels=KernelChoices(**fields))
                for name, fields in variants.items()}
