@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The served benchmark where the product runs (the accelerator machine, bfloat16): Orchard
+# (`orchard serve --model M`, defaults) against mlx_lm.server (defaults: 32 decode rows, 8
+# prompts in parallel) on the same random-weight model, as a user would compare them:
+#  - one server at a time (both on one GPU would share its memory: Orchard sizes its KV pool
+#    from what is free when it starts), each fresh (a new Ray, a new HOME: no learned rates);
+#  - each warmed by 16 requests before it is measured (CUDA kernels JIT-compile on first use);
+#  - every rate (and the warm-up) on its own --seed, so no prompt repeats within a server's life
+#    (no prefix- or prompt-cache hit the user would not get); both servers get the same prompts;
+#  - 64 output tokens with EOS ignored, counted from the streamed text.
+# Then the in-process engine beside mlx-lm's stream_generate at batch 1 (the one-stream yardstick).
+#
+#   SHAPES="smollm2-135m llama-3.1-8b" RATES="1:16 32:48" bench/device/serve_run.sh
+#
+# RATES lists RATE:REQUESTS pairs (req/s : Poisson arrivals); prompts are 25-400 tokens.
+#
+# Results land in $OUT as one .tar.gz per shape (the device returns at most 8 files). A step
+# starts only if its time limit fits what is left of BUDGET seconds.
+set -u
+SHAPES=${SHAPES:-smollm2-135m}; RATES=${RATES:-1:16 32:48}; TOK=${TOK:-tok}
+BUDGET=${BUDGET:-560}; ENGINE_LIMIT=${ENGINE_LIMIT:-90}; PY=${PY:-python3}
+T0=$(date +%s); W=${W:-/tmp/serve-run}; mkdir -p $W
+export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+step() {  # tag, limit, command...
+  local tag=$1 lim=$2; shift 2; local t0=$(date +%s)
+  if (( lim > $(left) )); then echo "== $tag skipped (budget)" | tee -a $W/steps.txt >&2; return 1; fi
+  timeout -k 10 $lim "$@" > $W/$tag.out 2> $W/$tag.log
+  local rc=$?; echo "== $tag rc=$rc $(( $(date +%s) - t0 ))s" | tee -a $W/steps.txt >&2; return $rc
+}
+wait_http() {  # url, seconds
+  $PY - "$1" "$2" <<'PYEOF'
+import sys, time, urllib.request
+url, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        if urllib.request.urlopen(url, timeout=2).status == 200: sys.exit(0)
+    except Exception: time.sleep(0.5)
+sys.exit(1)
+PYEOF
+}
+stop_group() {  # pid: SIGTERM its process group, SIGKILL what is left after 60 s
+  kill -TERM -- -$1 2>/dev/null; for _ in $(seq 20); do kill -0 $1 2>/dev/null || break; sleep 1; done
+  kill -KILL -- -$1 2>/dev/null; pkill -KILL -f 'raylet|gcs_server|ray::|default_worker' 2>/dev/null; sleep 2
+}
+load() {  # tag, url, model id, label, model folder: warm-up, then one run per rate on its own seed
+  local tag=$1 url=$2 id=$3 label=$4 i=0 common
+  common=(--target "label=$label,url=$url,model=$id" --scenario poisson --api completions
+          --prompt-tokens 25-400 --max-tokens 64 --tokenizer $5 --extra-body '{"ignore_eos": true}'
+          --no-plots)
+  step $tag-warm 120 $PY -m loadtest bench-serve "${common[@]}" --rates 8 --requests-per-rate 16 \
+    --seed 9000 --out $W/warm/$tag
+  for spec in $RATES; do
+    i=$((i + 1))
+    step $tag-r${spec%%:*} 150 $PY -m loadtest bench-serve "${common[@]}" --rates ${spec%%:*} \
+      --requests-per-rate ${spec##*:} --seed $((100 + i)) --out $W/$S/$label
+  done
+}
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; $PY -V
+  $PY -c 'import mlx.core as mx, mlx_lm, ray; print("mlx", mx.__version__, "mlx_lm", mlx_lm.__version__, "ray", ray.__version__)'
+} > $W/versions.txt 2>&1
+missing=$(for S in $SHAPES; do [ -f $W/models/$S-random/config.json ] || echo $S; done)
+[ -z "$missing" ] || step shapes 240 $PY -m bench.device.shaped_models --tokenizer-from $TOK --out $W/models $missing
+for S in $SHAPES; do
+  m=$W/models/$S-random; mkdir -p $W/$S
+  home=$(mktemp -d /tmp/orc-XXXX)   # short: Ray's socket paths live under it
+  HOME=$home RAY_TMPDIR=$home setsid $PY -m serve_app.cli serve --model $m --host 127.0.0.1 \
+    --port 8100 > $W/$S/orchard_serve.log 2>&1 &
+  pid=$!
+  if wait_http http://127.0.0.1:8100/health 240; then
+    load $S-orchard http://127.0.0.1:8100 $S-random orchard $m
+  else echo "== $S orchard not healthy" | tee -a $W/steps.txt >&2; fi
+  stop_group $pid
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader > $W/$S/gpu_mem_after_orchard.txt
+  setsid $PY -m mlx_lm server --model $m --host 127.0.0.1 --port 8200 --log-level WARNING \
+    > $W/$S/mlx_lm_server.log 2>&1 &
+  pid=$!
+  if wait_http http://127.0.0.1:8200/v1/models 120; then
+    load $S-mlx_lm http://127.0.0.1:8200 $m mlx_lm.server $m
+  else echo "== $S mlx_lm.server not healthy" | tee -a $W/steps.txt >&2; fi
+  stop_group $pid
+  step $S-engine $ENGINE_LIMIT $PY -m bench.engine --model $m --prefill 512 --batches 1 \
+    --decode-tokens 64 --repeats 3
+  cp $W/$S-* $W/versions.txt $W/steps.txt $W/$S/ 2>/dev/null
+  tar czf $OUT/$S.tar.gz -C $W $S
+done
+cp $W/steps.txt $W/versions.txt $W/shapes.log $OUT/ 2>/dev/null
