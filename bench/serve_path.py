@@ -1,4 +1,4 @@
-"""TTFT overhead of the serving path over the in-process engine, at light load.
+"""TTFT and per-token overhead of the serving path over the in-process engine, at light load.
 
     python -m bench.serve_path [--model smollm2|DIR|FILE.gguf] [--requests 40] [--out result.json]
 
@@ -9,6 +9,9 @@ at a time (light load), interleaved round by round after a warm-up:
   serve    the full path: HTTP -> ingress replica (Serve direct ingress, as `orchard serve` runs
            it; --proxy: through Serve's HTTP proxy first) -> capacity hold -> replica -> engine
 For HTTP, TTFT is request sent -> first SSE event that carries content (iterating lines).
+Per-token time (TPOT) is first content -> last content over max_tokens - 1 (EOS is ignored, so
+every path generates exactly --max-tokens): with one stream, what the serving path adds to each
+token once the engine streams (give --max-tokens 32 or more for it to mean something).
 Run with OpenBLAS preloaded (`python -m engine.platform exec ...`); set RAY_TMPDIR to keep the
 bench's Ray apart from other Ray users on the machine.
 
@@ -66,7 +69,7 @@ class EnginePath:
         self.loop = asyncio.new_event_loop()
         self.i = 0
 
-    def ttft(self) -> tuple[float, None]:
+    def measure(self) -> tuple[float, float | None, None]:
         from engine.request import GenerationRequest
         from engine.sampling.params import SamplingParams
 
@@ -74,15 +77,17 @@ class EnginePath:
         req = GenerationRequest(f"bench-{self.i}", self.ids, SamplingParams(
             temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True))
 
-        async def run() -> float:
+        async def run() -> tuple[float, float]:
             t0 = time.perf_counter()
-            first = None
+            first = last = None
             async for d in self.engine.generate(req):
-                if first is None and d.token_ids:
-                    first = time.perf_counter() - t0
-            return first
+                if d.token_ids:
+                    last = time.perf_counter() - t0
+                    first = last if first is None else first
+            return first, last
 
-        return self.loop.run_until_complete(run()), None
+        first, last = self.loop.run_until_complete(run())
+        return first, per_token(first, last, self.max_tokens), None
 
     def close(self) -> None:
         self.engine.shutdown(drain_timeout_s=5)
@@ -95,23 +100,30 @@ STAGES = ("client_send", "ingress_in", "ingress_call_built", "router_in", "route
           "client_first")
 
 
-def http_ttft(client: httpx.Client, model_id: str, max_tokens: int,
-              prefix: str = "") -> tuple[float, dict | None]:
+def per_token(first: float, last: float, max_tokens: int) -> float | None:
+    """Seconds per token after the first (None when only one token was asked for)."""
+    return (last - first) / (max_tokens - 1) if max_tokens > 1 else None
+
+
+def http_measure(client: httpx.Client, model_id: str, max_tokens: int,
+                 prefix: str = "") -> tuple[float, float | None, dict | None]:
     body = {"model": model_id, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     wall0 = time.time()
     t0 = time.perf_counter()
-    first, trace = None, None
+    first, last, trace = None, None, None
     with client.stream("POST", prefix + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if first is None and line.startswith("data: {") and '"content":"' in line \
+            if line.startswith("data: {") and '"content":"' in line \
                     and '"content":""' not in line:
-                first = time.perf_counter() - t0
-                if "x-orchard-trace" in r.headers:
-                    trace = {**json.loads(r.headers["x-orchard-trace"]), "client_send": wall0,
-                             "client_first": wall0 + first}
-    return first, trace
+                last = time.perf_counter() - t0
+                if first is None:
+                    first = last
+                    if "x-orchard-trace" in r.headers:
+                        trace = {**json.loads(r.headers["x-orchard-trace"]),
+                                 "client_send": wall0, "client_first": wall0 + first}
+    return first, per_token(first, last, max_tokens), trace
 
 
 def stage_summary(traces: list[dict]) -> dict:
@@ -154,8 +166,8 @@ class HTTPInProcessPath:
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
         self.max_tokens = max_tokens
 
-    def ttft(self) -> tuple[float, dict | None]:
-        return http_ttft(self.client, "bench", self.max_tokens)
+    def measure(self) -> tuple[float, float | None, dict | None]:
+        return http_measure(self.client, "bench", self.max_tokens)
 
     def close(self) -> None:
         self.client.close()
@@ -254,8 +266,8 @@ class ServePath:
         self.cluster, self.max_tokens = cluster, max_tokens
         self.model_id = "bench" if name == "serve" else f"bench-{name}"
 
-    def ttft(self) -> tuple[float, dict | None]:
-        return http_ttft(self.client, self.model_id, self.max_tokens, self.prefix)
+    def measure(self) -> tuple[float, float | None, dict | None]:
+        return http_measure(self.client, self.model_id, self.max_tokens, self.prefix)
 
     def close(self) -> None:
         if self.client is not self.cluster.client:
@@ -318,15 +330,18 @@ def main(argv: list[str] | None = None) -> int:
         paths["http"] = HTTPInProcessPath(args.model, args.max_tokens)
         paths["engine"] = EnginePath(args.model, args.max_tokens)
         samples: dict[str, list[float]] = {name: [] for name in paths}
+        tpots: dict[str, list[float]] = {name: [] for name in paths}
         traces: dict[str, list[dict]] = {name: [] for name in paths}
         names = list(paths)
         # Interleaved, rotating order: every path sees the same (shared, noisy) machine.
         for i in range(args.warmup + args.requests):
             k = i % len(names)
             for name in names[k:] + names[:k]:
-                t, trace = paths[name].ttft()
+                t, tpot, trace = paths[name].measure()
                 if i >= args.warmup:
                     samples[name].append(t)
+                    if tpot is not None:
+                        tpots[name].append(tpot)
                     if trace:
                         traces[name].append(trace)
     finally:
@@ -336,7 +351,18 @@ def main(argv: list[str] | None = None) -> int:
             cluster.close()
     for name in names:
         result[name] = summary(samples[name])
+        if tpots[name]:
+            result[name]["tpot"] = summary(tpots[name])
     result["load_avg_after"] = os.getloadavg()[0]
+    if tpots["engine"]:
+        # Per token, paired by round: what each path adds to every token after the first.
+        result["tpot_overhead_ms"] = {
+            f"{name}_over_engine": {
+                "p50_of_paired": round(1000 * statistics.median(
+                    a - b for a, b in zip(tpots[name], tpots["engine"])), 3),
+                "ratio_of_p50": round(statistics.median(tpots[name])
+                                      / statistics.median(tpots["engine"]), 3)}
+            for name in names if name != "engine"}
     # Paired differences (same round) are robust to load drift between rounds.
     result["overhead_ms"] = {
         f"{name}_over_engine": {
