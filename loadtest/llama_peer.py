@@ -85,7 +85,9 @@ def start(gguf: str, log_path: str, binary: str = DEFAULT_BINARY, slots: int = S
                 "gguf_bytes": os.path.getsize(gguf), "slots": slots,
                 "context": slots * ctx_per_slot, "context_per_slot": ctx_per_slot,
                 "threads": threads, "continuous_batching": True,
-                "command": " ".join([os.path.basename(binary), *cmd[1:]])}
+                # File names only: a record should not carry this machine's paths.
+                "command": " ".join([os.path.basename(binary), "-m", os.path.basename(gguf),
+                                     *cmd[3:]])}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     server = LlamaServer(proc, f"http://127.0.0.1:{port}", alias, log_path, settings)
