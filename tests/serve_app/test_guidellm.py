@@ -2,9 +2,11 @@
 
 GuideLLM 0.8 streams every request with vLLM's `stream_options.continuous_usage_stats` and, for a
 fixed output length, `ignore_eos` and `stop: null`; before they were accepted it failed 20 of 20
-requests with a 400. It depends on torch and transformers (about 6 GB with torch's CUDA wheels),
-so it lives in its own venv under the git-ignored `.cache/guidellm/<version>/`, installed through
-pip on first use (a few minutes) and reused after. Its synthetic prompts are counted with the
+requests with a 400. It depends on torch and transformers, so it lives in its own venv under the
+git-ignored `.cache/guidellm/<version>/`, installed through pip on first use (about 2 minutes) and
+reused after. torch is pinned to a CPU build where the project's machines keep one on disk
+(2.13.0): an unpinned torch is the CUDA build, 6 GB instead of 1.5 GB, for a client that only
+counts tokens. Its synthetic prompts are counted with the
 served model's own tokenizer folder, offline (no hub)."""
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from tests.fixtures.serve import TEST_API_KEY, TEST_MODEL
 pytestmark = pytest.mark.slow
 
 GUIDELLM_VERSION = "0.8.1"
+TORCH_VERSION = "2.13.0"
 REPO = Path(__file__).resolve().parents[2]
 REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 8, 32, 16
 
@@ -29,7 +32,7 @@ REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 8, 32, 16
 def _guidellm_venv() -> Path:
     """The venv holding GuideLLM, made once: built beside its final place and renamed into it,
     so an interrupted install never leaves a half venv that later runs would trust."""
-    home = REPO / ".cache" / "guidellm" / GUIDELLM_VERSION
+    home = REPO / ".cache" / "guidellm" / f"{GUIDELLM_VERSION}-torch{TORCH_VERSION}"
     venv = home / "venv"
     if (venv / "bin" / "python").exists():
         return venv
@@ -37,7 +40,8 @@ def _guidellm_venv() -> Path:
     shutil.rmtree(building, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", str(building)], check=True)
     subprocess.run([str(building / "bin" / "python"), "-m", "pip", "install", "-q",
-                    f"guidellm=={GUIDELLM_VERSION}"], check=True, timeout=840)
+                    f"torch=={TORCH_VERSION}", f"guidellm=={GUIDELLM_VERSION}"],
+                   check=True, timeout=840)
     try:
         building.rename(venv)
     except OSError:   # another run finished first: use its venv
