@@ -101,7 +101,7 @@ class IngressCore:
             splitter = partial(OutputSplitter, fmt, prep.plan.tools if prep.plan else None,
                                prep.prompt_text)
         out = Choices(kind, P.ResponseBuilder(kind, request_id, model),
-                      P.LogprobsFormatter(entry.tokenizer) if calls[0].logprobs is not None
+                      P.LogprobsFormatter(entry.tokenizer) if calls[0].params.logprobs is not None
                       else None, echo_text(req, entry.tokenizer, calls[0].prompt_ids),
                       len(calls), splitter)
         tracker = Tracker(self.metrics, model, entry.format_identity, t0)

@@ -5,22 +5,27 @@ Every request field is implemented, refused, or on the short list of safely igno
 than dropped, so a client never gets a 200 that silently ignored what it asked for.
 Type errors are pydantic's job (-> 422); unknown fields and value errors (negative max_tokens,
 tools, ...) are 400s naming the field, so clients can tell "wrong shape" from "not supported".
+Here live only the wire's shape and OpenAI-only rules (n, how many stop strings and logit_bias
+entries, logprobs by their wire names); every sampling value's range is declared once, with its
+field, in engine/sampling/params.py, and `_Sampling.sampling_params` builds that one shape.
 """
 from __future__ import annotations
 
 import json
-import math
 import time
 from enum import IntEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
+from engine.sampling.params import MAX_LOGPROBS, InvalidSampling, SamplingParams
 from serve_app.errors import bad_request
 
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 4      # OpenAI's limit (the engine's own, larger, is in params.py)
 MAX_N = 8                 # choices per request (each is a full request to the engine)
-MAX_TOP_LOGPROBS = 20     # OpenAI's limit; the engine's too (engine.sampling.params.MAX_LOGPROBS)
+# OpenAI's limit, which is the engine's: checked here only because the wire names the field
+# top_logprobs (chat) or logprobs (completions).
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
 MAX_LOGIT_BIAS = 300      # entries, as OpenAI
 
 # Accepted and ignored: they change nothing about the tokens a request gets.
@@ -118,6 +123,23 @@ class _Sampling(_Req):
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
+    def sampling_params(self, max_tokens: int, grammar: str | None) -> SamplingParams:
+        """The engine's parameters for this request (fields left out take the engine's
+        defaults); a value out of its range is the 400 naming the field."""
+        given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                     min_p=self.min_p, presence_penalty=self.presence_penalty,
+                     frequency_penalty=self.frequency_penalty,
+                     repetition_penalty=self.repetition_penalty)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, seed=self.seed, stop=tuple(self.stop_list()),
+                stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens, logit_bias=tuple(self.logit_bias_ids().items()),
+                logprobs=self.logprobs_k(), grammar=grammar,
+                **{k: v for k, v in given.items() if v is not None})
+        except InvalidSampling as e:
+            raise bad_request(str(e), param=e.param) from None
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
@@ -187,34 +209,15 @@ _TEXT_PARTS = ("text", "input_text")
 
 
 def check_values(req: ChatCompletionRequest | CompletionRequest) -> None:
-    """Value checks OpenAI answers with 400."""
+    """Value checks OpenAI answers with 400 that are the wire's own (ranges: params.py)."""
     for name, neutral in _NEUTRAL.items():
         if name in type(req).model_fields and getattr(req, name) not in neutral:
             raise bad_request(f"{name} is not supported by this server", param=name,
                               code="unsupported_parameter")
-    mt = req.requested_max_tokens()
-    if mt is not None and mt < 1:
-        raise bad_request(f"max_tokens must be >= 1, got {mt}", param="max_tokens")
-    _check_range(req.min_tokens, "min_tokens", 0, math.inf if mt is None else mt)
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
-    _check_range(req.temperature, "temperature", 0.0, 2.0)
-    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
-        raise bad_request(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
-    if req.top_k is not None and req.top_k < 0:
-        raise bad_request(f"top_k must be >= 0, got {req.top_k}", param="top_k")
-    _check_range(req.min_p, "min_p", 0.0, 1.0)
-    _check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
-    _check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
-    if req.repetition_penalty is not None and not (math.isfinite(req.repetition_penalty)
-                                                   and 0.0 < req.repetition_penalty <= 10.0):
-        raise bad_request(f"repetition_penalty must be in (0, 10], got "
-                          f"{req.repetition_penalty}", param="repetition_penalty")
     _check_logit_bias(req.logit_bias)
-    if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
-        raise bad_request("stop_token_ids must be token ids >= 0", param="stop_token_ids")
-    stops = req.stop_list()
-    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+    if len(req.stop_list()) > MAX_STOP_STRINGS:
         raise bad_request(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings",
                           param="stop")
     if isinstance(req, ChatCompletionRequest):
@@ -223,23 +226,15 @@ def check_values(req: ChatCompletionRequest | CompletionRequest) -> None:
         _check_completion(req)
 
 
-def _check_range(v: float | None, name: str, lo: float, hi: float) -> None:
-    if v is not None and not (math.isfinite(v) and lo <= v <= hi):
-        raise bad_request(f"{name} must be in [{lo:g}, {hi:g}], got {v}", param=name)
-
-
 def _check_logit_bias(bias: dict[str, float] | None) -> None:
     if not bias:
         return
     if len(bias) > MAX_LOGIT_BIAS:
         raise bad_request(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens",
                           param="logit_bias")
-    for k, v in bias.items():
+    for k in bias:
         if not k.isdigit():
             raise bad_request(f"logit_bias keys must be token ids, got {k!r}",
-                              param="logit_bias")
-        if not (math.isfinite(v) and -100.0 <= v <= 100.0):
-            raise bad_request(f"logit_bias values must be in [-100, 100], got {v}",
                               param="logit_bias")
 
 

@@ -122,7 +122,7 @@ class ModelServer:
     def _engine_request(call: GenerateCall) -> Any:
         from engine.request import GenerationRequest
 
-        return GenerationRequest(call.request_id, call.prompt_ids, call.sampling_params(),
+        return GenerationRequest(call.request_id, call.prompt_ids, call.params,
                                  first_token_deadline=call.deadline_monotonic(),
                                  tenant=call.tenant)
 

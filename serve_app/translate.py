@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -152,16 +152,17 @@ class CallBuilder:
                                       code="unsupported_parameter")
         prompt_text, prompt_ids = await self._prompt_ids(kind, req, entry.tokenizer, plan)
         max_tokens = self._max_tokens(req, len(prompt_ids), entry)
-        if req.min_tokens > max_tokens:   # only when max_tokens was left to the default
+        if req.requested_max_tokens() is None and req.min_tokens > max_tokens:
             raise bad_request(f"min_tokens={req.min_tokens} exceeds the {max_tokens} tokens "
                               "this request may generate; set max_tokens", param="min_tokens")
-        if req.min_tokens and grammar is not None:
-            # A finished document allows only EOS: forcing more tokens leaves nothing to take.
+        if req.min_tokens > 0 and grammar is not None:
+            # Named by its HTTP causes; params.py refuses the same pair for direct engine callers.
             raise bad_request("min_tokens cannot be combined with response_format or a forced "
                               "tool call", param="min_tokens", code="unsupported_parameter")
+        params = req.sampling_params(max_tokens, grammar)
         vocab = len(entry.tokenizer)
-        for name, ids in (("logit_bias", req.logit_bias_ids()),
-                          ("stop_token_ids", req.stop_token_ids or ())):
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("stop_token_ids", params.stop_token_ids)):
             if any(t >= vocab for t in ids):
                 raise bad_request(f"{name} names token ids outside the vocabulary "
                                   f"(size {vocab})", param=name)
@@ -169,19 +170,11 @@ class CallBuilder:
         deadline, tenant = self.deadline_unix(request), self.tenant_of(request)
         calls = [GenerateCall(
             request_id=base if req.n == 1 else f"{base}-{i}", model=req.model,
-            prompt_ids=prompt_ids, max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else float(req.temperature),
-            top_p=1.0 if req.top_p is None else float(req.top_p), top_k=req.top_k or 0,
+            prompt_ids=prompt_ids,
             # Choices of one seeded request differ from each other and are reproducible.
-            seed=None if req.seed is None else req.seed + i, stop=req.stop_list(),
-            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, min_p=req.min_p or 0.0,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None
-            else req.repetition_penalty,
-            logit_bias=req.logit_bias_ids(), stop_token_ids=list(req.stop_token_ids or ()),
-            logprobs=req.logprobs_k(), first_token_deadline_unix=deadline,
-            grammar=grammar, tenant=tenant, trace=trace if i == 0 else None)
+            params=params if params.seed is None or i == 0
+            else replace(params, seed=params.seed + i),
+            tenant=tenant, first_token_deadline_unix=deadline, trace=trace if i == 0 else None)
             for i in range(req.n)]
         stamp(trace, "ingress_call_built")
         return Prepared(calls, entry, plan, prompt_text)

@@ -1,6 +1,9 @@
-"""Sampling parameters of one request, validated when built (a bad value is an InvalidRequest).
+"""Sampling parameters of one request, validated when built (a bad value is an InvalidSampling
+naming its field).
 
-The batched sampler that applies them is engine/sampling/sampler.py.
+This is the one home of each field's range: the ingress builds these (pure Python, no MLX) and
+hands them through to the engine unchanged; the HTTP layer checks only the wire's shape and
+OpenAI-only rules. The batched sampler that applies them is engine/sampling/sampler.py.
 """
 from __future__ import annotations
 
@@ -10,6 +13,17 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequest
 
 MAX_LOGPROBS = 20   # alternatives per token (OpenAI's top_logprobs limit)
+# The engine's bound on per-step stop matching; HTTP refuses more than OpenAI's 4 before this.
+MAX_STOP_STRINGS = 16
+
+
+class InvalidSampling(InvalidRequest):
+    """A sampling value out of its declared range; `param` names the field, so the ingress's 400
+    names it too."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -46,45 +60,55 @@ class SamplingParams:
                            tuple((t, float(b)) for t, b in self.logit_bias))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
-        _require(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
-                 f"temperature must be in [0, 100], got {self.temperature!r}")
+        # Messages are the ingress's 400s word for word: clients see them.
+        _require(_is_num(self.temperature) and 0.0 <= self.temperature <= 2.0,
+                 f"temperature must be in [0, 2], got {self.temperature!r}", "temperature")
         _require(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
-                 f"top_p must be in (0, 1], got {self.top_p!r}")
-        _require(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be >= 0, got {self.top_k!r}")
-        _require(self.seed is None or _is_int(self.seed), f"seed must be an int, got {self.seed!r}")
+                 f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        _require(_is_int(self.top_k) and self.top_k >= 0,
+                 f"top_k must be >= 0, got {self.top_k!r}", "top_k")
+        _require(self.seed is None or _is_int(self.seed), f"seed must be an int, got {self.seed!r}",
+                 "seed")
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
-                 f"max_tokens must be >= 1, got {self.max_tokens!r}")
+                 f"max_tokens must be >= 1, got {self.max_tokens!r}", "max_tokens")
         _require(all(isinstance(s, str) and s for s in self.stop),
-                 "stop must be non-empty strings")
-        _require(len(self.stop) <= 16, "at most 16 stop strings")
+                 "stop must be non-empty strings", "stop")
+        _require(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings",
+                 "stop")
         _require(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
-                 f"min_p must be in [0, 1], got {self.min_p!r}")
+                 f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            _require(_is_num(v) and -2.0 <= v <= 2.0, f"{name} must be in [-2, 2], got {v!r}")
+            _require(_is_num(v) and -2.0 <= v <= 2.0, f"{name} must be in [-2, 2], got {v!r}",
+                     name)
         _require(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
-                 f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
-        _require(all(_is_int(t) and t >= 0 and math.isfinite(b) and -100.0 <= b <= 100.0
-                     for t, b in self.logit_bias),
-                 "logit_bias maps token ids >= 0 to biases in [-100, 100]")
+                 f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}",
+                 "repetition_penalty")
+        _require(all(_is_int(t) and t >= 0 for t, _ in self.logit_bias),
+                 "logit_bias keys must be token ids >= 0", "logit_bias")
+        bad = next((b for _, b in self.logit_bias
+                    if not (math.isfinite(b) and -100.0 <= b <= 100.0)), None)
+        _require(bad is None, f"logit_bias values must be in [-100, 100], got {bad!r}",
+                 "logit_bias")
         _require(len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
-                 "logit_bias names a token id twice")
+                 "logit_bias names a token id twice", "logit_bias")
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-                 "stop_token_ids must be token ids >= 0")
+                 "stop_token_ids must be token ids >= 0", "stop_token_ids")
         _require(self.grammar is None or (isinstance(self.grammar, str) and self.grammar),
-                 "grammar must be a non-empty llguidance grammar")
+                 "grammar must be a non-empty llguidance grammar", "grammar")
         _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-                 f"min_tokens must be in [0, max_tokens={self.max_tokens!r}], "
-                 f"got {self.min_tokens!r}")
+                 f"min_tokens must be in [0, {self.max_tokens!r}], got {self.min_tokens!r}",
+                 "min_tokens")
         # A grammar's document ends where the grammar says (only EOS is allowed then): forcing
         # more tokens would leave a row with no token it may take.
         _require(not (self.min_tokens and self.grammar is not None),
-                 "min_tokens cannot be combined with a grammar (structured output)")
+                 "min_tokens cannot be combined with a grammar (structured output)", "min_tokens")
         _require(all(_is_int(t) and t >= 0 for t in self.eos_token_ids),
-                 "eos_token_ids must be token ids >= 0")
+                 "eos_token_ids must be token ids >= 0", "eos_token_ids")
         _require(self.logprobs is None or (_is_int(self.logprobs)
                                            and 0 <= self.logprobs <= MAX_LOGPROBS),
-                 f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+                 f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+                 "logprobs")
 
     @property
     def greedy(self) -> bool:
@@ -128,6 +152,6 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool, message: str, param: str) -> None:
     if not ok:
-        raise InvalidRequest(message)
+        raise InvalidSampling(message, param)
