@@ -88,8 +88,10 @@ def test_sweep_starts_orchard_and_the_peer_and_compares_each_rate(tmp_path):
             assert s["counts"]["ok"] == s["counts"]["sent"] > 0, s["error_examples"]
     md = (out / "sweep.md").read_text()
     assert md.count("| orchard |") == 2 and "vs mlx_lm.server" in md
-    # Orchard served with default settings and was stopped with SIGTERM (its drain).
-    log = (out / "orchard_serve.log").read_text()
+    # Orchard served with default settings and was stopped with SIGTERM (its drain); each rate
+    # started its own (fresh learned rates), logging into that rate's folder.
+    assert (out / "rate_1" / "orchard_serve.log").exists()
+    log = (out / "rate_4" / "orchard_serve.log").read_text()
     assert "with default settings" in log and "shutting down (draining" in log
 
 
