@@ -39,9 +39,12 @@ while time.monotonic() < deadline:
 sys.exit(1)
 PYEOF
 }
-stop_group() {  # pid: SIGTERM its process group, SIGKILL what is left after 60 s
+stop_group() {  # pid [ray dir]: SIGTERM its process group, SIGKILL what is left after 20 s
   kill -TERM -- -$1 2>/dev/null; for _ in $(seq 20); do kill -0 $1 2>/dev/null || break; sleep 1; done
-  kill -KILL -- -$1 2>/dev/null; pkill -KILL -f 'raylet|gcs_server|ray::|default_worker' 2>/dev/null; sleep 2
+  kill -KILL -- -$1 2>/dev/null
+  # Ray's daemons leave the group; only this server's (their command lines name its RAY_TMPDIR)
+  # are killed, never another Ray on the machine.
+  [ -n "${2:-}" ] && pkill -KILL -f -- "$2" 2>/dev/null; sleep 2
 }
 load() {  # tag, url, model id, label, model folder: warm-up, then one run per rate on its own seed
   local tag=$1 url=$2 id=$3 label=$4 i=0 common
@@ -70,7 +73,7 @@ for S in $SHAPES; do
   if wait_http http://127.0.0.1:8100/health 240; then
     load $S-orchard http://127.0.0.1:8100 $S-random orchard $m
   else echo "== $S orchard not healthy" | tee -a $W/steps.txt >&2; fi
-  stop_group $pid
+  stop_group $pid $home
   nvidia-smi --query-gpu=memory.used --format=csv,noheader > $W/$S/gpu_mem_after_orchard.txt
   setsid $PY -m mlx_lm server --model $m --host 127.0.0.1 --port 8200 --log-level WARNING \
     > $W/$S/mlx_lm_server.log 2>&1 &
