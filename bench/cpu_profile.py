@@ -278,9 +278,9 @@ def served(args, variants: dict, prompt: list[int], contexts: list[int], vocab: 
     import numpy as np
 
     from bench.engine import Window
+    from engine import Engine
     from engine.attention.choices import KernelChoices
     from engine.config import EngineConfig
-    from engine import Engine
     from engine.request import GenerationRequest
     from engine.sampling.params import SamplingParams
 
