@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import time
 from dataclasses import dataclass, field
 
 from loadtest import peer, probe
@@ -91,19 +90,10 @@ def start(gguf: str, log_path: str, binary: str = DEFAULT_BINARY, slots: int = S
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     server = LlamaServer(proc, f"http://127.0.0.1:{port}", alias, log_path, settings)
-    deadline = time.monotonic() + ready_timeout
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {proc.returncode}; see {log_path}")
-            # /health answers 503 while the model loads and 200 once it can serve.
-            status, _ = probe.get_json(server.url + "/health", timeout=2.0)
-            if status == 200:
-                return server
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"llama-server not ready after {ready_timeout:.0f} s; "
-                                   f"see {log_path}")
-            time.sleep(0.5)
+        # /health answers 503 while the model loads and 200 once it can serve.
+        probe.wait_child_healthy(proc, server.url, "llama-server", log_path, ready_timeout, 0.5)
+        return server
     except BaseException:
         server.stop()
         raise

@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 
 from loadtest import peer, probe
@@ -43,19 +42,10 @@ def start(model: str | None, log_path: str, ready_timeout: float = 600.0,
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     server = OrchardServer(proc, f"http://127.0.0.1:{port}", log_path, scratch)
-    deadline = time.monotonic() + ready_timeout
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"orchard serve exited with {proc.returncode}; see {log_path}")
-            # /health, not /v1/models: the ingress lists models before any replica is ready.
-            status, _ = probe.get_json(server.url + "/health", timeout=2.0)
-            if status == 200:
-                return server
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"orchard serve not healthy after {ready_timeout:.0f} s; "
-                                   f"see {log_path}")
-            time.sleep(1.0)
+        # /health, not /v1/models: the ingress lists models before any replica is ready.
+        probe.wait_child_healthy(proc, server.url, "orchard serve", log_path, ready_timeout, 1.0)
+        return server
     except BaseException:
         server.stop()
         raise

@@ -64,6 +64,22 @@ def wait_ready(base: str, timeout: float = 60.0, key: str | None = None) -> None
     raise TimeoutError(f"{base} not ready (/health, /v1/models) after {timeout:.0f}s")
 
 
+def wait_child_healthy(proc, base: str, name: str, log_path: str, timeout: float,
+                       poll_s: float) -> None:
+    """Wait until the server child `proc` answers 200 on `base`/health (both Orchard and
+    llama-server answer it only once they can serve); raise if it exits or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}; see {log_path}")
+        status, _ = get_json(base + "/health", timeout=2.0)
+        if status == 200:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} not ready after {timeout:.0f} s; see {log_path}")
+        time.sleep(poll_s)
+
+
 def list_models(base: str, key: str | None = None) -> list[dict]:
     status, obj = get_json(base + "/v1/models", key=key)
     if status != 200 or not isinstance(obj, dict):
