@@ -12,12 +12,14 @@
 #
 #   SHAPES="smollm2-135m llama-3.1-8b" RATES="1:16 32:48" bench/device/serve_run.sh
 #
-# RATES lists RATE:REQUESTS pairs (req/s : Poisson arrivals); prompts are 25-400 tokens.
+# RATES lists RATE:REQUESTS pairs (req/s : Poisson arrivals); prompts are 25-400 tokens. TOK is a
+# folder with the tokenizer files the shaped models get (models/smollm2-135m is git-ignored: carry
+# its tokenizer*.json, special_tokens_map.json and generation_config.json).
 #
 # Results land in $OUT as one .tar.gz per shape (the device returns at most 8 files). A step
 # starts only if its time limit fits what is left of BUDGET seconds.
 set -u
-SHAPES=${SHAPES:-smollm2-135m}; RATES=${RATES:-1:16 32:48}; TOK=${TOK:-tok}
+SHAPES=${SHAPES:-smollm2-135m}; RATES=${RATES:-1:16 32:48}; TOK=${TOK:-models/smollm2-135m}
 BUDGET=${BUDGET:-560}; ENGINE_LIMIT=${ENGINE_LIMIT:-90}; PY=${PY:-python3}
 T0=$(date +%s); W=${W:-/tmp/serve-run}; mkdir -p $W
 export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
