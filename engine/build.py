@@ -107,7 +107,7 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
                           f"bytes) and one page of {page_bytes} bytes")
     kvstore = KVStore(loaded.geometry, num_pages, cfg.page_tokens, loaded.dtype,
                       layer_factory=factory)
-    runner = make_runner(loaded, kvstore)
+    runner = make_runner(loaded, kvstore, merge_pad_tokens=cfg.merge_pad_tokens)
     # The tail pool is priced as a fixed arena of the replica (CostModel.workspace.fixed), not
     # per request: it is allocated for max_num_seqs sequences whether they run or not, and a
     # per-request charge would let fewer, longer requests take more pages than the pool holds.

@@ -35,6 +35,11 @@ class EngineConfig(BaseModel):
                                       "when kv_budget_bytes is unset")
     max_num_seqs: int = Field(16, description="most requests running (prefill or decode) at once")
     max_step_tokens: int = Field(512, description="most tokens one forward step processes")
+    merge_pad_tokens: int | None = Field(
+        None, ge=0, description="padding (tokens) one model call of a mixed prefill/decode step "
+        "may carry before the step opens another call (engine/runner/paged.py); None = where it "
+        "pays: small on the CPU, where a padded token costs real time, large on Metal/CUDA, where "
+        "an extra uncompiled call costs more than hundreds of padded tokens")
     max_model_len: int | None = Field(None, description="most raw tokens (prompt + max_tokens) "
                                       "per request; None = the model's position limit")
     max_waiting: int = Field(1024, description="waiting-queue bound; beyond it -> overloaded")

@@ -135,8 +135,14 @@ class StepRunner:
         if not count:
             return
         now = time.monotonic()
-        self.scheduler.forecast.observe(step.prefill_tokens, step.decode_rows,
-                                        time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.scheduler.forecast.observe(step.prefill_tokens, step.decode_rows, seconds)
+        compiled = self.runner.compiled
+        # Model calls and traces so far (totals): per-step work shows in their differences.
+        self._emit("step", step=step.step_id, prefill_tokens=step.prefill_tokens,
+                   decode_rows=step.decode_rows, seconds=seconds,
+                   model_calls=self.runner.model_calls,
+                   traces=compiled.traces if compiled is not None else 0)
         self.counters["steps"] += 1
         self.counters["prompt_tokens"] += step.prefill_tokens
         for seq, tok in self.scheduler.complete(step, tokens, now):

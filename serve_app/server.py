@@ -74,8 +74,9 @@ class ModelServer:
 
     def _make_engine(self, engine_cfg: Any) -> Any:
         from engine import Engine
+        from serve_app.step_log import step_log_from_env
 
-        return Engine(engine_cfg)
+        return Engine(engine_cfg, trace=step_log_from_env())
 
     async def start(self) -> None:
         """Start background reporting on the caller's event loop (idempotent)."""

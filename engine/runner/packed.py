@@ -13,7 +13,10 @@ class PackedModelRunner(ModelRunner):
     load-time one.
     """
 
-    def __init__(self, loaded, kvstore, merge_pad_tokens: int = 32,
+    # Packed rows cost more per padded token on the CPU (dequantized reads), and more per call.
+    cpu_merge_pad_tokens = 32
+
+    def __init__(self, loaded, kvstore, merge_pad_tokens: int | None = None,
                  kernels: KernelChoices = DEFAULT_KERNELS):
         super().__init__(loaded, kvstore, merge_pad_tokens, kernels)
         if not self.direct and any(getattr(s, "packed", False) for s in kvstore.layers.values()):

@@ -9,9 +9,13 @@ Mixing prefill chunks and decode rows: rows of one model call are right-padded t
 chunk (RoPE takes one offset per row, so tokens of different sequences cannot share a row).
 A padded position costs as much compute as a real token, so `forward` groups chunks (longest
 first): a chunk joins the current group while the group's total padding stays within
-`merge_pad_tokens` (a conservative share of what one extra model call costs: on the CPU a batch-1
-decode step takes as long as 20-30 prefill tokens); otherwise it opens a new call. Decode
-rows therefore batch together, and a long prefill chunk runs in its own call.
+`merge_pad_tokens` (a conservative share of what one extra model call costs); otherwise it opens
+a new call. Decode rows therefore batch together, and a long prefill chunk runs in its own call.
+What a call costs depends on the device: on the CPU a batch-1 decode step takes as long as 20-30
+prefill tokens (allowance 16), while on a GPU an uncompiled call of a large model is tens of ms of
+host work and a padded token a few microseconds (allowance `ACCELERATOR_MERGE_PAD_TOKENS`).
+The decode rows of a mixed step go through the compiled decode step where one exists, so a
+mixed step pays for its prefill calls only.
 
 Measured per decode step on the 2-core CPU (8-layer llama, hidden 512, float32, 64-token pages,
 process CPU time, host heavily shared so +-10%): batch 1 @ 256 context: 59.8 ms synchronous,
@@ -38,6 +42,10 @@ from engine.runner.compiled_decode import CompiledDecode
 from engine.runner.tokens import input_tokens
 
 log = logging.getLogger("orchard.engine")
+
+# Padding one call of a mixed step may carry, by device (EngineConfig.merge_pad_tokens=None).
+CPU_MERGE_PAD_TOKENS = 16
+ACCELERATOR_MERGE_PAD_TOKENS = 1024
 
 # Layer kinds (engine/model/loader.py's probe) the runner can serve: attention it pages, and
 # recurrent state it batches per sequence. Anything else ("other": e.g. a chunked-attention cache,
@@ -126,7 +134,9 @@ class ModelRunner:
     (`CompiledDecode.fits`, by default where the decode kernel runs) a decode step goes through
     one compiled function per shape instead (`self.compiled`, engine/runner/compiled_decode.py)."""
 
-    def __init__(self, loaded: LoadedModel, kvstore: KVStore, merge_pad_tokens: int = 16,
+    cpu_merge_pad_tokens = CPU_MERGE_PAD_TOKENS
+
+    def __init__(self, loaded: LoadedModel, kvstore: KVStore, merge_pad_tokens: int | None = None,
                  kernels: KernelChoices = DEFAULT_KERNELS):
         check_supported_layers(loaded)
         self.kernels = kernels
@@ -134,7 +144,11 @@ class ModelRunner:
         self.loaded = loaded
         self.kvstore = kvstore
         self.page_tokens = kvstore.page_tokens
+        if merge_pad_tokens is None:
+            merge_pad_tokens = (self.cpu_merge_pad_tokens if mx.default_device() == mx.cpu
+                                else ACCELERATOR_MERGE_PAD_TOKENS)
         self.merge_pad_tokens = merge_pad_tokens
+        self.model_calls = 0   # model calls issued (compiled or not): a step's count in traces
         self._windows = [g.window for g in geometry.layers]
         self._paged = set(geometry.paged_layers)
         self.recurrent = (RecurrentStates(loaded.model, list(geometry.unpaged_layers))
@@ -204,6 +218,7 @@ class ModelRunner:
             if self.compiled is not None:
                 out = self.compiled.forward(chunks, decode_tokens)
                 if out is not None:
+                    self.model_calls += 1
                     return out
                 log.warning("compiled decode steps off for %s: %s", self.loaded.path,
                             self.compiled.failure)
@@ -216,12 +231,22 @@ class ModelRunner:
             return self._run(chunks, last_only=True, tokens=decode_tokens).astype(mx.float32)
         out: list[mx.array | None] = [None] * len(chunks)
         for n, group in enumerate(groups):
-            logits = self._run([chunks[i] for i in group], last_only=True)
+            logits = self._run_group([chunks[i] for i in group])
             for j, i in enumerate(group):
                 out[i] = logits[j]
             if n + 1 < len(groups):
                 self._settle_group(logits)
         return mx.stack(out).astype(mx.float32)
+
+    def _run_group(self, group: list[SeqChunk]) -> mx.array:
+        """One call of a mixed step: its one-token rows (the step's decode rows) through the
+        compiled decode step when there is one, else an ordinary call."""
+        if self.compiled is not None and all(len(c.token_ids) == 1 for c in group):
+            out = self.compiled.forward(group, None)
+            if out is not None:
+                self.model_calls += 1
+                return out
+        return self._run(group, last_only=True)
 
     def _settle_group(self, logits: mx.array) -> None:
         """Queue one call's compute before the next call of the same step is built on it.
@@ -287,6 +312,7 @@ class ModelRunner:
 
     def _run(self, chunks: list[SeqChunk], last_only: bool,
              tokens: mx.array | None = None) -> mx.array:
+        self.model_calls += 1
         rows = [Row(c.start, len(c.token_ids), c.page_table) for c in chunks]
         step = StepBatch(rows, self.page_tokens)
         step.kernel_decode = self.kernel_decode and step.width == 1

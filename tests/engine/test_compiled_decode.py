@@ -242,3 +242,40 @@ def test_a_model_the_trace_cannot_follow_falls_back_to_uncompiled_steps(tiny_lla
     assert max(np.abs(x - y).max() for x, y in zip(a, b)) <= 1e-5   # nothing half-written
     assert broken.compiled is None   # off for good after the first failed trace
     assert "compiled decode steps off" in caplog.text and "host-side key ranges" in caplog.text
+
+
+def test_mixed_step_decode_rows_take_the_compiled_step(tiny_model_dirs):
+    """A step mixing a prefill chunk with decode rows runs its decode rows through the compiled
+    step (one trace, counted as one model call) and computes what the uncompiled runner does."""
+    lm = load_model(tiny_model_dirs["llama"])
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, lm.geometry.vocab_size, n).tolist() for n in (9, 14)]
+    tables = [[3, 7, 1, 12], [5, 0, 9, 2], [8, 4, 11, 6, 10, 13]]
+    newcomer = rng.integers(0, lm.geometry.vocab_size, 21).tolist()
+    results = []
+    for kernels in (COMPILED, PLAIN):
+        # Allowance 0: the newcomer's chunk and the decode rows never share a call.
+        r = ModelRunner(lm, KVStore(lm.geometry, 40, 8, lm.dtype), merge_pad_tokens=0,
+                        kernels=kernels)
+        first = r.forward([SeqChunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
+        ids = np.array(mx.argmax(first, axis=-1)).tolist()
+        calls, traces = r.model_calls, r.compiled.traces if r.compiled else 0
+        mixed = r.forward([SeqChunk(0, [ids[0]], 9, tables[0]), SeqChunk(2, newcomer, 0, tables[2]),
+                           SeqChunk(1, [ids[1]], 14, tables[1])])
+        results.append((np.array(mixed), r.model_calls - calls,
+                        (r.compiled.traces if r.compiled else 0) - traces))
+    (fast, fast_calls, fast_traces), (slow, slow_calls, _) = results
+    assert np.abs(fast - slow).max() <= 1e-4
+    assert fast_calls == slow_calls == 2       # the prefill chunk's call + the decode rows' call
+    assert fast_traces == 1                    # the decode rows went through the compiled step
+
+
+def test_merge_padding_default_follows_the_device(tiny_llama):
+    lm = load_model(tiny_llama)
+    store = KVStore(lm.geometry, 8, 8, lm.dtype)
+    from engine.runner.paged import CPU_MERGE_PAD_TOKENS
+    assert mx.default_device() == mx.cpu
+    assert ModelRunner(lm, store).merge_pad_tokens == CPU_MERGE_PAD_TOKENS
+    assert ModelRunner(lm, store, merge_pad_tokens=300).merge_pad_tokens == 300
+    with pytest.raises(ValueError, match="merge_pad_tokens"):
+        EngineConfig(model=tiny_llama, merge_pad_tokens=-1)
