@@ -11,6 +11,9 @@
 # Then the in-process engine beside mlx-lm's stream_generate at batch 1 (the one-stream yardstick).
 #
 #   SHAPES="smollm2-135m llama-3.1-8b" RATES="1:16 32:48" bench/device/serve_run.sh
+#   VARIANTS='orchard= pad16={"merge_pad_tokens":16}' PEER=0 ... bench/device/serve_run.sh
+# Each Orchard variant's replicas log their steps (ORCHARD_STEP_LOG, serve_app/step_log.py) to
+# <shape>/<label>-steps.<pid>.jsonl.
 #
 # RATES lists RATE:REQUESTS pairs (req/s : Poisson arrivals); prompts are 25-400 tokens. TOK is a
 # folder with the tokenizer files the shaped models get (models/smollm2-135m is git-ignored: carry
@@ -20,6 +23,9 @@
 # starts only if its time limit fits what is left of BUDGET seconds.
 set -u
 SHAPES=${SHAPES:-smollm2-135m}; RATES=${RATES:-1:16 32:48}; TOK=${TOK:-models/smollm2-135m}
+# Orchard variants, each LABEL=ENGINE-KNOBS (a YAML/JSON mapping of EngineConfig knobs, e.g.
+# 'pad16={"merge_pad_tokens":16}'); an empty mapping serves with `--model M` and no config.
+VARIANTS=${VARIANTS:-orchard=}; PEER=${PEER:-1}   # PEER=0: no mlx_lm.server, no engine bench
 BUDGET=${BUDGET:-560}; ENGINE_LIMIT=${ENGINE_LIMIT:-90}; PY=${PY:-python3}
 T0=$(date +%s); W=${W:-/tmp/serve-run}; mkdir -p $W
 export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
@@ -68,15 +74,25 @@ missing=$(for S in $SHAPES; do [ -f $W/models/$S-random/config.json ] || echo $S
 [ -z "$missing" ] || step shapes 240 $PY -m bench.device.shaped_models --tokenizer-from $TOK --out $W/models $missing
 for S in $SHAPES; do
   m=$W/models/$S-random; mkdir -p $W/$S
-  home=$(mktemp -d /tmp/orc-XXXX)   # short: Ray's socket paths live under it
-  HOME=$home RAY_TMPDIR=$home setsid $PY -m serve_app.cli serve --model $m --host 127.0.0.1 \
-    --port 8100 > $W/$S/orchard_serve.log 2>&1 &
-  pid=$!
-  if wait_http http://127.0.0.1:8100/health 240; then
-    load $S-orchard http://127.0.0.1:8100 $S-random orchard $m
-  else echo "== $S orchard not healthy" | tee -a $W/steps.txt >&2; fi
-  stop_group $pid $home
+  for variant in $VARIANTS; do
+    label=${variant%%=*}; knobs=${variant#*=}
+    args=(--model $m)
+    if [ -n "$knobs" ]; then   # engine knobs (EngineConfig) through a config file
+      printf 'http: {host: 127.0.0.1, port: 8100}\nmodels:\n  - id: %s-random\n    path: %s\n    engine: %s\n' \
+        $S $m "$knobs" > $W/$S/$label.yaml
+      args=($W/$S/$label.yaml)
+    fi
+    home=$(mktemp -d /tmp/orc-XXXX)   # short: Ray's socket paths live under it
+    HOME=$home RAY_TMPDIR=$home ORCHARD_STEP_LOG=$W/$S/$label-steps setsid $PY -m serve_app.cli \
+      serve "${args[@]}" --host 127.0.0.1 --port 8100 > $W/$S/${label}_serve.log 2>&1 &
+    pid=$!
+    if wait_http http://127.0.0.1:8100/health 240; then
+      load $S-$label http://127.0.0.1:8100 $S-random $label $m
+    else echo "== $S $label not healthy" | tee -a $W/steps.txt >&2; fi
+    stop_group $pid $home
+  done
   nvidia-smi --query-gpu=memory.used --format=csv,noheader > $W/$S/gpu_mem_after_orchard.txt
+  [ "$PEER" = 1 ] || { tar czf $OUT/$S.tar.gz -C $W $S; continue; }
   setsid $PY -m mlx_lm server --model $m --host 127.0.0.1 --port 8200 --log-level WARNING \
     > $W/$S/mlx_lm_server.log 2>&1 &
   pid=$!
