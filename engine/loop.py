@@ -183,6 +183,12 @@ class Engine:
         """Evict every cached prefix page no running request shares (asynchronous)."""
         self._inbox.put(("evict",))
 
+    def prefix_page_hashes(self) -> list[bytes]:
+        """Chain hashes of every page the prefix cache holds (for prefix-aware routing); a
+        copy of the engine thread's dict taken in one C call, so any thread may ask."""
+        cache = self._parts.scheduler.prefix if self._parts is not None else None
+        return [] if cache is None else list(cache._entries)
+
     def stats(self) -> EngineStats:
         """The snapshot published after the last step (attributes; `as_dict()` for JSON)."""
         return replace(self._stats, engine_alive=self.healthy())
