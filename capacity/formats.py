@@ -118,6 +118,15 @@ class KVFormat:
         if self.packed and self.head_dim % GROUP_SIZE:
             raise KVFormatError(
                 f"format {self.name} needs head_dim divisible by {GROUP_SIZE}, got {self.head_dim}")
+        block = hadamard_block(self.head_dim)
+        if self.rotated and (block & (block - 1) or self.head_dim % block):
+            # Refused here, at load, not at the first forward: the Hadamard transform of a
+            # block that does not tile the head (head_dim 192: blocks of 128) cannot be formed.
+            raise KVFormatError(
+                f"format {self.name} rotates keys in Hadamard blocks of min(128, head_dim) = "
+                f"{block} channels, which must be a power of two dividing head_dim; head_dim "
+                f"{self.head_dim} is not (rotated formats need head_dim 64, 128 or a multiple "
+                "of 128)")
 
     @property
     def packed(self) -> bool:
@@ -339,6 +348,26 @@ def layer_format(fmt: KVFormat, layer_kind: str) -> KVFormat:
     if not fmt.packed or layer_kind in PACKABLE_LAYER_KINDS:
         return fmt
     return KVFormat("native", fmt.head_dim, fmt.native_dtype)
+
+
+def check_model_format(fmt_name: str, layers, native_dtype: str = "float32") -> None:
+    """Refuse, before any KV memory is sized, a packed format the model cannot store.
+
+    `layers`: (kind, head_dim) of each layer that keeps state. A packed format needs at least one
+    full-attention layer (the only kind it packs: without one, every byte would be native under
+    a packed identity, and its rates would train a format that never ran), and each such layer's
+    head_dim must fit the format (group and rotation block, KVFormat).
+    """
+    name = normalize_format_name(fmt_name)
+    if FORMAT_BITS[name] is None:
+        return
+    full = [head_dim for kind, head_dim in layers if kind in PACKABLE_LAYER_KINDS]
+    if not full:
+        raise KVFormatError(
+            f"KV format {name} packs full-attention layers only and this model has none "
+            f"(layer kinds: {sorted({kind for kind, _ in layers})}); serve it with native KV")
+    for head_dim in sorted(set(full)):
+        KVFormat(name, head_dim, native_dtype)
 
 
 def format_from_identity(identity: str, head_dim: int, native_dtype: str = "float32") -> KVFormat:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
 
-from capacity.formats import KVFormat, resolve_kv_format
+from capacity.formats import KVFormat, check_model_format, resolve_kv_format
 from capacity.pricing import CostModel
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.checkpoint.requests import RequestCheckpoints
@@ -73,7 +73,7 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
     `pipeline_decode`: whether steady decode may be pipelined (tests switch it off); it is only
     used where the format and model allow it. `kernels`: the attention kernels the runner and
     the packed stores may use (the defaults are production's)."""
-    from engine.attention.packed_store import layer_report, storage_identity
+    from engine.kv.identity import layer_report, storage_identity
     from engine.kv.store import KVStore
     from engine.model.loader import load_model
 
@@ -85,6 +85,10 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
     loaded = load_model(cfg.model, dtype=cfg.dtype, allow_hub=cfg.allow_hub,
                         fuse=cfg.fuse_projections)
     check_supported_layers(loaded)   # before any KV memory is sized or allocated
+    # A packed format the model cannot store (no full-attention layer, a head dim its rotation
+    # cannot tile) is refused here, not stored native under its name or failed at warm-up.
+    check_model_format(kv_format, [(g.kind, g.head_dim) for g in loaded.geometry.layers],
+                       loaded.dtype_name)
     permits = WorkspacePermits(hooks.emit)
     factory, make_runner = store_for(kv_format, cfg, permits.permit, kernels)
     probe = KVStore(loaded.geometry, 1, cfg.page_tokens, loaded.dtype, layer_factory=factory)
@@ -179,7 +183,7 @@ def store_for(kv_format: str, cfg: EngineConfig, permit: Callable[[int], bool],
 
     if kv_format == "native":
         return NativeLayerStore, partial(ModelRunner, kernels=kernels)
-    from engine.attention.packed_store import packed_layer_factory
+    from engine.attention.layers import packed_layer_factory
     from engine.runner.packed import PackedModelRunner
 
     return (packed_layer_factory(kv_format, cfg.prefill_mode, permit, kernels,
