@@ -110,6 +110,10 @@ class Ledger:
         self._seq: dict[str, tuple[int, int]] = {}            # replica_id -> (incarnation, seq)
         self._retired: OrderedDict[str, None] = OrderedDict()  # replicas Serve reported gone
         self.outcomes: dict[str, int] = {}                      # settled reservations by outcome
+        # Reservations established from a replica's commit or report without any hold (an actor
+        # restart, a request routed while the actor was unreachable): they settle too, so once
+        # idle sum(outcomes) == holds + rebuilt.
+        self.rebuilt = 0
         self.debited_raw = 0     # lifetime totals; debited - refunded == outstanding, always
         self.refunded_raw = 0
 
@@ -222,10 +226,8 @@ class Ledger:
                 return False
             if (model, replica_id) not in self._replicas:
                 return False
-            self._settled.pop(request_id, None)
-            res = Reservation(request_id, model, replica_id, int(raw_tokens), COMMITTED,
-                              now + self.cfg.commit_ttl_s)
-            self._debit(res)
+            self._reestablish(Reservation(request_id, model, replica_id, int(raw_tokens),
+                                          COMMITTED, now + self.cfg.commit_ttl_s))
             return True
         if res.replica_id != replica_id:
             if (res.model, replica_id) not in self._replicas:
@@ -316,9 +318,8 @@ class Ledger:
         for rid, raw in listed.items():   # re-establish what the replica runs but we forgot
             res = self._active.get(rid)
             if res is None and self._settled.get(rid) not in (RELEASED, CANCELLED):
-                self._settled.pop(rid, None)
-                self._debit(Reservation(rid, rep.model, rep.replica_id, raw, COMMITTED,
-                                        now + self.cfg.commit_ttl_s))
+                self._reestablish(Reservation(rid, rep.model, rep.replica_id, raw, COMMITTED,
+                                              now + self.cfg.commit_ttl_s))
             elif res is not None and res.state == COMMITTED:
                 res.missed = 0
         if not slot.active_complete:
@@ -336,6 +337,19 @@ class Ledger:
         self._active[res.request_id] = res
         self._link(res)
         self.debited_raw += res.raw_tokens
+
+    def _reestablish(self, res: Reservation) -> None:
+        """A replica runs a request we hold no reservation for. Settled as dropped or expired,
+        that settlement was premature (a hold dropped with a dead replica while Serve re-routed
+        the request to a live one, a hold that expired before its late commit): it is undone, so
+        the request's one hold settles once, when it really ends. Never settled (or forgotten):
+        it had no hold here, and counts as rebuilt."""
+        prev = self._settled.pop(res.request_id, None)
+        if prev is not None:
+            self.outcomes[prev] -= 1
+        else:
+            self.rebuilt += 1
+        self._debit(res)
 
     def _settle(self, request_id: str, outcome: str) -> Reservation | None:
         res = self._active.pop(request_id, None)

@@ -169,3 +169,40 @@ def test_a_silent_replica_is_not_counted_live_in_the_feed():
     f.heartbeat(report("r1", 1), 10.0)
     [m] = f.snapshot(16.0)["models"]        # r0 silent for 16 s > stale_after_s (15 s)
     assert m["replicas"] == 1
+
+
+def test_a_hold_dropped_with_its_replica_then_served_by_the_replacement_settles_once():
+    """Issue 34: after a replica SIGKILL the feed read holds 7, releases 8. A request held on the
+    dying replica while Serve re-routed it: its hold is dropped when the router retires the dead
+    replica, then the replacement admits it (its commit carries raw tokens and model, so the
+    reservation comes back) and releases it. One hold must settle once, not twice."""
+    f = Fleet()
+    f.heartbeat(report("dead", 1), 0.0)
+    f.hold("m", 100, "x", 0.0)
+    f.hold("m", 100, "y", 0.0)
+    f.retire(["dead"])
+    f.heartbeat(report("new", 1), 1.0)
+    assert f.commit("x", "new", 1.1, raw_tokens=100, model_id="m")
+    assert f.ledger.outstanding_raw() == 100        # the replacement runs it: counted again
+    assert f.release("x")
+    # A report rebuilds a dropped one the same way: "y" is listed by the replacement.
+    f.heartbeat(report("new", 2, running=1, used=100, active=[("y", 100)]), 1.2)
+    assert f.release("y")
+    snap = f.snapshot(1.3)
+    c = snap["counters"]
+    assert snap["outstanding_raw_tokens"] == 0
+    assert c["holds"] == c["releases"] == 2, c
+    assert c["settled"] == {"dropped": 0, "released": 2} and f.ledger.rebuilt == 0
+
+
+def test_reservations_rebuilt_without_a_hold_are_counted_apart():
+    """An actor that restarted learns running requests from commits and reports it never held:
+    they settle too, and are counted as rebuilt, so settlements == holds + rebuilt."""
+    f = Fleet()
+    f.heartbeat(report("r0", 1, running=1, used=100, active=[("a", 100)]), 0.0)
+    assert f.commit("b", "r0", 0.1, raw_tokens=50, model_id="m")
+    f.hold("m", 10, "c", 0.2)
+    for rid in ("a", "b", "c"):
+        assert f.release(rid)
+    c = f.snapshot(0.3)["counters"]
+    assert (c["holds"], f.ledger.rebuilt, c["releases"]) == (1, 2, 3)

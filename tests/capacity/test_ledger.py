@@ -216,3 +216,16 @@ def test_ranking_is_a_bounded_plan_best_first():
         led.apply_slot(f"r{i}", "node", s, KEY, 8, 0.0)
     res, ranking = led.hold("m", 10, "a", 0.0)
     assert len(ranking) == 3 and ranking[0] == res.replica_id == "r3"   # most free slots first
+
+
+def test_an_expired_hold_whose_late_commit_arrives_settles_once():
+    led = Ledger(LedgerConfig(hold_ttl_s=1.0))
+    assert led.accept_seq("r0", 1, 1)
+    led.apply_slot("r0", "node", slot(), KEY, 4, 0.0)
+    led.hold("m", 100, "a", 0.0)
+    assert [r.request_id for r in led.expire(2.0)] == ["a"]
+    assert led.outcomes == {EXPIRED: 1}
+    assert led.commit("a", "r0", 2.1, raw_tokens=100, model="m")   # it was admitted after all
+    assert led.outcome("a") == COMMITTED and led.outstanding_raw() == 100
+    assert led.release("a") is not None
+    assert led.outcomes == {EXPIRED: 0, RELEASED: 1} and led.rebuilt == 0
