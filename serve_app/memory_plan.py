@@ -78,6 +78,48 @@ def weight_bytes(model_path: str, compute_itemsize: int) -> int:
     return total
 
 
+# Bytes per value of the integer and packed dtypes a safetensors file may hold (floating ones
+# are held at the compute dtype: _FLOAT_ITEMSIZE).
+_OTHER_ITEMSIZE = {"U8": 1, "I8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2,
+                   "U32": 4, "I32": 4, "U64": 8, "I64": 8}
+
+
+def model_weight_bytes(m: ModelConfig, compute_itemsize: int) -> int:
+    """A model's weight bytes whether `path` is a directory or a hub id.
+
+    A hub id is sized from the local hub cache when it is there, else from the safetensors
+    headers on the hub (no tensor is downloaded); never as zero, which would hand its weights'
+    memory to the KV pools. A path that is neither a directory nor allowed from the hub
+    (`engine.allow_hub`) would fail at replica start: it fails here first, naming it."""
+    if Path(m.path).expanduser().is_dir():
+        return weight_bytes(str(Path(m.path).expanduser()), compute_itemsize)
+    if not m.engine.allow_hub:
+        raise ConfigError(f"model {m.id!r}: path {m.path!r} is not a local model directory; "
+                          "set engine.allow_hub: true to serve it from the Hugging Face hub")
+    from huggingface_hub import get_safetensors_metadata, snapshot_download
+
+    try:
+        cached = snapshot_download(m.path, local_files_only=True,
+                                   allow_patterns=["*.safetensors", "*.json"])
+        return weight_bytes(cached, compute_itemsize)
+    except Exception:  # noqa: BLE001 - not in the local cache: read the headers on the hub
+        pass
+    try:
+        meta = get_safetensors_metadata(m.path)
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, no safetensors: say so
+        raise ConfigError(f"model {m.id!r}: cannot size the weights of hub model {m.path!r} "
+                          f"for the memory plan ({type(e).__name__}: {e}); download it first "
+                          "(huggingface-cli download) or give a local directory") from None
+    total = 0
+    for dtype, count in meta.parameter_count.items():
+        size = compute_itemsize if dtype in _FLOAT_ITEMSIZE else _OTHER_ITEMSIZE.get(dtype)
+        if size is None:
+            raise ConfigError(f"model {m.id!r}: hub model {m.path!r} stores {dtype} tensors, "
+                              "which the memory plan cannot size")
+        total += count * size
+    return total
+
+
 def compute_itemsize() -> int:
     """4 on the CPU backend (float32 compute), 2 on Metal/CUDA (bfloat16)."""
     import mlx.core as mx
@@ -145,7 +187,7 @@ def plan_memory(cfg: OrchardConfig, node_bytes: int | None = None,
     needs = []
     for m in cfg.models:
         per_node = min(m.replicas, m.max_replicas_per_node or m.replicas)
-        weights = weight_bytes(m.path, size) if Path(m.path).is_dir() else 0
+        weights = model_weight_bytes(m, size)
         needs.append(ModelNeed(m.id, per_node, weights, cfg.memory.workspace_bytes_per_replica,
                                m.kv_budget_bytes))
     fixed = sum(n.replicas_on_node * (n.weight_bytes + n.workspace_bytes + (n.kv_bytes or 0))

@@ -87,3 +87,38 @@ def test_engine_memory_knobs_belong_to_the_serving_config():
                                           r"memory:\)"):
         parse_config({"models": [{"id": "m", "path": "/x",
                                   "engine": {"kv_memory_fraction": 0.3}}]})
+
+
+def _hub_config(path, **engine):
+    return parse_config({"memory": {"workspace_bytes_per_replica": 0, "node_bytes": 4 * GIB},
+                         "models": [{"id": "m", "path": path, "engine": engine}]})
+
+
+def test_a_hub_id_in_the_local_hub_cache_is_planned_with_its_weight_bytes(tiny_llama, tmp_path,
+                                                                         monkeypatch):
+    """The hub cache's real layout (refs/main naming a snapshot folder), laid out by hand: the
+    tests never touch the network."""
+    import shutil
+
+    import huggingface_hub.constants as hub
+
+    snap = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(tiny_llama, snap)
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
+    plan = plan_memory(_hub_config("org/tiny", allow_hub=True), itemsize=4)
+    assert plan.needs[0].weight_bytes == weight_bytes(tiny_llama, 4) > 0
+    assert plan.kv_share_bytes == plan.usable_bytes - weight_bytes(tiny_llama, 4)
+
+
+def test_a_hub_id_that_cannot_be_sized_or_loaded_is_refused_naming_it(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    with pytest.raises(ConfigError, match=r"model 'm': path 'org/absent' is not a local model "
+                                          r"directory; set engine.allow_hub"):
+        plan_memory(_hub_config("org/absent"), itemsize=4)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)   # no network in tests: the hub is away
+    with pytest.raises(ConfigError, match=r"cannot size the weights of hub model 'org/absent'"):
+        plan_memory(_hub_config("org/absent", allow_hub=True), itemsize=4)
