@@ -63,7 +63,7 @@ def interleaved_tables(rows: int, per_row: int) -> list[list[int]]:
 
 def make_runner(lm, fmt: str, num_pages: int, page_tokens: int, kernels):
     """A ModelRunner over a fresh store of `num_pages` pages in KV format `fmt`."""
-    from engine.attention.packed_store import packed_layer_factory
+    from engine.attention.layers import packed_layer_factory
     from engine.kv.store import KVStore
     from engine.runner.paged import ModelRunner
 

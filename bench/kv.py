@@ -38,7 +38,7 @@ from engine.attention.cuda import packed_decode_v2 as cuda_packed_decode_v2
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 from engine.attention.cuda import packed_write as cuda_packed_write
 from engine.attention.cuda import paged_decode as cuda_paged_decode
-from engine.attention.packed_store import counters_of
+from engine.attention.layers import counters_of
 from engine.model.loader import load_model
 from engine.model.names import MODEL_HELP, model_arg
 from engine.runner.paged import SeqChunk

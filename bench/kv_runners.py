@@ -7,7 +7,7 @@ import time
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.kv.store import KVStore
 from engine.runner.packed import PackedModelRunner
-from engine.attention.packed_store import packed_layer_factory
+from engine.attention.layers import packed_layer_factory
 from engine.runner.paged import ModelRunner
 
 PAGE_TOKENS = 16

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, fields
 
-from engine.attention.packed_store import counters_of
+from engine.attention.layers import counters_of
 
 # Counters always present in stats() (zero until they happen), so dashboards see every series.
 COUNTED = ("submitted", "admitted", "refused_too_large", "refused_deadline", "refused_overloaded",

@@ -26,9 +26,10 @@ import numpy as np
 
 from capacity.formats import KVFormat
 from engine.kv.store import KVStore, NativeLayerStore
-from engine.attention.packed import PackedAttention, direct_attention
+from engine.attention.packed import PackedAttention, bind, direct_attention
 from engine.runner.packed import PackedModelRunner
-from engine.attention.packed_store import PackedLayerStore, counters_of, packed_layer_factory
+from engine.attention.layers import counters_of, packed_layer_factory
+from engine.kv.packed_store import PackedLayerStore
 from engine.kv.quant import dequantize, quantize
 from engine.kv.rotation import rotation_matrix
 from engine.runner.paged import SeqChunk
@@ -76,7 +77,9 @@ def _unrotated_int4_factory(geometry, num_pages, page_tokens, dtype):
     fmt = KVFormat("int4", geometry.head_dim, str(dtype).removeprefix("mlx.core."))
     if geometry.kind != "full":
         return NativeLayerStore(geometry, num_pages, page_tokens, dtype)
-    return _UnrotatedStore(geometry, fmt, num_pages, page_tokens, _UnrotatedAttention(fmt))
+    store = _UnrotatedStore(geometry, fmt, num_pages, page_tokens)
+    bind(store, _UnrotatedAttention(fmt))
+    return store
 
 
 def make_runner(loaded, fmt: str, num_pages: int) -> PackedModelRunner:

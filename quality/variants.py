@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import numpy as np
 
+from engine.attention.layers import register_cache
 from engine.attention.paged import PagedLayerCache
 from engine.kv.store import KVStore, NativeLayerStore
 from engine.kv.quant import affine_codes
@@ -140,11 +141,12 @@ class VariantCache(PagedLayerCache):
 
 
 class VariantStore(NativeLayerStore):
-    cache_class = VariantCache
-
     def __init__(self, geometry, num_pages, page_tokens, dtype, variant: Variant):
         super().__init__(geometry, num_pages, page_tokens, dtype)
         self.variant = variant
+
+
+register_cache(VariantStore, VariantCache)
 
 
 def make_runner(loaded, name: str, num_pages: int):

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Optional
+from weakref import WeakKeyDictionary
 
 import mlx.core as mx
 
@@ -276,3 +277,22 @@ class PackedAttention:
                 return fused_attention(q, hist, k_new, v_new, **kw)
         self.counters.direct += 1
         return direct_attention(q, hist, k_new, v_new, kernels=self.kernels, **kw)
+
+
+# Which PackedAttention reads each packed layer store: attention's side of the pairing, so a
+# store holds no attention object (engine.attention.layers binds them as it builds stores).
+_ATTENTION: "WeakKeyDictionary" = WeakKeyDictionary()
+
+
+def bind(store, attention: PackedAttention) -> None:
+    """`attention` routes and counts the calls that read `store`."""
+    _ATTENTION[store] = attention
+
+
+def attention_of(store) -> PackedAttention:
+    """The attention bound to a packed store; a store built on its own gets the defaults
+    (direct prefill, production kernels), as a store built without one always did."""
+    attention = _ATTENTION.get(store)
+    if attention is None:
+        attention = _ATTENTION[store] = PackedAttention(store.fmt)
+    return attention

@@ -4,7 +4,7 @@ mlx-lm layers call `cache.update_and_fetch(k, v)` and then `scaled_dot_product_a
 the runner's hook (engine.attention.paged.install_sdpa_hook) routes to `cache.attend`. A packed
 layer must (1) write the new rows quantized, (2) hand attention the fresh rows in full precision,
 and (3) read earlier history packed: `update_and_fetch` does (1) and returns the fresh rows,
-`attend` does (2) and (3). PackedLayerStore names this class as its `cache_class`, so the plain
+`attend` does (2) and (3). engine.attention.layers maps packed stores to this class, so the plain
 ModelRunner builds it for packed layers and PagedLayerCache for native ones.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from capacity.formats import KVFormatError
 from engine.attention.cuda import packed_decode as cuda_packed_decode
 from engine.attention.cuda import packed_dequant as cuda_packed_dequant
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
+from engine.attention.packed import attention_of
 from engine.attention.paged import PagedLayerCache, StepBatch
 
 
@@ -30,20 +31,13 @@ class PackedLayerCache(PagedLayerCache):
                                 "hook; this model's attention does not (runner is in gather mode)")
         super().__init__(store, step, window, direct, in_place_decode)
 
-    def _kernel_writes_own(self) -> bool:
+    def _decode_writes_own(self) -> bool:
         """Whether the base class's update_and_fetch hands this decode step's rows to attend()
         unwritten (the mechanism the native kernel uses): the step attends through the CUDA
         packed decode kernel and the store's pool may be written in place. attend() then has
         the v2 kernel store them itself, or the write kernel's in-place variant."""
         return (self._kernel_decode() and not self.step.kernels.decode_tiles
-                and self.store.writes_in_place())
-
-    def _write_own(self, own: tuple[mx.array, mx.array]) -> None:
-        """A deferred decode write through the write kernel's in-place variant."""
-        keys, values = own
-        b, h, _, d = keys.shape
-        self.store.write(self.step.slots, keys.reshape(b, h, d),
-                         values.reshape(b, h, values.shape[-1]), in_place=True)
+                and self.step.kernels.decode_writes_own and self.store.decode_writes_own)
 
     @staticmethod
     def kernel_decode_fits(store) -> bool:
@@ -64,13 +58,16 @@ class PackedLayerCache(PagedLayerCache):
                     kernels.packed_decode, fmt.k_bits, fmt.v_bits, keys.shape[-1], group):
                 # The v2 decode kernel stores the rows into the pool itself: no write launch.
                 return self._kernel_attend(queries, keys, values, scale, own=True)
-            self._write_own(own)
+            keys_own, values_own = own   # the write kernel's in-place variant stores them
+            b, h, _, d = keys_own.shape
+            self.store.write(self.step.slots, keys_own.reshape(b, h, d),
+                             values_own.reshape(b, h, values_own.shape[-1]), in_place=True)
         # The CUDA kernels read the v1 layout only; other formats attend through MLX ops.
         if sinks is None and self.store.fmt.codes_only and cuda_packed_prefill.applies(
                 self.store, self.step, queries, self._kernel_decode(), kernels):
             # CUDA: packed pages read by page table inside one tensor-core kernel.
             if queries.shape[2] > 1:
-                self.store.attention.counters.direct += 1   # it is the direct path there
+                attention_of(self.store).counters.direct += 1   # it is the direct path there
             bounds, longest = cuda_packed_prefill.step_bounds(self.step, self.view)
             if queries.shape[2] > 1 and kernels.prefill_path == "dequant":
                 # The default: history dequantized by one kernel, then native's SDPA.
@@ -95,7 +92,7 @@ class PackedLayerCache(PagedLayerCache):
             keys = mx.concatenate([sk.astype(keys.dtype), keys], axis=2)
             values = mx.concatenate([sv.astype(values.dtype), values], axis=2)
             hist_mask, new_mask = ctx.sink_masks(rows)
-        tails = getattr(self.store, "tails", None)
+        tails = self.store.tails
         if tails is not None and ctx.span:
             # Each row's partial last page (as the step began) is attended from its native copy,
             # as extra fresh-like keys; history hides that page's packed rows.
@@ -103,7 +100,7 @@ class PackedLayerCache(PagedLayerCache):
             keys = mx.concatenate([tk.astype(keys.dtype), keys], axis=2)
             values = mx.concatenate([tv.astype(values.dtype), values], axis=2)
             hist_mask, new_mask = ctx.tail_masks(self.store.whole_pages)
-        out = self.store.attention(queries, hist, keys, values, scale=scale, new_mask=new_mask,
+        out = attention_of(self.store)(queries, hist, keys, values, scale=scale, new_mask=new_mask,
                                    hist_mask=hist_mask, sinks=sinks)
         if tails is not None:
             self.store.flush_tail()   # this step's new tail rows, after the old tails were read

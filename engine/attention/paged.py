@@ -223,13 +223,12 @@ class PagedLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b, h, n, d = keys.shape
-        if n == 1 and self._kernel_writes_own():
+        if n == 1 and self._decode_writes_own():
             # The CUDA decode kernel writes them (attend): no scatter in this step's graph.
             self._own = (keys, values)
             return keys, values
-        write_decode = getattr(self.store, "write_decode", None)
-        if n == 1 and write_decode is not None:   # one token per row, written as it comes
-            write_decode(self.step.slots, keys, values)
+        if n == 1:   # one token per row, written as it comes
+            self.store.write_decode(self.step.slots, keys, values)
         else:
             self._write(keys, values)
         if self.direct:
@@ -250,12 +249,19 @@ class PagedLayerCache:
     def _kernel_decode(self) -> bool:
         return self.step.kernel_decode and self.view.window is None
 
-    def _kernel_writes_own(self) -> bool:
+    def _decode_writes_own(self) -> bool:
         """Whether this decode step's own keys go to the pages through the CUDA decode kernel
         (cuda/paged_decode.py, `own`): direct mode (attend gets the fresh rows), the kernel
-        path, a store whose pages the kernel reads as they are (`kernel_writes_own`)."""
+        path, a store whose pages the kernel reads as they are (`decode_writes_own`)."""
         return (self.direct and self._kernel_decode() and self.step.kernels.decode_writes_own
-                and getattr(self.store, "kernel_writes_own", False))
+                and self.store.decode_writes_own)
+
+    @staticmethod
+    def kernel_decode_fits(store: LayerStore) -> bool:
+        """Whether decode steps of a layer read through this cache class may attend through a
+        CUDA decode kernel (the runner asks for classes other than this one; it also requires
+        CUDA and one query token per row). Subclasses that attend otherwise say no."""
+        return False
 
     def gathered(self) -> tuple[mx.array, mx.array]:
         k, v = self.store.gather(self.view.pages)
@@ -285,12 +291,12 @@ class PagedLayerCache:
                 self.step.kernels.decode_split_min_keys, own=own)
         if own is not None:   # sinks: the kernel does not serve this call, so write them now
             self.store.write_decode(self.step.slots, *own)
-        pages = getattr(self.store, "head_major_pages", None)
+        pages = self.store.head_major_pages()
         group = queries.shape[1] // keys.shape[1]
         # Page-wise PV partials (group*n rows per page) stay no larger than a gathered V copy.
         if (self.in_place_decode and pages is not None
                 and group * queries.shape[2] <= self.step.page_tokens):
-            k_pages, v_pages = pages()
+            k_pages, v_pages = pages
             return paged_decode_attention(queries, k_pages, v_pages, self.step, self.view,
                                           scale, sinks)
         k, v = self.gathered()

@@ -25,7 +25,7 @@ import numpy as np
 
 from engine.errors import EngineError
 from engine.kv.store import KVStore, Slots
-from engine.attention.packed_store import layer_report
+from engine.kv.identity import layer_report
 from engine.kv.quant import from_row_bytes, to_row_bytes
 
 CODEC_VERSION = "orchard-kv-ckpt-v1"
@@ -95,13 +95,13 @@ def save_checkpoint(directory: str | Path, kvstore: KVStore, page_table: list[in
     slots = _slots(page_table, n, kvstore.page_tokens)
     tensors = {}
     for index, store in sorted(kvstore.layers.items()):
-        if getattr(store, "packed", False):
+        if store.packed:
             kp, vp = store.read_packed(slots)
             k, v = to_row_bytes(kp), to_row_bytes(vp)
-            if getattr(store, "sink_rows", 0):   # native first rows of each page (formats v2)
+            if store.sink_rows:   # native first rows of each page (formats v2)
                 tensors[f"layer{index}.ksink"], tensors[f"layer{index}.vsink"] = \
                     store.read_sinks(slots)
-            if getattr(store, "tails", None) is not None and n % kvstore.page_tokens:
+            if store.tails is not None and n % kvstore.page_tokens:
                 # native tail formats: the partial last page's rows, read from its native copy
                 tail = _slots(page_table, n, kvstore.page_tokens, first=n - n % kvstore.page_tokens)
                 k_t, v_t = store.read_tail(tail)
@@ -207,11 +207,11 @@ def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[
     expected = manifest["tensors"]
     names = {f"layer{i}.{kv}" for i in kvstore.layers for kv in "kv"}
     sinks = {f"layer{i}.{kv}sink" for i, s in kvstore.layers.items()
-             if getattr(s, "sink_rows", 0) for kv in "kv"}
+             if s.sink_rows for kv in "kv"}
     n = manifest["num_tokens"]
     t = kvstore.page_tokens
     tails = {f"layer{i}.{kv}tail" for i, s in kvstore.layers.items()
-             if getattr(s, "tails", None) is not None and n % t for kv in "kv"}
+             if s.tails is not None and n % t for kv in "kv"}
     if set(tensors) != names | sinks | tails or set(expected) != names | sinks | tails:
         raise CheckpointError("checkpoint tensors do not cover this engine's paged layers")
     for name in tails:   # rows of the partial last page, in order
@@ -237,7 +237,7 @@ def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[
         index = int(name[5:name.index(".")])
         store = kvstore.layers[index]
         g = kvstore.geometry.layers[index]
-        width = (_packed_row_width(store, name[-1]) if getattr(store, "packed", False)
+        width = (_packed_row_width(store, name[-1]) if store.packed
                  else g.head_dim if name.endswith("k") else g.v_head_dim)
         if tuple(a.shape[1:]) != (g.kv_heads, width):
             raise CheckpointError(f"checkpoint tensor {name} rows do not fit layer {index}")
@@ -246,7 +246,7 @@ def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[
     slots = _slots(page_table, n, kvstore.page_tokens)
     for index, store in kvstore.layers.items():
         k, v = tensors[f"layer{index}.k"], tensors[f"layer{index}.v"]
-        if getattr(store, "packed", False):
+        if store.packed:
             d = store.fmt.head_dim
             store.write_packed(slots, from_row_bytes(k, d, store.fmt.k_bits,
                                                      store.fmt.k_row_group(store.page_tokens)),

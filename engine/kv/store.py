@@ -1,24 +1,16 @@
 """Physical KV pages: one store per paged layer, written by slot and gathered by page table.
 
 A slot is `page * page_tokens + offset`. Page ids and their lifetimes live in `engine/kv/pages.py`
-(ids only); this module only holds the arrays. Each layer store follows a small protocol so a
-packed (quantized) layer store can replace the native one without touching the runner:
-
-    page_bytes: int                          exact physical bytes of one page of this layer
-    nbytes: int                              bytes allocated by this layer
-    write(slots: Slots, k, v) -> None        k: [N, kv_heads, head_dim], v: [N, kv_heads, v_dim]
-    gather(pages: mx.array) -> (k, v)        pages [B, P] -> [B, kv_heads, P*page_tokens, dim]
-    arrays() -> list[mx.array]               what must be evaluated for a step to retire
-
-Optional: `cache_class`, a `PagedLayerCache` subclass the runner uses for this layer (packed
-stores attend over codes), `head_major_pages()` for in-place decode (engine/attention/paged.py),
-and `write_decode(slots, keys, values)` for a one-token-per-row write in the model's own layout
-([N, kv_heads, 1, dim]: no transpose or reshape of the rows before the scatter).
+(ids only); this module only holds the arrays. Every layer store is a `LayerStore`: the base
+declares each capability the engine may ask of a store, with its default, so a packed
+(quantized) layer store (engine/kv/packed_store.py) can replace the native one without the
+runner or attention probing for members. Which attention cache reads a store is attention's
+business (engine/attention/layers.py), not the store's.
 """
 from __future__ import annotations
 
 import copy
-from typing import Callable, Protocol
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -98,16 +90,63 @@ class Slots:
         return self._by_heads[key]
 
 
-class LayerStore(Protocol):
+class LayerStore:
+    """The contract of one paged layer's store: every capability, with its default.
+
+    Required: `page_tokens`, `page_bytes` (exact physical bytes of one page), `nbytes` (bytes
+    allocated), `write(slots, k, v)` (k: [N, kv_heads, head_dim], v: [N, kv_heads, v_dim]),
+    `gather(pages)` (page tables [B, P] -> K, V [B, kv_heads, P*page_tokens, dim], in the model's
+    basis) and `arrays()` (what must be evaluated for a step to retire)."""
+
+    page_tokens: int
     page_bytes: int
     nbytes: int
+    # Rows kept as codes (capacity.formats KVFormat.packed): `fmt` names the format, attention
+    # reads history through `gather_packed`, checkpoints move rows with read/write_packed.
+    packed = False
+    fmt = None
+    # A compiled decode step may stand in for this store (`traced`, `adopt`): its decode writes
+    # and reads touch only the device arrays `arrays()` returns.
+    can_trace = False
+    # A CUDA decode kernel may store a decode step's own rows into these pages itself (no
+    # scatter in the step's graph), where KernelChoices.decode_writes_own allows it.
+    decode_writes_own = False
+    # Attention reads whole pages of history (per-page metadata), never a cut to the rows needed.
+    whole_pages = False
+    # Native rows at the start of every page (sink formats) and the native tail pool shared by
+    # the layers (native-tail formats), with its bytes per running sequence.
+    sink_rows = 0
+    tails = None
+    tail_bytes_per_request = 0
 
-    def write(self, slots: Slots, k: mx.array, v: mx.array) -> None: ...
-    def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]: ...
-    def arrays(self) -> list[mx.array]: ...
+    def write(self, slots: "Slots", k: mx.array, v: mx.array) -> None:
+        raise NotImplementedError
+
+    def write_decode(self, slots: "Slots", keys: mx.array, values: mx.array) -> None:
+        """One token per row in the model's layout ([N, kv_heads, 1, dim]); a store with a
+        cheaper one-token write overrides this."""
+        n, h, _, d = keys.shape
+        self.write(slots, keys.reshape(n, h, d), values.reshape(n, h, values.shape[-1]))
+
+    def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]:
+        raise NotImplementedError
+
+    def arrays(self) -> list[mx.array]:
+        raise NotImplementedError
+
+    def head_major_pages(self) -> tuple[mx.array, mx.array] | None:
+        """The page arrays [kv_heads, num_pages, T, dim] for attention that reads pages in place,
+        or None where the pages are not laid out that way."""
+        return None
+
+    def traced(self, arrays: list[mx.array]) -> "LayerStore":
+        raise ValueError(f"{type(self).__name__} cannot stand in for a compiled step")
+
+    def adopt(self, arrays: list[mx.array]) -> None:
+        raise ValueError(f"{type(self).__name__} cannot stand in for a compiled step")
 
 
-class NativeLayerStore:
+class NativeLayerStore(LayerStore):
     """Pages of one layer in the compute dtype, laid out head-major: [heads, num_pages, T, dim].
 
     Head-major pages gather into [heads, B, P*T, dim], whose transpose to [B, heads, P*T, dim]
@@ -116,10 +155,10 @@ class NativeLayerStore:
     (the attention then works on a strided copy).
     """
 
-    can_trace = True   # a compiled decode step may stand in for it (`traced`, `adopt`)
-    # The CUDA decode kernel may write a decode step's keys into these pages itself
+    can_trace = True
+    # The CUDA decode kernel writes a decode step's keys into these pages itself
     # (cuda/paged_decode.py, `own`): they are whole row-contiguous arrays this store holds.
-    kernel_writes_own = True
+    decode_writes_own = True
 
     def __init__(self, geometry: LayerGeometry, num_pages: int, page_tokens: int,
                  dtype: mx.Dtype):
@@ -223,12 +262,11 @@ class KVStore:
     def tail_bytes_per_sequence(self) -> int:
         """Native tail bytes one running sequence holds, summed over layers (0 unless the format
         keeps a native tail page: capacity.formats.KVFormat.tail_bytes_per_request)."""
-        return sum(getattr(s, "tail_bytes_per_request", 0) for s in self.layers.values())
+        return sum(s.tail_bytes_per_request for s in self.layers.values())
 
     def release_pages(self, pages) -> None:
         """Pages went back to the free list: a native tail they held is gone (PagePool.on_free)."""
-        maps = {id(m): m for s in self.layers.values()
-                if (m := getattr(s, "tails", None)) is not None}
+        maps = {id(s.tails): s.tails for s in self.layers.values() if s.tails is not None}
         for m in maps.values():
             m.release(pages)
 

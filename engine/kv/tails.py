@@ -8,7 +8,7 @@ A write's rows decide the map once per step (`plan`): a page whose last offset w
 and gives its slot back; a page written but not full keeps its slot or takes a free one. Attention
 in that step still reads the tails as they were before the step (`before`): a page that a step
 completes was partial when the step began, and its rows are read native, as the sequence's tail.
-Each layer writes the new native rows after its attention (engine.attention.packed_store), so a
+Each layer writes the new native rows after its attention (engine.kv.packed_store), so a
 slot handed from a page that filled to a new page is never overwritten before it was read.
 Pages freed by the page pool give their slots back (`release`).
 """

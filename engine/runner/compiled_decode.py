@@ -170,7 +170,7 @@ class CompiledDecode:
                 and all(g.paged and g.window is None for g in geometry.layers)):
             return False
         kernel_only = runner.kernel_decode and not runner.kernels.decode_tiles
-        return all(getattr(runner.kvstore.layer(g.index), "can_trace", False)
+        return all(runner.kvstore.layer(g.index).can_trace
                    and (runner.cache_class(g.index) is PagedLayerCache or kernel_only)
                    for g in geometry.layers)
 

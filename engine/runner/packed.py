@@ -19,6 +19,6 @@ class PackedModelRunner(ModelRunner):
     def __init__(self, loaded, kvstore, merge_pad_tokens: int | None = None,
                  kernels: KernelChoices = DEFAULT_KERNELS):
         super().__init__(loaded, kvstore, merge_pad_tokens, kernels)
-        if not self.direct and any(getattr(s, "packed", False) for s in kvstore.layers.values()):
+        if not self.direct and any(s.packed for s in kvstore.layers.values()):
             raise KVFormatError("packed KV needs every paged layer to attend through the SDPA "
                                 "hook; this model's attention does not")

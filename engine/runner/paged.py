@@ -34,6 +34,7 @@ import numpy as np
 
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.attention.cuda import paged_decode as cuda_paged_decode
+from engine.attention.layers import cache_class_for
 from engine.attention.paged import PagedLayerCache, Row, StepBatch, install_sdpa_hook
 from engine.kv.store import KVStore
 from engine.model.cpu_swiglu import install_swiglu_hook, numpy_swiglu
@@ -185,12 +186,11 @@ class ModelRunner:
         cls = self.cache_class(g.index)
         if cls is PagedLayerCache:
             return g.head_dim == g.v_head_dim and g.head_dim in cuda_paged_decode.HEAD_DIMS
-        fits = getattr(cls, "kernel_decode_fits", None)
-        return fits is not None and fits(self.kvstore.layer(g.index))
+        return cls.kernel_decode_fits(self.kvstore.layer(g.index))
 
     def cache_class(self, layer: int) -> type[PagedLayerCache]:
-        """A layer store may name its own cache class (packed stores attend over codes)."""
-        return getattr(self.kvstore.layer(layer), "cache_class", None) or PagedLayerCache
+        """The cache class attention reads this layer's store through (packed stores: codes)."""
+        return cache_class_for(self.kvstore.layer(layer))
 
     def _hook_reaches_every_layer(self) -> bool:
         """Direct mode needs every paged layer to call mlx-lm's scaled_dot_product_attention

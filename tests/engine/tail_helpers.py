@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.attention.packed_store import packed_layer_factory
+from engine.attention.layers import packed_layer_factory
 from engine.kv.store import KVStore
 from engine.model.loader import load_model
 

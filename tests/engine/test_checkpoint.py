@@ -10,7 +10,7 @@ from engine.checkpoint.format import CheckpointError, read_manifest, restore_che
 from engine.kv.store import KVStore
 from engine.model.loader import load_model
 from engine.runner.packed import PackedModelRunner
-from engine.attention.packed_store import packed_layer_factory
+from engine.attention.layers import packed_layer_factory
 from engine.runner.paged import SeqChunk
 
 KEY = b"orchard-test-key"

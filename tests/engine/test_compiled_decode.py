@@ -182,7 +182,7 @@ def test_runner_refuses_compiled_steps_that_would_not_fit(tiny_model_dirs):
     assert not CompiledDecode.fits(_runner(lm, PLAIN))
     assert _runner(lm, COMPILED).compiled is None
     # Packed stores attend over codes through their own cache class.
-    from engine.attention.packed_store import packed_layer_factory
+    from engine.attention.layers import packed_layer_factory
     llama = load_model(tiny_model_dirs["llama"])
     store = KVStore(llama.geometry, 16, 16, llama.dtype,
                     layer_factory=packed_layer_factory("int8", "direct", lambda n: True))

@@ -57,7 +57,7 @@ def test_cpu_runner_never_routes_to_the_kernels(tmp_path):
     from engine.kv.store import KVStore
     from engine.model.loader import load_model
     from engine.runner.packed import PackedModelRunner
-    from engine.attention.packed_store import packed_layer_factory
+    from engine.attention.layers import packed_layer_factory
     from engine.runner.paged import ModelRunner
     from bench.synthetic import build_tiny_model
 

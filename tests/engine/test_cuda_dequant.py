@@ -63,7 +63,7 @@ def test_joint_mask():
 
 
 def test_choice_is_validated_and_never_routes_on_the_cpu(tiny_llama):
-    from engine.attention.packed_store import packed_layer_factory
+    from engine.attention.layers import packed_layer_factory
     from engine.attention.paged import Row, StepBatch
     from engine.kv.store import KVStore
     from engine.model.loader import load_model

@@ -48,7 +48,7 @@ def test_formats_and_cpu_routing(tmp_path):
     from engine.attention.paged import StepBatch, Row
     from engine.kv.store import KVStore
     from engine.model.loader import load_model
-    from engine.attention.packed_store import packed_layer_factory
+    from engine.attention.layers import packed_layer_factory
     from bench.synthetic import build_tiny_model
     import mlx.core as mx
 

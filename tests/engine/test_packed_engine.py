@@ -11,7 +11,7 @@ import pytest
 from engine.kv.store import KVStore
 from engine.model.loader import load_model
 from engine.runner.packed import PackedModelRunner
-from engine.attention.packed_store import counters_of, packed_layer_factory
+from engine.attention.layers import counters_of, packed_layer_factory
 from engine.runner.paged import ModelRunner, SeqChunk
 
 ARCHS = ("llama", "qwen3", "gemma3_text", "gpt_oss")

@@ -11,8 +11,9 @@ import pytest
 
 from capacity.formats import KVFormat, KVFormatError, format_from_identity, parse_identity
 from engine.attention.packed_cache import PackedLayerCache
-from engine.attention.packed_store import layer_report, packed_layer_factory
-from engine.attention.page_key_store import PageKeyStore
+from engine.attention.layers import packed_layer_factory
+from engine.kv.identity import layer_report
+from engine.kv.page_key_store import PageKeyStore
 from engine.kv.page_quant import dequantize_pages, PagePacked, quantize_pages
 from engine.kv.store import KVStore, Slots
 from engine.kv.tails import TailMap

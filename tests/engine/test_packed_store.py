@@ -6,7 +6,9 @@ import pytest
 from capacity.formats import KVFormat, KVFormatError
 from engine.kv.store import KVStore, NativeLayerStore, Slots
 from engine.model.loader import LayerGeometry, ModelGeometry
-from engine.attention.packed_store import PackedLayerStore, layer_report, packed_layer_factory
+from engine.attention.layers import packed_layer_factory
+from engine.kv.identity import layer_report
+from engine.kv.packed_store import PackedLayerStore
 from engine.kv.quant import quantize
 from engine.kv.rotation import rotate
 

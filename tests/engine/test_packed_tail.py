@@ -11,7 +11,9 @@ import pytest
 
 from capacity.formats import KVFormat, KVFormatError, format_from_identity, parse_identity
 from engine.attention.packed_cache import PackedLayerCache
-from engine.attention.packed_store import PackedLayerStore, layer_report, packed_layer_factory
+from engine.attention.layers import packed_layer_factory
+from engine.kv.identity import layer_report
+from engine.kv.packed_store import PackedLayerStore
 from engine.checkpoint.format import restore_checkpoint, save_checkpoint
 from engine.kv.pages import PagePool
 from engine.kv.prefix import PrefixCache, chain_root

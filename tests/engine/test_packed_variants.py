@@ -15,7 +15,9 @@ from engine.checkpoint.format import restore_checkpoint, save_checkpoint
 from engine.kv.store import KVStore, Slots
 from engine.model.loader import LayerGeometry, ModelGeometry, load_model
 from engine.runner.packed import PackedModelRunner
-from engine.attention.packed_store import PackedLayerStore, layer_report, packed_layer_factory
+from engine.attention.layers import packed_layer_factory
+from engine.kv.identity import layer_report
+from engine.kv.packed_store import PackedLayerStore
 from engine.runner.paged import ModelRunner, SeqChunk
 
 T = 16   # page tokens: several pages per sequence, each with its own sink rows

@@ -5,7 +5,8 @@ import pytest
 from engine.kv.store import KVStore
 from engine.model.loader import load_model
 from engine.runner.packed import PackedModelRunner
-from engine.attention.packed_store import packed_layer_factory, storage_identity
+from engine.attention.layers import packed_layer_factory
+from engine.kv.identity import storage_identity
 from engine.kv.pages import PagePool, PageTable
 from engine.kv.prefix import PrefixCache, chain_root
 from engine.runner.paged import SeqChunk

@@ -130,13 +130,13 @@ def test_int4_without_rotation_stores_unrotated_keys_and_attends_exactly():
     from engine.kv.store import Slots
     from engine.model.loader import LayerGeometry
     from engine.attention.packed import direct_attention
-    from engine.attention.packed_store import PackedLayerStore
+    from engine.kv.packed_store import PackedLayerStore
     from quality.runs import _UnrotatedAttention, _UnrotatedStore
     from engine.kv.quant import dequantize, quantize
 
     g = LayerGeometry(0, "full", 2, 64, 64)
     fmt = KVFormat("int4", 64)
-    norot = _UnrotatedStore(g, fmt, 2, 16, _UnrotatedAttention(fmt))
+    norot = _UnrotatedStore(g, fmt, 2, 16)
     rot = PackedLayerStore(g, fmt, 2, 16)
     k = mx.random.normal((20, 2, 64), key=mx.random.key(1))
     k = k + 20.0 * (mx.arange(64) == 3)              # an outlier channel, as real keys have
@@ -159,7 +159,7 @@ def test_int4_without_rotation_stores_unrotated_keys_and_attends_exactly():
     q = mx.random.normal((1, 6, 3, 64), key=mx.random.key(3))
     kn = mx.random.normal((1, 2, 3, 64), key=mx.random.key(4))
     vn = mx.random.normal((1, 2, 3, 64), key=mx.random.key(5))
-    got = norot.attention(q, hist, kn, vn, scale=0.125)
+    got = _UnrotatedAttention(fmt)(q, hist, kn, vn, scale=0.125)
     kd = mx.concatenate([dequantize(hist.k, 4), kn], axis=2)
     vd = mx.concatenate([dequantize(hist.v, 4), vn], axis=2)
     mask = mx.arange(23)[None] <= mx.arange(20, 23)[:, None]

@@ -49,6 +49,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
+from engine.attention.packed import attention_of
 from engine.attention.cuda.packed_prefill_source import kernel as _kernel
 from engine.attention.cuda.paged_decode import _merge_kernel, available
 from engine.attention.cuda.tile_helpers import check_pool
@@ -96,7 +97,7 @@ def applies(store, step, queries: mx.array, kernel_decode: bool,
         return False   # one warp per query head at least: the block would not fit an SM
     if queries.shape[2] == 1:
         return kernel_decode and kernels.decode_tiles
-    return store.attention.prefill_mode == "direct" and bool(step.starts.max() > 0)
+    return attention_of(store).prefill_mode == "direct" and bool(step.starts.max() > 0)
 
 
 def step_bounds(step, view) -> tuple[mx.array, int]:

@@ -8,7 +8,8 @@ uint32 pool [num_pages, page_words] whose pages are runs of token-major sections
 one take per section plus a free reshape.
 
 Attention does not use `gather` (that returns dequantized, un-rotated rows for tools and tests);
-it reads `gather_packed` through engine.attention.packed_cache, and checkpoints move rows with
+it reads `gather_packed` through engine.attention.packed_cache (which attention object and cache
+serve a store is engine.attention.layers' business), and checkpoints move rows with
 `read_packed`/`write_packed`, which never requantize.
 
 Formats with sink rows (capacity.formats) also keep the first `sink_rows` tokens of every page
@@ -16,7 +17,7 @@ in the model's dtype, unrotated, in [num_pages, sink_rows, kv_heads, dim] arrays
 (`read_sinks`/`write_sinks` move them verbatim); attention reads a sequence's first tokens from
 its first page's native rows (engine.attention.packed_cache).
 
-Page-key formats (int4-kivi) are engine.attention.page_key_store's subclass of this store.
+Page-key formats (int4-kivi) are engine.kv.page_key_store's subclass of this store.
 
 Formats with a native tail (int4-tail) also keep each sequence's partial last page native, in a
 pool of `tails.num_slots` pages per layer ([slots, page_tokens, kv_heads, dim] for K and V) that
@@ -28,18 +29,14 @@ after its attention (`flush_tail`), so a step still reads the tails it began wit
 from __future__ import annotations
 
 import copy
-from typing import Callable, Optional
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
 from capacity.formats import GROUP_SIZE, KVFormat, KVFormatError
-from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
-from engine.attention.cuda import packed_write as cuda_packed_write
-from engine.kv.store import NativeLayerStore, Slots
+from engine.kv.store import LayerStore, NativeLayerStore, Slots
 from engine.model.loader import LayerGeometry
-from engine.attention.packed import PackedAttention
-from engine.attention.packed_cache import PackedLayerCache
 from engine.kv.page_layout import (K_SECTIONS, SECTIONS, V_SECTIONS, PageLayout,
                                    packed_record)
 from engine.kv.quant import Packed, PackedKV, dequantize, quantize
@@ -47,17 +44,17 @@ from engine.kv.rotation import rotate, rotation_matrix
 from engine.kv.tails import TailMap
 
 
-class PackedLayerStore:
-    """One full-attention layer's pages in a packed format."""
+class PackedLayerStore(LayerStore):
+    """One full-attention layer's pages in a packed format.
+
+    `writer`: a write kernel (engine/attention/cuda/packed_write.py's functions `usable`,
+    `quantize_record`, `write_in_place`) the store may quantize its rows with, or None for MLX
+    ops; the store takes it only where it serves this format here."""
 
     packed = True
-    cache_class = PackedLayerCache   # the runner builds this cache for packed layers
-    # Attention may cut history to the rows it needs; page-key stores (per-page metadata) read
-    # whole pages (engine/attention/page_key_store.py sets this).
-    whole_pages = False
 
     def __init__(self, geometry: LayerGeometry, fmt: KVFormat, num_pages: int, page_tokens: int,
-                 attention: Optional[PackedAttention] = None, tails: Optional[TailMap] = None):
+                 tails: Optional[TailMap] = None, writer=None):
         if geometry.kind != "full":
             raise KVFormatError(f"layer {geometry.index} is {geometry.kind}; only full-attention "
                                 "layers are packed")
@@ -69,7 +66,8 @@ class PackedLayerStore:
         self.geometry = geometry
         self.fmt = fmt
         self.page_tokens = page_tokens
-        self.attention = attention or PackedAttention(fmt)
+        self.writer = (writer if writer is not None
+                       and writer.usable(fmt.k_bits, fmt.v_bits, geometry.head_dim) else None)
         h, d = geometry.kv_heads, geometry.head_dim
         # Page keys (int4-kivi) keep their per-page metadata in rows of group page_tokens.
         self.layout = PageLayout.for_format(page_tokens, h, d, fmt.k_bits, fmt.v_bits,
@@ -118,13 +116,11 @@ class PackedLayerStore:
         """As `k`, for values."""
         return Packed(*(self.layout.section(self.pool, n) for n in V_SECTIONS))
 
-    def writes_in_place(self) -> bool:
-        """Whether decode rows may go into the pool through the CUDA write kernel itself
+    @property
+    def decode_writes_own(self) -> bool:
+        """Decode rows may go into the pool through the write kernel itself
         (`write(..., in_place=True)`): a format it serves, the pool the layer's only state."""
-        return (self.can_trace and self.attention.kernels.write_kernel
-                and self.attention.kernels.decode_writes_own
-                and cuda_packed_write.usable(self.fmt.k_bits, self.fmt.v_bits,
-                                             self.geometry.head_dim))
+        return self.can_trace and self.writer is not None
 
     def write(self, slots: Slots, k: mx.array, v: mx.array, in_place: bool = False) -> None:
         """Quantize N new rows ([N, heads, dim], keys after RoPE) into their slots. `in_place`:
@@ -133,16 +129,14 @@ class PackedLayerStore:
         if in_place:
             if "slot_pairs" not in slots._by_heads:   # [N, 2] page, offset: once per step
                 slots._by_heads["slot_pairs"] = mx.stack([slots.page, slots.offset], axis=1)
-            self.pool = mx.depends(self.pool, cuda_packed_write.write_in_place(
+            self.pool = mx.depends(self.pool, self.writer.write_in_place(
                 k, v, self.fmt.k_bits, self.fmt.v_bits, self.layout, self.pool,
                 slots._by_heads["slot_pairs"]))
             return
-        if (self.fmt.codes_only and self.attention.kernels.write_kernel
-                and cuda_packed_write.usable(self.fmt.k_bits, self.fmt.v_bits,
-                                             self.geometry.head_dim)):
+        if self.fmt.codes_only and self.writer is not None:
             # CUDA: the same rotation and quantization in one kernel launch (not ~40 ops),
             # emitted as the rows' pool records.
-            records = cuda_packed_write.quantize_record(k, v, self.fmt.k_bits, self.fmt.v_bits,
+            records = self.writer.quantize_record(k, v, self.fmt.k_bits, self.fmt.v_bits,
                                                         self.layout)
         else:
             records = packed_record(quantize(rotate(k), self.fmt.k_bits, self.fmt.k_group),
@@ -338,63 +332,3 @@ class PackedLayerStore:
     def arrays(self) -> list[mx.array]:
         self.flush_tail()
         return [self.pool, *self.sinks, *self.tail]
-
-
-def packed_layer_factory(fmt_name: str, prefill_mode: str = "direct",
-                         permit: Optional[Callable[[int], bool]] = None,
-                         kernels: KernelChoices = DEFAULT_KERNELS, tail_slots: int = 0):
-    """A KVStore layer_factory: full-attention layers packed in `fmt_name`, others native.
-
-    Refuses (KVFormatError) a packed format on a model whose full-attention layers cannot hold
-    it, instead of quietly storing them native. One PackedAttention per layer keeps per-layer
-    counters; `counters_of(kvstore)` sums them. `kernels`: the write kernel and direct
-    attention's choices (the runner takes the same object for its kernels).
-    """
-
-    tails: dict[int, TailMap] = {}   # one map per page size, shared by every layer
-
-    def make(geometry: LayerGeometry, num_pages: int, page_tokens: int, dtype: mx.Dtype):
-        dtype_name = str(dtype).removeprefix("mlx.core.")
-        fmt = KVFormat(fmt_name, geometry.head_dim, dtype_name)
-        if not fmt.packed or geometry.kind != "full":
-            return NativeLayerStore(geometry, num_pages, page_tokens, dtype)
-        tail = None
-        if fmt.native_tail:
-            if page_tokens not in tails:
-                tails[page_tokens] = TailMap(tail_slots, page_tokens)
-            tail = tails[page_tokens]
-        cls = PackedLayerStore
-        if fmt.page_keys:   # imported here: that module subclasses this one's store
-            from engine.attention.page_key_store import PageKeyStore as cls
-        return cls(geometry, fmt, num_pages, page_tokens,
-                   PackedAttention(fmt, prefill_mode, permit, kernels=kernels), tail)
-
-    return make
-
-
-def counters_of(kvstore) -> dict:
-    total: dict[str, int] = {}
-    for store in kvstore.layers.values():
-        if getattr(store, "packed", False):
-            for k, v in store.attention.counters.as_dict().items():
-                total[k] = total.get(k, 0) + v
-    return total
-
-
-def layer_report(kvstore) -> list[dict]:
-    """Per paged layer: what it stores (format identity and exact bytes per token)."""
-    out = []
-    for index, store in sorted(kvstore.layers.items()):
-        if getattr(store, "packed", False):
-            ident = store.fmt.identity
-        else:
-            g = kvstore.geometry.layers[index]
-            ident = KVFormat("native", g.head_dim, str(kvstore.dtype).removeprefix("mlx.core.")).identity
-        out.append({"layer": index, "storage": ident,
-                    "bytes_per_token": store.page_bytes // kvstore.page_tokens})
-    return out
-
-
-def storage_identity(kvstore) -> str:
-    """One string naming every paged layer's storage: what prefix keys and checkpoints bind."""
-    return ";".join(f"{r['layer']}={r['storage']}" for r in layer_report(kvstore))

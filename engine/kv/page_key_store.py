@@ -25,8 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from capacity.formats import KVFormat, KVFormatError
-from engine.attention.packed import PackedAttention
-from engine.attention.packed_store import PackedLayerStore
+from engine.kv.packed_store import PackedLayerStore
 from engine.kv.page_quant import (PagePacked, dequantize_pages, meta_pages, meta_rows,
                                   quantize_pages)
 from engine.kv.page_layout import K_SECTIONS, V_SECTIONS, record
@@ -53,11 +52,11 @@ class PageKeyStore(PackedLayerStore):
     whole_pages = True   # attention reads whole pages of history (per-page metadata)
 
     def __init__(self, geometry: LayerGeometry, fmt: KVFormat, num_pages: int, page_tokens: int,
-                 attention: Optional[PackedAttention] = None, tails: Optional[TailMap] = None):
+                 tails: Optional[TailMap] = None, writer=None):
         if not fmt.page_keys or not fmt.native_tail:
             raise KVFormatError(f"format {fmt.name} does not keep page keys with a native tail")
         fmt.k_row_group(page_tokens)   # refuses pages that do not divide head_dim
-        super().__init__(geometry, fmt, num_pages, page_tokens, attention, tails)
+        super().__init__(geometry, fmt, num_pages, page_tokens, tails, writer)
 
     def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
         """Values quantized per row; keys go to the native tail, or to codes when a page fills."""
