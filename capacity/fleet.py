@@ -50,6 +50,16 @@ class Hold:
     raw_tokens: int
     predicted_ttft_s: float
     fallback: bool = False     # True: granted by the client's local cap, the actor was unreachable
+    # predicted_ttft_s is the cold bound max(estimate, cold-load penalty) of an identity whose
+    # prefill is unmeasured (or of a replica that must load first), not a calibrated forecast.
+    ttft_bound: bool = False
+
+    def misses_deadline(self, left_s: float | None) -> bool:
+        """Whether a first-token deadline `left_s` seconds away must be refused now: the seed's
+        gate on the cold bound ("unknown" is not "zero latency": a deadline shorter than the
+        load alone cannot be met). Warm forecasts do not gate here; the replica's own admission
+        forecast does."""
+        return left_s is not None and self.ttft_bound and self.predicted_ttft_s > left_s
 
 
 class Fleet:
@@ -138,7 +148,7 @@ class Fleet:
         if f is not None and f.trainable:
             res.predicted_ttft_s = f.raw_s
         return Hold(request_id, model_id, res.replica_id, ranking, res.raw_tokens,
-                    f.seconds if f else 0.0)
+                    f.seconds if f else 0.0, ttft_bound=f is not None and f.bound)
 
     def commit(self, request_id: str, replica_id: str, now: float,
                raw_tokens: int | None = None, model_id: str | None = None) -> bool:

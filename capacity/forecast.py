@@ -28,6 +28,7 @@ class Forecast:
     seconds: float
     raw_s: float          # before calibration; what the calibrator learns against
     trainable: bool
+    bound: bool = False   # seconds is the cold lower bound (unmeasured prefill or a cold state)
 
 
 def state_penalty(state: str, cfg: ForecastConfig) -> float:
@@ -53,8 +54,8 @@ def forecast_ttft(rates: RateRegistry, key: ExecutionKey, prompt_tokens: int,
         # estimate, and the cold-load penalty bounds it from below. Never trains.
         est = penalty + tokens / cfg.min_rate_tps
         bound = max(est, cfg.cold_load_penalty_s)
-        return Forecast(bound, 0.0, False)
+        return Forecast(bound, 0.0, False, bound=True)
     decode = max(decode or cfg.min_rate_tps, cfg.min_rate_tps)
     raw = penalty + tokens / max(prefill, cfg.min_rate_tps) + 1.0 / decode
     ratio = rates.ttft_ratio(key)
-    return Forecast(penalty + (raw - penalty) * ratio, raw, penalty == 0.0)
+    return Forecast(penalty + (raw - penalty) * ratio, raw, penalty == 0.0, bound=penalty > 0.0)
