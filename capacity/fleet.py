@@ -234,6 +234,9 @@ class Fleet:
                            "headroom_requests": feed.requests, "max_request_raw_tokens": feed.max_request,
                            "identities": list(idents.values())})
         return {"protocol_version": ActorInfo().protocol_version, "models": models,
+                # Native slots decoding far below their memory bandwidth's expectation
+                # (capacity/anomaly.py): observability only, routing never reads it.
+                "anomalies": [a.__dict__ for a in self.anomalies()],
                 "outstanding_raw_tokens": self.ledger.outstanding_raw(),
                 # releases: every reservation settled, whoever settled it (the replica's release,
                 # a router's cancel, a TTL, a retired replica); once idle, holds == releases

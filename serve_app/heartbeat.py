@@ -26,14 +26,64 @@ class ReplicaIdentity:
     model_id: str
     chip_class: str
     execution: str | None     # wire form (kvq-v1:...:prefill=...); None for native (wire rule)
+    # The bandwidth anomaly check's inputs (capacity/anomaly.py): measured once at start.
+    memory_bandwidth_gbps: float | None = None
+    active_params: int | None = None
+    bytes_per_param: float | None = None
 
     @classmethod
     def of(cls, replica_id: str, node_id: str, model_id: str, format_identity: str,
-           prefill_mode: str) -> "ReplicaIdentity":
+           prefill_mode: str, model: Any = None) -> "ReplicaIdentity":
         """The wire execution, not the bare format identity, which the actor's grammar would
-        quarantine and drop."""
+        quarantine and drop. `model`: the loaded MLX model, whose weights and this box's
+        measured memory bandwidth feed the actor's anomaly check."""
+        params, per_param = model_weights(model) if model is not None else (None, None)
         return cls(replica_id, node_id, model_id, chip_class(),
-                   execution_identity(format_identity, prefill_mode) or None)
+                   execution_identity(format_identity, prefill_mode) or None,
+                   measure_memory_bandwidth_gbps() if params else None, params, per_param)
+
+
+def model_weights(model: Any) -> tuple[int | None, float | None]:
+    """(parameters, bytes per parameter) of a loaded MLX model, as its arrays hold them.
+
+    Packed (quantized) weights count the values they hold, not their uint32 words, so bytes per
+    parameter is the stored bits / 8 (scales included). Every parameter counts as active: for a
+    mixture of experts that overstates the bytes one token reads, which lowers the expectation
+    and can only hide an anomaly, never invent one."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    quant = getattr(getattr(model, "args", None), "quantization", None)
+    bits = int(quant.get("bits", 4)) if isinstance(quant, dict) else 4
+    params = nbytes = 0
+    for _, a in tree_flatten(model.parameters()):
+        nbytes += a.nbytes
+        params += a.size * 32 // bits if a.dtype == mx.uint32 else a.size
+    return (params, nbytes / params) if params else (None, None)
+
+
+# A copy of 256 MiB reads and writes 512 MiB: long enough to time, short enough for start-up.
+_BANDWIDTH_PROBE_BYTES = 256 << 20
+
+
+def measure_memory_bandwidth_gbps(repeats: int = 3) -> float | None:
+    """This device's memory bandwidth in GB/s, measured: the best of a few timed array copies
+    (bytes read + written per second), so the expectation is this box's, not a spec sheet's."""
+    import mlx.core as mx
+
+    try:
+        src = mx.ones((_BANDWIDTH_PROBE_BYTES // 4,), dtype=mx.float32)
+        mx.eval(src)
+        best = None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            mx.eval(src + 0)   # one pass: read every byte once, write every byte once
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+        del src
+        return 2 * _BANDWIDTH_PROBE_BYTES / best / 1e9 if best else None
+    except Exception:  # noqa: BLE001 - metadata only: no measurement, no anomaly check
+        return None
 
 
 def chip_class() -> str:
@@ -90,6 +140,8 @@ def slot_report(ident: ReplicaIdentity, stats: Any, cost: CostModel, active: dic
         active=[ActiveRequest(request_id=rid, raw_tokens=raw)
                 for rid, raw in list(active.items())[:MAX_ACTIVE_LISTED]],
         active_complete=len(active) <= MAX_ACTIVE_LISTED,
+        active_params=ident.active_params,
+        bytes_per_param=ident.bytes_per_param,
     )
 
 
@@ -98,6 +150,7 @@ def build_report(ident: ReplicaIdentity, stats: Any, cost: CostModel, active: di
     return HeartbeatReport(replica_id=ident.replica_id, node_id=ident.node_id,
                            chip_class=ident.chip_class, incarnation=incarnation, seq=seq,
                            capabilities=sorted(ACTOR_CAPABILITIES),
+                           memory_bandwidth_gbps=ident.memory_bandwidth_gbps,
                            slots=[slot_report(ident, stats, cost, active, state)])
 
 
