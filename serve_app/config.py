@@ -193,6 +193,9 @@ class CapacitySettings(_Strict):
     max_fault_retries: int = Field(3, ge=1, description="actor faults before power-of-two")
     fallback_cooldown_s: float = Field(10.0, ge=0, description="power-of-two period after faults")
     routing_stats_period_s: float = Field(1.0, gt=0)
+    prefix_routing: bool = Field(
+        True, description="route a request to the replica caching the longest prefix of its "
+        "prompt (its tenant's pages) when that replica has room; false = headroom only")
     queue_timeout_s: float = Field(
         30.0, ge=0, validation_alias=AliasChoices("queue_timeout_s", "hold_wait_s"),
         description="how long a request may wait in the capacity queue (FIFO per model at the "

@@ -7,6 +7,12 @@ replicas by headroom and learned rates; without room it queues at the actor (FIF
 replica commits the hold on arrival and releases it with telemetry at the end. After repeated
 actor faults the router routes by power-of-two choices (ranked by reported headroom) for a
 cool-down period, so an actor outage degrades routing quality, not availability.
+
+Prefix affinity (`prefix_routing`, on by default): before the ordinary hold, a request whose
+prompt's leading pages some replica already caches (for the request's tenant) holds on the
+replicas holding the longest such prefix only (the others excluded, no queueing), so the actor
+still enforces every cap and never ranks a dead replica; when none of them has room, the
+ordinary hold routes by headroom. serve_app/prefix_affinity.py keeps the view of the caches.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from serve_app import router_registry
 from serve_app.calls import GenerateCall, stamp
 from serve_app.capacity_link import make_client
 from serve_app.config import CapacitySettings
+from serve_app.prefix_affinity import PrefixIndex
 
 log = logging.getLogger("ray.serve")
 
@@ -58,6 +65,14 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         self.holds: dict[str, tuple[str, Any]] = {}   # internal request id -> (request id, hold)
         self.stats = {"holds": 0, "refusals": 0, "faults": 0, "fallback_routes": 0,
                       "queue_full": 0}
+        self.prefix_routing = settings.prefix_routing
+        self.prefix = PrefixIndex()
+        if self.prefix_routing:
+            # lookups: requests routed through the actor; hits: sent to a replica caching a
+            # prefix of theirs; cached_tokens: that prefix's tokens; full: the replica caching
+            # it had no room, so headroom decided.
+            self.stats.update(prefix_lookups=0, prefix_hits=0, prefix_cached_tokens=0,
+                              prefix_full=0)
         self._tasks: set[asyncio.Task] = set()
         self._live_replicas: set[str] = set()
         router_registry.register(self)
@@ -71,6 +86,7 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         # While the actor is unreachable the client admits locally up to this many requests
         # per model; Serve's per-replica ceiling is the honest bound then.
         self.client.fallback_cap = max(1, sum(r.max_ongoing_requests for r in replicas))
+        self.prefix.forget(gone)
         if gone:
             # Serve dropped these replicas (died, or scaled away): the actor stops counting
             # them and drops their reservations now, not after its silence timeout.
@@ -93,7 +109,9 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         key = pending_request.metadata.internal_request_id
         if key not in self.holds:
             stamp(call.trace, "router_in")
-            hold = await self._hold(call)
+            hold = await self._affine_hold(call) if self.prefix_routing else None
+            if hold is None:
+                hold = await self._hold(call)
             stamp(call.trace, "router_held")
             if hold is None:
                 self.stats["fallback_routes"] += 1
@@ -103,11 +121,56 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         replica = self._ranked_replica(self.holds[key][1], is_retry)
         if replica is not None:
             stamp(call.trace, "router_chosen")
+            if self.prefix_routing and not is_retry:
+                self._count_prefix(replica, call)
             return replica
         # A fallback hold (actor unreachable) ranks nothing, or the actor ranks replicas this
         # router has not seen yet: choose locally.
         self.stats["fallback_routes"] += 1
         return await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+
+    async def _affine_hold(self, call: GenerateCall) -> Any | None:
+        """A hold on the replicas caching the longest prefix of the prompt, or None (no replica
+        caches any of it, or none of those has room under its cap now: headroom decides)."""
+        live = {rid.unique_id: r for rid, r in self.curr_replicas.items()}
+        for uid, r in live.items():
+            self.prefix.observe(uid, (r.routing_stats or {}).get("prefix"))
+        match = self.prefix.matches(live, call.tenant, call.prompt_ids)
+        best = max(match.values(), default=0)
+        if best <= 0:
+            return None
+        exclude = [uid for uid, tokens in match.items() if tokens < best]
+        try:
+            hold = await self.client.hold(call.model, call.raw_tokens, call.request_id,
+                                          prompt_tokens=len(call.prompt_ids), exclude=exclude)
+        except CapacityRefused as e:
+            self.stats["prefix_full"] += e.reason == "no_capacity"
+            return None
+        except asyncio.CancelledError:
+            self._cancel_soon(call.request_id, 0.0)
+            raise
+        except Exception:  # noqa: BLE001 - the ordinary hold counts faults and backs off
+            return None
+        if hold.fallback:
+            # The client could not reach the actor and admitted locally (ranking nothing).
+            self.stats["faults"] += 1
+            self.consecutive_faults += 1
+            if self.consecutive_faults >= self.max_fault_retries:
+                self._enter_fallback()
+            return hold
+        self.stats["holds"] += 1
+        self.consecutive_faults = 0
+        return hold
+
+    def _count_prefix(self, replica: RunningReplica, call: GenerateCall) -> None:
+        uid = replica.replica_id.unique_id
+        self.stats["prefix_lookups"] += 1
+        self.prefix.observe(uid, (replica.routing_stats or {}).get("prefix"))
+        cached = self.prefix.matches([uid], call.tenant, call.prompt_ids)[uid]
+        if cached:
+            self.stats["prefix_hits"] += 1
+            self.stats["prefix_cached_tokens"] += cached
+        self.prefix.routed(uid, self.prefix.request_keys(uid, call.tenant, call.prompt_ids))
 
     async def _hold(self, call: GenerateCall) -> Any | None:
         """The actor's hold, or None after repeated faults (then power-of-two for a while).
