@@ -67,7 +67,7 @@ class _DecodeTimer:
     def __init__(self, loaded, spec, pages, b, n, room, kernels: KernelChoices = DEFAULT_KERNELS,
                  pipelined: bool = False):
         fmt, kernels = decode_kernels(spec, kernels)
-        self.runner = make_runner(loaded, fmt, pages, kernels=kernels)
+        self.runner = make_runner(loaded, fmt, pages, kernels=kernels, seqs=b)
         self.tables = _fill(self.runner.kvstore, b, n, room)
         self.pos, self.pipelined = n, pipelined
 

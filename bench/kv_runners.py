@@ -13,17 +13,20 @@ from engine.runner.paged import ModelRunner
 PAGE_TOKENS = 16
 
 
-def make_store(loaded, fmt, pages, **kw) -> KVStore:
+def make_store(loaded, fmt, pages, seqs: int = 1, **kw) -> KVStore:
+    """`seqs`: sequences the bench runs at once (native-tail formats keep a native page each)."""
     return KVStore(loaded.geometry, pages, PAGE_TOKENS, loaded.dtype,
-                   layer_factory=packed_layer_factory(fmt, **kw))
+                   layer_factory=packed_layer_factory(fmt, tail_slots=seqs, **kw))
 
 
-def make_runner(loaded, fmt, pages, mode="direct", kernels: KernelChoices = DEFAULT_KERNELS):
-    """A runner over `pages` pages in format `fmt`; store and runner share `kernels`."""
+def make_runner(loaded, fmt, pages, mode="direct", kernels: KernelChoices = DEFAULT_KERNELS,
+                seqs: int = 1):
+    """A runner over `pages` pages in format `fmt` for `seqs` sequences at once; store and
+    runner share `kernels`."""
     if fmt == "native":
         return ModelRunner(loaded, make_store(loaded, fmt, pages), kernels=kernels)
     # The bench's permit hook always grants: it measures the fused path, not the ledger.
-    return PackedModelRunner(loaded, make_store(loaded, fmt, pages, prefill_mode=mode,
+    return PackedModelRunner(loaded, make_store(loaded, fmt, pages, seqs, prefill_mode=mode,
                                                permit=lambda n: True, kernels=kernels),
                              kernels=kernels)
 

@@ -32,10 +32,19 @@ j*D/T..(j+1)*D/T-1), so the row layout and bytes are exactly a token-local forma
 group = page_tokens (codes + 2 * head_dim * 4 bytes of metadata per page), and checkpoints move
 rows verbatim. That needs page_tokens to divide head_dim: other geometries are refused.
 k6v4-kivi is the same with 6-bit key codes (4 codes to 3 bytes): 96 B/token/head at head_dim 64.
+
+Identity v3 (`affine-v3-...-p<page_tokens>`) names the page size of every format whose bytes or
+results depend on it: sink rows (per page), a native tail (which rows stay native) and page keys
+(scales per page; bytes per token). Such a KVFormat is bound to its page size
+(`KVFormat(..., page_tokens=T)`) before it has an identity. Formats that are token-local and
+hold no native rows keep v1 (or v2 for 32-channel key groups): pages do not change them. A v2
+identity of a page-dependent format still parses (rate histories keyed by it stay readable) but
+names no page size; persisted state that recorded its page size upgrades it
+(capacity.format_names: the identity grammar, `with_page_size`),
+`format_from_identity` refuses it.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 GROUP_SIZE = 64
@@ -43,6 +52,7 @@ META_BYTES = 4  # FP32 scale and FP32 offset, each
 ROTATION_SEED = 1
 IDENTITY_VERSION = "v1"
 SINK_IDENTITY_VERSION = "v2"
+PAGE_IDENTITY_VERSION = "v3"
 MAX_IDENTITY_LEN = 64
 
 # name -> (K bits, V bits, native sink rows per page, key group size, native tail page); None
@@ -110,9 +120,14 @@ class KVFormat:
     name: str
     head_dim: int
     native_dtype: str = "float32"
+    # Pages of this many tokens; part of the identity of page-dependent formats (identity v3).
+    page_tokens: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "name", normalize_format_name(self.name))
+        if self.page_tokens is not None and (
+                not isinstance(self.page_tokens, int) or self.page_tokens < 1):
+            raise KVFormatError(f"page_tokens must be a positive int, got {self.page_tokens!r}")
         if self.native_dtype not in _DTYPE_SHORT:
             raise KVFormatError(f"unsupported native dtype {self.native_dtype!r}")
         if self.packed and self.head_dim % GROUP_SIZE:
@@ -234,6 +249,16 @@ class KVFormat:
         return per_page // page_tokens
 
     @property
+    def page_dependent(self) -> bool:
+        """Whether page size changes this format's bytes or results (sink rows, a native tail,
+        page keys): its identity then names the page size (v3)."""
+        return self.packed and bool(self.sink_rows or self.native_tail or self.page_keys)
+
+    def paged(self, page_tokens: int) -> "KVFormat":
+        """This format bound to pages of `page_tokens` tokens."""
+        return KVFormat(self.name, self.head_dim, self.native_dtype, page_tokens)
+
+    @property
     def identity(self) -> str:
         if not self.packed:
             return f"native-{IDENTITY_VERSION}-{_DTYPE_SHORT[self.native_dtype]}"
@@ -242,57 +267,16 @@ class KVFormat:
             tail = f"-t{_DTYPE_SHORT[self.native_dtype]}" if self.native_tail else ""
             keys = "c" if self.page_keys else self.k_group
             rot = f"h{self.rotation_block}-s{ROTATION_SEED}" if self.rotated else "h0-s0"
-            return (f"affine-{SINK_IDENTITY_VERSION}-k{self.k_bits}v{self.v_bits}"
-                    f"-g{keys}x{GROUP_SIZE}-f32-{rot}-n{sinks}{tail}")
+            version, page = SINK_IDENTITY_VERSION, ""
+            if self.page_dependent:
+                if self.page_tokens is None:
+                    raise KVFormatError(f"format {self.name} depends on its page size: bind "
+                                        "page_tokens before naming it")
+                version, page = PAGE_IDENTITY_VERSION, f"-p{self.page_tokens}"
+            return (f"affine-{version}-k{self.k_bits}v{self.v_bits}"
+                    f"-g{keys}x{GROUP_SIZE}-f32-{rot}-n{sinks}{tail}{page}")
         return (f"affine-{IDENTITY_VERSION}-k{self.k_bits}v{self.v_bits}-g{GROUP_SIZE}-f32"
                 f"-h{self.rotation_block}-s{ROTATION_SEED}")
-
-
-_PACKED_RE = re.compile(r"affine-v1-k(8|4)v(8|4)-g64-f32-h(64|128)-s1")
-# v2 key groups: 32 or 64 channels per token, or `c`: per channel over the page (page keys,
-# unrotated: `-h0-s0`, and only with a native tail, which holds a page's rows until it fills).
-# 6-bit keys exist only as page keys (k6v4-kivi); any other spec names no format and is refused.
-_V2_RE = re.compile(r"affine-v2-k(8|6|4)v(8|4)-g(32|64|c)x64-f32-(?:h(64|128)-s1|h0-s0)"
-                    r"-n(?:0|([1-9][0-9]?)(f32|bf16|f16))(?:-t(f32|bf16|f16))?")
-_NATIVE_RE = re.compile(r"native-v1-(f32|bf16|f16)")
-
-
-def parse_identity(identity: str) -> dict:
-    """Parse and validate a format identity against the finite grammar; raise on anything else."""
-    if not isinstance(identity, str) or len(identity) > MAX_IDENTITY_LEN:
-        raise KVFormatError(f"malformed KV format identity {identity!r}")
-    if m := _NATIVE_RE.fullmatch(identity):
-        return {"name": "native", "dtype": m.group(1)}
-    sink_dtype = None
-    if m := _V2_RE.fullmatch(identity):
-        k_group = PAGE_KEYS if m.group(3) == "c" else int(m.group(3))
-        block = int(m.group(4) or 0)
-        sinks, sink_dtype = int(m.group(5) or 0), m.group(6)
-        tail, tail_dtype = m.group(7) is not None, m.group(7)
-        if (k_group == PAGE_KEYS) != (block == 0):   # page keys are unrotated, the rest rotated
-            raise KVFormatError(f"KV format identity {identity!r}: rotation does not fit its keys")
-        if not sinks and not tail and k_group == GROUP_SIZE:   # v1's layout: one name, v1's
-            raise KVFormatError(f"KV format identity {identity!r} aliases a v1 identity")
-        if sinks and tail and sink_dtype != tail_dtype:
-            raise KVFormatError(f"KV format identity {identity!r} names two native dtypes")
-        sink_dtype = sink_dtype or tail_dtype
-    elif m := _PACKED_RE.fullmatch(identity):
-        k_group, block, sinks, tail = GROUP_SIZE, int(m.group(3)), 0, False
-    else:
-        raise KVFormatError(f"malformed KV format identity {identity!r}")
-    spec = (int(m.group(1)), int(m.group(2)), sinks, k_group, tail)
-    names = [n for n, s in FORMAT_SPECS.items() if s == spec]
-    if not names:
-        raise KVFormatError(f"KV format identity {identity!r} names no supported format")
-    out = {"name": names[0], "k_bits": spec[0], "v_bits": spec[1], "group": GROUP_SIZE,
-           "k_group": k_group, "rotation_block": block, "seed": ROTATION_SEED if block else 0}
-    if sinks:
-        out.update(sink_rows=sinks)
-    if tail:
-        out.update(native_tail=True)
-    if sink_dtype:
-        out.update(dtype=sink_dtype)
-    return out
 
 
 # ---- Policy: which format a model gets -------------------------------------------------------
@@ -368,20 +352,3 @@ def check_model_format(fmt_name: str, layers, native_dtype: str = "float32") -> 
             f"(layer kinds: {sorted({kind for kind, _ in layers})}); serve it with native KV")
     for head_dim in sorted(set(full)):
         KVFormat(name, head_dim, native_dtype)
-
-
-def format_from_identity(identity: str, head_dim: int, native_dtype: str = "float32") -> KVFormat:
-    """Rebuild a KVFormat from its identity and check that it round-trips exactly.
-
-    Used where persisted state (checkpoints, prefix keys) names its format: an identity whose
-    rotation block does not fit `head_dim` is refused rather than reinterpreted.
-    """
-    parsed = parse_identity(identity)
-    dtype = native_dtype
-    if "dtype" in parsed:   # native, and formats with native rows (sinks, tail), name their dtype
-        dtype = {v: k for k, v in _DTYPE_SHORT.items()}[parsed["dtype"]]
-    fmt = KVFormat(parsed["name"], head_dim, dtype)
-    if fmt.identity != identity:
-        raise KVFormatError(
-            f"KV format identity {identity!r} does not fit head_dim {head_dim} ({fmt.identity})")
-    return fmt

@@ -13,7 +13,8 @@ import re
 from typing import NamedTuple
 
 from capacity.errors import IdentityError
-from capacity.formats import KVFormatError, parse_identity
+from capacity.format_names import parse_identity
+from capacity.formats import KVFormatError
 
 NATIVE = ""
 INVALID = "kvq-v1:invalid"

@@ -158,7 +158,7 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
         kv_format=kv_format, loaded=loaded, kvstore=kvstore, runner=runner,
         cost_model=cost_model,
         grammar=GrammarConstraints(loaded.tokenizer, loaded.geometry.vocab_size),
-        format_identity=KVFormat(kv_format, head_dim, loaded.dtype_name).identity,
+        format_identity=KVFormat(kv_format, head_dim, loaded.dtype_name, cfg.page_tokens).identity,
         storage_identity=storage, layer_report=layer_report(kvstore), scheduler=scheduler,
         checkpoints=checkpoints, streams=streams, steps=steps, counters=counters)
 

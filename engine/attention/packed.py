@@ -195,18 +195,21 @@ def _group(mask, Hkv, rep):
 
 def fused_attention(q, hist: PackedKV, k_new, v_new, *, fmt: KVFormat, scale: float,
                     new_mask="causal", hist_mask=None, sinks=None):
-    """Dequantize history to FP32 scratch, rotate q and the fresh keys, one fused SDPA call."""
-    L = q.shape[2]
+    """Dequantize history to FP32 scratch, rotate q and the fresh keys, one fused SDPA call.
+
+    The fresh keys may outnumber the queries (K > L): native tail or sink rows placed ahead of
+    the step's own keys (engine/attention/packed_cache.py), which `new_mask` covers."""
+    L, K = q.shape[2], k_new.shape[2]
     k_all = mx.concatenate([dequantize(hist.k, fmt.k_bits), rotate(k_new)], axis=2)
     v_all = mx.concatenate([dequantize(hist.v, fmt.v_bits), v_new.astype(mx.float32)], axis=2)
     mask = new_mask
     if hist_mask is not None or not (new_mask is None or isinstance(new_mask, str)):
         S = hist.length
-        new_part = _bool_mask(new_mask, L, L) if new_mask is not None else mx.ones((L, L), mx.bool_)
+        new_part = _bool_mask(new_mask, L, K) if new_mask is not None else mx.ones((L, K), mx.bool_)
         hist_part = hist_mask if hist_mask is not None else mx.ones((L, S), mx.bool_)
         shape = mx.broadcast_shapes(tuple(hist_part.shape[:-1]), tuple(new_part.shape[:-1]))
         mask = mx.concatenate([mx.broadcast_to(hist_part, (*shape, S)),
-                               mx.broadcast_to(new_part, (*shape, L))], axis=-1)
+                               mx.broadcast_to(new_part, (*shape, K))], axis=-1)
     elif new_mask is None:
         mask = None
     out = mx.fast.scaled_dot_product_attention(
@@ -218,8 +221,8 @@ def fused_attention(q, hist: PackedKV, k_new, v_new, *, fmt: KVFormat, scale: fl
 def fused_workspace_bytes(q, hist: PackedKV, k_new) -> int:
     """FP32 bytes the fused path allocates beyond direct: K/V scratch, rotated q and its output."""
     B, Hq, L, D = q.shape
-    Hkv = k_new.shape[1]
-    return 4 * (2 * B * Hkv * (hist.length + L) * D + 2 * B * Hq * L * D)
+    Hkv, K = k_new.shape[1], k_new.shape[2]   # fresh keys, native tail or sink rows included
+    return 4 * (2 * B * Hkv * (hist.length + K) * D + 2 * B * Hq * L * D)
 
 
 @dataclass

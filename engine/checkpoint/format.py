@@ -23,6 +23,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
+from capacity.format_names import with_page_size
+from capacity.formats import KVFormatError
 from engine.errors import EngineError
 from engine.kv.store import KVStore, Slots
 from engine.kv.identity import layer_report
@@ -176,13 +178,26 @@ def check_compatible(manifest: dict, kvstore: KVStore, model_fingerprint: str,
     if manifest["page_tokens"] != kvstore.page_tokens:
         raise CheckpointError(f"checkpoint page size {manifest['page_tokens']} != "
                               f"{kvstore.page_tokens}")
-    if manifest["layers"] != storage_layout(kvstore):
+    # A checkpoint from before identity v3 names page-dependent formats without their page
+    # size; its manifest records the page size, so the identity is completed, not refused.
+    saved = [{**row, "storage": _named_today(row.get("storage"), manifest["page_tokens"])}
+             for row in manifest["layers"]]
+    if saved != storage_layout(kvstore):
         theirs = sorted({row["storage"] for row in manifest["layers"]})
         ours = sorted({row["storage"] for row in storage_layout(kvstore)})
         raise CheckpointError(f"checkpoint KV storage {theirs} does not match this engine's {ours}")
     n = manifest["num_tokens"]
     if len(token_ids) < n or token_ids_hash(list(token_ids[:n])) != manifest["token_ids_sha256"]:
         raise CheckpointError("checkpoint was saved for different token ids")
+
+
+def _named_today(identity, page_tokens: int):
+    """A saved layer's storage identity as this engine names it (v2 -> v3, with_page_size);
+    anything unparsable is left as it is, to be refused as a mismatch."""
+    try:
+        return with_page_size(identity, page_tokens)
+    except KVFormatError:
+        return identity
 
 
 def _packed_row_width(store, kv: str) -> int:

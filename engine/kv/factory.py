@@ -30,7 +30,7 @@ def store_factory(fmt_name: str, tail_slots: int = 0, writer=None):
     def make(geometry: LayerGeometry, num_pages: int, page_tokens: int,
              dtype: mx.Dtype) -> LayerStore:
         dtype_name = str(dtype).removeprefix("mlx.core.")
-        fmt = KVFormat(fmt_name, geometry.head_dim, dtype_name)
+        fmt = KVFormat(fmt_name, geometry.head_dim, dtype_name, page_tokens)
         if not fmt.packed or geometry.kind != "full":
             return NativeLayerStore(geometry, num_pages, page_tokens, dtype)
         tail = None

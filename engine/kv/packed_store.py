@@ -63,8 +63,11 @@ class PackedLayerStore(LayerStore):
         if fmt.head_dim != geometry.head_dim:
             raise KVFormatError(f"format bound to head_dim {fmt.head_dim}, layer has "
                                 f"{geometry.head_dim}")
+        if fmt.page_tokens not in (None, page_tokens):
+            raise KVFormatError(f"format bound to pages of {fmt.page_tokens} tokens, store has "
+                                f"{page_tokens}")
         self.geometry = geometry
-        self.fmt = fmt
+        self.fmt = fmt.paged(page_tokens)   # its identity names the page size where it matters
         self.page_tokens = page_tokens
         self.writer = (writer if writer is not None
                        and writer.usable(fmt.k_bits, fmt.v_bits, geometry.head_dim) else None)

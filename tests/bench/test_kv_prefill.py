@@ -26,3 +26,23 @@ def test_unknown_prefill_path_is_refused_naming_it(tmp_path, capsys):
                        "--out", str(tmp_path / "kv.json")])
     assert "magic" in capsys.readouterr().err
     assert not (tmp_path / "kv.json").exists()
+
+
+def test_every_registered_format_builds_prefills_and_decodes(tmp_path):
+    """bench.kv builds every format capacity.formats registers (native-tail and page-key
+    formats need tail slots), and neither path of any of them fails."""
+    from capacity.formats import FORMAT_BITS
+
+    packed = [n for n, bits in FORMAT_BITS.items() if bits]
+    out = tmp_path / "kv.json"
+    bench_kv.main(["--sections", "capacity,prefill,decode", "--prefill", "48", "--chunk", "24",
+                   "--prefill-formats", ",".join(packed), "--decode", "40", "--batches", "2",
+                   "--decode-formats", ",".join(packed), "--steps", "2", "--repeats", "1",
+                   "--out", str(out)])
+    result = json.loads(out.read_text())
+    row = result["prefill"]["48"]
+    assert set(row) == {"native"} | {f"{n}-{m}" for n in packed for m in ("direct", "fused")}
+    assert all("error" not in v and v["ttft_s"] > 0 for v in row.values()), row
+    decode = result["decode"]["ctx40-b2"]
+    assert set(packed) <= set(decode)
+    assert all("error" not in decode[n] and decode[n]["tok_s"] > 0 for n in packed), decode

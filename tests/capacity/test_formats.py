@@ -1,9 +1,10 @@
 """Format arithmetic, identity grammar and the per-model KV policy (pure Python, no MLX)."""
 import pytest
 
+from capacity.format_names import format_from_identity, parse_identity
 from capacity.formats import (
-    KVFormat, KVFormatError, format_from_identity, layer_format, normalize_format_name,
-    parse_identity, resolve_kv_format, validate_policy)
+    KVFormat, KVFormatError, layer_format, normalize_format_name, resolve_kv_format,
+    validate_policy)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -9,7 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from capacity.formats import KVFormat, KVFormatError, format_from_identity, parse_identity
+from capacity.format_names import format_from_identity, parse_identity, with_page_size
+from capacity.formats import KVFormat, KVFormatError
 from engine.attention.packed_cache import PackedLayerCache
 from engine.attention.layers import packed_layer_factory
 from engine.kv.identity import layer_report
@@ -36,8 +37,17 @@ def _geom(layers=2):
 
 
 def test_identity_bytes_and_refusals():
-    fmt = KVFormat(FMT, 64, "bfloat16")
-    assert fmt.identity == "affine-v2-k4v4-gcx64-f32-h0-s0-n0-tbf16"
+    fmt = KVFormat(FMT, 64, "bfloat16", page_tokens=16)
+    assert fmt.identity == "affine-v3-k4v4-gcx64-f32-h0-s0-n0-tbf16-p16"
+    # The page size changes page keys' bytes, so it is in the name (identity v3), and an
+    # identity from before (v2, no page size) is refused where state is rebuilt from it.
+    assert KVFormat(FMT, 64, "bfloat16", page_tokens=64).identity.endswith("-p64")
+    with pytest.raises(KVFormatError, match="page size"):
+        KVFormat(FMT, 64, "bfloat16").identity
+    with pytest.raises(KVFormatError, match="page size"):
+        format_from_identity("affine-v2-k4v4-gcx64-f32-h0-s0-n0-tbf16", 64)
+    assert (with_page_size("affine-v2-k4v4-gcx64-f32-h0-s0-n0-tbf16", 16) == fmt.identity
+            and parse_identity("affine-v2-k4v4-gcx64-f32-h0-s0-n0-tbf16")["name"] == FMT)
     parsed = parse_identity(fmt.identity)
     assert parsed["native_tail"] is True and parsed["k_group"] == 0
     assert parsed["rotation_block"] == 0 and parsed["seed"] == 0
@@ -49,8 +59,8 @@ def test_identity_bytes_and_refusals():
     assert fmt.bytes_per_page(1, 64) == 64 * 32 + 2 * 64 * 4 + 64 * 40
     assert fmt.bytes_per_page(1, 16) == 16 * 32 + 2 * 64 * 4 + 16 * 40
     assert fmt.tail_bytes_per_request(3, 64) == 3 * 64 * 2 * 64 * 2
-    k6 = KVFormat("k6v4-kivi", 64, "bfloat16")   # 6-bit page keys: 48 B codes + 8 B metadata
-    assert k6.identity == "affine-v2-k6v4-gcx64-f32-h0-s0-n0-tbf16"
+    k6 = KVFormat("k6v4-kivi", 64, "bfloat16", 16)   # 6-bit page keys: 48 B codes + 8 B metadata
+    assert k6.identity == "affine-v3-k6v4-gcx64-f32-h0-s0-n0-tbf16-p16"
     assert format_from_identity(k6.identity, 64, "float32") == k6
     assert k6.k_row_bytes(64) == 56 and k6.bytes_per_token(1, 64) == 96
     for bad in ("affine-v2-k6v4-g64x64-f32-h64-s1-n0-tbf16",   # 6 bits: page keys only
@@ -58,7 +68,10 @@ def test_identity_bytes_and_refusals():
                 "affine-v2-k4v4-gcx64-f32-h64-s1-n0-tbf16",   # and are unrotated
                 "affine-v2-k4v4-g64x64-f32-h0-s0-n0-tbf16",   # token groups are rotated
                 "affine-v2-k8v8-gcx64-f32-h0-s0-n0-tbf16",
-                "affine-v2-k4v4-gcx64-f32-h0-s0-n4bf16-tbf16"):
+                "affine-v2-k4v4-gcx64-f32-h0-s0-n4bf16-tbf16",
+                "affine-v3-k4v4-gcx64-f32-h0-s0-n0-tbf16",     # v3 names the page size
+                "affine-v2-k4v4-gcx64-f32-h0-s0-n0-tbf16-p16", # v2 never does
+                "affine-v3-k4v4-g32x64-f32-h64-s1-n0-p16"):    # nor v3 for a token-local one
         with pytest.raises(KVFormatError):
             parse_identity(bad)
     with pytest.raises(KVFormatError, match="must divide head_dim"):   # metadata rows
@@ -101,7 +114,7 @@ def _write(store, flat, k, v):
 def test_quantize_on_fill_happens_exactly_when_a_page_fills(name):
     store = KVStore(_geom(), num_pages=4, page_tokens=T,
                     layer_factory=packed_layer_factory(name, tail_slots=3))
-    fmt = KVFormat(name, 64)   # float32 store
+    fmt = KVFormat(name, 64, page_tokens=T)   # float32 store
     bits = fmt.k_bits
     assert store.bytes_per_token == 2 * fmt.bytes_per_token(2, T)
     assert store.tail_bytes_per_sequence == 2 * fmt.tail_bytes_per_request(2, T)

@@ -9,7 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from capacity.formats import KVFormat, KVFormatError, format_from_identity, parse_identity
+from capacity.format_names import format_from_identity, parse_identity
+from capacity.formats import KVFormat, KVFormatError
 from engine.attention.packed_cache import PackedLayerCache
 from engine.attention.layers import packed_layer_factory
 from engine.kv.identity import layer_report
@@ -32,8 +33,8 @@ def _store(loaded, pages=24, slots=4, fmt=FMT):
 
 
 def test_identity_bytes_and_refusals():
-    fmt = KVFormat(FMT, 64, "bfloat16")
-    assert fmt.identity == "affine-v2-k4v4-g64x64-f32-h64-s1-n0-tbf16"
+    fmt = KVFormat(FMT, 64, "bfloat16", 64)
+    assert fmt.identity == "affine-v3-k4v4-g64x64-f32-h64-s1-n0-tbf16-p64"
     assert parse_identity(fmt.identity)["native_tail"] is True
     assert format_from_identity(fmt.identity, 64, "float32") == fmt   # the dtype is in the name
     # full pages cost int4's bytes exactly; the tail page is priced per running sequence
@@ -41,8 +42,8 @@ def test_identity_bytes_and_refusals():
     assert fmt.tail_bytes_per_request(3, 64) == 3 * 64 * 2 * 64 * 2
     assert KVFormat("int4-tail", 64, "float32").tail_bytes_per_request(1, 16) == 16 * 2 * 64 * 4
     assert not fmt.codes_only and fmt.native_tail and not KVFormat("int4", 64).native_tail
-    both = KVFormat("int4-k32-tail", 64, "bfloat16")
-    assert both.identity == "affine-v2-k4v4-g32x64-f32-h64-s1-n0-tbf16"
+    both = KVFormat("int4-k32-tail", 64, "bfloat16", 16)
+    assert both.identity == "affine-v3-k4v4-g32x64-f32-h64-s1-n0-tbf16-p16"
     assert format_from_identity(both.identity, 64, "float32") == both
     assert both.bytes_per_token(1, 64) == 88 and both.tail_bytes_per_request(1, 64) == 16384
     for name in ("native", "int8", "k8v4", "int4", "int4-k32", "int4-sink"):   # unchanged
@@ -75,7 +76,7 @@ def test_store_bytes_match_the_format_and_pages_go_native_until_full():
     assert store.bytes_per_token == 2 * fmt.bytes_per_token(2, T)
     assert store.tail_bytes_per_sequence == 2 * fmt.tail_bytes_per_request(2, T)
     assert store.nbytes == 4 * store.page_bytes + 3 * store.tail_bytes_per_sequence
-    assert layer_report(store)[0]["storage"] == "affine-v2-k4v4-g64x64-f32-h64-s1-n0-tf32"
+    assert layer_report(store)[0]["storage"] == f"affine-v3-k4v4-g64x64-f32-h64-s1-n0-tf32-p{T}"
     # never the CUDA kernels: they read the v1 layout only
     assert not store.layers[0].fmt.codes_only
     assert not PackedLayerCache.kernel_decode_fits(store.layers[0])

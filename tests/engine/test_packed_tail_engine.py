@@ -23,9 +23,9 @@ def _req(rid, ids, n=20):
 
 
 # The tiny llama computes in float32, so the tail is f32 (`-tf32`).
-IDENTITIES = {"int4-tail": "affine-v2-k4v4-g64x64-f32-h64-s1-n0-tf32",
-              "int4-kivi": "affine-v2-k4v4-gcx64-f32-h0-s0-n0-tf32",
-              "k6v4-kivi": "affine-v2-k6v4-gcx64-f32-h0-s0-n0-tf32"}
+IDENTITIES = {"int4-tail": "affine-v3-k4v4-g64x64-f32-h64-s1-n0-tf32-p16",
+              "int4-kivi": "affine-v3-k4v4-gcx64-f32-h0-s0-n0-tf32-p16",
+              "k6v4-kivi": "affine-v3-k6v4-gcx64-f32-h0-s0-n0-tf32-p16"}
 
 
 @pytest.fixture(scope="module", params=list(IDENTITIES))

@@ -10,7 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from capacity.formats import KVFormat, KVFormatError, format_from_identity, parse_identity
+from capacity.format_names import format_from_identity, parse_identity
+from capacity.formats import KVFormat, KVFormatError
 from engine.checkpoint.format import restore_checkpoint, save_checkpoint
 from engine.kv.store import KVStore, Slots
 from engine.model.loader import LayerGeometry, ModelGeometry, load_model
@@ -43,10 +44,13 @@ def test_bytes_identity_and_refusals():
     assert fmt.bytes_per_token(3, 64) == 3 * 96
     assert fmt.bytes_per_token(1, 64) / KVFormat("native", 64, "bfloat16").bytes_per_token(1) \
         == 0.375
-    assert fmt.identity == "affine-v2-k4v4-g64x64-f32-h64-s1-n4bf16"
+    with pytest.raises(KVFormatError, match="page size"):   # sink rows are per page
+        fmt.identity
+    fmt = fmt.paged(T)
+    assert fmt.identity == f"affine-v3-k4v4-g64x64-f32-h64-s1-n4bf16-p{T}"
     assert parse_identity(fmt.identity)["sink_rows"] == 4
     assert format_from_identity(fmt.identity, 64, "float32") == fmt   # the dtype is in the name
-    assert KVFormat("int4", 64).identity != KVFormat("int4-sink", 64).identity
+    assert KVFormat("int4", 64).identity != KVFormat("int4-sink", 64, page_tokens=T).identity
     k32 = KVFormat("int4-k32", 64, "bfloat16")
     # keys: 32 code bytes + 2 groups x 8 bytes of FP32 scale/offset; values as int4.
     assert (k32.k_row_bytes(), k32.v_row_bytes(), k32.bytes_per_token(1)) == (48, 40, 88)
@@ -70,7 +74,7 @@ def test_store_bytes_and_native_sink_rows():
     geom = ModelGeometry(layers=(LayerGeometry(0, "full", 2, 64, 64),), vocab_size=10)
     store = KVStore(geom, num_pages=4, page_tokens=T, layer_factory=packed_layer_factory("int4-sink"))
     assert store.bytes_per_token == KVFormat("int4-sink", 64).bytes_per_token(2, T)
-    assert layer_report(store)[0]["storage"] == "affine-v2-k4v4-g64x64-f32-h64-s1-n4f32"
+    assert layer_report(store)[0]["storage"] == f"affine-v3-k4v4-g64x64-f32-h64-s1-n4f32-p{T}"
     rng = np.random.default_rng(0)
     k = mx.array(rng.standard_normal((2 * T, 2, 64)).astype(np.float32))
     v = mx.array(rng.standard_normal((2 * T, 2, 64)).astype(np.float32))
