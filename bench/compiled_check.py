@@ -78,15 +78,15 @@ def decode(runner, prompts, tables, steps):
     import mlx.core as mx
     import numpy as np
 
-    from engine.runner.paged import SeqChunk
+    from engine.sched.seq import Chunk
 
-    logits = runner.forward([SeqChunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
+    logits = runner.forward([Chunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
     toks = mx.argmax(logits, axis=-1).astype(mx.int32)
     lens = [len(p) for p in prompts]
     out, ids, times = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        chunks = [SeqChunk(i, toks[i:i + 1], lens[i], tables[i]) for i in range(len(lens))]
+        chunks = [Chunk(i, toks[i:i + 1], lens[i], tables[i]) for i in range(len(lens))]
         logits = runner.forward(chunks, decode_tokens=toks)
         toks = mx.argmax(logits, axis=-1).astype(mx.int32)
         mx.eval(toks, *runner.kvstore.arrays())

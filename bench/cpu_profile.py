@@ -153,7 +153,8 @@ def run(args) -> dict:
     from engine.attention.choices import KernelChoices
     from engine.kv.store import KVStore
     from engine.model.loader import load_model
-    from engine.runner.paged import ModelRunner, SeqChunk
+    from engine.runner.paged import ModelRunner
+    from engine.sched.seq import Chunk
     from engine.sampling.params import SamplingParams
     from engine.sampling.sampler import RowSpec, sample
 
@@ -182,7 +183,7 @@ def run(args) -> dict:
     # Decode rows' histories: their KV is whatever the pages hold (the cost does not depend on
     # it); only the lengths matter.
     decode_shapes = {
-        n: [SeqChunk(i + 1, [int(rng.integers(100, vocab - 100))], c, tables[i + 1])
+        n: [Chunk(i + 1, [int(rng.integers(100, vocab - 100))], c, tables[i + 1])
             for i, c in enumerate(np.linspace(lo, hi, n).astype(int).tolist())]
         for n in counts}
 
@@ -192,7 +193,7 @@ def run(args) -> dict:
         for pos in range(0, args.prompt, args.chunk):
             ids = prompt[pos:pos + args.chunk]
             b0 = time.perf_counter()
-            logits = runner.forward([SeqChunk(0, ids, pos, tables[0])])
+            logits = runner.forward([Chunk(0, ids, pos, tables[0])])
             tok = sample_rows(logits, [spec])
             build += time.perf_counter() - b0
             mx.eval(tok, kv.arrays())

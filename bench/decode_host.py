@@ -138,9 +138,9 @@ def run(args) -> dict:
 
 
 def _profile_engine_thread(eng, prof: cProfile.Profile, work) -> None:
-    """Profile the engine thread's step runs while `work` runs (StepRunner.run is wrapped)."""
-    steps = eng._parts.steps
-    original = steps.run
+    """Profile the engine thread's step runs while `work` runs (the loop's `_run` is wrapped:
+    a synchronous step, or a whole decode pipeline)."""
+    original = eng._run
 
     def run(step):
         prof.enable()
@@ -148,13 +148,13 @@ def _profile_engine_thread(eng, prof: cProfile.Profile, work) -> None:
             original(step)
         finally:
             prof.disable()
-    steps.run = run
+    eng._run = run
     try:
         t = time.perf_counter()
         work()
         print(f"profiled run: {time.perf_counter() - t:.2f}s", file=sys.stderr)
     finally:
-        steps.run = original
+        del eng._run
 
 
 def main(argv=None) -> int:

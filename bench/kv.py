@@ -41,7 +41,7 @@ from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.attention.layers import counters_of
 from engine.model.loader import load_model
 from engine.model.names import MODEL_HELP, model_arg
-from engine.runner.paged import SeqChunk
+from engine.sched.seq import Chunk
 from bench.kv_quality import heldout_docs, quality_section
 from bench.kv_decode import decode_section
 from bench.kv_runners import PAGE_TOKENS, make_runner, make_store, progress
@@ -98,7 +98,7 @@ def prefill_once(runner, tokens, chunk) -> float:
     mx.synchronize()
     t0 = time.perf_counter()
     for s in range(0, len(tokens), chunk):
-        mx.eval(runner.forward([SeqChunk(0, tokens[s:s + chunk], s, table)]))
+        mx.eval(runner.forward([Chunk(0, tokens[s:s + chunk], s, table)]))
     return time.perf_counter() - t0
 
 

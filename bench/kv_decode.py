@@ -18,7 +18,7 @@ import numpy as np
 
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.kv.store import KVStore, Slots
-from engine.runner.paged import SeqChunk
+from engine.sched.seq import Chunk
 from bench.kv_runners import PAGE_TOKENS, make_runner, progress
 from bench.step_graph import graphs_since
 
@@ -84,7 +84,7 @@ class _DecodeTimer:
         prev, marks, split = None, [t0], []
         for _ in range(steps):
             s0 = time.perf_counter()
-            logits = runner.forward([SeqChunk(i, [7], self.pos, t)
+            logits = runner.forward([Chunk(i, [7], self.pos, t)
                                      for i, t in enumerate(self.tables)])
             s1 = time.perf_counter()
             mx.async_eval(logits, *runner.kvstore.arrays())

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from bench.kv_runners import PAGE_TOKENS, make_runner
-from engine.runner.paged import SeqChunk
+from engine.sched.seq import Chunk
 
 
 def heldout_docs(root: str, n: int, tokens: int, tokenizer) -> list[list[int]]:
@@ -39,7 +39,7 @@ def quality_section(loaded, docs, formats, chunk) -> dict:
         out = []
         for s in range(0, len(ids) - 1, chunk):
             part = ids[s:min(s + chunk, len(ids) - 1)]
-            logits = runner.forward_all([SeqChunk(0, part, s, table)])[0]
+            logits = runner.forward_all([Chunk(0, part, s, table)])[0]
             out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
             mx.eval(out[-1])
         return mx.concatenate(out)

@@ -199,7 +199,7 @@ def time_part(args, model_dir: str) -> dict:
     from bench.compiled_check import interleaved_tables, make_runner
     from engine.attention.choices import KernelChoices
     from engine.model.loader import load_model
-    from engine.runner.paged import SeqChunk
+    from engine.sched.seq import Chunk
 
     b, t = args.batch, 64
     prompts = _prompts(args)
@@ -213,12 +213,12 @@ def time_part(args, model_dir: str) -> dict:
     for name, kernels in (("engine", KernelChoices()),
                           ("engine_scatter_writes", KernelChoices(decode_writes_own=False))):
         runner = make_runner(lm, args.kv_format, b * per_row, t, kernels)
-        logits = runner.forward([SeqChunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
+        logits = runner.forward([Chunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
         state = {"toks": mx.argmax(logits, axis=-1).astype(mx.int32), "n": args.prompt}
 
         def engine_build(runner=runner, state=state):
             toks, n = state["toks"], state["n"]
-            chunks = [SeqChunk(i, toks[i:i + 1], n, tables[i]) for i in range(b)]
+            chunks = [Chunk(i, toks[i:i + 1], n, tables[i]) for i in range(b)]
             state["toks"] = mx.argmax(runner.forward(chunks, decode_tokens=toks),
                                       axis=-1).astype(mx.int32)
             state["n"] = n + 1

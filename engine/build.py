@@ -1,4 +1,4 @@
-"""Engine assembly: `build(cfg, hooks)` makes the parts the engine thread owns.
+"""Engine assembly: `build(cfg)` makes the parts the engine thread owns.
 
 Policy first (the KV format: an unknown one refuses the load before any weights are read), then
 the model (refused if a layer keeps a cache the runner can neither page nor batch), the KV budget
@@ -7,8 +7,9 @@ optional prefix cache, the scheduler, the request checkpoints, the result stream
 runner. It runs on the engine thread because MLX streams are thread-local: the arrays it creates
 must belong to that thread.
 
-Each part gets what it needs passed in; what belongs to the loop (the trace, the admission hook,
-whether the inbox is quiet, what to do between pipelined steps) comes in as `LoopHooks`.
+Each part gets what it needs passed in, complete when built (the byte ledger exists before the
+stores that ask it for workspace). No part calls back into the loop: the loop drives the parts
+and applies what a step returns; only the engine's observers (the trace, the logits tap) go in.
 """
 from __future__ import annotations
 
@@ -31,19 +32,8 @@ from engine.sampling.structured import GrammarConstraints
 from engine.sched.forecast import RateForecast
 from engine.sched.scheduler import Scheduler
 from engine.sched.seq import Seq
-from engine.steps import StepRunner, WorkspacePermits
+from engine.steps import StepRunner, WorkspacePermits, no_trace
 from engine.streams import ResultStreams
-
-
-@dataclass(frozen=True)
-class LoopHooks:
-    """What the parts call back into the engine's loop for."""
-
-    emit: Callable[..., None]               # trace events ("retire", "permit", ...)
-    on_admit: Callable[[Seq], None]         # a request was admitted (restore, trace)
-    quiet: Callable[[], bool]               # no command pending and not stopping
-    between_steps: Callable[[], None]       # the loop's work after a pipelined step
-    logits_tap: Callable | None = None      # see Engine
 
 
 @dataclass(frozen=True)
@@ -66,13 +56,15 @@ class EngineParts:
     counters: Counter            # the engine's own counters (steps, tokens, refusals)
 
 
-def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
+def build(cfg: EngineConfig, *, trace: Callable[..., None] | None = None,
+          logits_tap: Callable | None = None, pipeline_decode: bool = True,
           kernels: KernelChoices = DEFAULT_KERNELS) -> EngineParts:
     """Load the model and assemble the engine's parts (on the engine thread).
 
-    `pipeline_decode`: whether steady decode may be pipelined (tests switch it off); it is only
-    used where the format and model allow it. `kernels`: the attention kernels the runner and
-    the packed stores may use (the defaults are production's)."""
+    `trace`, `logits_tap`: the engine's observers (see Engine). `pipeline_decode`: whether steady
+    decode may be pipelined (tests switch it off); it is only used where the format and model allow
+    it. `kernels`: the attention kernels the runner and the packed stores may use (the defaults are
+    production's)."""
     from engine.kv.identity import layer_report, storage_identity
     from engine.kv.store import KVStore
     from engine.model.loader import load_model
@@ -89,10 +81,11 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
     # cannot tile) is refused here, not stored native under its name or failed at warm-up.
     check_model_format(kv_format, [(g.kind, g.head_dim) for g in loaded.geometry.layers],
                        loaded.dtype_name)
-    permits = WorkspacePermits(hooks.emit)
-    factory, make_runner = store_for(kv_format, cfg, permits.permit, kernels)
-    probe = KVStore(loaded.geometry, 1, cfg.page_tokens, loaded.dtype, layer_factory=factory)
-    page_bytes = probe.page_bytes
+    emit = trace if trace is not None else no_trace
+    # The probe only measures a page: its stores never build a step, so never ask for workspace.
+    probe = KVStore(loaded.geometry, 1, cfg.page_tokens, loaded.dtype,
+                    layer_factory=store_for(kv_format, cfg, _no_workspace, kernels)[0])
+    page_bytes, bytes_per_token = probe.page_bytes, probe.bytes_per_token
     # Native-tail formats: one native page per running sequence, allocated up front for
     # max_num_seqs sequences (a replica arena: see below).
     tail_pool = cfg.max_num_seqs * probe.tail_bytes_per_sequence
@@ -109,17 +102,20 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
         raise EngineError(f"{cfg.model}: a KV budget of {budget} bytes cannot hold the native tail "
                           f"pool ({cfg.max_num_seqs} sequences x {tail_pool // cfg.max_num_seqs} "
                           f"bytes) and one page of {page_bytes} bytes")
-    kvstore = KVStore(loaded.geometry, num_pages, cfg.page_tokens, loaded.dtype,
-                      layer_factory=factory)
-    runner = make_runner(loaded, kvstore, merge_pad_tokens=cfg.merge_pad_tokens)
     # The tail pool is priced as a fixed arena of the replica (CostModel.workspace.fixed), not
     # per request: it is allocated for max_num_seqs sequences whether they run or not, and a
     # per-request charge would let fewer, longer requests take more pages than the pool holds.
     cost_model = build_cost_model(
-        budget_bytes=num_pages * page_bytes + tail_pool, bytes_per_token=kvstore.bytes_per_token,
+        budget_bytes=num_pages * page_bytes + tail_pool, bytes_per_token=bytes_per_token,
         page_tokens=cfg.page_tokens,
         fixed_bytes_per_request=loaded.geometry.state_bytes_per_sequence,
         max_num_seqs=cfg.max_num_seqs, token_limit=token_limit, arena_bytes=tail_pool)
+    ledger = ByteLedger(cost_model)
+    permits = WorkspacePermits(ledger, emit)
+    factory, make_runner = store_for(kv_format, cfg, permits.permit, kernels)
+    kvstore = KVStore(loaded.geometry, num_pages, cfg.page_tokens, loaded.dtype,
+                      layer_factory=factory)
+    runner = make_runner(loaded, kvstore, merge_pad_tokens=cfg.merge_pad_tokens)
     head_dim = next((g.head_dim for g in loaded.geometry.layers if g.paged), 0)
     storage = storage_identity(kvstore)
     eos = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
@@ -133,22 +129,17 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
         prefix = PrefixCache(pool)
         root_of = chain_roots(storage, loaded.fingerprint, cfg.page_tokens)
     scheduler = Scheduler(
-        pool, ByteLedger(cost_model),
+        pool, ledger,
         max_num_seqs=cfg.max_num_seqs, max_step_tokens=cfg.max_step_tokens,
         max_waiting=cfg.max_waiting, eos_ids=eos,
-        forecast=RateForecast(cfg.rate_ewma_alpha), prefix=prefix, root_of=root_of,
-        on_admit=hooks.on_admit)
-    permits.ledger = scheduler.ledger
+        forecast=RateForecast(cfg.rate_ewma_alpha), prefix=prefix, root_of=root_of)
     checkpoints = RequestCheckpoints(
         cfg.model, kvstore, loaded.fingerprint,
         cfg.checkpoint_key.encode() if cfg.checkpoint_key else None, cfg.page_tokens,
         has_recurrent_state=runner.recurrent is not None)
     streams = ResultStreams(scheduler, loaded.tokenizer, checkpoints.save_finished)
-    counters: Counter[str] = Counter()
     steps = StepRunner(
-        runner=runner, kvstore=kvstore, scheduler=scheduler, streams=streams, permits=permits,
-        counters=counters, emit=hooks.emit, quiet=hooks.quiet,
-        between_steps=hooks.between_steps, logits_tap=hooks.logits_tap,
+        runner=runner, kvstore=kvstore, permits=permits, emit=emit, logits_tap=logits_tap,
         # Pipelined decode needs no per-sequence state outside the pages (recurrent layers).
         # Every KV format: only pure decode steps are pipelined, and a decode step never asks
         # for workspace (packed formats' fused path is for prefill chunks only; a permit would
@@ -160,7 +151,11 @@ def build(cfg: EngineConfig, hooks: LoopHooks, *, pipeline_decode: bool = True,
         grammar=GrammarConstraints(loaded.tokenizer, loaded.geometry.vocab_size),
         format_identity=KVFormat(kv_format, head_dim, loaded.dtype_name, cfg.page_tokens).identity,
         storage_identity=storage, layer_report=layer_report(kvstore), scheduler=scheduler,
-        checkpoints=checkpoints, streams=streams, steps=steps, counters=counters)
+        checkpoints=checkpoints, streams=streams, steps=steps, counters=Counter())
+
+
+def _no_workspace(nbytes: int) -> bool:
+    return False
 
 
 def chain_roots(storage: str, fingerprint: str, page_tokens: int) -> Callable[[Seq], bytes]:

@@ -2,35 +2,33 @@
 thread-local); callers talk to it through a command queue and stream results back through
 per-request asyncio sinks.
 
-One iteration of the thread: take commands (submit/cancel/stop) -> schedule a step -> run it ->
-RETIRE it (evaluate the sampled tokens and the KV store arrays, then synchronize) -> record tokens
-and emit deltas -> RECLAIM pages and bytes of finished requests whose last step has retired.
+One iteration of the thread: take commands (submit/cancel/stop) -> admit (restoring checkpoints)
+and schedule a step -> run it -> RETIRE it (evaluate the sampled tokens and the KV store arrays,
+then synchronize) -> apply its result here (the runner only reports it) and emit deltas ->
+RECLAIM pages and bytes of finished requests whose last step has retired.
 Refunds therefore never precede the retirement of the work that used the memory; `trace`
 (optional) observes the order for tests: ("retire", step), ("refund", request, last_step),
 ("permit", step, nbytes, granted), ("release", step, nbytes, active_before, active_after),
 ("arrival", request, ...), ("admit", request, ...), ("launch", step, ahead, requests) for each
-pipelined decode step queued (ahead=1: built before the previous step was read back).
+pipelined decode step queued (ahead=1: built before the previous step was read back), ("step",
+step, prefill_tokens, decode_rows, seconds, model_calls, traces) for each recorded step.
 
-Workspace permits (fused prefill): a packed layer asks `_permit(nbytes)` while the step's graph
-is built; the bytes are charged to that step in the ledger and returned only right after the
-step retired (never when a request is cancelled: the cancel is applied between steps, and the
-permit belongs to the step, not to the request). Commands, arrivals included, are applied only
+Workspace permits (fused prefill): a packed layer asks for bytes while the step's graph is built
+(`WorkspacePermits.permit`); they are charged to that step in the ledger and returned only right
+after the step retired (never when a request is cancelled: the cancel is applied between steps, and
+the permit belongs to the step, not to the request). Commands, arrivals included, are applied only
 between steps, so a request arriving while a fused step holds workspace is looked at after that
-step retired and its permit was returned; its first-token deadline stays the original absolute
-one, so the retirement time counts against it (and it may expire meanwhile).
+step retired and its permit was returned; its first-token deadline stays the original absolute one,
+so the retirement time counts against it (and it may expire meanwhile).
 
 A failure inside a step fails only the requests that caused it (the step is retried row by row
 to find them); the thread itself never dies on a request.
 
-This file holds the public API, the thread's main loop and the commands it applies between
-steps. The loop owns parts, assembled by `engine.build.build` on the engine thread, each given
-what it needs explicitly:
-  engine/build.py              load the model, size the KV budget, build store/runner/scheduler
-  engine/steps.py              StepRunner: synchronous and pipelined steps, one finish path;
-                               WorkspacePermits: the step's workspace from the byte ledger
-  engine/streams.py            ResultStreams: deltas back to callers, after each step's bookkeeping
-  engine/checkpoint/requests.py RequestCheckpoints: restore at admission, save on command/finish
-  engine/stats.py              EngineStats: the stats() snapshot
+This file holds the public API, the thread's main loop (which owns the decode pipeline's
+in-flight queue and alone applies step results) and the commands it applies between steps. Its
+parts, built by `engine.build.build` on the engine thread: the scheduler (engine/sched/),
+`StepRunner` and `WorkspacePermits` (engine/steps.py), `ResultStreams` (engine/streams.py),
+`RequestCheckpoints` (engine/checkpoint/requests.py), `EngineStats` (engine/stats.py).
 """
 from __future__ import annotations
 
@@ -48,15 +46,16 @@ import numpy as np
 from capacity.pricing import CostModel
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.bridge import Sink
-from engine.build import EngineParts, LoopHooks, build
+from engine.build import EngineParts, build
 from engine.checkpoint.format import CheckpointError
 from engine.config import EngineConfig
 from engine.errors import (DeadlineUnmeetable, EngineError, EngineOverloaded, EngineShutdown,
                            InvalidRequest, RequestTooLarge)
 from engine.request import Delta, GenerationRequest, Usage, merge_deltas
 from engine.sampling.params import SamplingParams
-from engine.sched.seq import Seq
+from engine.sched.seq import Seq, Step
 from engine.stats import EngineStats, collect_stats
+from engine.steps import StepResult
 
 __all__ = ["Engine", "GenerationRequest", "SamplingParams", "Delta", "Usage"]
 
@@ -219,17 +218,15 @@ class Engine:
 
     def _serve(self) -> None:
         try:
-            self._parts = build(self.cfg, LoopHooks(
-                emit=self._emit, on_admit=self._on_admit, quiet=self._quiet,
-                between_steps=self._between_steps, logits_tap=self._logits_tap),
-                pipeline_decode=self.pipeline_decode, kernels=self._kernels)
+            self._parts = build(self.cfg, trace=self._trace, logits_tap=self._logits_tap,
+                                pipeline_decode=self.pipeline_decode, kernels=self._kernels)
             self._publish_stats()
         except BaseException as e:  # noqa: BLE001 - reported to the constructor's caller
             self._startup_error = e if isinstance(e, Exception) else EngineError(repr(e))
             self._ready.set()
             return
         self._ready.set()
-        sch, steps = self._parts.scheduler, self._parts.steps
+        sch = self._parts.scheduler
         while True:
             self._take_commands(block=sch.idle and not self._stopping.is_set())
             if self._stopping.is_set():
@@ -239,15 +236,65 @@ class Engine:
                     for s in [*sch.waiting, *sch.running]:
                         sch.cancel(s.request_id)
             self._reclaim()   # cancels just applied free their seats before admission
-            step = sch.schedule(time.monotonic())
+            for seq in sch.admit(time.monotonic()):
+                self._admitted(seq)
+            step = sch.next_step()
             if step is not None:
-                steps.run(step)
+                self._run(step)
             elif not sch.idle:
                 self._take_commands(block=True, timeout=_IDLE_POLL_S)
             self._between_steps()
         sch.evict_cache(sch.pool.num_pages)
         self._fail_inbox(EngineShutdown("engine shut down"))
         self._publish_stats()
+
+    # ---- steps: run by the StepRunner, applied here -----------------------------------------
+
+    def _run(self, step: Step) -> None:
+        """Run one scheduled step: synchronously, or as the head of a decode pipeline."""
+        steps = self._parts.steps
+        if steps.pipelines(step):
+            self._pipeline(step)
+        else:
+            self._record(steps.run(step))
+
+    def _pipeline(self, step: Step) -> None:
+        """Steady decode, one step queued ahead (engine/steps.py) while nothing waits and no
+        command is pending; each step is recorded and followed by the loop's between-steps work."""
+        steps, sch = self._parts.steps, self._parts.scheduler
+        cur = steps.launch(step, ahead=0)
+        while cur is not None:
+            nxt = None
+            if cur.launched and self._quiet() and sch.can_continue_decode(cur.step):
+                nxt = steps.launch(sch.continue_decode(cur.step, cur.drawn), ahead=1)
+            self._record(steps.collect(cur, queued=nxt))
+            if nxt is not None and not nxt.launched:   # failed to build, or drained
+                self._record(steps.drop(nxt))
+                nxt = None
+            elif nxt is not None:
+                nxt.started = time.perf_counter()   # its time runs from the last step's end
+                self._between_steps()
+            cur = nxt
+
+    def _record(self, result: StepResult) -> None:
+        """Apply a retired step: failed rows, the rate forecast, counters, the scheduler's
+        bookkeeping, and each new token to its stream."""
+        p = self._parts
+        for seq, error in result.failed:
+            p.streams.fail(seq, error)
+        if not result.recorded:
+            return
+        step = result.step
+        p.scheduler.forecast.observe(step.prefill_tokens, step.decode_rows, result.seconds)
+        # Model calls and traces so far (totals): per-step work shows in their differences.
+        self._emit("step", step=step.step_id, prefill_tokens=step.prefill_tokens,
+                   decode_rows=step.decode_rows, seconds=result.seconds,
+                   model_calls=result.model_calls, traces=result.traces)
+        p.counters["steps"] += 1
+        p.counters["prompt_tokens"] += step.prefill_tokens
+        for seq, tok in p.scheduler.complete(step, result.tokens, time.monotonic()):
+            p.counters["generation_tokens"] += 1
+            p.streams.deliver(seq, tok, result.logprobs.get(seq.request_id))
 
     def _between_steps(self) -> None:
         """After a step (or an idle turn): final deltas of requests finished without a token,
@@ -330,7 +377,8 @@ class Engine:
         elif cmd[0] == "evict":
             p.scheduler.evict_cache(p.scheduler.pool.num_pages)
 
-    def _on_admit(self, seq: Seq) -> None:
+    def _admitted(self, seq: Seq) -> None:
+        """Just admitted: trace it, and restore its checkpoint before its first step is built."""
         p = self._parts
         self._emit("admit", request=seq.request_id, cached_tokens=seq.cached_tokens,
                    charged=p.scheduler.ledger.held(seq.request_id),

@@ -1,23 +1,25 @@
-"""The step runner: build a step's graph, sample, RETIRE it, release it, record its tokens.
+"""The step runner: build a step's graph, sample, RETIRE it, release it, report its tokens.
 
 Retirement means the sampled tokens and every KV page array are evaluated and the device is idle;
 only then are the step's device results dropped and its workspace permits (fused prefill)
 returned, so the ledger never refunds bytes the device may still be using. A step that fails is
 retried row by row so only the requests that caused the failure fail.
 
-Two ways to run a step, one way to finish it (`_finish`: retire, release, observe the rate,
-count, complete the scheduler's rows, deliver the tokens):
-- synchronous (`run`): build, evaluate, synchronize, finish;
-- pipelined steady decode: every running request decoding one token, nothing waiting, no
-  command pending. Step n+1 is queued with step n's still-lazy sampled tokens before step n is
-  read back, as mlx-lm's generators do, so building a step's graph overlaps the previous
-  step's compute. Invariants kept:
+The runner returns what a step produced (`StepResult`) and never updates the scheduler, the
+streams or the counters: the loop (engine/loop.py) alone applies results, and it owns the queue of
+in-flight steps. Two ways to run a step, one way to end it (`_retire`):
+- synchronous (`run`): build, evaluate, synchronize, retire;
+- pipelined steady decode (`launch`, `collect`, `drop`): every running request decoding one
+  token, nothing waiting, no command pending. Step n+1 is queued with step n's still-lazy
+  sampled tokens before step n is read back, as mlx-lm's generators do, so building a step's
+  graph overlaps the previous step's compute. Invariants kept:
   - retire-then-refund: step n+1 sets `last_step` of every row it holds, so a request that
     finishes when step n completes (EOS, stop string, cancel by a gone consumer) keeps its
     pages until step n+1 retired; its step n+1 token is discarded (`complete` skips rows
     that are no longer running) and was written to its own, still-held pages.
   - max_tokens: step n+1 is built only when every row has >= 2 tokens left, so no row's
-    extra step is ever past its reservation and a length finish never wastes a step.
+    extra step is ever past its reservation and a length finish never wastes a step
+    (`Scheduler.can_continue_decode`).
   - determinism: a row's sampling key is (seed, token index) as in a synchronous step.
   - commands (submit, cancel, save, evict, shutdown) are applied only between steps: a
     pending one stops the pipeline, the in-flight step retires, and the main loop runs.
@@ -28,19 +30,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
-from engine.runner.paged import SeqChunk
 from engine.sampling.sampler import StepLogprobs, row_spec, sample
-from engine.sched.seq import RUNNING, Step
+from engine.sched.seq import Step
 
 log = logging.getLogger("orchard.engine")
 
-Emit = Callable[..., None]
+Emit = Callable[..., None]   # the engine's trace: emit(event, **fields)
+
+
+def no_trace(event: str, **fields) -> None:
+    """The trace of an engine nobody observes."""
 
 
 class WorkspacePermits:
@@ -48,13 +53,13 @@ class WorkspacePermits:
 
     A packed layer asks `permit(nbytes)` while the step's graph is built; the bytes are charged
     to that step and returned by `release` right after the step retired (never when a request is
-    cancelled: the permit belongs to the step, not to the request). The store is built before
-    the scheduler, so its ledger is attached afterwards (`ledger`).
+    cancelled: the permit belongs to the step, not to the request). `ledger`: the scheduler's
+    ByteLedger (built before the stores that ask for permits).
     """
 
-    def __init__(self, emit: Emit):
+    def __init__(self, ledger, emit: Emit):
         self._emit = emit
-        self.ledger = None                   # the scheduler's ByteLedger, once it exists
+        self.ledger = ledger
         self.step_id: int | None = None      # the step whose graph is being built
         self.arrays: list = []               # its device results, dropped when it is released
 
@@ -84,79 +89,100 @@ class WorkspacePermits:
 
 
 class InFlightStep:
-    """A queued (pipelined) decode step and its lazy results."""
+    """A queued (pipelined) decode step and its lazy results; `started`: its clock (the loop
+    restarts it when the previous step was recorded)."""
 
-    __slots__ = ("step", "logits", "drawn")
+    __slots__ = ("step", "logits", "drawn", "started")
 
-    def __init__(self, step: Step, logits, drawn):
-        self.step, self.logits, self.drawn = step, logits, drawn
+    def __init__(self, step: Step, logits, drawn, started: float):
+        self.step, self.logits, self.drawn, self.started = step, logits, drawn, started
+
+    @property
+    def launched(self) -> bool:
+        """Its graph was built and queued (False: it failed to build, or was drained)."""
+        return self.drawn is not None
+
+    def drain(self) -> None:
+        """Wait for its device work and drop its results (it will retire without results)."""
+        try:
+            mx.eval(self.drawn)
+        except Exception:  # noqa: BLE001 - its results are dropped anyway
+            pass
+        mx.synchronize()
+        self.logits = self.drawn = None
+
+
+@dataclass
+class StepResult:
+    """What one retired step produced. The runner only reports it; the loop alone applies it
+    to the scheduler, the result streams and the counters (as vLLM's core applies a
+    ModelRunnerOutput)."""
+
+    step: Step
+    tokens: list[int | None]     # per row: its sampled token; None (no sample, or it failed)
+    seconds: float               # from the step's start to its retirement
+    model_calls: int             # the runner's totals at retirement (a step's work shows in
+    traces: int                  # their differences: the "step" trace event)
+    failed: list = field(default_factory=list)     # (Seq, Exception): rows that failed
+    logprobs: dict = field(default_factory=dict)   # request id -> its token's logprobs
+    recorded: bool = True        # False: a drained pipelined step, retired without results
 
 
 class StepRunner:
-    """Runs scheduled steps on the engine thread; `retired_step` is the last one retired.
+    """Runs scheduled steps on the engine thread and retires them; `retired_step` is the last
+    one retired. It never updates the scheduler or the streams: every step ends in a
+    `StepResult` for the loop.
 
-    `quiet()` says whether the loop has nothing to apply (no command pending, not stopping): a
-    pipeline continues only then. `between_steps()` is what the loop does after a step, for a
-    step retired inside the pipeline. `pipeline`: whether steady decode may be pipelined at all.
+    Synchronous: `run(step)`. Pipelined steady decode (`pipelines(step)`), driven by the loop,
+    which owns the queue of in-flight steps: `launch` queues a step, `collect` reads the oldest
+    back and retires it, `drop` retires a queued step that has no results.
+    `pipeline`: whether steady decode may be pipelined at all.
     """
 
-    def __init__(self, *, runner, kvstore, scheduler, streams, permits: WorkspacePermits,
-                 counters: Counter, emit: Emit, pipeline: bool, quiet: Callable[[], bool],
-                 between_steps: Callable[[], None],
+    def __init__(self, *, runner, kvstore, permits: WorkspacePermits, emit: Emit, pipeline: bool,
                  logits_tap: Callable[[str, int, np.ndarray], None] | None = None):
-        self.runner, self.kvstore, self.scheduler = runner, kvstore, scheduler
-        self.streams, self.permits, self.counters = streams, permits, counters
-        self._emit, self.pipeline = emit, pipeline
-        self._quiet, self._between_steps, self._logits_tap = quiet, between_steps, logits_tap
+        self.runner, self.kvstore, self.permits = runner, kvstore, permits
+        self._emit, self.pipeline, self._logits_tap = emit, pipeline, logits_tap
         self.retired_step = -1
 
-    def run(self, step: Step) -> None:
-        if self.pipeline and _pure_decode(step):
-            self._run_pipelined(step)
-            return
+    def pipelines(self, step: Step) -> bool:
+        """Whether `step` runs pipelined (`launch`/`collect`) rather than through `run`."""
+        return self.pipeline and _pure_decode(step)
+
+    def run(self, step: Step) -> StepResult:
+        """Build, evaluate, synchronize and retire one step (rows that fail are isolated)."""
         t0 = time.perf_counter()
-        self.streams.clear_logprobs()   # a row that finished unread (cancelled) left its entry
         mx.reset_peak_memory()   # the release event reports this step's peak (workspace evidence)
+        result = StepResult(step, [], 0.0, 0, 0)
         try:
-            tokens = self._forward_and_sample(step.chunks, step.step_id)
+            result.tokens = self._forward_and_sample(step.chunks, step.step_id, result)
         except Exception:  # noqa: BLE001 - isolate the rows that fail; never kill the thread
-            tokens = self._isolate_failures(step)
-        self._finish(step, tokens, t0)
+            result.tokens = self._isolate_failures(step, result)
+        return self._retire(result, t0)
 
-    # ---- the one finish path ---------------------------------------------------------------
+    # ---- retirement: the one end of every step ---------------------------------------------
 
-    def _finish(self, step: Step, tokens: list[int | None], t0: float,
-                count: bool = True) -> None:
-        """Retire a step (its results are read), release it, record its tokens. `count=False`:
-        a pipelined step drained without results (retired and released, nothing recorded)."""
+    def _retire(self, result: StepResult, t0: float) -> StepResult:
+        """The step's device work is done (its results were read): retire it, then release its
+        device results and workspace permits."""
+        step = result.step
         self.retired_step = step.step_id
         self._emit("retire", step=step.step_id)
         self.permits.release(step.step_id)
-        if not count:
-            return
-        now = time.monotonic()
-        seconds = time.perf_counter() - t0
-        self.scheduler.forecast.observe(step.prefill_tokens, step.decode_rows, seconds)
+        result.seconds = time.perf_counter() - t0
         compiled = self.runner.compiled
-        # Model calls and traces so far (totals): per-step work shows in their differences.
-        self._emit("step", step=step.step_id, prefill_tokens=step.prefill_tokens,
-                   decode_rows=step.decode_rows, seconds=seconds,
-                   model_calls=self.runner.model_calls,
-                   traces=compiled.traces if compiled is not None else 0)
-        self.counters["steps"] += 1
-        self.counters["prompt_tokens"] += step.prefill_tokens
-        for seq, tok in self.scheduler.complete(step, tokens, now):
-            self.counters["generation_tokens"] += 1
-            self.streams.deliver(seq, tok)
+        result.model_calls = self.runner.model_calls
+        result.traces = compiled.traces if compiled is not None else 0
+        return result
 
     # ---- synchronous steps -----------------------------------------------------------------
 
-    def _forward_and_sample(self, chunks, step_id: int) -> list[int | None]:
-        """Run one forward, sample the rows that need a token, and RETIRE the step."""
+    def _forward_and_sample(self, chunks, step_id: int, result: StepResult) -> list[int | None]:
+        """Run one forward, sample the rows that need a token, and evaluate everything the
+        step wrote (retirement follows)."""
         self.permits.step_id = step_id
         try:
-            logits = self.runner.forward([SeqChunk(c.seq.seq_id, c.token_ids, c.start,
-                                                   c.seq.table.pages) for c in chunks])
+            logits = self.runner.forward(chunks)
             rows = [i for i, c in enumerate(chunks) if c.samples]
             drawn = None
             if rows:
@@ -174,7 +200,7 @@ class StepRunner:
         if rows:
             self._tap([chunks[i] for i in rows], picked)
             for j, lp in logprobs.by_row().items():
-                self.streams.note_logprobs(chunks[rows[j]].seq.request_id, lp)
+                result.logprobs[chunks[rows[j]].seq.request_id] = lp
         out: list[int | None] = [None] * len(chunks)
         for i, t in zip(rows, drawn.tolist() if drawn is not None else []):
             out[i] = t
@@ -195,95 +221,76 @@ class StepRunner:
         except Exception:  # noqa: BLE001 - an observer never changes what the engine does
             log.exception("logits tap failed")
 
-    def _isolate_failures(self, step: Step) -> list[int | None]:
+    def _isolate_failures(self, step: Step, result: StepResult) -> list[int | None]:
         out: list[int | None] = [None] * len(step.chunks)
         for i, c in enumerate(step.chunks):
             try:
-                out[i] = self._forward_and_sample([c], step.step_id)[0]
+                out[i] = self._forward_and_sample([c], step.step_id, result)[0]
             except Exception as e:  # noqa: BLE001
                 log.exception("request %s failed in step %d", c.seq.request_id, step.step_id)
-                self.streams.fail(c.seq, e)
+                result.failed.append((c.seq, e))
         mx.synchronize()
         return out
 
-    # ---- pipelined steady decode -----------------------------------------------------------
+    # ---- pipelined steady decode (the loop owns the queue) ---------------------------------
 
-    def _may_continue(self, step: Step) -> bool:
-        """Whether the decode step after `step` may be queued before `step` is read back."""
-        sch = self.scheduler
-        if sch.waiting or len(sch.running) != len(step.chunks) or not self._quiet():
-            return False
-        for c in step.chunks:
-            s = c.seq
-            if (s.status != RUNNING or len(s.output_ids) + 2 > s.params.max_tokens
-                    or s.checkpoint_to is not None):
-                return False
-        return True
-
-    def _launch(self, step: Step, ahead: int) -> InFlightStep:
+    def launch(self, step: Step, ahead: int) -> InFlightStep:
         """Build a decode step's graph and queue it (mx.async_eval); `ahead` = 1 when the
-        previous step's tokens are not yet in `output_ids` (they are this step's inputs)."""
+        previous step's tokens are not yet in `output_ids` (they are this step's inputs).
+        Never raises: a step that fails to build comes back not `launched`."""
+        started = time.perf_counter()
+        if ahead == 0:   # the head of a pipeline: the release event reports its peak
+            mx.reset_peak_memory()
         self._emit("launch", step=step.step_id, ahead=ahead,
                    requests={c.seq.request_id for c in step.chunks})
         self.permits.step_id = step.step_id
         try:
             chunks = step.chunks
-            logits = self.runner.forward([SeqChunk(c.seq.seq_id, c.token_ids, c.start,
-                                                   c.seq.table.pages) for c in chunks],
-                                         decode_tokens=step.inputs)
+            logits = self.runner.forward(chunks, decode_tokens=step.inputs)
             drawn = sample(logits, [row_spec(c.seq, ahead) for c in chunks])
             mx.async_eval(drawn, self.kvstore.arrays())
+        except Exception:  # noqa: BLE001 - collect retries the head row by row; drop the rest
+            if ahead:
+                log.exception("pipelined step %d failed to build", step.step_id)
+            return InFlightStep(step, None, None, started)
         finally:
             self.permits.step_id = None
-        return InFlightStep(step, logits, drawn)
+        return InFlightStep(step, logits, drawn, started)
 
-    def _run_pipelined(self, step: Step) -> None:
-        t0 = time.perf_counter()
-        mx.reset_peak_memory()
-        try:
-            cur = self._launch(step, 0)
-        except Exception:  # noqa: BLE001 - the synchronous path isolates the failing rows
-            cur = InFlightStep(step, None, None)
-        while cur is not None:
-            nxt = None
-            if cur.drawn is not None and self._may_continue(cur.step):
-                ahead = self.scheduler.continue_decode(cur.step, cur.drawn)
-                try:
-                    nxt = self._launch(ahead, 1)
-                except Exception:  # noqa: BLE001 - retired below without results
-                    log.exception("pipelined step %d failed to build", ahead.step_id)
-                    nxt = InFlightStep(ahead, None, None)
-            tokens = None
-            if cur.drawn is not None:
-                try:
-                    tokens = cur.drawn.tolist()   # waits for this step only; nxt stays queued
-                except Exception:  # noqa: BLE001
-                    tokens = None
-            if tokens is not None:
-                self._tap(cur.step.chunks, cur.logits)
-            else:   # drain, then retry this step row by row (the retry taps its own rows)
-                if nxt is not None:
-                    _discard(nxt)
-                    nxt = InFlightStep(nxt.step, None, None)
-                tokens = self._isolate_failures(cur.step)
-            if nxt is None:
-                # The last step of the run: the device goes idle, as in a synchronous step.
-                try:
-                    mx.eval(self.kvstore.arrays())
-                except Exception:  # noqa: BLE001 - never kill the thread; later steps fail rows
-                    log.exception("KV arrays failed to evaluate after step %d", cur.step.step_id)
-                mx.synchronize()
-            # Its device results are dropped inside the release, as a synchronous step's are.
-            self.permits.arrays.extend(a for a in (cur.logits, cur.drawn) if a is not None)
-            cur.logits = cur.drawn = None
-            self._finish(cur.step, tokens, t0)
-            t0 = time.perf_counter()
-            if nxt is not None and nxt.drawn is None:   # failed or drained: no results
-                self._finish(nxt.step, [None] * len(nxt.step.chunks), t0, count=False)
-                nxt = None
-            if nxt is not None:
-                self._between_steps()
-            cur = nxt
+    def collect(self, flight: InFlightStep, queued: InFlightStep | None) -> StepResult:
+        """Read back the oldest in-flight step and retire it; `queued`: the step launched after
+        it (it stays queued). When this step failed, `queued` is drained and this step is
+        retried row by row (the retry taps its own rows)."""
+        result = StepResult(flight.step, [], 0.0, 0, 0)
+        tokens = None
+        if flight.launched:
+            try:
+                tokens = flight.drawn.tolist()   # waits for this step only; `queued` stays queued
+            except Exception:  # noqa: BLE001
+                tokens = None
+        if tokens is not None:
+            self._tap(flight.step.chunks, flight.logits)
+        else:
+            if queued is not None:
+                queued.drain()
+            tokens = self._isolate_failures(flight.step, result)
+        if queued is None:
+            # The last step of the run: the device goes idle, as in a synchronous step.
+            try:
+                mx.eval(self.kvstore.arrays())
+            except Exception:  # noqa: BLE001 - never kill the thread; later steps fail rows
+                log.exception("KV arrays failed to evaluate after step %d", flight.step.step_id)
+            mx.synchronize()
+        # Its device results are dropped inside the release, as a synchronous step's are.
+        self.permits.arrays.extend(a for a in (flight.logits, flight.drawn) if a is not None)
+        flight.logits = flight.drawn = None
+        result.tokens = tokens
+        return self._retire(result, flight.started)
+
+    def drop(self, flight: InFlightStep) -> StepResult:
+        """Retire a queued step that failed to build or was drained: no results to record."""
+        return self._retire(StepResult(flight.step, [None] * len(flight.step.chunks), 0.0, 0, 0,
+                                       recorded=False), flight.started)
 
 
 def _pure_decode(step: Step) -> bool:
@@ -291,11 +298,3 @@ def _pure_decode(step: Step) -> bool:
     # logprobs back every step: such a step runs synchronously.
     return all(c.samples and len(c.token_ids) == 1 and not c.seq.prefilling
                and not c.seq.params.synchronous for c in step.chunks)
-
-
-def _discard(flight: InFlightStep) -> None:
-    try:
-        mx.eval(flight.drawn)
-    except Exception:  # noqa: BLE001 - its results are dropped anyway
-        pass
-    mx.synchronize()

@@ -34,20 +34,12 @@ class ResultStreams:
         self.scheduler, self.tokenizer, self._save_finished = scheduler, tokenizer, save_finished
         self.live: dict[str, LiveRequest] = {}
         self._outbox: list[tuple[Sink, Delta]] = []
-        self._token_logprobs: dict = {}   # request id -> its latest sampled token's logprobs
 
     def open(self, seq: Seq, sink: Sink) -> None:
         """Start streaming an accepted request's results to `sink`."""
         self.live[seq.request_id] = LiveRequest(
             seq, sink, TextStream(self.tokenizer, seq.prompt_ids, seq.params.stop,
                                        seq.params.min_tokens))
-
-    def note_logprobs(self, request_id: str, logprobs) -> None:
-        """The logprobs of the token the request's next delivery carries."""
-        self._token_logprobs[request_id] = logprobs
-
-    def clear_logprobs(self) -> None:
-        self._token_logprobs.clear()
 
     def fail(self, seq: Seq, exc: Exception) -> None:
         """Finish a request that failed inside the engine; its caller gets an EngineError."""
@@ -60,9 +52,9 @@ class ResultStreams:
         if live is not None:
             live.sink.put(error, final=True)
 
-    def deliver(self, seq: Seq, tok: int) -> None:
+    def deliver(self, seq: Seq, tok: int, logprob=None) -> None:
+        """A new token of a request (`logprob`: its logprobs, when the request asked)."""
         live = self.live.get(seq.request_id)
-        logprob = self._token_logprobs.pop(seq.request_id, None)
         if live is None:
             return
         try:

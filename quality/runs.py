@@ -32,7 +32,7 @@ from engine.attention.layers import counters_of, packed_layer_factory
 from engine.kv.packed_store import PackedLayerStore
 from engine.kv.quant import dequantize, quantize
 from engine.kv.rotation import rotation_matrix
-from engine.runner.paged import SeqChunk
+from engine.sched.seq import Chunk
 
 FORMATS = ("native", "int8", "k8v4", "int4", "int4-norot", "int4-sink", "int4-tail",
            "int4-k32-tail", "int4-kivi", "k6v4-kivi")
@@ -150,7 +150,7 @@ def teacher_forced(loaded, wins: list[np.ndarray], formats, chunk: int, batch: i
                    **{f: make(loaded, f, num_pages) for f in formats}}
         for s in range(0, length, chunk):
             e = min(s + chunk, length)
-            chunks = [SeqChunk(i, group[i, s:e].tolist(), s, tables[i]) for i in range(n)]
+            chunks = [Chunk(i, group[i, s:e].tolist(), s, tables[i]) for i in range(n)]
             logits = {f: mx.stack(r.forward_all(chunks)) for f, r in runners.items()}
             if s == 0:
                 mx.eval(list(logits.values()))   # writes the first chunk's K/V; nothing scored
@@ -197,7 +197,7 @@ def generate(loaded, fmt: str, cases, chunk: int, batch: int, log=None) -> np.nd
                 c = group[i]
                 ids = (c.prompt[pos[i]:pos[i] + chunk] if pos[i] < len(c.prompt)
                        else [gen[i][-1]])
-                chunks.append(SeqChunk(i, ids, pos[i], tables[i]))
+                chunks.append(Chunk(i, ids, pos[i], tables[i]))
             nxt = np.array(mx.argmax(runner.forward(chunks), axis=-1))
             for j, i in enumerate(rows):
                 pos[i] += len(chunks[j].token_ids)
@@ -260,7 +260,7 @@ def graded_spans(loaded, seqs, formats, chunk: int, batch: int, log=None,
         gap = [np.full(len(s.tokens), -np.inf, np.float32) for s in group]
         for k in range(max(len(p) for p in plans)):
             rows = [i for i, p in enumerate(plans) if k < len(p)]
-            chunks = [SeqChunk(i, group[i].tokens[plans[i][k][0]:plans[i][k][1]], plans[i][k][0],
+            chunks = [Chunk(i, group[i].tokens[plans[i][k][0]:plans[i][k][1]], plans[i][k][0],
                                tables[i]) for i in rows]
             for f, r in runners.items():
                 logits = r.forward_all(chunks)

@@ -34,13 +34,6 @@ from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.kv.store import LayerStore, Slots
 
 
-@dataclass(frozen=True)
-class Row:
-    start: int              # tokens of this sequence already in KV
-    length: int             # new tokens in this call
-    page_table: list[int]   # covers start + length tokens
-
-
 @dataclass
 class View:
     """The keys a group of layers sees: which pages each row reads, and from which position."""
@@ -56,7 +49,10 @@ class View:
 class StepBatch:
     """Per-forward indices shared by all layers: slots to write, pages to read, masks."""
 
-    def __init__(self, rows: list[Row], page_tokens: int):
+    def __init__(self, rows: list, page_tokens: int):
+        """`rows`: the call's rows (engine.sched.seq.Chunk, the one row shape from the scheduler);
+        read here: `start` (tokens already in KV), `length` (new tokens), `page_table` (covers
+        start + length tokens)."""
         self.rows = rows
         self.page_tokens = page_tokens
         self.size = len(rows)

@@ -46,17 +46,35 @@ the uncompiled path win at batch > 1, so the CPU keeps uncompiled steps by defau
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
 
+from engine.attention.choices import KernelChoices
 from engine.attention.paged import PagedLayerCache, View
+from engine.kv.store import KVStore
 from engine.runner.row_pages import RowPages
 from engine.runner.tokens import input_tokens
+from engine.sched.seq import Chunk
 
-if TYPE_CHECKING:
-    from engine.runner.paged import ModelRunner, SeqChunk
+
+class DecodeRunner(Protocol):
+    """What a compiled step reads of the runner that owns it (engine/runner/paged.py's
+    ModelRunner): declared here, so this module needs nothing from the runner's."""
+
+    loaded: object                 # engine.model.loader.LoadedModel
+    kvstore: KVStore
+    page_tokens: int
+    kernels: KernelChoices
+    kernel_decode: bool
+    direct: bool
+    recurrent: object              # RecurrentStates, or None
+    layer_caches: list             # per layer: (cache class, store, window), or None
+
+    def cache_class(self, layer: int) -> type[PagedLayerCache]: ...
+
+    def call_model(self, inputs: mx.array, caches: list, step, last_only: bool) -> mx.array: ...
 
 # The smallest page-table width a trace is made for: short contexts share one trace.
 MIN_BUCKET_PAGES = 4
@@ -146,7 +164,7 @@ class TraceFailed(Exception):
 class CompiledDecode:
     """A runner's decode steps through one compiled function (see the module docstring)."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: DecodeRunner):
         self.runner = runner
         self.page_tokens = runner.page_tokens
         self.layers = [(i, runner.kvstore.layer(i))
@@ -160,7 +178,7 @@ class CompiledDecode:
         self._fn = mx.compile(self._step)
 
     @staticmethod
-    def fits(runner: ModelRunner) -> bool:
+    def fits(runner: DecodeRunner) -> bool:
         """Every layer paged full attention in direct mode; every store able to stand in for
         itself in a trace (`can_trace`); and layers with their own cache class (packed) only
         where their decode steps attend through a CUDA kernel (their MLX-op path builds masks
@@ -174,7 +192,7 @@ class CompiledDecode:
                    and (runner.cache_class(g.index) is PagedLayerCache or kernel_only)
                    for g in geometry.layers)
 
-    def forward(self, chunks: list[SeqChunk], tokens: mx.array | None) -> mx.array | None:
+    def forward(self, chunks: list[Chunk], tokens: mx.array | None) -> mx.array | None:
         """Float32 logits [B, vocab] of one-token rows (lazy), as `ModelRunner.forward`; None
         when this shape's trace failed (`TraceFailed`: the caller runs the step uncompiled)."""
         t, rows = self.page_tokens, len(chunks)

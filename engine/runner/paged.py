@@ -27,20 +27,19 @@ mlx-lm's overlap of graph building with compute (about 5% at batch 1).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import mlx.core as mx
 import numpy as np
 
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.attention.layers import cache_class_for
-from engine.attention.paged import PagedLayerCache, Row, StepBatch, install_sdpa_hook
+from engine.attention.paged import PagedLayerCache, StepBatch, install_sdpa_hook
 from engine.kv.store import KVStore
 from engine.model.cpu_swiglu import install_swiglu_hook, numpy_swiglu
 from engine.model.loader import LoadedModel, ModelLoadError
 from engine.runner.compiled_decode import CompiledDecode
 from engine.runner.tokens import input_tokens
+from engine.sched.seq import Chunk
 
 log = logging.getLogger("orchard.engine")
 
@@ -52,19 +51,6 @@ ACCELERATOR_MERGE_PAD_TOKENS = 1024
 # recurrent state it batches per sequence. Anything else ("other": e.g. a chunked-attention cache,
 # or a rotating cache that pins leading tokens) would be attended wrongly, so the load is refused.
 SUPPORTED_KINDS = ("full", "sliding", "recurrent")
-
-
-@dataclass(frozen=True)
-class SeqChunk:
-    seq_id: int
-    # A list of ints, or a 1-D int mx.array: a still-lazy array (e.g. last step's sampled
-    # token) lets a caller queue step n+1 before step n is read back, as mlx-lm's generators do.
-    token_ids: list[int] | mx.array
-    start: int              # tokens of this sequence already in KV
-    # Physical page ids covering start + len(token_ids). While the sequence runs, its list only
-    # grows by appending (as PageTable's does): compiled decode steps keep each row's ids
-    # converted from earlier steps (engine/runner/row_pages.py); a new table is a new list.
-    page_table: list[int]
 
 
 class RecurrentStates:
@@ -81,7 +67,7 @@ class RecurrentStates:
         self.layers = layers
         self._states: dict[int, list] = {}   # seq_id -> one cache per recurrent layer
 
-    def batch(self, chunks: list[SeqChunk], lengths: np.ndarray) -> dict[int, object]:
+    def batch(self, chunks: list[Chunk], lengths: np.ndarray) -> dict[int, object]:
         from mlx_lm.models.cache import make_prompt_cache
         for c in chunks:
             if c.start == 0:
@@ -98,7 +84,7 @@ class RecurrentStates:
             out[j] = merged
         return out
 
-    def keep(self, chunks: list[SeqChunk], batch: dict[int, object]) -> None:
+    def keep(self, chunks: list[Chunk], batch: dict[int, object]) -> None:
         """Split the call's batched state back into each sequence's own."""
         for k, j in enumerate(self.layers):
             batch[j].finalize()
@@ -197,14 +183,14 @@ class ModelRunner:
         (a model calling mx.fast directly would otherwise attend over fresh keys only)."""
         from mlx_lm.models.cache import make_prompt_cache
         probe = KVStore(self.loaded.geometry, 1, self.page_tokens, self.kvstore.dtype)
-        step = StepBatch([Row(0, 1, [0])], self.page_tokens)
+        step = StepBatch([Chunk(0, [0], 0, [0])], self.page_tokens)
         native = make_prompt_cache(self.loaded.model)
         caches = [PagedLayerCache(probe.layer(i), step, w, direct=True) if i in self._paged
                   else native[i] for i, w in enumerate(self._windows)]
         self.loaded.model(mx.array([[0]]), cache=caches)  # graph only; never evaluated
         return step.attended == len(self.loaded.geometry.paged_layers)
 
-    def forward(self, chunks: list[SeqChunk], decode_tokens: mx.array | None = None) -> mx.array:
+    def forward(self, chunks: list[Chunk], decode_tokens: mx.array | None = None) -> mx.array:
         """Float32 logits [len(chunks), vocab] of each chunk's last token (lazy).
 
         `decode_tokens` (optional): every chunk is one token and these are their ids as one
@@ -238,7 +224,7 @@ class ModelRunner:
                 self._settle_group(logits)
         return mx.stack(out).astype(mx.float32)
 
-    def _run_group(self, group: list[SeqChunk]) -> mx.array:
+    def _run_group(self, group: list[Chunk]) -> mx.array:
         """One call of a mixed step: its one-token rows (the step's decode rows) through the
         compiled decode step when there is one, else an ordinary call."""
         if self.compiled is not None and all(len(c.token_ids) == 1 for c in group):
@@ -259,7 +245,7 @@ class ModelRunner:
         place."""
         mx.async_eval(logits, *self.kvstore.arrays())
 
-    def forward_all(self, chunks: list[SeqChunk]) -> list[mx.array]:
+    def forward_all(self, chunks: list[Chunk]) -> list[mx.array]:
         """Float32 logits [len(token_ids), vocab] for every position of every chunk."""
         self._validate(chunks)
         out: list[mx.array | None] = [None] * len(chunks)
@@ -277,7 +263,7 @@ class ModelRunner:
         if self.recurrent is not None:
             self.recurrent.release(seq_id)
 
-    def _validate(self, chunks: list[SeqChunk], page_ids: bool = True) -> None:
+    def _validate(self, chunks: list[Chunk], page_ids: bool = True) -> None:
         if not chunks:
             raise ValueError("forward needs at least one chunk")
         seen = set()
@@ -295,7 +281,7 @@ class ModelRunner:
                              or max(c.page_table[:need]) >= self.kvstore.num_pages):
                 raise ValueError(f"sequence {c.seq_id}: page id out of range")
 
-    def _groups(self, chunks: list[SeqChunk]) -> list[list[int]]:
+    def _groups(self, chunks: list[Chunk]) -> list[list[int]]:
         """Greedy grouping by length (longest first) under the group's padding allowance."""
         order = sorted(range(len(chunks)), key=lambda i: -len(chunks[i].token_ids))
         groups: list[list[int]] = []
@@ -310,11 +296,10 @@ class ModelRunner:
                 width, padding = n, 0
         return groups
 
-    def _run(self, chunks: list[SeqChunk], last_only: bool,
+    def _run(self, chunks: list[Chunk], last_only: bool,
              tokens: mx.array | None = None) -> mx.array:
         self.model_calls += 1
-        rows = [Row(c.start, len(c.token_ids), c.page_table) for c in chunks]
-        step = StepBatch(rows, self.page_tokens)
+        step = StepBatch(chunks, self.page_tokens)
         step.kernel_decode = self.kernel_decode and step.width == 1
         step.kernels = self.kernels
         step.cpu_softmax = self.cpu_softmax

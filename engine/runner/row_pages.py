@@ -7,10 +7,10 @@ numpy and range-checking them in Python took about 0.7 ms of host work per batch
 of a packed step shrinks: on the H200 it held packed int4 decode at 32K batch 8 to native's
 step time (docs/lab/benchmarks-gpu.md, sessions 13 and 14).
 
-A sequence's page list only grows by appending: `PageTable` appends the ids it allocates and
-gives a released or replaced table a new list (engine/kv/pages.py), and `SeqChunk` states the
-same contract for any caller. So a row's array is extended by the ids appended since its last
-step, and those are range-checked once, when they arrive. A different list object for the
+A sequence's page list only grows by appending: `PageTable` appends the ids it allocates and gives
+a released or replaced table a new list (engine/kv/pages.py), and `Chunk` (engine/sched/seq.py)
+states the same contract for any caller. So a row's array is extended by the ids appended since its
+last step, and those are range-checked once, when they arrive. A different list object for the
 sequence (a new table) starts its array over; a sequence missing from a step is dropped, and
 converted afresh if it comes back.
 """

@@ -1,16 +1,13 @@
 """The token ids of one model call as an int32 array, from host lists or lazy device arrays."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 import numpy as np
 
-if TYPE_CHECKING:
-    from engine.runner.paged import SeqChunk
+from engine.sched.seq import Chunk
 
 
-def input_tokens(chunks: list[SeqChunk], width: int) -> mx.array:
+def input_tokens(chunks: list[Chunk], width: int) -> mx.array:
     """Token ids [rows, width], right-padded with 0 (padded positions are never attended)."""
     if not any(isinstance(c.token_ids, mx.array) for c in chunks):
         tokens = np.zeros((len(chunks), width), dtype=np.int32)

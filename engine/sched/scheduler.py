@@ -14,8 +14,9 @@ step are returned only by `reclaim(retired_step)` once the loop has retired that
 Prefix reuse (optional `prefix` cache + `root_of(seq)` chain root): at admission the prompt's
 cached full pages are shared into the request's table and prefill starts after them; those pages
 are not charged again. A request's full prompt pages are inserted as each prefill chunk's step
-retires (`complete`), so a long prompt shares what it has written before it finishes; when it is reclaimed, its pages the cache still holds move their charge to the
-cache. A request that does not fit makes the cache evict unshared pages first.
+retires (`complete`), so a long prompt shares what it has written before it finishes; when it is
+reclaimed, its pages the cache still holds move their charge to the cache. A request that does not
+fit makes the cache evict unshared pages first.
 """
 from __future__ import annotations
 
@@ -27,19 +28,17 @@ from engine.kv.budget import ByteLedger
 from engine.kv.pages import PagePool, PageTable
 from engine.kv.prefix import PrefixCache
 from engine.sched.forecast import RateForecast
-from engine.sched.seq import FINISHED, RUNNING, WAITING, Chunk, Seq, Step
+from engine.sched.seq import FINISHED, RUNNING, WAITING, Chunk, Seq, Step, chunk_of
 
 class Scheduler:
     def __init__(self, pool: PagePool, ledger: ByteLedger, *, max_num_seqs: int,
                  max_step_tokens: int, max_waiting: int, eos_ids: set[int] = frozenset(),
                  forecast: RateForecast | None = None, prefix: PrefixCache | None = None,
-                 root_of: Callable[[Seq], bytes] | None = None,
-                 on_admit: Callable[[Seq], None] | None = None):
+                 root_of: Callable[[Seq], bytes] | None = None):
         if (prefix is None) != (root_of is None):
             raise ValueError("a prefix cache needs root_of, and root_of a prefix cache")
         self.prefix = prefix
         self.root_of = root_of
-        self.on_admit = on_admit
         self.pool = pool
         self.ledger = ledger
         self.max_num_seqs = max_num_seqs
@@ -105,20 +104,30 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self, now: float) -> Step | None:
-        """Expire deadlines, admit what fits, and build the next step (None when idle)."""
+        """Admit what fits, then build the next step: for callers with nothing to do between
+        admission and the step (the engine's loop restores checkpoints there: `admit`, then
+        `next_step`)."""
+        self.admit(now)
+        return self.next_step()
+
+    def admit(self, now: float) -> list[Seq]:
+        """Expire deadlines and admit what fits; returns the requests admitted now, in order."""
         self._expire(now)
-        self._admit()
+        return self._admit()
+
+    def next_step(self) -> Step | None:
+        """The next step over the running requests (None when nothing can run)."""
         budget = self.max_step_tokens
         chunks: list[Chunk] = []
         for s in self.running:
             if not s.prefilling:
-                chunks.append(Chunk(s, s.num_computed, [s.output_ids[-1]], True))
+                chunks.append(chunk_of(s, s.num_computed, [s.output_ids[-1]], True))
         budget -= len(chunks)
         for s in self._prefill_order(budget):
             if budget > 0:
                 n = min(len(s.prompt_ids) - s.num_computed, budget)
                 ids = s.prompt_ids[s.num_computed:s.num_computed + n]
-                chunks.append(Chunk(s, s.num_computed, ids, s.num_computed + n == s.num_tokens))
+                chunks.append(chunk_of(s, s.num_computed, ids, s.num_computed + n == s.num_tokens))
                 budget -= n
         if not chunks:
             return None
@@ -150,6 +159,20 @@ class Scheduler:
         picked = set(map(id, short))
         return short + [s for s in prefilling if id(s) not in picked]
 
+    def can_continue_decode(self, step: Step) -> bool:
+        """Whether the decode step after `step` may be built before `step` retired: nothing
+        waits, every running request is a row of `step`, and each row keeps running with at
+        least two tokens left to max_tokens (so the next step stays within its reservation)
+        and no checkpoint to write when it finishes."""
+        if self.waiting or len(self.running) != len(step.chunks):
+            return False
+        for c in step.chunks:
+            s = c.seq
+            if (s.status != RUNNING or len(s.output_ids) + 2 > s.params.max_tokens
+                    or s.checkpoint_to is not None):
+                return False
+        return True
+
     def continue_decode(self, step: Step, tokens) -> Step:
         """The next decode step of `step`'s rows, built BEFORE `step` retired (pipelining).
 
@@ -160,7 +183,7 @@ class Scheduler:
         every reservation. A row that finishes when `step` completes (EOS, stop string, cancel)
         is still in the new step: `complete` discards its token, and its pages are reclaimed
         only after the new step retired (its `last_step`)."""
-        chunks = [Chunk(c.seq, c.start + 1, tokens[i:i + 1], True)
+        chunks = [chunk_of(c.seq, c.start + 1, tokens[i:i + 1], True)
                   for i, c in enumerate(step.chunks)]
         new = Step(self._next_step, chunks, inputs=tokens)
         self._next_step += 1
@@ -257,7 +280,8 @@ class Scheduler:
                 self.waiting.remove(s)
             self._finish(s, "deadline")
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Seq]:
+        admitted: list[Seq] = []
         while self.waiting:
             s = self.waiting[0]
             shared = self._lookup(s)
@@ -267,7 +291,7 @@ class Scheduler:
                          - self.ledger.cost_model.free_bytes(self.ledger.used_bytes))
                 if short > 0 and self.evict_cache(-(-short // self.ledger.page_charge)):
                     continue   # look up again: eviction may have taken some of its pages
-                return
+                return admitted
             self.waiting.popleft()
             self.ledger.reserve(s.request_id, s.raw_tokens, len(shared))
             s.reserved_pages = self.ledger.cost_model.pages(s.raw_tokens)
@@ -281,8 +305,8 @@ class Scheduler:
             if shared:
                 self.counters["prefix_hits"] += 1
                 self.counters["prefix_hit_tokens"] += s.cached_tokens
-            if self.on_admit is not None:
-                self.on_admit(s)
+            admitted.append(s)
+        return admitted
 
     def _lookup(self, s: Seq) -> list[int]:
         """Cached full pages of the prompt, now shared by `s` (freed again if it cannot run)."""

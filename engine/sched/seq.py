@@ -1,4 +1,4 @@
-"""A request as the scheduler sees it (Seq), and the steps it builds (Step of Chunks)."""
+"""A request as the scheduler sees it (Seq), and the steps it builds (a Step of Chunks: rows)."""
 from __future__ import annotations
 
 import time
@@ -51,12 +51,33 @@ class Seq:
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
 
-@dataclass
+@dataclass(eq=False)
 class Chunk:
-    seq: Seq
-    start: int                 # position of token_ids[0] in the sequence
-    token_ids: list[int]
-    samples: bool              # its last logits give the sequence's next token
+    """One sequence's tokens in one step: the one row shape from the scheduler through the
+    runner (engine/runner/) to attention (engine/attention/paged.py reads start, length and
+    page_table). Rows built without a scheduler (tests, benches) leave `seq` None."""
+
+    seq_id: int                # the runner's integer id of the sequence
+    # A list of ints, or a 1-D int mx.array: a still-lazy array (e.g. last step's sampled
+    # token) lets a caller queue step n+1 before step n is read back, as mlx-lm's generators do.
+    token_ids: list[int] | object
+    start: int                 # tokens of this sequence already in KV (position of token_ids[0])
+    # Physical page ids covering start + len(token_ids). While the sequence runs, its list only
+    # grows by appending (PageTable's does): compiled decode steps keep each row's ids
+    # converted from earlier steps (engine/runner/row_pages.py); a new table is a new list.
+    page_table: list[int]
+    samples: bool = True       # its last logits give the sequence's next token
+    seq: Seq | None = None     # the scheduler's request this row belongs to
+
+    @property
+    def length(self) -> int:
+        """New tokens in this row."""
+        return len(self.token_ids)
+
+
+def chunk_of(seq: Seq, start: int, token_ids, samples: bool) -> Chunk:
+    """A scheduled row of `seq` (its table must already be set: its page list is shared)."""
+    return Chunk(seq.seq_id, token_ids, start, seq.table.pages, samples, seq)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from engine.kv.store import KVStore
 from engine.model.loader import load_model
 from engine.runner.packed import PackedModelRunner
 from engine.attention.layers import packed_layer_factory
-from engine.runner.paged import SeqChunk
+from engine.sched.seq import Chunk
 
 KEY = b"orchard-test-key"
 FORMATS = ("native", "int8", "k8v4", "int4")
@@ -44,8 +44,8 @@ def _saved(tmp_path, loaded, fmt, key=KEY):
     runner = _runner(loaded, fmt)
     table = list(range(0, 8))
     half = len(prompt) // 2   # two chunks, so the second one reads packed history
-    runner.forward([SeqChunk(0, prompt[:half], 0, table)])
-    runner.forward([SeqChunk(0, prompt[half:], half, table)])
+    runner.forward([Chunk(0, prompt[:half], 0, table)])
+    runner.forward([Chunk(0, prompt[half:], half, table)])
     save_checkpoint(tmp_path / "ck", runner.kvstore, table, prompt,
                     model_fingerprint=loaded.fingerprint, key=key)
     return runner, table, prompt
@@ -62,8 +62,8 @@ def test_round_trip_reproduces_next_token_logits_bit_for_bit(tmp_path, models, a
                                       model_fingerprint=loaded.fingerprint, allocate=alloc, key=KEY)
     assert n == len(prompt) and alloc.calls == [len(table[:-(-n // 16)])]
     nxt = 42
-    want = runner.forward([SeqChunk(0, [nxt], n, table)])
-    got = fresh.forward([SeqChunk(0, [nxt], n, new_table + [31])])
+    want = runner.forward([Chunk(0, [nxt], n, table)])
+    got = fresh.forward([Chunk(0, [nxt], n, new_table + [31])])
     assert mx.array_equal(got, want).item()
 
 

@@ -21,7 +21,8 @@ from engine import Engine
 from engine.model.loader import load_model
 from engine.runner import compiled_decode
 from engine.runner.compiled_decode import CompiledDecode, bucket_pages, bucket_rows
-from engine.runner.paged import ModelRunner, SeqChunk
+from engine.runner.paged import ModelRunner
+from engine.sched.seq import Chunk
 from tests.engine_helpers import PAGE_BYTES_LLAMA, collect, req, run, tokens, wait_idle
 
 COMPILED = KernelChoices(compiled_decode=True)
@@ -34,17 +35,17 @@ def _runner(lm, kernels, pages=40, page_tokens=8):
 
 def _decode(runner, prompts, tables, steps, lazy):
     """Prefill, then greedy one-token steps; returns every step's logits (numpy)."""
-    logits = runner.forward([SeqChunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
+    logits = runner.forward([Chunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
     toks = mx.argmax(logits, axis=-1).astype(mx.int32)
     lens = [len(p) for p in prompts]
     out = []
     for _ in range(steps):
         if lazy:   # as pipelined decode feeds them: the previous step's sampled array
-            chunks = [SeqChunk(i, toks[i:i + 1], lens[i], tables[i]) for i in range(len(lens))]
+            chunks = [Chunk(i, toks[i:i + 1], lens[i], tables[i]) for i in range(len(lens))]
             logits = runner.forward(chunks, decode_tokens=toks)
         else:
             ids = np.array(toks).tolist()
-            logits = runner.forward([SeqChunk(i, [ids[i]], lens[i], tables[i])
+            logits = runner.forward([Chunk(i, [ids[i]], lens[i], tables[i])
                                      for i in range(len(lens))])
         toks = mx.argmax(logits, axis=-1).astype(mx.int32)
         out.append(np.array(logits))
@@ -97,7 +98,7 @@ def test_tables_growing_by_appends_are_followed_and_converted_once(tiny_llama):
     prompts = [[7, 8, 9, 10, 11], [3, 4]]
     owned = {r: [[31, 12], [0]] for r in ("fast", "slow")}   # just enough for the prompts
     for r, runner in (("fast", fast), ("slow", slow)):
-        runner.forward([SeqChunk(i, p, 0, owned[r][i]) for i, p in enumerate(prompts)])
+        runner.forward([Chunk(i, p, 0, owned[r][i]) for i, p in enumerate(prompts)])
     lens, free = [5, 2], {r: list(spare) for r in owned}
     for step in range(20):   # 5 -> 25 and 2 -> 22 keys: rows cross 5 page boundaries each
         got = []
@@ -106,14 +107,14 @@ def test_tables_growing_by_appends_are_followed_and_converted_once(tiny_llama):
                 if n // 4 + 1 > len(owned[r][i]):
                     owned[r][i].append(free[r].pop(0))   # the same list object grows
             got.append(np.array(runner.forward(
-                [SeqChunk(i, [5 + step], n, owned[r][i]) for i, n in enumerate(lens)])))
+                [Chunk(i, [5 + step], n, owned[r][i]) for i, n in enumerate(lens)])))
         assert np.abs(got[0] - got[1]).max() <= 1e-4, step
         lens = [n + 1 for n in lens]
     for x, y in zip(fast.kvstore.arrays(), slow.kvstore.arrays()):
         assert mx.abs(x - y).max().item() <= 1e-4
     pages = fast.compiled.row_pages
     assert pages.converted == sum(n // 4 + 1 for n in (24, 21))   # each needed id once
-    fast.forward([SeqChunk(0, [1], lens[0], list(owned["fast"][0]))])   # a new list object
+    fast.forward([Chunk(0, [1], lens[0], list(owned["fast"][0]))])   # a new list object
     assert pages.converted == sum(n // 4 + 1 for n in (24, 21)) + lens[0] // 4 + 1
 
 
@@ -123,15 +124,15 @@ def test_compiled_steps_refuse_page_ids_out_of_range_and_write_nothing(tiny_llam
     lm = load_model(tiny_llama)
     runner = _runner(lm, COMPILED, pages=8, page_tokens=4)
     table = [3]
-    runner.forward([SeqChunk(0, [1, 2, 3], 0, table)])
+    runner.forward([Chunk(0, [1, 2, 3], 0, table)])
     before = [np.array(a) for a in runner.kvstore.arrays()]
     with pytest.raises(ValueError, match="sequence 1: page id out of range"):
-        runner.forward([SeqChunk(0, [4], 3, table), SeqChunk(1, [4], 0, [8])])
-    runner.forward([SeqChunk(0, [4], 3, table)])   # fills page 3
+        runner.forward([Chunk(0, [4], 3, table), Chunk(1, [4], 0, [8])])
+    runner.forward([Chunk(0, [4], 3, table)])   # fills page 3
     table.append(-1)   # the list grows by a bad id
     written = [np.array(a) for a in runner.kvstore.arrays()]
     with pytest.raises(ValueError, match="sequence 0: page id out of range"):
-        runner.forward([SeqChunk(0, [5], 4, table)])
+        runner.forward([Chunk(0, [5], 4, table)])
     assert all(np.array_equal(np.array(a), b) for a, b in zip(runner.kvstore.arrays(), written))
     assert any(not np.array_equal(a, b) for a, b in zip(written, before))
 
@@ -161,10 +162,10 @@ def test_a_shrinking_batch_pads_its_rows_and_writes_only_its_own_slots(tiny_llam
         ("plain", PLAIN))}
     prompts = [rng.integers(0, lm.geometry.vocab_size, 3 + 2 * i).tolist() for i in range(7)]
     for r in runners.values():
-        r.forward([SeqChunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
+        r.forward([Chunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
     lens = [len(p) for p in prompts]
     for rows in range(7, 0, -1):   # one decode step per batch size, the last row leaving
-        chunks = [SeqChunk(i, [5 + i], lens[i], tables[i]) for i in range(rows)]
+        chunks = [Chunk(i, [5 + i], lens[i], tables[i]) for i in range(rows)]
         got = {k: np.array(r.forward(chunks)) for k, r in runners.items()}
         assert got["buckets"].shape[0] == rows
         for k in ("buckets", "exact"):
@@ -257,11 +258,11 @@ def test_mixed_step_decode_rows_take_the_compiled_step(tiny_model_dirs):
         # Allowance 0: the newcomer's chunk and the decode rows never share a call.
         r = ModelRunner(lm, KVStore(lm.geometry, 40, 8, lm.dtype), merge_pad_tokens=0,
                         kernels=kernels)
-        first = r.forward([SeqChunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
+        first = r.forward([Chunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
         ids = np.array(mx.argmax(first, axis=-1)).tolist()
         calls, traces = r.model_calls, r.compiled.traces if r.compiled else 0
-        mixed = r.forward([SeqChunk(0, [ids[0]], 9, tables[0]), SeqChunk(2, newcomer, 0, tables[2]),
-                           SeqChunk(1, [ids[1]], 14, tables[1])])
+        mixed = r.forward([Chunk(0, [ids[0]], 9, tables[0]), Chunk(2, newcomer, 0, tables[2]),
+                           Chunk(1, [ids[1]], 14, tables[1])])
         results.append((np.array(mixed), r.model_calls - calls,
                         (r.compiled.traces if r.compiled else 0) - traces))
     (fast, fast_calls, fast_traces), (slow, slow_calls, _) = results

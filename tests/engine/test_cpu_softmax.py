@@ -10,7 +10,8 @@ from engine.attention import cpu_softmax
 from engine.attention.choices import KernelChoices
 from engine.kv.store import KVStore
 from engine.model.loader import load_model
-from engine.runner.paged import ModelRunner, SeqChunk
+from engine.runner.paged import ModelRunner
+from engine.sched.seq import Chunk
 
 ARCHS = ["llama", "qwen3", "gemma3_text", "gpt_oss"]
 
@@ -60,11 +61,11 @@ def _chunked_prefill(runner, prompts):
     pos = [0] * len(prompts)
     out = []
     while any(p < len(t) for p, t in zip(pos, prompts)):
-        chunks = [SeqChunk(i, t[p:p + 19], p, tables[i])
+        chunks = [Chunk(i, t[p:p + 19], p, tables[i])
                   for i, (p, t) in enumerate(zip(pos, prompts)) if p < len(t)]
         out.append(runner.forward(chunks))
         pos = [min(p + 19, len(t)) for p, t in zip(pos, prompts)]
-    out.append(runner.forward([SeqChunk(i, [5], len(t), tables[i])
+    out.append(runner.forward([Chunk(i, [5], len(t), tables[i])
                                for i, t in enumerate(prompts)]))
     return out
 

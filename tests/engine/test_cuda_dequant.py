@@ -64,7 +64,8 @@ def test_joint_mask():
 
 def test_choice_is_validated_and_never_routes_on_the_cpu(tiny_llama):
     from engine.attention.layers import packed_layer_factory
-    from engine.attention.paged import Row, StepBatch
+    from engine.attention.paged import StepBatch
+    from engine.sched.seq import Chunk
     from engine.kv.store import KVStore
     from engine.model.loader import load_model
 
@@ -74,7 +75,7 @@ def test_choice_is_validated_and_never_routes_on_the_cpu(tiny_llama):
     lm = load_model(tiny_llama)
     store = KVStore(lm.geometry, 4, 16, lm.dtype,
                     layer_factory=packed_layer_factory("int4", kernels=kernels)).layer(0)
-    step = StepBatch([Row(16, 8, [0, 1])], 16)
+    step = StepBatch([Chunk(0, [0] * 8, 16, [0, 1])], 16)
     q = mx.zeros((1, 4, 8, store.geometry.head_dim))
     # The path is taken where the tile kernel would be: never without CUDA.
     assert not packed_prefill.applies(store, step, q, kernel_decode=True, kernels=kernels)

@@ -45,7 +45,8 @@ def test_query_warps_fill_the_block_but_not_with_padding():
 
 
 def test_formats_and_cpu_routing(tmp_path):
-    from engine.attention.paged import StepBatch, Row
+    from engine.attention.paged import StepBatch
+    from engine.sched.seq import Chunk
     from engine.kv.store import KVStore
     from engine.model.loader import load_model
     from engine.attention.layers import packed_layer_factory
@@ -57,7 +58,7 @@ def test_formats_and_cpu_routing(tmp_path):
     loaded = load_model(str(build_tiny_model("llama", tmp_path / "m")))
     store = KVStore(loaded.geometry, 4, 16, loaded.dtype,
                     layer_factory=packed_layer_factory("int4")).layer(0)
-    step = StepBatch([Row(16, 8, [0, 1])], 16)
+    step = StepBatch([Chunk(0, [0] * 8, 16, [0, 1])], 16)
     q = mx.zeros((1, 4, 8, store.geometry.head_dim))
     # No CUDA here: never routed, whatever the step.
     assert not cuda_packed_prefill.applies(store, step, q, kernel_decode=True)

@@ -12,7 +12,8 @@ from engine.kv.store import KVStore
 from engine.model.loader import load_model
 from engine.runner.packed import PackedModelRunner
 from engine.attention.layers import counters_of, packed_layer_factory
-from engine.runner.paged import ModelRunner, SeqChunk
+from engine.runner.paged import ModelRunner
+from engine.sched.seq import Chunk
 
 ARCHS = ("llama", "qwen3", "gemma3_text", "gpt_oss")
 TIE = 0.15            # about 2x the largest int8 logit error measured on these models
@@ -34,19 +35,19 @@ def _greedy(runner, prompt, n, chunk=7):
     """Chunked prefill (so later chunks read packed history), then n greedy decode steps."""
     pos, out, margins = 0, [], []
     while pos < len(prompt):
-        logits = runner.forward([SeqChunk(0, prompt[pos:pos + chunk], pos, PAGES)])
+        logits = runner.forward([Chunk(0, prompt[pos:pos + chunk], pos, PAGES)])
         pos += len(prompt[pos:pos + chunk])
     for _ in range(n):
         top = mx.sort(logits[0])[-2:]
         margins.append((top[1] - top[0]).item())
         out.append(int(mx.argmax(logits[0]).item()))
-        logits = runner.forward([SeqChunk(0, [out[-1]], pos, PAGES)])
+        logits = runner.forward([Chunk(0, [out[-1]], pos, PAGES)])
         pos += 1
     return out, margins
 
 
 def _teacher_forced(runner, seq):
-    return mx.stack([runner.forward([SeqChunk(0, [t], i, PAGES)])[0] for i, t in enumerate(seq)])
+    return mx.stack([runner.forward([Chunk(0, [t], i, PAGES)])[0] for i, t in enumerate(seq)])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -100,13 +101,13 @@ def test_ragged_batch_equals_each_sequence_alone(models, fmt):
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
     cuts = [len(s) // 2 for s in seqs]
     batch = _runner(loaded, fmt)
-    batch.forward([SeqChunk(i, s[:c], 0, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
-    got = batch.forward([SeqChunk(i, s[c:], c, tables[i])
+    batch.forward([Chunk(i, s[:c], 0, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
+    got = batch.forward([Chunk(i, s[c:], c, tables[i])
                          for i, (s, c) in enumerate(zip(seqs, cuts))])
     for i, (s, c) in enumerate(zip(seqs, cuts)):
         alone = _runner(loaded, fmt)
-        alone.forward([SeqChunk(0, s[:c], 0, tables[i])])
-        want = alone.forward([SeqChunk(0, s[c:], c, tables[i])])
+        alone.forward([Chunk(0, s[:c], 0, tables[i])])
+        want = alone.forward([Chunk(0, s[c:], c, tables[i])])
         assert mx.abs(got[i] - want[0]).max().item() < 1e-4
 
 
@@ -118,9 +119,9 @@ def test_fused_prefill_agrees_with_direct_and_is_counted(models):
     fused = _runner(loaded, "int4", prefill_mode="fused", permit=lambda n: granted.append(n) or True)
     direct = _runner(loaded, "int4")
     for r in (fused, direct):
-        r.forward([SeqChunk(0, prompt[:16], 0, PAGES)])
-    a = fused.forward([SeqChunk(0, prompt[16:], 16, PAGES)])
-    b = direct.forward([SeqChunk(0, prompt[16:], 16, PAGES)])
+        r.forward([Chunk(0, prompt[:16], 0, PAGES)])
+    a = fused.forward([Chunk(0, prompt[16:], 16, PAGES)])
+    b = direct.forward([Chunk(0, prompt[16:], 16, PAGES)])
     assert mx.abs(a - b).max().item() < 1e-3
     c = counters_of(fused.kvstore)
     # Per packed layer: the history-free first chunk is ineligible; the second runs fused.

@@ -20,7 +20,8 @@ from engine.kv.store import KVStore, Slots
 from engine.kv.tails import TailMap
 from engine.model.loader import LayerGeometry, ModelGeometry
 from engine.runner.packed import PackedModelRunner
-from engine.runner.paged import ModelRunner, SeqChunk
+from engine.runner.paged import ModelRunner
+from engine.sched.seq import Chunk
 from tests.engine.tail_helpers import T, gathered_native, llama, tail_store  # noqa: F401 (fixture)
 
 FMT = "int4-kivi"
@@ -170,12 +171,12 @@ def test_greedy_decode_across_page_boundaries_equals_the_reference(llama, fmt):
     table = [5, 1, 3]
     runner = PackedModelRunner(llama, _store(llama, fmt=fmt))
     seq = list(range(9, 9 + T - 3))
-    logits = runner.forward([SeqChunk(0, seq, 0, table)])
+    logits = runner.forward([Chunk(0, seq, 0, table)])
     for n in range(len(seq), 2 * T + 3):
         seq.append(int(mx.argmax(logits[0]).item()))
         mx.eval(runner.kvstore.arrays())
         ref = ModelRunner(llama, gathered_native(llama, runner.kvstore, table))
-        logits = runner.forward([SeqChunk(0, [seq[n]], n, table)])
-        want = ref.forward([SeqChunk(0, [seq[n]], n, table)])
+        logits = runner.forward([Chunk(0, [seq[n]], n, table)])
+        want = ref.forward([Chunk(0, [seq[n]], n, table)])
         assert mx.abs(logits - want).max().item() < 2e-4, n
     assert runner.kvstore.layers[0].tails.slot_of.keys() == {3}

@@ -22,7 +22,8 @@ from engine.kv.store import KVStore, Slots
 from engine.kv.tails import TailMap
 from engine.model.loader import LayerGeometry, ModelGeometry
 from engine.runner.packed import PackedModelRunner
-from engine.runner.paged import ModelRunner, SeqChunk
+from engine.runner.paged import ModelRunner
+from engine.sched.seq import Chunk
 from tests.engine.tail_helpers import T, gathered_native, llama, tail_store  # noqa: F401 (fixture)
 
 FMT = "int4-tail"
@@ -119,17 +120,17 @@ def test_attention_equals_dequantize_then_attend(llama, cut, fmt):
     seq = list(range(5, 5 + 48))
     table = [2, 7, 4, 9]
     runner = PackedModelRunner(llama, _store(llama, fmt=fmt))
-    runner.forward([SeqChunk(0, seq[:cut], 0, table)])
+    runner.forward([Chunk(0, seq[:cut], 0, table)])
     mx.eval(runner.kvstore.arrays())
     ref = ModelRunner(llama, gathered_native(llama, runner.kvstore, table))
-    got = runner.forward_all([SeqChunk(0, seq[cut:cut + 9], cut, table)])[0]
-    want = ref.forward_all([SeqChunk(0, seq[cut:cut + 9], cut, table)])[0]
+    got = runner.forward_all([Chunk(0, seq[cut:cut + 9], cut, table)])[0]
+    want = ref.forward_all([Chunk(0, seq[cut:cut + 9], cut, table)])[0]
     assert mx.abs(got - want).max().item() < 2e-4
     mx.eval(runner.kvstore.arrays())
     ref = ModelRunner(llama, gathered_native(llama, runner.kvstore, table))
     n = cut + 9
-    got = runner.forward([SeqChunk(0, [seq[n]], n, table)])
-    want = ref.forward([SeqChunk(0, [seq[n]], n, table)])
+    got = runner.forward([Chunk(0, [seq[n]], n, table)])
+    want = ref.forward([Chunk(0, [seq[n]], n, table)])
     assert mx.abs(got - want).max().item() < 2e-4
 
 
@@ -139,12 +140,12 @@ def test_decode_across_a_page_boundary_equals_the_reference(llama):
     seq = list(range(9, 9 + 24))
     table = [5, 1]
     runner = PackedModelRunner(llama, _store(llama))
-    runner.forward([SeqChunk(0, seq[:T - 2], 0, table)])
+    runner.forward([Chunk(0, seq[:T - 2], 0, table)])
     for n in range(T - 2, T + 3):
         mx.eval(runner.kvstore.arrays())
         ref = ModelRunner(llama, gathered_native(llama, runner.kvstore, table))
-        got = runner.forward([SeqChunk(0, [seq[n]], n, table)])
-        want = ref.forward([SeqChunk(0, [seq[n]], n, table)])
+        got = runner.forward([Chunk(0, [seq[n]], n, table)])
+        want = ref.forward([Chunk(0, [seq[n]], n, table)])
         assert mx.abs(got - want).max().item() < 2e-4, n
 
 
@@ -154,12 +155,12 @@ def test_ragged_batch_equals_each_sequence_alone(llama, fmt):
     cuts = [21, 2, 16, 33]
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
     batch = PackedModelRunner(llama, _store(llama, fmt=fmt))
-    batch.forward([SeqChunk(i, s[:c], 0, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
-    got = batch.forward([SeqChunk(i, s[c:], c, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
+    batch.forward([Chunk(i, s[:c], 0, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
+    got = batch.forward([Chunk(i, s[c:], c, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
     for i, (s, c) in enumerate(zip(seqs, cuts)):
         alone = PackedModelRunner(llama, _store(llama, slots=1, fmt=fmt))
-        alone.forward([SeqChunk(0, s[:c], 0, tables[i])])
-        want = alone.forward([SeqChunk(0, s[c:], c, tables[i])])
+        alone.forward([Chunk(0, s[:c], 0, tables[i])])
+        want = alone.forward([Chunk(0, s[c:], c, tables[i])])
         assert mx.abs(got[i] - want[0]).max().item() < 1e-4
 
 
@@ -169,8 +170,8 @@ def test_the_native_tail_changes_the_answer_from_plain_int4(llama):
     for fmt, kw in (("int4", {}), (FMT, {"tail_slots": 1})):
         store = KVStore(llama.geometry, 8, T, llama.dtype, layer_factory=packed_layer_factory(fmt, **kw))
         r = PackedModelRunner(llama, store)
-        r.forward([SeqChunk(0, seq[:28], 0, [0, 1, 2])])
-        out[fmt] = r.forward([SeqChunk(0, seq[28:], 28, [0, 1, 2])])
+        r.forward([Chunk(0, seq[:28], 0, [0, 1, 2])])
+        out[fmt] = r.forward([Chunk(0, seq[28:], 28, [0, 1, 2])])
     assert mx.abs(out["int4"] - out[FMT]).max().item() > 1e-4
 
 
@@ -183,7 +184,7 @@ def test_checkpoint_round_trip_is_exact(llama, tmp_path, n_tokens, fmt):
     seq = list(range(5, 5 + n_tokens + 1))
     table = [3, 5, 1]
     src = PackedModelRunner(llama, _store(llama, fmt=fmt))
-    src.forward([SeqChunk(0, seq[:-1], 0, table)])
+    src.forward([Chunk(0, seq[:-1], 0, table)])
     mx.eval(src.kvstore.arrays())
     manifest = save_checkpoint(tmp_path, src.kvstore, table, seq[:-1], model_fingerprint="fp")
     assert ("layer0.ktail" in manifest["tensors"]) == bool(n_tokens % T)
@@ -206,8 +207,8 @@ def test_checkpoint_round_trip_is_exact(llama, tmp_path, n_tokens, fmt):
         new_table = new_table + [10]
     table, new_table = table + [11], new_table + [12]
     for j, tok in enumerate(seq[-1:] + list(range(60, 60 + T))):
-        want = src.forward([SeqChunk(0, [tok], n + j, table)])
-        got = dst.forward([SeqChunk(0, [tok], n + j, new_table)])
+        want = src.forward([Chunk(0, [tok], n + j, table)])
+        got = dst.forward([Chunk(0, [tok], n + j, new_table)])
         assert mx.array_equal(got, want).item(), j
 
 
@@ -223,7 +224,7 @@ def test_prefix_reuse_shares_full_pages_only(llama, fmt):
     root = chain_root("s", "fp", "t", T)
     runner = PackedModelRunner(llama, store)
     first = pool.allocate(3)
-    runner.forward([SeqChunk(0, prompt, 0, first)])
+    runner.forward([Chunk(0, prompt, 0, first)])
     mx.eval(store.arrays())
     assert cache.insert(root, prompt, first) == 2   # two full pages; the tail page is not cached
     pool.free(first)
@@ -231,8 +232,8 @@ def test_prefix_reuse_shares_full_pages_only(llama, fmt):
     hit = cache.lookup(root, prompt)
     assert hit == first[:2]
     table = hit + pool.allocate(1)
-    got = runner.forward([SeqChunk(0, prompt[2 * T:], 2 * T, table)])
+    got = runner.forward([Chunk(0, prompt[2 * T:], 2 * T, table)])
     alone = PackedModelRunner(llama, _store(llama, fmt=fmt))
-    alone.forward([SeqChunk(0, prompt[:2 * T], 0, [0, 1, 2])])
-    want = alone.forward([SeqChunk(0, prompt[2 * T:], 2 * T, [0, 1, 2])])
+    alone.forward([Chunk(0, prompt[:2 * T], 0, [0, 1, 2])])
+    want = alone.forward([Chunk(0, prompt[2 * T:], 2 * T, [0, 1, 2])])
     assert mx.abs(got - want).max().item() < 1e-5

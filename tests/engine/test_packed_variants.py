@@ -19,7 +19,8 @@ from engine.runner.packed import PackedModelRunner
 from engine.attention.layers import packed_layer_factory
 from engine.kv.identity import layer_report
 from engine.kv.packed_store import PackedLayerStore
-from engine.runner.paged import ModelRunner, SeqChunk
+from engine.runner.paged import ModelRunner
+from engine.sched.seq import Chunk
 
 T = 16   # page tokens: several pages per sequence, each with its own sink rows
 
@@ -110,18 +111,18 @@ def test_attention_reads_what_the_store_holds(llama, cut, fmt):
     seq = list(range(5, 5 + 48))
     table = [2, 7, 4, 9]
     runner = PackedModelRunner(llama, _sink_store(llama, fmt=fmt))
-    runner.forward([SeqChunk(0, seq[:cut], 0, table)])
+    runner.forward([Chunk(0, seq[:cut], 0, table)])
     mx.eval(runner.kvstore.arrays())
     ref_store = _gathered_native(llama, runner.kvstore, table)
     ref = ModelRunner(llama, ref_store)
-    got = runner.forward_all([SeqChunk(0, seq[cut:cut + 9], cut, table)])[0]
-    want = ref.forward_all([SeqChunk(0, seq[cut:cut + 9], cut, table)])[0]
+    got = runner.forward_all([Chunk(0, seq[cut:cut + 9], cut, table)])[0]
+    want = ref.forward_all([Chunk(0, seq[cut:cut + 9], cut, table)])[0]
     assert mx.abs(got - want).max().item() < 2e-4
     # A decode step too (one query, qmm path on the CPU).
-    got = runner.forward([SeqChunk(0, [seq[cut + 9]], cut + 9, table)])
+    got = runner.forward([Chunk(0, [seq[cut + 9]], cut + 9, table)])
     mx.eval(runner.kvstore.arrays())
     ref_store = _gathered_native(llama, runner.kvstore, table)
-    want = ModelRunner(llama, ref_store).forward([SeqChunk(0, [seq[cut + 9]], cut + 9, table)])
+    want = ModelRunner(llama, ref_store).forward([Chunk(0, [seq[cut + 9]], cut + 9, table)])
     assert mx.abs(got - want).max().item() < 2e-4
 
 
@@ -131,12 +132,12 @@ def test_ragged_batch_equals_each_sequence_alone(llama, fmt):
     cuts = [21, 2, 17]
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     batch = PackedModelRunner(llama, _sink_store(llama, fmt=fmt))
-    batch.forward([SeqChunk(i, s[:c], 0, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
-    got = batch.forward([SeqChunk(i, s[c:], c, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
+    batch.forward([Chunk(i, s[:c], 0, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
+    got = batch.forward([Chunk(i, s[c:], c, tables[i]) for i, (s, c) in enumerate(zip(seqs, cuts))])
     for i, (s, c) in enumerate(zip(seqs, cuts)):
         alone = PackedModelRunner(llama, _sink_store(llama, fmt=fmt))
-        alone.forward([SeqChunk(0, s[:c], 0, tables[i])])
-        want = alone.forward([SeqChunk(0, s[c:], c, tables[i])])
+        alone.forward([Chunk(0, s[:c], 0, tables[i])])
+        want = alone.forward([Chunk(0, s[c:], c, tables[i])])
         assert mx.abs(got[i] - want[0]).max().item() < 1e-4
 
 
@@ -147,8 +148,8 @@ def test_variants_change_the_answer_from_plain_int4(llama):
     for fmt in ("int4", *VARIANTS):
         store = KVStore(llama.geometry, 8, T, llama.dtype, layer_factory=packed_layer_factory(fmt))
         r = PackedModelRunner(llama, store)
-        r.forward([SeqChunk(0, seq[:32], 0, [0, 1, 2])])
-        out[fmt] = r.forward([SeqChunk(0, seq[32:], 32, [0, 1, 2])])
+        r.forward([Chunk(0, seq[:32], 0, [0, 1, 2])])
+        out[fmt] = r.forward([Chunk(0, seq[32:], 32, [0, 1, 2])])
     for fmt in VARIANTS:
         assert mx.abs(out["int4"] - out[fmt]).max().item() > 1e-4
 
@@ -158,7 +159,7 @@ def test_checkpoint_round_trip_is_exact(llama, tmp_path, fmt):
     seq = list(range(5, 42))
     table = [3, 5, 1]
     src = PackedModelRunner(llama, _sink_store(llama, fmt=fmt))
-    src.forward([SeqChunk(0, seq[:-1], 0, table)])
+    src.forward([Chunk(0, seq[:-1], 0, table)])
     mx.eval(src.kvstore.arrays())
     save_checkpoint(tmp_path, src.kvstore, table, seq[:-1], model_fingerprint="fp")
     dst = PackedModelRunner(llama, _sink_store(llama, fmt=fmt))
@@ -175,8 +176,8 @@ def test_checkpoint_round_trip_is_exact(llama, tmp_path, fmt):
             pairs.append((a, b))
         for a, b in pairs:
             assert all(mx.array_equal(x, y).item() for x, y in zip(_flat(a), _flat(b)))
-    want = src.forward([SeqChunk(0, seq[-1:], n, table)])
-    got = dst.forward([SeqChunk(0, seq[-1:], n, new_table)])
+    want = src.forward([Chunk(0, seq[-1:], n, table)])
+    got = dst.forward([Chunk(0, seq[-1:], n, new_table)])
     assert mx.array_equal(got, want).item()
 
 

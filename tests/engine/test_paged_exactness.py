@@ -15,7 +15,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.kv.pages import DEFAULT_PAGE_TOKENS
 from engine.kv.store import KVStore
 from engine.model.loader import load_model
-from engine.runner.paged import ModelRunner, SeqChunk
+from engine.runner.paged import ModelRunner
+from engine.sched.seq import Chunk
 
 ARCHS = ["llama", "qwen3", "gemma3_text", "gpt_oss"]
 TOL = 1e-3
@@ -69,7 +70,7 @@ def test_teacher_forced_chunked_batched_logits_match_mlx_lm(loaded, arch, page):
         for s, plan in plans.items():
             n = plan[step]
             toks = prompts[s][done[s]:done[s] + n]
-            chunks.append(SeqChunk(s, toks, done[s], pages.cover(s, done[s] + n)))
+            chunks.append(Chunk(s, toks, done[s], pages.cover(s, done[s] + n)))
             done[s] += n
         for s, logits in zip(plans, runner.forward_all(chunks)):
             got[s].append(logits)
@@ -84,8 +85,8 @@ def test_last_token_logits_match_forward_all(loaded, arch):
     lm = loaded[arch]
     runner, pages = _runner(lm), Pages(64, seed=1)
     a, b = _prompt(lm, 37, 5), _prompt(lm, 5, 6)
-    last = runner.forward([SeqChunk(0, a, 0, pages.cover(0, 37)),
-                           SeqChunk(1, b, 0, pages.cover(1, 5))])
+    last = runner.forward([Chunk(0, a, 0, pages.cover(0, 37)),
+                           Chunk(1, b, 0, pages.cover(1, 5))])
     assert last.dtype == mx.float32 and last.shape == (2, lm.geometry.vocab_size)
     assert mx.abs(last[0] - _reference_logits(lm, a)[-1]).max().item() <= TOL
     assert mx.abs(last[1] - _reference_logits(lm, b)[-1]).max().item() <= TOL
@@ -127,7 +128,7 @@ def _paged_greedy(lm, prompts: dict[int, list[int]], n: int, starts: dict[int, i
                 toks = p[fed[s]:fed[s] + chunk]
             else:
                 toks = [out[s][-1]]
-            chunks.append(SeqChunk(s, toks, fed[s], pages.cover(s, fed[s] + len(toks))))
+            chunks.append(Chunk(s, toks, fed[s], pages.cover(s, fed[s] + len(toks))))
         logits = runner.forward(chunks)
         for c, row in zip(chunks, logits):
             fed[c.seq_id] += len(c.token_ids)
@@ -153,10 +154,10 @@ def test_greedy_32_tokens_identical_alone_and_batched(loaded, arch):
 def test_invalid_chunks_are_refused(loaded):
     runner = _runner(loaded["llama"], num_pages=4)
     with pytest.raises(ValueError, match="page table"):
-        runner.forward([SeqChunk(0, [1] * 17, 0, [0])])
+        runner.forward([Chunk(0, [1] * 17, 0, [0])])
     with pytest.raises(ValueError, match="twice"):
-        runner.forward([SeqChunk(0, [1], 0, [0]), SeqChunk(0, [2], 1, [0])])
+        runner.forward([Chunk(0, [1], 0, [0]), Chunk(0, [2], 1, [0])])
     with pytest.raises(ValueError, match="out of range"):
-        runner.forward([SeqChunk(0, [1], 0, [4])])
+        runner.forward([Chunk(0, [1], 0, [4])])
     with pytest.raises(ValueError):
         runner.forward([])

@@ -9,7 +9,7 @@ from engine.attention.layers import packed_layer_factory
 from engine.kv.identity import storage_identity
 from engine.kv.pages import PagePool, PageTable
 from engine.kv.prefix import PrefixCache, chain_root
-from engine.runner.paged import SeqChunk
+from engine.sched.seq import Chunk
 
 T = 16
 
@@ -35,20 +35,20 @@ def test_hit_reuses_packed_pages_with_identical_logits(loaded, fmt):
     ta = PageTable(pool)
     ta.ensure(len(a))
     # Same chunk split as the reference below, so the shared rows are computed identically.
-    runner.forward([SeqChunk(0, a[:2 * T], 0, ta.pages)])
-    runner.forward([SeqChunk(0, a[2 * T:], 2 * T, ta.pages)])
+    runner.forward([Chunk(0, a[:2 * T], 0, ta.pages)])
+    runner.forward([Chunk(0, a[2 * T:], 2 * T, ta.pages)])
     cache.insert(root, a, ta.pages)
     tb = PageTable(pool)
     tb.pages = cache.lookup(root, b)
     assert len(tb.pages) == 2 and tb.pages == ta.pages[:2]
     tb.ensure(len(b))
-    hit = runner.forward([SeqChunk(1, b[2 * T:], 2 * T, tb.pages)])
+    hit = runner.forward([Chunk(1, b[2 * T:], 2 * T, tb.pages)])
     # Recompute b from scratch in a separate engine with the same chunk split.
     ref_runner, ref_pool, _ = _engine(loaded, fmt)
     tr = PageTable(ref_pool)
     tr.ensure(len(b))
-    ref_runner.forward([SeqChunk(0, b[:2 * T], 0, tr.pages)])
-    ref = ref_runner.forward([SeqChunk(0, b[2 * T:], 2 * T, tr.pages)])
+    ref_runner.forward([Chunk(0, b[:2 * T], 0, tr.pages)])
+    ref = ref_runner.forward([Chunk(0, b[2 * T:], 2 * T, tr.pages)])
     assert mx.array_equal(hit, ref).item()
 
 
@@ -57,7 +57,7 @@ def test_other_format_or_tenant_misses(loaded):
     tokens = list(range(3 * T))
     table = PageTable(pool)
     table.ensure(len(tokens))
-    runner.forward([SeqChunk(0, tokens, 0, table.pages)])
+    runner.forward([Chunk(0, tokens, 0, table.pages)])
     ident = storage_identity(runner.kvstore)
     cache.insert(chain_root(ident, loaded.fingerprint, "t1", T), tokens, table.pages)
     native = storage_identity(_engine(loaded, "native")[0].kvstore)

@@ -10,7 +10,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine.kv.store import KVStore
 from engine.model.loader import load_model
-from engine.runner.paged import ModelRunner, SeqChunk
+from engine.runner.paged import ModelRunner
+from engine.sched.seq import Chunk
 
 ARCHS = ["llama", "qwen3", "gemma3_text", "gpt_oss"]
 
@@ -23,11 +24,11 @@ def _prompts(lm, lengths, seed=0):
 def _decode_logits(runner, prompts, steps, page=16):
     """Prefill each prompt, then feed `steps` fixed tokens one at a time to all rows together."""
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(prompts))]
-    runner.forward([SeqChunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
+    runner.forward([Chunk(i, p, 0, tables[i]) for i, p in enumerate(prompts)])
     out = []
     lens = [len(p) for p in prompts]
     for s in range(steps):
-        out.append(runner.forward([SeqChunk(i, [s + 3], lens[i], tables[i])
+        out.append(runner.forward([Chunk(i, [s + 3], lens[i], tables[i])
                                    for i in range(len(prompts))]))
         lens = [n + 1 for n in lens]
     return mx.stack(out)
@@ -55,8 +56,8 @@ def test_model_bypassing_the_hook_falls_back_to_gathered_keys(tiny_llama, monkey
     assert not runner.direct
     tokens = _prompts(lm, [40], seed=3)[0]
     got = mx.concatenate(
-        runner.forward_all([SeqChunk(0, tokens[:25], 0, [3, 1, 2])])
-        + runner.forward_all([SeqChunk(0, tokens[25:], 25, [3, 1, 2])]))
+        runner.forward_all([Chunk(0, tokens[:25], 0, [3, 1, 2])])
+        + runner.forward_all([Chunk(0, tokens[25:], 25, [3, 1, 2])]))
     ref = lm.model(mx.array([tokens]), cache=make_prompt_cache(lm.model))[0]
     assert mx.abs(got - ref).max().item() <= 1e-3
 
@@ -64,7 +65,7 @@ def test_model_bypassing_the_hook_falls_back_to_gathered_keys(tiny_llama, monkey
 def test_chunks_group_by_length_under_the_padding_allowance(tiny_llama):
     lm = load_model(tiny_llama)
     runner = ModelRunner(lm, KVStore(lm.geometry, 4, 16, lm.dtype), merge_pad_tokens=16)
-    chunks = [SeqChunk(i, [1] * n, 0, [0]) for i, n in enumerate([512, 1, 1, 20, 500, 12])]
+    chunks = [Chunk(i, [1] * n, 0, [0]) for i, n in enumerate([512, 1, 1, 20, 500, 12])]
     # 500 pads 12 next to 512; 12 pads 8 next to 20, after which a 1 would exceed 16.
     assert runner._groups(chunks) == [[0, 4], [3, 5], [1, 2]]
 
@@ -77,12 +78,12 @@ def test_lazy_token_ids_pipeline_like_mlx_lm(tiny_llama):
 
     def run(lazy: bool) -> list[list[int]]:
         runner = ModelRunner(lm, KVStore(lm.geometry, 6, 16, lm.dtype))
-        y = mx.argmax(runner.forward([SeqChunk(i, p, 0, tables[i])
+        y = mx.argmax(runner.forward([Chunk(i, p, 0, tables[i])
                                       for i, p in enumerate(prompts)]), axis=-1)
         lens, out = [len(p) for p in prompts], []
         for _ in range(12):
             ids = [y[i:i + 1] if lazy else [int(y[i].item())] for i in range(2)]
-            nxt = mx.argmax(runner.forward([SeqChunk(i, ids[i], lens[i], tables[i])
+            nxt = mx.argmax(runner.forward([Chunk(i, ids[i], lens[i], tables[i])
                                             for i in range(2)]), axis=-1)
             mx.async_eval(nxt)
             out.append(y.tolist())
@@ -99,8 +100,8 @@ def test_bfloat16_pages_follow_the_compute_dtype(tiny_model_dirs):
     assert all(a.dtype == mx.bfloat16 for a in store.arrays())
     runner = ModelRunner(lm, store)
     tokens = _prompts(lm, [40], seed=5)[0]
-    got = runner.forward_all([SeqChunk(0, tokens[:30], 0, [7, 2, 5])])[0]
-    steps = [runner.forward([SeqChunk(0, [t], 30 + i, [7, 2, 5])])[0]
+    got = runner.forward_all([Chunk(0, tokens[:30], 0, [7, 2, 5])])[0]
+    steps = [runner.forward([Chunk(0, [t], 30 + i, [7, 2, 5])])[0]
              for i, t in enumerate(tokens[30:])]
     ours = mx.concatenate([got, mx.stack(steps)])
     ref = lm.model(mx.array([tokens]), cache=make_prompt_cache(lm.model))[0].astype(mx.float32)

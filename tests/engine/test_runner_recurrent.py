@@ -13,7 +13,8 @@ from mlx_lm.utils import _get_classes
 
 from engine.kv.store import KVStore
 from engine.model.loader import load_model
-from engine.runner.paged import ModelRunner, SeqChunk
+from engine.runner.paged import ModelRunner
+from engine.sched.seq import Chunk
 from bench.synthetic import SPECIAL_TOKENS, build_tokenizer
 
 LFM2 = dict(model_type="lfm2", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -61,7 +62,7 @@ def test_chunked_batched_logits_match_mlx_lm(lfm2):
         chunks = []
         for s, plan in plans.items():
             n = plan[step]
-            chunks.append(SeqChunk(s, prompts[s][done[s]:done[s] + n], done[s], tables[s]))
+            chunks.append(Chunk(s, prompts[s][done[s]:done[s] + n], done[s], tables[s]))
             done[s] += n
         for s, logits in zip(plans, runner.forward_all(chunks)):
             got[s].append(logits)
@@ -73,9 +74,9 @@ def test_chunked_batched_logits_match_mlx_lm(lfm2):
 def test_state_resets_at_token_zero_and_cannot_resume_unknown_sequences(lfm2):
     runner = ModelRunner(lfm2, KVStore(lfm2.geometry, 4, 16, lfm2.dtype))
     tokens = list(range(5, 25))
-    first = runner.forward([SeqChunk(0, tokens, 0, [0, 1])])
-    again = runner.forward([SeqChunk(0, tokens, 0, [2, 3])])  # a recompute from scratch
+    first = runner.forward([Chunk(0, tokens, 0, [0, 1])])
+    again = runner.forward([Chunk(0, tokens, 0, [2, 3])])  # a recompute from scratch
     assert mx.abs(first - again).max().item() == 0.0
     runner.release(0)
     with pytest.raises(ValueError, match="start at token 0"):
-        runner.forward([SeqChunk(0, [1], 20, [2, 3])])
+        runner.forward([Chunk(0, [1], 20, [2, 3])])

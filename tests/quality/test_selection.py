@@ -54,9 +54,9 @@ def test_graded_spans_margin_matches_a_plain_forward(llama):
     want = []
     for s in seqs:
         pages, tables = _tables(1, len(s.tokens))
-        from engine.runner.paged import SeqChunk
+        from engine.sched.seq import Chunk
         logits = make_runner(llama, "native", pages).forward_all(
-            [SeqChunk(0, s.tokens, 0, tables[0])])[0]
+            [Chunk(0, s.tokens, 0, tables[0])])[0]
         per_pos = np.array(forced_margin(logits[:-1], mx.array(s.tokens[1:])))
         want += [float(per_pos[a - 1:b - 1].min()) for a, b in s.spans]
     np.testing.assert_allclose(margins, want, atol=2e-3)

@@ -25,13 +25,13 @@ def llama(tiny_model_dirs):
 def _greedy(loaded, prompt, n):
     """The model's own greedy continuation of `prompt` (native, one token per step)."""
     from quality.runs import make_runner, _tables
-    from engine.runner.paged import SeqChunk
+    from engine.sched.seq import Chunk
     import mlx.core as mx
     pages, tables = _tables(1, len(prompt) + n)
     r = make_runner(loaded, "native", pages)
     out, pos, ids = [], 0, list(prompt)
     while len(out) < n:
-        logits = r.forward([SeqChunk(0, ids, pos, tables[0])])
+        logits = r.forward([Chunk(0, ids, pos, tables[0])])
         pos += len(ids)
         out.append(int(mx.argmax(logits[0]).item()))
         ids = [out[-1]]

@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 
 from engine.model.loader import load_model
-from engine.runner.paged import SeqChunk
+from engine.sched.seq import Chunk
 from quality import runs, variants
 
 
@@ -22,12 +22,12 @@ def test_simulated_and_built_int4_kivi_agree(llama):
     built = runs.make_runner(llama, "int4-kivi", 8)
     worst = 0.0
     for s, e in zip(cuts, cuts[1:]):
-        chunk = [SeqChunk(0, seq[s:e], s, table)]
+        chunk = [Chunk(0, seq[s:e], s, table)]
         a, b = sim.forward_all(chunk)[0], built.forward_all(chunk)[0]
         worst = max(worst, mx.abs(a - b).max().item())
     assert worst < 1e-4, worst
     # and both differ from native once full pages are read as codes
     native = runs.make_runner(llama, "native", 8)
     for s, e in zip(cuts, cuts[1:]):
-        n = native.forward_all([SeqChunk(0, seq[s:e], s, table)])[0]
+        n = native.forward_all([Chunk(0, seq[s:e], s, table)])[0]
     assert mx.abs(n - b).max().item() > 1e-3
