@@ -152,6 +152,21 @@ class CapacityActor:
     async def anomalies(self) -> list:
         return [a.__dict__ for a in self.fleet.anomalies()]
 
+    async def knows_step_profile(self, model_id: str, chip_class: str | None,
+                                 execution: str | None) -> bool:
+        """Whether this identity's decode steps are measured at two batch sizes or more on this
+        chip class: a replacement replica then skips re-measuring them (engine/warmup.py).
+        `execution` in wire form, as heartbeats carry it (None = native)."""
+        from capacity.errors import IdentityError
+        from capacity.identity import ExecutionKey, normalize_chip_class, parse_execution
+
+        try:
+            key = ExecutionKey(model_id, normalize_chip_class(chip_class),
+                               parse_execution(execution))
+        except IdentityError:
+            return False
+        return not key.is_invalid and self.fleet.rates.step_fit(key) is not None
+
     async def persist_now(self) -> str | None:
         return await self._persist() if self.path else None
 

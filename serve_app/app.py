@@ -38,14 +38,8 @@ class ModelDeployment(ModelServer):
         self.kv_format_requested = kv_format
         kv_format, self.kv_format_reason = await negotiate_format(kv_format, capacity)
         ModelServer.__init__(self, model, kv_format, capacity, drain_timeout_s)
-        if model.warmup:
-            # Before the first heartbeat: the actor learns this box's batch slowdown from it.
-            from engine.warmup import warm_up
-
-            done = await warm_up(self.engine, batch=8)
-            log.info("%s warmed up in %.1f s; decode step profile %s", model.id,
-                     done["seconds"], done["decode_step_profile"])
-        await self.start()
+        # Warm-up before the first heartbeat: the actor learns this box's batch slowdown from it.
+        await self.prepare(model.warmup)
 
 
 @serve.ingress()
@@ -84,7 +78,8 @@ def model_deployment_options(cfg: OrchardConfig, model) -> dict[str, Any]:
         ray_actor_options=actor_options(cfg, model.resources),
         # The capacity actor and the engine's byte ledger own the real cap; this is a ceiling.
         max_ongoing_requests=model.max_ongoing_requests or 2 * model.max_num_seqs,
-        health_check_period_s=5.0,
+        # A dead replica is noticed at its next health check: on the path of recovery.
+        health_check_period_s=1.0,
         health_check_timeout_s=30.0,
         graceful_shutdown_wait_loop_s=1.0,
         graceful_shutdown_timeout_s=cfg.drain_timeout_s + 5.0,

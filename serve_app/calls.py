@@ -35,6 +35,9 @@ class GenerateCall:
     first_token_deadline_unix: float | None = None
     # Debug only (ORCHARD_TRACE=1): hop name -> time.time(), filled along the path.
     trace: dict | None = None
+    # The Ray actor name of the ingress replica that sent it (None outside Ray): when that actor
+    # is gone nobody can read the stream, so the model replica cancels the request.
+    caller: str | None = None
 
     @property
     def raw_tokens(self) -> int:

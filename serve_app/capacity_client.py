@@ -259,6 +259,15 @@ class CapacityClient:
         """Public capacity feed (same headroom function as routing). Raises CapacityUnavailable."""
         return await self._call("snapshot")
 
+    async def knows_step_profile(self, model_id: str, chip_class: str | None,
+                                 execution: str | None) -> bool:
+        """Whether the actor has this identity's decode step profile (False when unreachable:
+        the replica then measures it)."""
+        try:
+            return bool(await self._call("knows_step_profile", model_id, chip_class, execution))
+        except CapacityUnavailable:
+            return False
+
     async def info(self) -> ActorInfo | None:
         """What the actor advertises (for capability negotiation); None when unreachable."""
         try:

@@ -6,6 +6,7 @@ routing stats and replica metadata to Serve, and drains on shutdown.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -28,6 +29,9 @@ log = logging.getLogger("orchard.server")
 # A step on a loaded Mac takes well under a second; a minute without one while requests wait
 # means the engine thread is stuck (a hung kernel, a deadlock), not slow.
 WEDGE_TIMEOUT_S = 60.0
+# How often a replica asks whether the ingress replicas it streams to still exist: a request
+# whose ingress died is cancelled within this (plus one step), its slot and hold freed.
+CALLER_CHECK_S = 0.5
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
                    "chat_template.json", "config.json", "generation_config.json")
@@ -60,7 +64,12 @@ class ModelServer:
         self.model_id = model.id
         self.model_path = model.path
         self.drain_timeout_s = drain_timeout_s
+        t0, init_unix = time.monotonic(), time.time()
         self.engine = self._make_engine(model.engine_config(kv_format))
+        # Where this replica's start-up went (`info()`): a replacement's start-up is most of the
+        # service's recovery after a lost replica. Wall-clock stamps compare across processes.
+        self.startup: dict[str, float] = {"init_unix": init_unix,
+                                          "engine_s": time.monotonic() - t0}
         self.replica_id = _replica_id()
         self.node_id = _node_id()
         # The engine's format and prefill mode are fixed once loaded: the identity is too.
@@ -72,6 +81,8 @@ class ModelServer:
         self.wedge_timeout_s = WEDGE_TIMEOUT_S
         self._progress = (0, time.monotonic())   # (engine steps, when they last changed)
         self._inflight: dict[str, int] = {}   # request id -> raw tokens
+        self._callers: dict[str, str] = {}    # request id -> its ingress's Ray actor name
+        self._watch: Any = None               # the task cancelling requests of dead callers
         self.prefix_report = PrefixReport(self.engine)
 
     def _make_engine(self, engine_cfg: Any) -> Any:
@@ -87,6 +98,40 @@ class ModelServer:
         self._started = True
         if self.capacity is not None:
             await self.capacity.start()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_callers())
+
+    async def _watch_callers(self) -> None:
+        """Cancel the requests of ingress replicas that are gone. Ray does not cancel an actor
+        task whose caller died, so without this the request would run to its end on the
+        engine, holding its slot and its capacity hold for a reader that no longer exists."""
+        while True:
+            await asyncio.sleep(CALLER_CHECK_S)
+            for name in set(self._callers.values()):
+                if await asyncio.to_thread(_actor_alive, name):
+                    continue
+                gone = [rid for rid, c in self._callers.items() if c == name]
+                log.warning("caller %s is gone: cancelling its %d request(s)", name, len(gone))
+                for rid in gone:
+                    self._callers.pop(rid, None)
+                    self.engine.cancel(rid)
+
+    async def prepare(self, warmup: bool) -> None:
+        """Warm up (short when the capacity actor already knows this identity's decode profile
+        on this chip class), then start reporting: the first heartbeat reaches the actor before
+        Serve routes to this replica."""
+        if warmup:
+            known = self.capacity is not None and await self.capacity.client.knows_step_profile(
+                self.model_id, self.identity.chip_class, self.identity.execution)
+            from engine.warmup import warm_up
+
+            done = await warm_up(self.engine, batch=8, profile_known=known)
+            self.startup["warmup_s"] = done["seconds"]
+            self.startup["warmup_batch"] = done["batch"]
+            log.info("%s warmed up in %.1f s (%s); decode step profile %s", self.model_id,
+                     done["seconds"], "profile known" if known else "profile measured",
+                     done["decode_step_profile"])
+        await self.start()
+        self.startup["ready_unix"] = time.time()
 
     # --- requests -----------------------------------------------------------------------
 
@@ -114,6 +159,8 @@ class ModelServer:
         """Count the request in flight and commit its hold; the meter starts now."""
         started = time.monotonic()
         self._inflight[call.request_id] = call.raw_tokens
+        if call.caller:
+            self._callers[call.request_id] = call.caller
         if self.capacity is not None:
             # Off the first-token path: the client sends reports in order, so this commit
             # still reaches the actor before this request's release.
@@ -147,6 +194,7 @@ class ModelServer:
     def _settle(self, call: GenerateCall, meter: RequestMeter) -> None:
         """However the request ended: forget it, cancel it, release its hold with telemetry."""
         self._inflight.pop(call.request_id, None)
+        self._callers.pop(call.request_id, None)
         # Safe at any point and idempotent: covers client disconnects mid-stream.
         self.engine.cancel(call.request_id)
         if self.capacity is not None:
@@ -170,6 +218,7 @@ class ModelServer:
                 "max_request_tokens": int(self.engine.cost_model().max_raw_tokens(0, 0)),
                 # n > 1 choices share the prompt's pages only through the prefix cache.
                 "prefix_caching": bool(self.engine.cfg.enable_prefix_caching),
+                "startup": dict(self.startup),
                 "tokenizer_files": files}
 
     def max_model_len(self) -> int:
@@ -237,6 +286,8 @@ class ModelServer:
         """Graceful drain: stop reporting, let running requests finish, stop the engine."""
         if self.capacity is not None:
             self.capacity.stop()
+        if self._watch is not None:
+            self._watch.cancel()
         self.engine.shutdown(drain_timeout_s=self.drain_timeout_s)
 
     def __del__(self):
@@ -246,6 +297,23 @@ class ModelServer:
                 self.shutdown()
         except Exception:  # noqa: BLE001
             log.exception("drain failed")
+
+
+def _actor_alive(name: str) -> bool:
+    """Whether the named actor (in Serve's namespace) still exists. A Serve replica is never
+    restarted under its name (Serve starts a new one), so a lookup that fails means gone; any
+    other failure (GCS busy) counts as alive: cancelling a live client's request is worse than
+    finishing an orphan."""
+    try:
+        import ray
+        from ray.serve._private.constants import SERVE_NAMESPACE
+
+        ray.get_actor(name, namespace=SERVE_NAMESPACE)
+        return True
+    except ValueError:
+        return False
+    except Exception:  # noqa: BLE001
+        return True
 
 
 def _node_ip() -> str:

@@ -17,8 +17,20 @@ from serve_app.translate import ModelEntry
 from serve_app.wire import ReplicaDelta, ReplicaError, TokenUsage
 
 
+def caller_name() -> str | None:
+    """This process's Ray actor name (the ingress replica's), or None outside a Ray actor."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - not an actor (in-process use, tests, bench)
+        return None
+
+
 async def open_stream(call: GenerateCall, entry: ModelEntry):
     """Start the model stream; return (first item, rest) or raise the mapped APIError."""
+    if call.caller is None:
+        call.caller = caller_name()
     agen = entry.backend.stream(call)
     try:
         first = await agen.__anext__()

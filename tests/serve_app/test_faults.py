@@ -5,8 +5,9 @@ mixed load (streams and plain requests) runs.
 After each fault: no 5xx but 503 with Retry-After, every stream ends with `[DONE]` (after an
 OpenAI-shaped error event when it failed), the capacity ledger returns to idle with every hold
 settled, and service recovers. Runs on its own Serve app (route prefix /faults) and capacity
-namespace so the shared app of the other tests is never disturbed. Recovery times are printed
-(`-s`) and recorded in docs/reliability.md.
+namespace so the shared app of the other tests is never disturbed, with the real SmolLM2
+(recovery is a replacement loading a real model). Recovery times are printed (`-s`, one JSON
+line each) and recorded in docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -23,18 +24,25 @@ import pytest
 from tests.fixtures.serve import TEST_API_KEY, make_config, wait_http_ok
 from tests.fixtures.serve import wait_for as _wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
 # Recovery from a killed process (a replacement replica loading its model) takes longer than a
 # settle: every wait of this suite allows a minute.
 wait_for = functools.partial(_wait_for, timeout_s=60.0)
 APP = "orchard-faults"
-MODEL = "tiny"
+MODEL = "smollm2"
+# Stated, not planned from this box's memory: the plan would give one replica most of the box
+# (12 GB on a 23 GB machine), and zero-filling that pool is most of a replacement's start-up
+# (docs/reliability.md). 512 MiB holds 11,600 tokens in float32: the 7 long requests below.
+KV_BUDGET_BYTES = 512 << 20
+# Long enough that no stream can end on its own during a fault (SmolLM2 decodes a few tens of
+# tokens per second on a 2-core box).
+LONG = 1500
 
 
 @pytest.fixture(scope="module")
-def faults(orchard_url, orchard_config, tiny_llama, tmp_path_factory):
+def faults(orchard_url, orchard_config, tmp_path_factory):
     """(base url, capacity namespace) of an app of its own on the shared Serve instance; its
     capacity actor persists learned rates to a file of its own (they must survive a kill)."""
     import ray
@@ -44,9 +52,13 @@ def faults(orchard_url, orchard_config, tiny_llama, tmp_path_factory):
     from serve_app.app import build_app
     from serve_app.config import parse_config
 
+    from engine.model.gguf.real_model import ensure_real_model
+
     namespace = f"orchard-faults-{os.getpid()}"
     snapshot = str(tmp_path_factory.mktemp("faults") / "rates.json")
-    raw = make_config(tiny_llama, orchard_config["http"]["port"], namespace)
+    raw = make_config(str(ensure_real_model()), orchard_config["http"]["port"], namespace,
+                      kv_budget_bytes=KV_BUDGET_BYTES)
+    raw["models"][0]["id"] = MODEL
     raw["app_name"] = APP
     raw["capacity"]["snapshot_path"] = snapshot
     cfg = parse_config(raw)
@@ -84,7 +96,7 @@ def settled(url, before: dict | None = None, rebuilt_ok: bool = False) -> bool:
 class StreamClient(threading.Thread):
     """One streaming chat request read to its end; records what the client saw."""
 
-    def __init__(self, url: str, max_tokens: int = 3000):
+    def __init__(self, url: str, max_tokens: int = LONG):
         super().__init__(daemon=True)
         self.url, self.max_tokens = url, max_tokens
         self.status: int | None = None
@@ -139,7 +151,7 @@ def assert_no_bad_status(responses: list[httpx.Response]) -> None:
             assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"], r.text
 
 
-def open_streams(url: str, most: int, leave: int = 0, max_tokens: int = 3000):
+def open_streams(url: str, most: int, leave: int = 0, max_tokens: int = LONG):
     """Streams opened one by one (each producing content) while the learned cap leaves room
     for `leave` more requests: the load never queues behind the cap."""
     streams = []
@@ -152,11 +164,15 @@ def open_streams(url: str, most: int, leave: int = 0, max_tokens: int = 3000):
     return streams
 
 
-def replica_pid() -> int:
+def replica_call(method: str):
     from ray import serve
 
     handle = serve.get_deployment_handle(f"model-{MODEL}", app_name=APP)
-    return int(handle.options(method_name="info").remote().result(timeout_s=60)["pid"])
+    return handle.options(method_name=method).remote().result(timeout_s=60)
+
+
+def replica_pid() -> int:
+    return int(replica_call("info")["pid"])
 
 
 def test_replica_killed_mid_stream_every_stream_ends_and_holds_settle(faults):
@@ -167,11 +183,11 @@ def test_replica_killed_mid_stream_every_stream_ends_and_holds_settle(faults):
     streams = open_streams(url, most=6, leave=1)
     # A plain (non-stream) request in flight when the replica dies gets 503 + Retry-After.
     inflight: list[httpx.Response] = []
-    t_plain = threading.Thread(target=lambda: inflight.append(plain(url, max_tokens=3000)))
+    t_plain = threading.Thread(target=lambda: inflight.append(plain(url, max_tokens=LONG)))
     t_plain.start()
-    wait_for(lambda: feed(url).get("outstanding_raw_tokens", 0) >= (len(streams) + 1) * 3000,
+    wait_for(lambda: feed(url).get("outstanding_raw_tokens", 0) >= (len(streams) + 1) * LONG,
              what="the plain request to be admitted")
-    t_kill = time.monotonic()
+    t_kill, kill_unix = time.monotonic(), time.time()
     os.kill(pid, signal.SIGKILL)
     for s in streams:
         s.join(60)
@@ -194,17 +210,28 @@ def test_replica_killed_mid_stream_every_stream_ends_and_holds_settle(faults):
             recovered_at = time.monotonic()
     assert_no_bad_status(during)
     assert recovered_at is not None, "the replica never came back"
-    assert replica_pid() != pid
+    info = replica_call("info")
+    assert int(info["pid"]) != pid
+    up = info["startup"]
     # The dead replica is gone from the feed, and every hold it had is settled.
     wait_for(lambda: feed(url)["models"][0]["replicas"] == 1, what="one live replica in the feed")
     # Requests routed while Serve swapped replicas may have gone without an actor hold (their
     # reservation is rebuilt from the replica's reports), so releases may exceed holds.
-    wait_for(lambda: settled(url, before, rebuilt_ok=True), what="every hold settled",
+    # Every hold taken settles exactly once: one dropped with the dead replica and then served
+    # by the replacement counts once (issue 34 saw holds 7, releases 8).
+    wait_for(lambda: settled(url, before), what="every hold settled once",
              status=lambda: feed(url))
     assert counters(url)["settled"].get("dropped", 0) - before.get("settled", {}).get(
         "dropped", 0) >= len(streams), "the dead replica's holds were not dropped"
-    print(f"\nreplica SIGKILL: streams ended {detected_s:.2f} s after the kill; "
-          f"served again {recovered_at - t_kill:.1f} s after it")
+    print("\nreplica SIGKILL " + json.dumps({
+        "streams_ended_s": round(detected_s, 2), "served_again_s": round(recovered_at - t_kill, 2),
+        # Kill -> the replacement's constructor ran (Serve noticed, a worker started, imports).
+        "replacement_init_after_kill_s": round(up["init_unix"] - kill_unix, 2),
+        "engine_s": round(up["engine_s"], 2), "warmup_s": round(up.get("warmup_s", 0.0), 2),
+        "warmup_batch": up.get("warmup_batch"),
+        # Replacement ready -> its first 200 (Serve marks it running, the router sees it).
+        "ready_to_served_s": round(kill_unix + (recovered_at - t_kill) - up["ready_unix"], 2),
+        "during": len(during)}))
 
 
 def test_ingress_killed_streams_end_and_service_recovers(faults):
@@ -217,10 +244,17 @@ def test_ingress_killed_streams_end_and_service_recovers(faults):
     wait_for(lambda: feed(url).get("outstanding_raw_tokens") == 0, what="idle before the fault")
     before = counters(url)
     streams = open_streams(url, most=4)
+    assert replica_call("record_routing_stats")["num_requests_running"] >= len(streams)
     ingress = serve.get_app_handle(APP)
     pid = ingress.options(method_name="pid").remote().result(timeout_s=30)
     t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
+    # Nobody can read the orphaned streams (LONG tokens each: a minute or more on SmolLM2): the replica
+    # sees their ingress gone and cancels them, by its engine's own count.
+    wait_for(lambda: replica_call("record_routing_stats")["num_requests_running"] == 0,
+             what="the replica to stop the dead ingress's requests",
+             status=lambda: replica_call("record_routing_stats"))
+    stopped_s = time.monotonic() - t_kill
     for s in streams:
         s.join(60)
         assert not s.is_alive(), "a client hung after the ingress died"
@@ -236,9 +270,8 @@ def test_ingress_killed_streams_end_and_service_recovers(faults):
         if r.status_code == 200:
             recovered_at = time.monotonic()
     assert recovered_at is not None, "the ingress never came back"
-    # The orphaned streams keep their replica slots until they end (nothing tells the replica
-    # its caller died), so newcomers may queue and get 429 + Retry-After; Serve's proxy itself
-    # answers 503 while the app has no ingress replica. Nothing else.
+    # Newcomers may get 429 + Retry-After while the orphans' slots are being freed; Serve's proxy
+    # itself answers 503 while the app has no ingress replica. Nothing else.
     for r in during:
         assert r.status_code in (200, 429, 503), (r.status_code, r.text)
         if r.status_code == 429:
@@ -246,8 +279,10 @@ def test_ingress_killed_streams_end_and_service_recovers(faults):
     proxy_503 = sum(1 for r in during if r.status_code == 503)
     wait_for(lambda: settled(url, before), what="every hold settled after the ingress died",
              status=lambda: feed(url))
-    print(f"\ningress SIGKILL: served again {recovered_at - t_kill:.1f} s after it; "
-          f"{len(during)} requests meanwhile, {proxy_503} answered 503 by the proxy")
+    print("\ningress SIGKILL " + json.dumps({
+        "replica_work_stopped_s": round(stopped_s, 2),
+        "served_again_s": round(recovered_at - t_kill, 2), "during": len(during),
+        "proxy_503": proxy_503}))
 
 
 def test_capacity_actor_killed_under_load_service_continues_and_holds_settle(faults):
