@@ -69,6 +69,7 @@ class Fleet:
         self.ledger = Ledger(self.cfg.ledger)
         self._node_load: dict[str, dict[str, int]] = {}      # node -> replica -> running + waiting
         self._decisions: dict[tuple[str, str], CapDecision] = {}
+        self._warmups_counted: set[tuple[str, int, str]] = set()   # (replica, incarnation, model)
         self._observations: dict[tuple[str, str], DecodeObservation] = {}
         self.counters = {"heartbeats": 0, "stale_heartbeats": 0, "holds": 0, "refusals": 0,
                          "replica_releases": 0, "quarantined": 0, "retired_replicas": 0}
@@ -105,6 +106,13 @@ class Fleet:
                 self.rates.record_decode(key, slot.observed_decode_tps, solo)
             if resident and slot.decode_step_profile:
                 self.rates.record_step_profile(key, slot.decode_step_profile)
+            warmed = (report.replica_id, report.incarnation, slot.model_id)
+            if resident and slot.warmup_solo_tps and warmed not in self._warmups_counted:
+                # The warm-up's lone decode steps, same identity, before traffic: solo samples
+                # (a replica re-sends them every heartbeat; they count once).
+                self._warmups_counted.add(warmed)
+                for tps in slot.warmup_solo_tps:
+                    self.rates.record_decode(key, tps, solo=True)
             ceiling = slot.max_concurrency or (slot.cost_model.concurrency_ceiling
                                                if slot.cost_model else 1)
             decision = resolve_cap(self.rates, key, ceiling, self.cfg.caps)

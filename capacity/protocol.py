@@ -79,6 +79,9 @@ class SlotReport(_Wire):
     # [batch size, seconds per pure decode step] as the engine measured them (warm-up included):
     # the actor fits the batch slowdown on these rather than on end-to-end request samples.
     decode_step_profile: list[tuple[int, float]] = Field(default_factory=list, max_length=64)
+    # Tokens/s of each decode step the replica's warm-up took alone, in this execution identity,
+    # before it took traffic (engine/warmup.py): solo samples, counted once per incarnation.
+    warmup_solo_tps: list[float] = Field(default_factory=list, max_length=64)
     active: list[ActiveRequest] = Field(default_factory=list, max_length=MAX_ACTIVE_LISTED)
     active_complete: bool = True              # False when `active` was truncated
     # Anomaly inputs (optional): model size for the bandwidth expectation.

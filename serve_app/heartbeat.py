@@ -116,8 +116,9 @@ def _wire_chip(text: str) -> str:
 
 
 def slot_report(ident: ReplicaIdentity, stats: Any, cost: CostModel, active: dict[str, int],
-                state: str | None = None) -> SlotReport:
-    """`stats`: the engine's EngineStats now; `active`: request id -> raw tokens being served."""
+                state: str | None = None, warmup_solo_tps=()) -> SlotReport:
+    """`stats`: the engine's EngineStats now; `active`: request id -> raw tokens being served;
+    `warmup_solo_tps`: the warm-up's lone decode steps (engine/warmup.py), solo samples."""
     running = stats.num_requests_running
     waiting = stats.num_requests_waiting
     step_s = stats.decode_step_s
@@ -137,6 +138,7 @@ def slot_report(ident: ReplicaIdentity, stats: Any, cost: CostModel, active: dic
         observed_decode_tps=(1.0 / step_s) if step_s and running else None,
         observed_prefill_tps=stats.prefill_tokens_per_s or None,
         decode_step_profile=sorted(stats.decode_step_profile.items())[:64],
+        warmup_solo_tps=list(warmup_solo_tps)[:64],
         active=[ActiveRequest(request_id=rid, raw_tokens=raw)
                 for rid, raw in list(active.items())[:MAX_ACTIVE_LISTED]],
         active_complete=len(active) <= MAX_ACTIVE_LISTED,
@@ -146,12 +148,14 @@ def slot_report(ident: ReplicaIdentity, stats: Any, cost: CostModel, active: dic
 
 
 def build_report(ident: ReplicaIdentity, stats: Any, cost: CostModel, active: dict[str, int],
-                 incarnation: int, seq: int, state: str | None = None) -> HeartbeatReport:
+                 incarnation: int, seq: int, state: str | None = None,
+                 warmup_solo_tps=()) -> HeartbeatReport:
     return HeartbeatReport(replica_id=ident.replica_id, node_id=ident.node_id,
                            chip_class=ident.chip_class, incarnation=incarnation, seq=seq,
                            capabilities=sorted(ACTOR_CAPABILITIES),
                            memory_bandwidth_gbps=ident.memory_bandwidth_gbps,
-                           slots=[slot_report(ident, stats, cost, active, state)])
+                           slots=[slot_report(ident, stats, cost, active, state,
+                                              warmup_solo_tps)])
 
 
 @dataclass

@@ -70,6 +70,7 @@ class ModelServer:
         # service's recovery after a lost replica. Wall-clock stamps compare across processes.
         self.startup: dict[str, float] = {"init_unix": init_unix,
                                           "engine_s": time.monotonic() - t0}
+        self.warmup_solo_tps: list[float] = []   # set by the warm-up (prepare)
         self.replica_id = _replica_id()
         self.node_id = _node_id()
         # The engine's format and prefill mode are fixed once loaded: the identity is too.
@@ -127,6 +128,7 @@ class ModelServer:
             done = await warm_up(self.engine, batch=8, profile_known=known)
             self.startup["warmup_s"] = done["seconds"]
             self.startup["warmup_batch"] = done["batch"]
+            self.warmup_solo_tps = done["solo_decode_tps"]   # solo samples for the actor
             log.info("%s warmed up in %.1f s (%s); decode step profile %s", self.model_id,
                      done["seconds"], "profile known" if known else "profile measured",
                      done["decode_step_profile"])
@@ -233,7 +235,8 @@ class ModelServer:
 
     def heartbeat_report(self, incarnation: int, seq: int) -> "HeartbeatReport":
         return build_report(self.identity, self.engine.stats(), self.engine.cost_model(),
-                            self.active_raw_tokens(), incarnation, seq)
+                            self.active_raw_tokens(), incarnation, seq,
+                            warmup_solo_tps=self.warmup_solo_tps)
 
     # --- Serve hooks --------------------------------------------------------------------
 
