@@ -8,6 +8,7 @@ USAGE = """usage: python -m loadtest COMMAND [options]
 commands:
   run          one named scenario against one OpenAI-compatible target (Locust, headless)
   bench-serve  the same schedule against several targets (Orchard per KV format, mlx_lm.server)
+  chat         multi-turn conversations (growing history, several tenants) against targets at once
 
 `python -m loadtest COMMAND --help` lists each command's options."""
 
@@ -24,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "bench-serve":
         from loadtest import bench_serve
         return bench_serve.main(rest)
+    if command == "chat":
+        from loadtest import multiturn
+        return multiturn.main(rest)
     print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

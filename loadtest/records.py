@@ -27,6 +27,7 @@ class RequestRecord:
     output_tokens: int | None = None      # counted from `text` with the model's tokenizer
                                           # (--tokenizer), else usage.completion_tokens
     prompt_tokens: int | None = None      # server usage.prompt_tokens
+    cached_tokens: int | None = None      # usage.prompt_tokens_details.cached_tokens, if sent
     usage_missing: bool = False           # server sent no usage; output_tokens = text events
     usage_tokens: int | None = None       # what the server's usage said, kept to compare
     tokens_from: str = "usage"            # "text" once recounted with the tokenizer

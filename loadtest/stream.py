@@ -85,6 +85,7 @@ def _consume(resp, rec: RequestRecord, start: float) -> None:
     if usage and usage.get("completion_tokens") is not None:
         rec.output_tokens = rec.usage_tokens = int(usage["completion_tokens"])
         rec.prompt_tokens = usage.get("prompt_tokens")
+        rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     else:
         rec.usage_missing = True
         rec.output_tokens = len(rec.chunk_times)
