@@ -1,11 +1,11 @@
 """Decode steps traced once per shape and replayed (`mx.compile`): no model Python per step.
 
-Why: on the H200 a small model's batch-1 decode step is host work, not arithmetic. mlx-lm's
-model code runs its Python per layer every step (about 2 ms of a 5-7 ms SmolLM2 step), then MLX
-issues every node of the graph it built (docs/lab/benchmarks-gpu.md, "Where a decode step's time
-goes"). A compiled step runs that Python once per shape (the trace) and afterwards replays the
-recorded graph from C++; it also fuses chains of elementwise operations (SwiGLU's silu and
-product, the write-slot arithmetic) into single kernels, so fewer nodes are issued.
+Why: on the H200 a small model's batch-1 decode step is host work, not arithmetic. mlx-lm's model
+code runs its Python per layer every step, then MLX issues every node of the graph it built
+(numbers: docs/lab/engine-runner-notes.md). A compiled step runs that Python once per shape (the
+trace) and afterwards replays the recorded graph from C++; it also fuses chains of elementwise
+operations (SwiGLU's silu and product, the write-slot arithmetic) into single kernels, so fewer
+nodes are issued.
 
 A trace may not capture a host value that changes from step to step, so everything a step
 varies enters as arrays:
@@ -31,18 +31,16 @@ Which steps: every row decodes one token; every layer is paged full attention (n
 recurrent state); every store can stand in for itself inside a trace (`can_trace`, `traced`,
 `adopt`: native pages; packed pages of codes-only formats where the CUDA kernels attend).
 Traces are cached per (rows, P, token dtype); each new shape costs one trace (about one
-uncompiled step plus MLX's compile passes: 20-150 ms on the H200 once MLX's kernels exist, 4-24 s
-for a process's very first, which compiles them; session 11). So the rows are padded to a
+uncompiled step plus MLX's compile passes, far more for a process's very first, which compiles
+MLX's kernels). So the rows are padded to a
 bucket too (`bucket_rows`: 1, 2, 4, 8, then steps of 4 to 32 and of 8 beyond), by repeating the
 last row: a repeated row computes what its original does and writes the same values to the
 same slot, and its logits are dropped. A served batch's size moves by one row at a time, so
 without buckets every size it passes through is a trace.
 
-Measured on the H200 (docs/lab/benchmarks-gpu.md, session 10): logits bit-identical to
-uncompiled steps; SmolLM2-135M batch-1 decode 1.09x mlx-lm pooled over seven processes (0.94x
-uncompiled beside it), batch 8 / 32 1.65x / 1.50x; int4 KV decode at 4K batch 1 1.04-1.09x
-native (0.86x uncompiled). On the CPU the arithmetic is the step and the in-place page reads of
-the uncompiled path win at batch > 1, so the CPU keeps uncompiled steps by default.
+A compiled step's logits are bit-identical to an uncompiled step's. On the CPU the arithmetic is
+the step and the in-place page reads of the uncompiled path win at batch > 1, so the CPU keeps
+uncompiled steps by default. What compiling gained on the H200: docs/lab/engine-runner-notes.md.
 """
 from __future__ import annotations
 

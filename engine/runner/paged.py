@@ -17,12 +17,9 @@ host work and a padded token a few microseconds (allowance `ACCELERATOR_MERGE_PA
 The decode rows of a mixed step go through the compiled decode step where one exists, so a
 mixed step pays for its prefill calls only.
 
-Measured per decode step on the 2-core CPU (8-layer llama, hidden 512, float32, 64-token pages,
-process CPU time, host heavily shared so +-10%): batch 1 @ 256 context: 59.8 ms synchronous,
-56.2 ms pipelined with lazy token ids, vs 56.9 ms for mlx-lm's stream_generate; batch 8 @ 256:
-63.7 ms (sync) / 62.0 ms (pipelined) vs 68.3 ms for mlx-lm's BatchGenerator; batch 8 @ 2K:
-1.18x mlx-lm's contiguous caches. A caller that reads tokens synchronously every step forgoes
-mlx-lm's overlap of graph building with compute (about 5% at batch 1).
+A caller that reads tokens synchronously every step forgoes mlx-lm's overlap of graph building
+with compute: pipelined decode passes the previous step's lazy token ids instead. Step times
+against mlx-lm: docs/lab/engine-runner-notes.md.
 """
 from __future__ import annotations
 

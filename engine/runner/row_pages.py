@@ -1,11 +1,10 @@
 """Each decoding sequence's page ids as an int32 array, kept from one compiled step to the next.
 
 Why: a compiled decode step uploads every row's page table (engine/runner/compiled_decode.py).
-At 32K context a row holds 2,049 pages of 16 tokens; converting eight such Python lists to
-numpy and range-checking them in Python took about 0.7 ms of host work per batch-8 step on the
-2-core dev box (0.013 ms kept here), work that grows with the context while the device's share
-of a packed step shrinks: on the H200 it held packed int4 decode at 32K batch 8 to native's
-step time (docs/lab/benchmarks-gpu.md, sessions 13 and 14).
+Converting every row's Python list to numpy and range-checking it each step is host work that
+grows with the context (a 32K row holds thousands of pages) while the device's share of a packed
+step shrinks, so on a GPU it sets the step time; kept here, each id is converted and checked once
+(numbers: docs/lab/engine-runner-notes.md).
 
 A sequence's page list only grows by appending: `PageTable` appends the ids it allocates and gives
 a released or replaced table a new list (engine/kv/pages.py), and `Chunk` (engine/sched/seq.py)

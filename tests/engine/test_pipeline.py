@@ -72,19 +72,26 @@ def test_pipelined_equals_synchronous_and_refunds_after_retire(engines):
     assert [len(tokens(d)) for d in got[1:4]] == [40, 2, 1]
     wait_idle(piped)
     wait_idle(sync)
-    retired, launched = [], {}
+    retired, launched, recorded = [], {}, set()
     for e, f in events:
         if e == "launch":
             launched[f["step"]] = f["requests"]
         elif e == "retire":
             assert not retired or f["step"] > retired[-1]
             retired.append(f["step"])
+        elif e == "step":
+            # The loop applies a step's result (tokens, counters, the "step" event) only
+            # after the runner retired it, and each step once.
+            assert retired and f["step"] == retired[-1], f
+            assert f["step"] not in recorded, f
+            recorded.add(f["step"])
         elif e == "refund":
             # Pages come back only after EVERY step that used them retired, the queued extra
             # step of a request that finished (EOS, stop string, length) included.
             used = [st for st, ids in launched.items() if f["request"] in ids]
             assert f["last_step"] == max(used, default=f["last_step"]), f
             assert all(st in retired for st in used), f
+    assert len(recorded) > ahead_steps   # pipelined steps were recorded too
 
 
 def test_pipelined_cancel_and_repeat(engines):
