@@ -89,6 +89,11 @@ for S in $SHAPES; do
     if wait_http http://127.0.0.1:8100/health 240; then
       load $S-$label http://127.0.0.1:8100 $S-random $label $m
     else echo "== $S $label not healthy" | tee -a $W/steps.txt >&2; fi
+    # Serve's own logs (a replica that failed to start says why only there).
+    mkdir -p $W/$S/$label-ray-logs
+    cp -r $home/ray/session_latest/logs/serve $W/$S/$label-ray-logs/ 2>/dev/null
+    for f in $home/ray/session_latest/logs/worker-*.err; do
+      [ -s "$f" ] && tail -50 "$f" > $W/$S/$label-ray-logs/$(basename $f); done 2>/dev/null
     stop_group $pid $home
   done
   nvidia-smi --query-gpu=memory.used --format=csv,noheader > $W/$S/gpu_mem_after_orchard.txt
