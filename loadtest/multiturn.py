@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -130,6 +131,8 @@ def summarize(rows: list[dict], label: str, wall_s: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # SIGTERM (a timeout, a kill) must still stop the servers this run started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.makedirs(args.out, exist_ok=True)
     targets = [parse_target(t) for t in args.target]
     servers = []
