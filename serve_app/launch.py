@@ -46,6 +46,12 @@ def direct_ingress_env(port: int, span: int = 0) -> dict[str, str]:
 # A cluster started with `ray start` gets the same through RAY_worker_niceness=0 and
 # RAY_memory_monitor_refresh_ms=0 (cluster.yaml).
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "memory_monitor_refresh_ms": 0}
+# Serve's controller kills (ray.kill) a proxy not ready within 5 s of its start, and one whose
+# health check takes 10 s: on a box whose cores are all busy a proxy starts slower than that and
+# Serve never gets one (seen: ActorDiedError in set-up, 5 of 5 runs with a CPU hog per core).
+# Read by the controller, so they go into the environment the local Ray starts with.
+SERVE_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
+                   "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
 
 
 def connect(address: str | None, namespace: str, start_local: bool,
@@ -55,6 +61,9 @@ def connect(address: str | None, namespace: str, start_local: bool,
     if ray.is_initialized():
         return
     say("starting a local Ray instance" if start_local else f"connecting to Ray at {address}")
+    if start_local:
+        for k, v in SERVE_START_ENV.items():
+            os.environ.setdefault(k, v)
     if cluster_env:
         # A local Ray's controller and proxy inherit this process's environment.
         os.environ.update(cluster_env)

@@ -165,12 +165,20 @@ def test_queued_requests_are_served_in_turn_and_a_full_queue_refuses(http, orcha
         if r.status_code == 429:
             assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "no_capacity"
 
+    # Saturation must hold until the test frees it: each stream as long as the model allows
+    # (a faster box, or a quieter moment, ends shorter streams on their own and frees slots).
+    longest = model_feed(http)["max_request_raw_tokens"] - 64
+    ceiling = orchard_config["models"][0]["max_num_seqs"]
     try:
-        while model_feed(http)["headroom_requests"] > 0 and len(streams) < 12:
-            stream = Stream(orchard_url, max_tokens=3000)
+        while model_feed(http)["headroom_requests"] > 0 and len(streams) < ceiling:
+            stream = Stream(orchard_url, max_tokens=longest)
             streams.append(stream)
             assert stream.status == 200 and stream.read_content_events(1) == 1
-        assert model_feed(http)["headroom_requests"] == 0
+        # Saturated by the learned cap or the replica's ceiling, whichever is lower, with every
+        # stream still running (not by streams that ended on their own).
+        wait_for(lambda: running(http) == len(streams) and model_feed(http)[
+            "headroom_requests"] == 0, what="saturation by the streams opened",
+            status=lambda: (len(streams), running(http), model_feed(http)))
         t_sent = time.monotonic()
         threads = [threading.Thread(target=one) for _ in range(3)]
         for t in threads:
