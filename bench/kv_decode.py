@@ -47,10 +47,12 @@ def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
 # Decode format variants: "int4:tiles" decodes packed layers through the prefill tile kernel
 # (engine/attention/cuda/packed_prefill.py), "int4:split" through engine/attention/cuda/packed_decode.py
 # (v1), "int4:v2" through the tiled engine/attention/cuda/packed_decode_v2.py; a bare name takes
-# the bench's kernel choices (KernelChoices.decode_tiles, packed_decode).
+# the bench's kernel choices (KernelChoices.decode_tiles, packed_decode). "k6v4-kivi:tiled-keys"
+# scores page keys by dequantizing them tile by tile (KernelChoices.page_key_scores off).
 DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   "split": dict(decode_tiles=False, packed_decode="v1"),
-                  "v2": dict(decode_tiles=False, packed_decode="v2")}
+                  "v2": dict(decode_tiles=False, packed_decode="v2"),
+                  "tiled-keys": dict(page_key_scores=False)}
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:

@@ -82,6 +82,10 @@ class KernelChoices:
     # Decode scores on the CPU as a BLAS GEMM on the codes (engine/attention/cpu_gemm.py)
     # instead of MLX's scalar CPU quantized_matmul: 2-3x faster there.
     cpu_code_gemm: bool = sys.byteorder == "little"
+    # Decode scores over page-key history (k6v4-kivi, int4-kivi) as matmuls on the codes with
+    # each page's channel scales folded into the queries (engine/attention/page_scores.py), where
+    # the values take quantized_matmul; off: the tiled path dequantizes every key each step.
+    page_key_scores: bool = sys.byteorder == "little"
     # Attention on the CPU (float32) takes its softmax in NumPy between MLX's GEMMs
     # (engine/attention/cpu_softmax.py): MLX's CPU exp is scalar. Off: mx.fast's SDPA for
     # prefill, mx.softmax in paged decode.

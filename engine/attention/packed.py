@@ -30,6 +30,7 @@ import mlx.core as mx
 from capacity.formats import GROUP_SIZE, KVFormat
 from engine.attention import cpu_gemm as cpu_packed_gemm
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
+from engine.attention.page_scores import page_scores
 from engine.kv.page_quant import PagePacked
 from engine.kv.quant import Packed, PackedKV, dequantize, group_of
 from engine.kv.rotation import rotate
@@ -58,6 +59,8 @@ def _qmm(x, p: Packed, bits: int, transpose: bool, dtype: mx.Dtype):
 
 def _history_scores(rows, keys: Packed, bits: int, dtype: mx.Dtype, cpu_code_gemm: bool):
     """Scores of query rows against packed history keys (B, Hkv, R, S)."""
+    if isinstance(keys, PagePacked):   # per-page scales folded into the queries (page_scores)
+        return page_scores(rows.astype(mx.float32), keys, bits)
     if cpu_code_gemm and dtype == mx.float32 and mx.default_device() == mx.cpu:
         return cpu_packed_gemm.scores(rows.astype(mx.float32), keys, bits)
     return _qmm(rows, keys, bits, True, dtype)
@@ -145,11 +148,14 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     k_new = mx.expand_dims(k_new.astype(mx.float32), 2)
     v_new = mx.expand_dims(v_new.astype(mx.float32), 2)
     act_k = act_v = None
-    # Page keys (per-page metadata: engine.kv.page_quant) are scored by the tiled path only.
-    if (not isinstance(hist.k, PagePacked)
-            and L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries)):
-        act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype, rep * L, D, kernels.gpu_qmm)
+    if L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries):
         act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D, kernels.gpu_qmm)
+        if isinstance(hist.k, PagePacked):
+            # Page keys (per-page metadata: engine.kv.page_quant) are scored by MLX matmuls on
+            # their codes (page_scores), where the values can take quantized_matmul.
+            act_k = mx.float32 if kernels.page_key_scores and act_v is not None else None
+        else:
+            act_k = _qmm_activation_dtype(fmt.k_bits, q.dtype, rep * L, D, kernels.gpu_qmm)
     if act_k is None or act_v is None:
         on_cpu = mx.default_device() == mx.cpu
         tile = tile or (512 if on_cpu else 4096)

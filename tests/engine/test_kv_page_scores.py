@@ -1,0 +1,54 @@
+"""Page-key decode scores as matmuls on the codes (engine/attention/page_scores.py): equal to
+scoring the dequantized keys, in slices or not, and through the model the same logits as the
+tiled path that dequantizes every key (KernelChoices.page_key_scores off)."""
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+
+from engine.attention.choices import DEFAULT_KERNELS
+from engine.attention.layers import counters_of, packed_layer_factory
+from engine.attention.page_scores import page_scores
+from engine.kv.page_quant import PagePacked, dequantize_pages, quantize_pages
+from engine.kv.store import KVStore
+from engine.model.loader import load_model
+from engine.runner.packed import PackedModelRunner
+from engine.sched.seq import Chunk
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("scratch", [1 << 22, 2 * 16 * 64])   # whole, and one page per slice
+def test_page_scores_equal_scores_of_the_dequantized_keys(bits, scratch):
+    B, H, R, P, T, D = 2, 3, 3, 5, 16, 64
+    k = mx.random.normal((B, H, P, T, D), key=mx.random.key(bits))
+    k = k + 8.0 * (mx.arange(D) == 5)             # an outlier channel, as real keys have
+    codes, scales, offsets = quantize_pages(k, bits)
+    keys = PagePacked(codes.reshape(B, H, P * T, -1), scales, offsets)
+    q = mx.random.normal((B, H, R, D), key=mx.random.key(7))
+    want = q @ dequantize_pages(keys, bits).swapaxes(-1, -2)
+    got = page_scores(q, keys, bits, scratch_elements=scratch)
+    assert got.shape == (B, H, R, P * T)
+    assert mx.abs(got - want).max().item() < 1e-3 * mx.abs(want).max().item()
+
+
+@pytest.mark.parametrize("fmt", ["k6v4-kivi", "int4-kivi"])
+def test_decode_through_page_scores_equals_the_tiled_path(tiny_model_dirs, fmt):
+    loaded = load_model(tiny_model_dirs["llama"])
+    pages = list(range(8))
+
+    def runner(kernels):
+        store = KVStore(loaded.geometry, len(pages), 16, loaded.dtype,
+                        layer_factory=packed_layer_factory(fmt, kernels=kernels, tail_slots=2))
+        return PackedModelRunner(loaded, store, kernels=kernels)
+
+    fast, tiled = runner(DEFAULT_KERNELS), runner(replace(DEFAULT_KERNELS, page_key_scores=False))
+    prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)[:40]
+    for r in (fast, tiled):
+        r.forward([Chunk(0, prompt, 0, pages)])
+    token = 5
+    for pos in range(len(prompt), len(prompt) + 12):   # across a page boundary (48)
+        a = fast.forward([Chunk(0, [token], pos, pages)])
+        b = tiled.forward([Chunk(0, [token], pos, pages)])
+        assert mx.abs(a - b).max().item() < 1e-4
+        token = int(mx.argmax(b[0]).item())
+    assert counters_of(fast.kvstore)["direct"] > 0
