@@ -107,13 +107,15 @@ def p50(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(rows: list[dict], label: str, wall_s: float) -> dict:
+def summarize(rows: list[dict], label: str) -> dict:
     mine = [r for r in rows if r["target"] == label]
     ok = [r for r in mine if r["status"] == 200 and r["error"] is None and r["chunk_times"]]
     later = [r for r in ok if r["turn"] >= 2]
     history = sum(r["history_tokens"] or 0 for r in later)
     cached = sum(r["cached_tokens"] or 0 for r in later)
     out_tokens = sum(r["output_tokens"] or 0 for r in ok)
+    # Each target's own span (first send to last end): targets run at once but finish apart.
+    span = (max(r["sent"] + r["done"] for r in ok) - min(r["sent"] for r in ok)) if ok else 0.0
     return {
         "turns": len(mine), "ok": len(ok), "failed": len(mine) - len(ok),
         "conversations": len({r["conversation"] for r in mine}),
@@ -124,7 +126,8 @@ def summarize(rows: list[dict], label: str, wall_s: float) -> dict:
         "cached_tokens_turns2plus": cached,
         "cached_share_of_history": cached / history if history else None,
         "output_tokens": out_tokens,
-        "output_tokens_per_s": out_tokens / wall_s if wall_s else None,
+        "span_s": span,
+        "output_tokens_per_s": out_tokens / span if span else None,
         "e2e_p50_ms": p50([r["done"] * 1000 for r in ok]),
     }
 
@@ -191,7 +194,7 @@ def run(args, targets: list[dict]) -> int:
                         "loadavg_1m_after": os.getloadavg()[0]},
                "targets": {}}
     for t in targets:
-        s = summarize(recorded["records"], t["label"], recorded["wall_s"])
+        s = summarize(recorded["records"], t["label"])
         after = metrics_sample(t["url"])["router_events"]
         s["router_events"] = {k: v - before[t["label"]].get(k, 0.0) for k, v in after.items()}
         s["replica_load"] = watch.seen[t["label"]]
