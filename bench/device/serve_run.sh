@@ -74,20 +74,23 @@ missing=$(for S in $SHAPES; do [ -f $W/models/$S-random/config.json ] || echo $S
 [ -z "$missing" ] || step shapes 240 $PY -m bench.device.shaped_models --tokenizer-from $TOK --out $W/models $missing
 for S in $SHAPES; do
   m=$W/models/$S-random; mkdir -p $W/$S
+  port=8100
   for variant in $VARIANTS; do
     label=${variant%%=*}; knobs=${variant#*=}
+    # A port of its own: the last server's socket may linger after it stopped.
+    port=$((port + 1))
     args=(--model $m)
     if [ -n "$knobs" ]; then   # engine knobs (EngineConfig) through a config file
-      printf 'http: {host: 127.0.0.1, port: 8100}\nmodels:\n  - id: %s-random\n    path: %s\n    engine: %s\n' \
-        $S $m "$knobs" > $W/$S/$label.yaml
+      printf 'http: {host: 127.0.0.1, port: %s}\nmodels:\n  - id: %s-random\n    path: %s\n    engine: %s\n' \
+        $port $S $m "$knobs" > $W/$S/$label.yaml
       args=($W/$S/$label.yaml)
     fi
     home=$(mktemp -d /tmp/orc-XXXX)   # short: Ray's socket paths live under it
     HOME=$home RAY_TMPDIR=$home ORCHARD_STEP_LOG=$W/$S/$label-steps setsid $PY -m serve_app.cli \
-      serve "${args[@]}" --host 127.0.0.1 --port 8100 > $W/$S/${label}_serve.log 2>&1 &
+      serve "${args[@]}" --host 127.0.0.1 --port $port > $W/$S/${label}_serve.log 2>&1 &
     pid=$!
-    if wait_http http://127.0.0.1:8100/health 240; then
-      load $S-$label http://127.0.0.1:8100 $S-random $label $m
+    if wait_http http://127.0.0.1:$port/health 240; then
+      load $S-$label http://127.0.0.1:$port $S-random $label $m
     else echo "== $S $label not healthy" | tee -a $W/steps.txt >&2; fi
     # Serve's own logs (a replica that failed to start says why only there).
     mkdir -p $W/$S/$label-ray-logs
