@@ -147,5 +147,7 @@ def sse_error_event(err: APIError) -> str:
     return f"data: {json.dumps(err.body())}\n\n"
 
 
-# Refusal reasons meaning "no replica exists / none is healthy" rather than "all busy".
-_UNAVAILABLE_REASONS = {"unknown_model", "capacity_unavailable", "draining"}
+# Refusal reasons meaning "no replica exists / none is healthy / none can meet the deadline"
+# rather than "all busy" (503, as the engine's deadline_unmeetable).
+_UNAVAILABLE_REASONS = {"unknown_model", "capacity_unavailable", "draining",
+                        "deadline_unreachable"}

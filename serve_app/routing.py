@@ -160,6 +160,10 @@ class CapacityRouter(LocalityMixin, RequestRouter):
             return hold
         self.stats["holds"] += 1
         self.consecutive_faults = 0
+        if self._misses_deadline(call, hold):
+            # The caching replica is cold for this deadline; the ordinary hold may rank a warm one.
+            await self._cancel_now(call.request_id)
+            return None
         return hold
 
     def _count_prefix(self, replica: RunningReplica, call: GenerateCall) -> None:
@@ -196,6 +200,14 @@ class CapacityRouter(LocalityMixin, RequestRouter):
                 if not hold.fallback:
                     self.consecutive_faults = 0
                     self.stats["holds"] += 1
+                    if self._misses_deadline(call, hold):
+                        # The cold bound of an unmeasured identity already exceeds the time
+                        # left: refuse now, with the hold cancelled, rather than serve late.
+                        await self._cancel_now(call.request_id)
+                        raise CapacityRefused(
+                            "deadline_unreachable", max(1.0, hold.predicted_ttft_s),
+                            f"first token forecast at >= {hold.predicted_ttft_s:.1f} s (cold, "
+                            f"unmeasured), beyond the request's first-token deadline")
                     return hold
                 # The client could not reach the actor and admitted locally.
                 self.stats["faults"] += 1
@@ -225,6 +237,18 @@ class CapacityRouter(LocalityMixin, RequestRouter):
                 await self._backoff(self.consecutive_faults - 1)
             finally:
                 self.waiting[call.model] -= 1
+
+    @staticmethod
+    def _misses_deadline(call: GenerateCall, hold: Any) -> bool:
+        deadline = call.deadline_monotonic()
+        return deadline is not None and hold.misses_deadline(deadline - time.monotonic())
+
+    async def _cancel_now(self, request_id: str) -> None:
+        """Settle a hold this router will not use before answering, so a refusal debits nothing."""
+        try:
+            await self.client.cancel(request_id)
+        except Exception:  # noqa: BLE001 - the actor is gone: its TTL reaper settles the hold
+            log.warning("could not cancel hold %s", request_id, exc_info=True)
 
     def _enter_fallback(self) -> None:
         self.fallback_until = time.monotonic() + self.fallback_cooldown_s
