@@ -115,7 +115,8 @@ def build(cfg: EngineConfig, *, trace: Callable[..., None] | None = None,
     factory, make_runner = store_for(kv_format, cfg, permits.permit, kernels)
     kvstore = KVStore(loaded.geometry, num_pages, cfg.page_tokens, loaded.dtype,
                       layer_factory=factory)
-    runner = make_runner(loaded, kvstore, merge_pad_tokens=cfg.merge_pad_tokens)
+    runner = make_runner(loaded, kvstore, merge_pad_tokens=cfg.merge_pad_tokens,
+                         prefill_width_bucket=cfg.prefill_width_bucket)
     head_dim = next((g.head_dim for g in loaded.geometry.layers if g.paged), 0)
     storage = storage_identity(kvstore)
     eos = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())

@@ -40,6 +40,13 @@ class EngineConfig(BaseModel):
         "may carry before the step opens another call (engine/runner/paged.py); None = where it "
         "pays: small on the CPU, where a padded token costs real time, large on Metal/CUDA, where "
         "an extra uncompiled call costs more than hundreds of padded tokens")
+    prefill_width_bucket: int | None = Field(
+        None, ge=1, description="opt-in: pad every multi-token model call (prefill chunks, "
+        "mixed calls) to a width that is a multiple of this many tokens, and let its keys span "
+        "whole pages, so calls of any prompt length share a few (queries, keys) shapes; for "
+        "backends that pay a per-shape cost (plan or kernel build) on each new shape. Padded "
+        "positions cost compute and are never written or attended. Decode steps are unchanged. "
+        "None = each call's exact width and key range")
     max_model_len: int | None = Field(None, description="most raw tokens (prompt + max_tokens) "
                                       "per request; None = the model's position limit")
     max_waiting: int = Field(1024, description="waiting-queue bound; beyond it -> overloaded")

@@ -12,6 +12,8 @@
 #
 #   SHAPES="smollm2-135m llama-3.1-8b" RATES="1:16 32:48" bench/device/serve_run.sh
 #   VARIANTS='orchard= pad16={"merge_pad_tokens":16}' PEER=0 ... bench/device/serve_run.sh
+#   VARIANTS='orchard= bucket64={"prefill_width_bucket":64}' PEER=0 ... bench/device/serve_run.sh
+#     (prefill calls padded to multiples of 64 tokens, keys to whole pages: few prefill shapes)
 # Each Orchard variant's replicas log their steps (ORCHARD_STEP_LOG, serve_app/step_log.py) to
 # <shape>/<label>-steps.<pid>.jsonl.
 #

@@ -49,14 +49,23 @@ class View:
 class StepBatch:
     """Per-forward indices shared by all layers: slots to write, pages to read, masks."""
 
-    def __init__(self, rows: list, page_tokens: int):
+    def __init__(self, rows: list, page_tokens: int, width_bucket: int | None = None):
         """`rows`: the call's rows (engine.sched.seq.Chunk, the one row shape from the scheduler);
         read here: `start` (tokens already in KV), `length` (new tokens), `page_table` (covers
-        start + length tokens)."""
+        start + length tokens).
+
+        `width_bucket` (EngineConfig.prefill_width_bucket): a multi-token call's width is
+        rounded up to a multiple of it and its keys span whole pages, so calls of different
+        lengths share a few (queries, keys) shapes (a backend that plans or compiles per shape
+        pays that once per bucket, not once per prompt length). The extra positions are padding
+        like any short row's: `valid` drops their K/V and `_mask` hides keys past each row's
+        last real token. Decode calls (width 1) are never bucketed."""
         self.rows = rows
         self.page_tokens = page_tokens
         self.size = len(rows)
-        self.width = max(r.length for r in rows)
+        longest = max(r.length for r in rows)
+        self.bucketed = width_bucket is not None and longest > 1
+        self.width = -(-longest // width_bucket) * width_bucket if self.bucketed else longest
         self.starts = np.array([r.start for r in rows], dtype=np.int64)
         self.lengths = np.array([r.length for r in rows], dtype=np.int64)
         # RoPE positions: an int for one row (as mlx-lm does), per-row offsets for a batch.
@@ -119,7 +128,9 @@ class StepBatch:
             pages[i, len(row):] = row[0]  # any live page; the mask hides it
         base = first * t
         key_slice = None
-        if self.size == 1:
+        # Bucketed calls keep whole pages: an exact range would give every prompt length its own
+        # key count, and the width's padded queries rule out mlx-lm's "causal" string mask.
+        if self.size == 1 and not self.bucketed:
             lo = 0
             if window is not None and self.lengths[0] == 1:
                 lo = max(int(ends[0]) - window, 0) - int(base[0])

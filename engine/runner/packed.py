@@ -17,8 +17,9 @@ class PackedModelRunner(ModelRunner):
     cpu_merge_pad_tokens = 32
 
     def __init__(self, loaded, kvstore, merge_pad_tokens: int | None = None,
-                 kernels: KernelChoices = DEFAULT_KERNELS):
-        super().__init__(loaded, kvstore, merge_pad_tokens, kernels)
+                 kernels: KernelChoices = DEFAULT_KERNELS,
+                 prefill_width_bucket: int | None = None):
+        super().__init__(loaded, kvstore, merge_pad_tokens, kernels, prefill_width_bucket)
         if not self.direct and any(s.packed for s in kvstore.layers.values()):
             raise KVFormatError("packed KV needs every paged layer to attend through the SDPA "
                                 "hook; this model's attention does not")

@@ -121,8 +121,14 @@ class ModelRunner:
     cpu_merge_pad_tokens = CPU_MERGE_PAD_TOKENS
 
     def __init__(self, loaded: LoadedModel, kvstore: KVStore, merge_pad_tokens: int | None = None,
-                 kernels: KernelChoices = DEFAULT_KERNELS):
+                 kernels: KernelChoices = DEFAULT_KERNELS,
+                 prefill_width_bucket: int | None = None):
         check_supported_layers(loaded)
+        if prefill_width_bucket is not None and prefill_width_bucket < 1:
+            raise ValueError(f"prefill_width_bucket must be >= 1, got {prefill_width_bucket}")
+        # Multi-token calls padded to a multiple of this width, keys to whole pages
+        # (StepBatch's `width_bucket`; EngineConfig.prefill_width_bucket). None: exact shapes.
+        self.prefill_width_bucket = prefill_width_bucket
         self.kernels = kernels
         geometry = loaded.geometry
         self.loaded = loaded
@@ -296,7 +302,7 @@ class ModelRunner:
     def _run(self, chunks: list[Chunk], last_only: bool,
              tokens: mx.array | None = None) -> mx.array:
         self.model_calls += 1
-        step = StepBatch(chunks, self.page_tokens)
+        step = StepBatch(chunks, self.page_tokens, self.prefill_width_bucket)
         step.kernel_decode = self.kernel_decode and step.width == 1
         step.kernels = self.kernels
         step.cpu_softmax = self.cpu_softmax
