@@ -7,6 +7,7 @@ can reconcile reservations whose release was lost.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,13 +63,17 @@ def model_weights(model: Any) -> tuple[int | None, float | None]:
     return (params, nbytes / params) if params else (None, None)
 
 
-# A copy of 256 MiB reads and writes 512 MiB: long enough to time, short enough for start-up.
-_BANDWIDTH_PROBE_BYTES = 256 << 20
+# A copy of 64 MiB reads and writes 128 MiB: past the caches (16 MiB measured 3-5x high on a
+# Xeon), and ~0.1 s for the whole probe on a loaded 2-core box (256 MiB took 0.5-3.6 s there:
+# on the path of a replacement replica's start-up, i.e. of recovery).
+_BANDWIDTH_PROBE_BYTES = 64 << 20
 
 
+@functools.cache
 def measure_memory_bandwidth_gbps(repeats: int = 3) -> float | None:
-    """This device's memory bandwidth in GB/s, measured: the best of a few timed array copies
-    (bytes read + written per second), so the expectation is this box's, not a spec sheet's."""
+    """This device's memory bandwidth in GB/s, measured once per process: the best of a few
+    timed array copies (bytes read + written per second), so the expectation is this box's, not
+    a spec sheet's."""
     import mlx.core as mx
 
     try:

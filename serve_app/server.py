@@ -73,10 +73,14 @@ class ModelServer:
         self.warmup_solo_tps: list[float] = []   # set by the warm-up (prepare)
         self.replica_id = _replica_id()
         self.node_id = _node_id()
-        # The engine's format and prefill mode are fixed once loaded: the identity is too.
+        # The engine's format and prefill mode are fixed once loaded: the identity is too. The
+        # model's weights and this box's measured bandwidth feed the actor's anomaly check.
+        t0 = time.monotonic()
         self.identity = ReplicaIdentity.of(self.replica_id, self.node_id, self.model_id,
                                            self.engine.format_identity,
-                                           self.engine.stats().prefill_mode)
+                                           self.engine.stats().prefill_mode,
+                                           model=self.engine.loaded.model)
+        self.startup["identity_s"] = time.monotonic() - t0
         self.capacity = CapacityLink(capacity, self) if capacity is not None else None
         self._started = False
         self.wedge_timeout_s = WEDGE_TIMEOUT_S

@@ -60,3 +60,26 @@ def test_request_meter_makes_the_telemetry_the_actor_reads():
         12, 0, 5, 5)
     assert tel.ttft_s is None and tel.tpot_s is None and tel.finish_reason == "refused:too_large"
     assert RequestMeter(1, 0).telemetry(0, None).finish_reason == "cancelled"
+
+
+def test_a_model_server_reports_its_weights_and_measured_bandwidth(tiny_llama):
+    """The anomaly check's inputs come from the replica itself: the loaded model's parameters and
+    bytes per parameter, and this box's memory bandwidth, measured at start."""
+    from mlx.utils import tree_flatten
+
+    from serve_app.app import build_local_app
+    from serve_app.config import parse_config
+
+    _, servers = build_local_app(parse_config({"models": [{"id": "m", "path": tiny_llama}]}))
+    [server] = servers.values()
+    try:
+        report = server.heartbeat_report(incarnation=1, seq=1)
+        weights = tree_flatten(server.engine.loaded.model.parameters())
+        slot = report.slots[0]
+        assert slot.active_params == sum(a.size for _, a in weights) > 0
+        assert slot.bytes_per_param == pytest.approx(
+            sum(a.nbytes for _, a in weights) / slot.active_params)
+        assert report.memory_bandwidth_gbps is not None and report.memory_bandwidth_gbps > 0
+        assert server.startup["identity_s"] >= 0
+    finally:
+        server.shutdown()
