@@ -247,9 +247,11 @@ class Fleet:
                 "anomalies": [a.__dict__ for a in self.anomalies()],
                 "outstanding_raw_tokens": self.ledger.outstanding_raw(),
                 # releases: every reservation settled, whoever settled it (the replica's release,
-                # a router's cancel, a TTL, a retired replica); once idle, holds == releases
-                # (plus reservations rebuilt from replica reports after an actor restart).
+                # a router's cancel, a TTL, a retired replica); rebuilt: reservations rebuilt
+                # from replica commits or reports without a hold here (an actor restart). Once
+                # idle, holds + rebuilt == releases.
                 "counters": {**self.counters, "releases": sum(self.ledger.outcomes.values()),
+                             "rebuilt": self.ledger.rebuilt,
                              "settled": dict(self.ledger.outcomes)}}
 
     def caps(self) -> dict:
