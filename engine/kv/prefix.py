@@ -5,7 +5,10 @@ binds the KV storage identity (per-layer formats), the model fingerprint, the te
 and the page size, so two requests can share a page only if the same model wrote the same tokens
 in the same format for the same tenant: native and packed pages, or two tenants' pages, never
 alias. Only full pages are cached (a partly filled tail page is still being written), and a hit
-always leaves at least the last prompt token to compute, because its logits are needed.
+always leaves at least the last prompt token to compute, because its logits are needed. The chain
+runs over token ids, prompt or generated alike: a finished request's reply pages (published by the
+scheduler at reclaim) continue its prompt's chain, so a chat's next turn that resends the history
+hits them; a template that re-tokenizes the reply differently only misses, it never mismatches.
 
 The cache holds one pool reference per cached page; a hit adds the request's own reference, so
 a shared page is allocated (and charged) once. Eviction frees least recently used leaves (pages
@@ -84,7 +87,8 @@ class PrefixCache:
         return found
 
     def insert(self, root: bytes, token_ids: list[int], page_table: list[int]) -> int:
-        """Register the full pages of a request whose KV for token_ids is written (retired).
+        """Register the full pages of a request whose KV for token_ids (its prompt, or prompt +
+        output up to the last token with K/V) is written by retired steps.
 
         Returns how many pages were newly cached; already-cached content is not duplicated.
         """

@@ -14,9 +14,13 @@ step are returned only by `reclaim(retired_step)` once the loop has retired that
 Prefix reuse (optional `prefix` cache + `root_of(seq)` chain root): at admission the prompt's
 cached full pages are shared into the request's table and prefill starts after them; those pages
 are not charged again. A request's full prompt pages are inserted as each prefill chunk's step
-retires (`complete`), so a long prompt shares what it has written before it finishes; when it is
-reclaimed, its pages the cache still holds move their charge to the cache. A request that does not
-fit makes the cache evict unshared pages first.
+retires (`complete`), so a long prompt shares what it has written before it finishes. A request
+that finished with output (anything but one cancelled or expired mid-prefill) also publishes, at
+reclaim (its last step retired, before its pages are released), the full pages of prompt + output
+whose K/V are written (`num_computed`: the last sampled token has none), the chain continuing over
+the output ids: a chat's next turn, which resends that history, finds the reply cached too. When a
+request is reclaimed, its pages the cache still holds move their charge to the cache (evictable as
+any cached page). A request that does not fit makes the cache evict unshared pages first.
 """
 from __future__ import annotations
 
@@ -235,6 +239,7 @@ class Scheduler:
             (freed if s.last_step <= retired_step else keep).append(s)
         self._unreclaimed = keep
         for s in freed:
+            self._publish_output_pages(s)
             owned = s.table.pages[s.shared_pages:]
             s.table.release()
             kept = sum(1 for p in owned if self.pool.refcount(p) > 0)   # still in the cache
@@ -313,6 +318,21 @@ class Scheduler:
         if self.prefix is None or s.restore is not None:
             return []
         return self.prefix.lookup(self.root_of(s), s.prompt_ids)
+
+    def _publish_output_pages(self, s: Seq) -> None:
+        """Cache the full pages of a finished request's prompt + output (called at reclaim: every
+        step that wrote its K/V has retired). Tokens below `num_computed` are exactly those whose
+        K/V were written by retired steps (a pipelined step that wrote the last sampled token of
+        a finished row is not counted), so only those pages are published. Prompt pages were
+        published as prefill retired; a request finished mid-prefill has nothing more to add."""
+        if self.prefix is None or s.prefilling or s.table is None:
+            return
+        n = min(s.num_computed, s.num_tokens - 1)
+        if n // self.pool.page_tokens <= len(s.prompt_ids) // self.pool.page_tokens:
+            return   # no full page beyond those published during prefill
+        ids = (s.prompt_ids + s.output_ids)[:n]
+        self.counters["prefix_output_pages"] += self.prefix.insert(
+            self.root_of(s), ids, s.table.pages)
 
     def _finish(self, s: Seq, reason: str) -> None:
         if s.status == RUNNING:
