@@ -111,7 +111,7 @@ def test_disconnect_mid_stream_frees_the_reservation(http, orchard_url):
 @pytest.mark.slow
 def test_saturated_fleet_refuses_with_429_and_retry_after(http, orchard_url):
     """Open long streams until the actor's cap is reached: the next one waits in the capacity
-    queue for queue_timeout_s (8 s in the fixture), then is refused cleanly."""
+    queue for queue_timeout_s (3 s in the fixture), then is refused cleanly."""
     wait_for_settled_caps(http)
     streams, refused = [], None
     try:
@@ -192,9 +192,7 @@ def test_queued_requests_are_served_in_turn_and_a_full_queue_refuses(http, orcha
                  status=lambda: (results, ray.get(actor.info.remote())["waits"], len(streams),
                                  running(http)))
         [(status, refused_at)] = results
-        # Refused because the queue was full, not by the queue timeout.
-        queue_timeout = orchard_config["capacity"]["queue_timeout_s"]
-        assert status == 429 and refused_at - t_sent < queue_timeout - 2, results
+        assert status == 429 and refused_at - t_sent < 2.5, results   # not the 3 s queue timeout
         t_freed = time.monotonic()
         for stream in streams[:2]:   # room for both queued requests
             stream.close()
