@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pydantic import Field, PositiveInt
+from pydantic import Field
 
 from capacity.identity import ExecutionKey
 from capacity.rates import RateRegistry
@@ -43,16 +43,12 @@ class CapConfig(Section):
     fallback_concurrency: int = 4    # native with neither samples nor seed
     # Native solo tok/s seeds: "model" or "model@chip_class" -> tok/s. Never used for quantized.
     native_seeds: dict[str, float] = Field(default_factory=dict)
-    # Model id -> a cap stated instead of learned, for every identity of that model (a test
-    # that must not depend on the machine's speed, or an operator pinning one); never above
-    # the replica's ceiling.
-    fixed_caps: dict[str, PositiveInt] = Field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class CapDecision:
     cap: int
-    source: str     # solo | seed | step_profile | undersampled | fallback | uncalibrated | invalid | fixed
+    source: str               # solo | seed | undersampled | fallback | uncalibrated | invalid
     solo_tps: float | None
     k: float
 
@@ -96,8 +92,6 @@ def resolve_cap(rates: RateRegistry, key: ExecutionKey, ceiling: int,
     if key.is_invalid:
         return CapDecision(1, "invalid", None, k)
     solo, n = rates.solo_median(key)
-    if key.model in cfg.fixed_caps:
-        return CapDecision(min(ceiling, cfg.fixed_caps[key.model]), "fixed", solo, k)
     if solo is not None and n >= max(1, cfg.min_solo_samples):
         return CapDecision(cap(solo), "solo", solo, k)
     if key.is_quantized:

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt,
-                      ValidationError, ValidationInfo, field_serializer, field_validator,
-                      model_validator)
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PositiveFloat, ValidationError,
+                      ValidationInfo, field_serializer, field_validator, model_validator)
 
 from capacity.caps import CapConfig
 from capacity.fleet import FleetConfig
@@ -221,10 +220,6 @@ class CapacitySettings(_Strict):
         _CAPS.ttft_objective_s, gt=0, description="TTFT objective: a request queued for "
         "capacity half this long is admitted above the learned cap (up to max_num_seqs, memory permitting) rather than "
         "miss it; null = never above the cap (queue, then 429)")
-    fixed_caps: dict[str, PositiveInt] = Field(
-        default_factory=dict, description="model id -> a concurrency cap per replica stated "
-        "instead of learned (at most the model's max_num_seqs), e.g. for a test that must not "
-        "depend on the machine's speed; {} = every cap learned. Applies when the actor is created")
 
     def actor_config(self) -> dict | None:
         """The capacity actor's FleetConfig sections these settings set (None: defaults), in
@@ -233,7 +228,7 @@ class CapacitySettings(_Strict):
         caps = {}
         if self.decode_floor_tps is not None:
             caps["floor_tps"] = self.decode_floor_tps
-        for name in ("max_slowdown", "ttft_objective_s", "fixed_caps"):
+        for name in ("max_slowdown", "ttft_objective_s"):
             if name in self.model_fields_set:
                 caps[name] = getattr(self, name)
         if not caps:
@@ -301,13 +296,6 @@ class OrchardConfig(_Strict):
         unknown = set(self.kv.overrides) - seen
         if unknown:
             raise ValueError(f"kv.overrides: no model with id {sorted(unknown)[0]!r}")
-        for model_id, cap in self.capacity.fixed_caps.items():
-            m = self.model(model_id)
-            if m is None:
-                raise ValueError(f"capacity.fixed_caps.{model_id}: no model with that id")
-            if cap > m.max_num_seqs:
-                raise ValueError(f"capacity.fixed_caps.{model_id}: {cap} is above the model's "
-                                 f"max_num_seqs ({m.max_num_seqs}), the replica's ceiling")
         return self
 
     def replica_env_vars(self) -> dict[str, str]:

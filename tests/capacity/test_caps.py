@@ -103,25 +103,3 @@ def test_native_starts_from_the_engines_step_profile_and_quantized_does_not():
     dq = resolve_cap(reg, q, 16, CapConfig())
     assert (dq.cap, dq.source, dq.stretchable) == (1, "uncalibrated", False)
     assert dq.k == pytest.approx(fit.k)      # its own profile prices k once it may grow
-
-
-def test_a_fixed_cap_replaces_the_learned_one_within_the_ceiling():
-    reg = RateRegistry()
-    _solo(reg, NATIVE_KEY, 50, 95.7)                       # would learn 16 at ceiling 24
-    _solo(reg, INT4_KEY, 50, 76.0)
-    cfg = CapConfig(fixed_caps={"m": 3})
-    for key in (NATIVE_KEY, INT4_KEY, ExecutionKey.make("m", "M3|Pro", INT4)):  # uncalibrated too
-        d = resolve_cap(reg, key, 24, cfg)
-        assert (d.cap, d.source) == (3, "fixed")
-    assert resolve_cap(reg, NATIVE_KEY, 2, cfg).cap == 2          # never above the ceiling
-    assert resolve_cap(reg, NATIVE_KEY, 24, CapConfig(fixed_caps={"other": 3})).cap == 16
-    assert resolve_cap(reg, ExecutionKey.make("m", "M4|Max", "kvq-v1:bad"), 24, cfg).cap == 1
-
-
-@pytest.mark.parametrize("bad", [0, -2, "many"])
-def test_a_fixed_cap_below_one_is_refused_naming_the_field(bad):
-    from capacity.errors import ConfigInvalid
-    from capacity.fleet import FleetConfig
-
-    with pytest.raises(ConfigInvalid, match=r"caps\.fixed_caps\.m"):
-        FleetConfig.from_dict({"caps": {"fixed_caps": {"m": bad}}})

@@ -153,11 +153,7 @@ def test_queued_requests_are_served_in_turn_and_a_full_queue_refuses(http, orcha
     import ray
 
     actor = ray.get_actor("capacity", namespace=orchard_config["capacity"]["namespace"])
-    # The cap the fixture states (never a learned one, which moves with the machine's load).
-    cap = orchard_config["capacity"]["fixed_caps"][TEST_MODEL]
-    wait_for(lambda: idle(http) and [(i["cap"], i["cap_source"]) for i in model_feed(http)[
-        "identities"]] == [(cap, "fixed")], what="idle, at the stated cap",
-        status=lambda: model_feed(http))
+    wait_for_settled_caps(http)
     streams = []
     results: list[tuple[int, float]] = []     # (status, monotonic time the reply arrived)
 
@@ -172,13 +168,14 @@ def test_queued_requests_are_served_in_turn_and_a_full_queue_refuses(http, orcha
     # Saturation must hold until the test frees it: each stream as long as the model allows
     # (a faster box, or a quieter moment, ends shorter streams on their own and frees slots).
     longest = model_feed(http)["max_request_raw_tokens"] - 64
+    ceiling = orchard_config["models"][0]["max_num_seqs"]
     try:
-        while model_feed(http)["headroom_requests"] > 0 and len(streams) < cap:
+        while model_feed(http)["headroom_requests"] > 0 and len(streams) < ceiling:
             stream = Stream(orchard_url, max_tokens=longest)
             streams.append(stream)
             assert stream.status == 200 and stream.read_content_events(1) == 1
-        # Saturated by the cap (or by KV bytes first), with every stream still running (not by
-        # streams that ended on their own).
+        # Saturated by the learned cap or the replica's ceiling, whichever is lower, with every
+        # stream still running (not by streams that ended on their own).
         wait_for(lambda: running(http) == len(streams) and model_feed(http)[
             "headroom_requests"] == 0, what="saturation by the streams opened",
             status=lambda: (len(streams), running(http), model_feed(http)))
@@ -188,9 +185,7 @@ def test_queued_requests_are_served_in_turn_and_a_full_queue_refuses(http, orcha
             t.start()
         # The ordering the test needs: one refused, two waiting at the actor, nothing served.
         wait_for(lambda: len(results) == 1 and ray.get(actor.info.remote())["waiting"] == 2,
-                 timeout_s=30, what="one refusal and two queued holds",
-                 status=lambda: (results, ray.get(actor.info.remote())["waits"], len(streams),
-                                 running(http)))
+                 timeout_s=30, what="one refusal and two queued holds")
         [(status, refused_at)] = results
         assert status == 429 and refused_at - t_sent < 2.5, results   # not the 3 s queue timeout
         t_freed = time.monotonic()

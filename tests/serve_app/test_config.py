@@ -71,23 +71,11 @@ def test_kv_format_precedence_model_then_override_then_default():
      "capacity.max_queued"),
     ({"models": [{"id": "m", "path": "/x"}], "capacity": {"decode_floor_tps": 0}},
      "capacity.decode_floor_tps"),
-    ({"models": [{"id": "m", "path": "/x"}], "capacity": {"fixed_caps": {"m": 0}}},
-     "capacity.fixed_caps.m"),
-    ({"models": [{"id": "m", "path": "/x", "max_num_seqs": 4}],
-      "capacity": {"fixed_caps": {"m": 5}}}, "capacity.fixed_caps.m"),
-    ({"models": [{"id": "m", "path": "/x"}], "capacity": {"fixed_caps": {"zz": 2}}},
-     "capacity.fixed_caps.zz"),
 ])
 def test_invalid_config_names_the_field(data, field):
     with pytest.raises(ConfigError) as e:
         parse_config(data, source="c.yaml")
     assert f"c.yaml: {field}" in str(e.value) or f"{field}:" in str(e.value), str(e.value)
-
-
-def test_a_fixed_cap_reaches_the_actor_config():
-    cfg = parse_config({"models": [{"id": "m", "path": "/x", "max_num_seqs": 4}],
-                        "capacity": {"fixed_caps": {"m": 4}}})
-    assert cfg.capacity.actor_config() == {"caps": {"fixed_caps": {"m": 4}}}
 
 
 def test_load_config_resolves_relative_model_path(tmp_path):
