@@ -1,7 +1,10 @@
 """Small helpers for tests that drive the real Engine on a tiny model."""
 import asyncio
+import json
 import random
 import time
+
+import pytest
 
 from engine.config import EngineConfig
 from engine import Engine
@@ -17,6 +20,15 @@ def make_engine(model_dir, pages=64, trace=None, **kw):
                   trace=trace)
 
 
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    """A tiny-llama engine without prefix caching (32 pages, 16-token steps): the reference a
+    caching engine's tokens are compared with. A test module uses it by importing it."""
+    eng = make_engine(tiny_llama, pages=32, max_step_tokens=16)
+    yield eng
+    eng.shutdown()
+
+
 def prompt(n, seed=0):
     rng = random.Random(seed)
     return [rng.randrange(3, 380) for _ in range(n)]
@@ -27,6 +39,12 @@ def req(rid, n_prompt=8, pseed=0, deadline=None, **params):
     params.setdefault("temperature", 0.0)
     return GenerationRequest(rid, prompt(n_prompt, pseed), SamplingParams(**params),
                              first_token_deadline=deadline)
+
+
+def greq(rid, ids, max_tokens=6, tenant=None):
+    """A greedy request over the given prompt ids that ignores EOS (always max_tokens long)."""
+    return GenerationRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                      ignore_eos=True), tenant=tenant)
 
 
 async def collect(eng, r, stop_after=None):
@@ -56,13 +74,50 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def wait_idle(eng, timeout=10.0):
-    """Stats are published by the engine thread; wait until it reports nothing held."""
+def wait_stats(eng, predicate=None, timeout=10.0, **want):
+    """Stats are published by the engine thread: poll them until `predicate(stats)` holds and
+    every `want` field has its value; returns those stats."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         s = eng.stats()
-        if (s.num_requests_running == 0 and s.num_requests_waiting == 0
-                and s.kv_pages_used == 0 and s.kv_bytes_reserved == 0):
+        if (predicate is None or predicate(s)) and all(getattr(s, k) == v
+                                                       for k, v in want.items()):
             return s
         time.sleep(0.01)
-    raise AssertionError(f"engine not idle: {eng.stats()}")
+    raise AssertionError(f"stats never reached {want or predicate}: {eng.stats()}")
+
+
+def wait_idle(eng, timeout=10.0):
+    """Wait until the engine reports nothing held."""
+    return wait_stats(eng, timeout=timeout, num_requests_running=0, num_requests_waiting=0,
+                      kv_pages_used=0, kv_bytes_reserved=0)
+
+
+# LFM2 (short convolutions + attention): a hybrid with per-sequence recurrent state.
+LFM2 = dict(model_type="lfm2", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, norm_eps=1e-5,
+            conv_bias=False, conv_L_cache=3, block_dim=128, block_multiple_of=32,
+            block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True, block_ff_dim=256,
+            layer_types=["conv", "full_attention", "conv", "full_attention"], eos_token_id=0)
+
+
+def random_model(out, config, weight_scale=1.0):
+    """A tiny random-weight mlx-lm model of `config` (seed 0; matrices times `weight_scale`)
+    with an offline tokenizer, written to the directory `out`, which it returns."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from bench.synthetic import SPECIAL_TOKENS, build_tokenizer
+
+    build_tokenizer(out)
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    config = {**config, "vocab_size": len(vocab) + len(SPECIAL_TOKENS)}
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    params = {k: (v * weight_scale if weight_scale != 1.0 and v.ndim >= 2 else v)
+              for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), params)
+    (out / "config.json").write_text(json.dumps(config))
+    return out

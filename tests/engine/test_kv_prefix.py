@@ -6,16 +6,11 @@ import asyncio
 import pytest
 
 from engine.kv.prefix import chain_root
-from tests.engine_helpers import PAGE_BYTES_LLAMA, collect, make_engine, prompt, run, tokens
-from engine.request import GenerationRequest
-from engine.sampling.params import SamplingParams
+from tests.engine_helpers import (PAGE_BYTES_LLAMA, collect, greq, make_engine, prompt, run,
+                                  tokens, wait_stats)
+from tests.engine_helpers import plain  # noqa: F401 - a fixture
 
 SHARED = prompt(32, seed=7)                    # two full 16-token pages
-
-
-def greq(rid, ids, max_tokens=6, tenant=None):
-    return GenerationRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                      ignore_eos=True), tenant=tenant)
 
 
 class Trace:
@@ -29,24 +24,6 @@ class Trace:
         return next(f for e, f in self.events if e == "admit" and f["request"] == rid)
 
 
-def wait_for(eng, **want):
-    import time
-    end = time.monotonic() + 10
-    while time.monotonic() < end:
-        s = eng.stats()
-        if all(getattr(s, k) == v for k, v in want.items()):
-            return s
-        time.sleep(0.01)
-    raise AssertionError(f"stats never reached {want}: {eng.stats()}")
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llama):
-    eng = make_engine(tiny_llama, pages=32, max_step_tokens=16)
-    yield eng
-    eng.shutdown()
-
-
 @pytest.mark.parametrize("fmt", ["native", "int8"])
 def test_hit_skips_cached_pages_and_generates_the_same_tokens(tiny_llama, plain, fmt):
     trace = Trace()
@@ -58,7 +35,7 @@ def test_hit_skips_cached_pages_and_generates_the_same_tokens(tiny_llama, plain,
         first, second = SHARED + prompt(9, seed=1), SHARED + prompt(5, seed=2)
         miss = run(collect(eng, greq("x", first)))
         assert miss[-1].usage.cached_tokens == 0
-        s = wait_for(eng, num_requests_running=0, prefix_cache_pages=2)
+        s = wait_stats(eng, num_requests_running=0, prefix_cache_pages=2)
         page_bytes = s.kv_bytes_total // s.kv_pages_total
         # Idle: only the cache holds pages, charged to it, but evictable: not reserved for routing.
         assert s.kv_pages_used == 2 and s.prefix_cache_bytes == 2 * page_bytes
@@ -71,7 +48,7 @@ def test_hit_skips_cached_pages_and_generates_the_same_tokens(tiny_llama, plain,
         cm = eng.cost_model()
         assert trace.admit("y")["charged"] == cm.charge_bytes(37 + 6) - 2 * page_bytes
         assert trace.admit("x")["charged"] == cm.charge_bytes(41 + 6)
-        s = wait_for(eng, num_requests_running=0)
+        s = wait_stats(eng, num_requests_running=0)
         assert s.prefix_hits_total == 1 and s.prefix_hit_tokens_total == 32
         assert s.prompt_tokens_total == 41 + 37 - 32           # the hit computed 5 tokens
     finally:
@@ -88,9 +65,9 @@ def test_tenants_and_formats_never_share(tiny_llama):
     try:
         ids = SHARED + [5, 6, 7]
         assert run(collect(eng, greq("a", ids)))[-1].usage.cached_tokens == 0
-        wait_for(eng, num_requests_running=0)
+        wait_stats(eng, num_requests_running=0)
         assert run(collect(eng, greq("b", ids, tenant="t2")))[-1].usage.cached_tokens == 0
-        wait_for(eng, num_requests_running=0)
+        wait_stats(eng, num_requests_running=0)
         assert run(collect(eng, greq("c", ids)))[-1].usage.cached_tokens == 32      # t1 again
         assert run(collect(eng, greq("d", ids, tenant="t2")))[-1].usage.cached_tokens == 32
         # Another format is another storage identity, hence another chain root.
@@ -111,11 +88,11 @@ def test_short_of_pages_evicts_and_nothing_leaks(tiny_llama):
     try:
         for i in range(3):
             run(collect(eng, greq(f"fill{i}", prompt(33, seed=20 + i), max_tokens=2)))
-        s = wait_for(eng, num_requests_running=0, prefix_cache_pages=6)
+        s = wait_stats(eng, num_requests_running=0, prefix_cache_pages=6)
         assert s.prefix_cache_bytes == 6 * PAGE_BYTES_LLAMA and s.kv_bytes_reserved == 0
         big = run(collect(eng, greq("big", prompt(90, seed=30), max_tokens=10)))
         assert big[-1].finish_reason == "length"
-        s = wait_for(eng, num_requests_running=0)
+        s = wait_stats(eng, num_requests_running=0)
         assert s.prefix_evicted_pages_total >= 5
         assert s.prefix_cache_bytes == s.prefix_cache_pages * PAGE_BYTES_LLAMA
         assert s.kv_pages_used == s.prefix_cache_pages == s.prefix_cache_evictable_pages
@@ -126,9 +103,9 @@ def test_short_of_pages_evicts_and_nothing_leaks(tiny_llama):
                                         collect(eng, greq("s2", ids[:40] + [9], 3)))
         a, b = run(concurrent())
         assert a[-1].usage.cached_tokens + b[-1].usage.cached_tokens >= 32
-        wait_for(eng, num_requests_running=0)
+        wait_stats(eng, num_requests_running=0)
         eng.evict_prefix_cache()
-        s = wait_for(eng, kv_pages_used=0, kv_bytes_reserved=0, prefix_cache_pages=0,
+        s = wait_stats(eng, kv_pages_used=0, kv_bytes_reserved=0, prefix_cache_pages=0,
                      prefix_cache_bytes=0)
         assert s.kv_raw_tokens_reserved == 0 and s.kv_workspace_bytes == 0
     finally:

@@ -10,8 +10,9 @@ from engine.kv.prefix import PrefixCache, chain_root
 from engine.sampling.params import SamplingParams
 from engine.sched.scheduler import Scheduler
 from engine.sched.seq import Seq
-from tests.engine_helpers import PAGE_BYTES_LLAMA, collect, make_engine, prompt, run, tokens
-from tests.engine.test_kv_prefix import greq, wait_for
+from tests.engine_helpers import (PAGE_BYTES_LLAMA, collect, greq, make_engine, prompt, run,
+                                  tokens, wait_stats)
+from tests.engine_helpers import plain  # noqa: F401 - a fixture
 from tests.scheduler_helpers import BPT, PAGE
 
 # ---- scheduler level (no model) ---------------------------------------------------------------
@@ -111,13 +112,6 @@ def test_cancelled_mid_prefill_publishes_no_more_than_its_prompt_pages():
 # ---- through the Engine (tiny llama, 16-token pages) ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def plain(tiny_llama):
-    eng = make_engine(tiny_llama, pages=32, max_step_tokens=16)
-    yield eng
-    eng.shutdown()
-
-
 @pytest.mark.parametrize("fmt", ["native", "int8"])
 def test_next_turn_hits_the_reply_pages(tiny_llama, plain, fmt):
     eng = make_engine(tiny_llama, pages=32, max_step_tokens=16, kv_format=fmt,
@@ -130,12 +124,12 @@ def test_next_turn_hits_the_reply_pages(tiny_llama, plain, fmt):
         reply = tokens(turn1)
         assert len(reply) == 30
         # 20 + 30 tokens, 49 with K/V written: 3 full pages (1 of prompt, 2 reaching the reply).
-        wait_for(eng, num_requests_running=0, prefix_cache_pages=3)
+        wait_stats(eng, num_requests_running=0, prefix_cache_pages=3)
         second = first + reply + prompt(7, seed=42)
         turn2 = run(collect(eng, greq("turn2", second, max_tokens=8)))
         assert turn2[-1].usage.cached_tokens == 48 and turn2[-1].usage.prompt_tokens == 57
         assert tokens(turn2) == tokens(run(collect(ref, greq("turn2-ref", second, max_tokens=8))))
-        wait_for(eng, num_requests_running=0)
+        wait_stats(eng, num_requests_running=0)
         other = run(collect(eng, greq("other", second, max_tokens=8, tenant="t2")))
         assert other[-1].usage.cached_tokens == 0
         assert tokens(other) == tokens(turn2)
@@ -151,17 +145,17 @@ def test_output_pages_are_evicted_under_pressure_and_never_leak(tiny_llama):
     eng = make_engine(tiny_llama, pages=8, max_step_tokens=16, enable_prefix_caching=True)
     try:
         run(collect(eng, greq("turn1", prompt(20, seed=43), max_tokens=30)))
-        s = wait_for(eng, num_requests_running=0, prefix_cache_pages=3)
+        s = wait_stats(eng, num_requests_running=0, prefix_cache_pages=3)
         assert s.kv_pages_used == 3 == s.prefix_cache_evictable_pages
         assert s.prefix_cache_bytes == 3 * PAGE_BYTES_LLAMA and s.kv_bytes_reserved == 0
         big = run(collect(eng, greq("big", prompt(90, seed=44), max_tokens=10)))
         assert big[-1].finish_reason == "length"
-        s = wait_for(eng, num_requests_running=0)
+        s = wait_stats(eng, num_requests_running=0)
         assert s.prefix_evicted_pages_total >= 2
         assert s.prefix_cache_bytes == s.prefix_cache_pages * PAGE_BYTES_LLAMA
         assert s.kv_pages_used == s.prefix_cache_pages == s.prefix_cache_evictable_pages
         eng.evict_prefix_cache()
-        s = wait_for(eng, kv_pages_used=0, kv_bytes_reserved=0, prefix_cache_pages=0,
+        s = wait_stats(eng, kv_pages_used=0, kv_bytes_reserved=0, prefix_cache_pages=0,
                      prefix_cache_bytes=0)
         assert s.kv_raw_tokens_reserved == 0 and s.kv_workspace_bytes == 0
     finally:

@@ -2,41 +2,21 @@
 per-sequence state while attention layers are paged, batched with rows of other lengths."""
 from __future__ import annotations
 
-import json
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import _get_classes
 
 from engine.kv.store import KVStore
 from engine.model.loader import load_model
 from engine.runner.paged import ModelRunner
 from engine.sched.seq import Chunk
-from bench.synthetic import SPECIAL_TOKENS, build_tokenizer
-
-LFM2 = dict(model_type="lfm2", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, norm_eps=1e-5,
-            conv_bias=False, conv_L_cache=3, block_dim=128, block_multiple_of=32,
-            block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True, block_ff_dim=256,
-            layer_types=["conv", "full_attention", "conv", "full_attention"], eos_token_id=0)
+from tests.engine_helpers import LFM2, random_model
 
 
 @pytest.fixture(scope="module")
 def lfm2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lfm2")
-    build_tokenizer(out)
-    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
-    config = {**LFM2, "vocab_size": len(vocab) + len(SPECIAL_TOKENS)}
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(config))
-    params = {k: (v * 2.0 if v.ndim >= 2 else v) for k, v in tree_flatten(model.parameters())}
-    mx.save_safetensors(str(out / "model.safetensors"), params)
-    (out / "config.json").write_text(json.dumps(config))
-    return load_model(out)
+    return load_model(random_model(tmp_path_factory.mktemp("lfm2"), LFM2, weight_scale=2.0))
 
 
 def test_geometry_marks_conv_layers_recurrent_and_unpaged(lfm2):

@@ -3,20 +3,16 @@ model cannot store is refused when the engine is built (before any KV memory is 
 before the replica's warm-up forward), and a recurrent model's per-sequence state is charged."""
 from __future__ import annotations
 
-import json
-
 import mlx.core as mx
 import mlx_lm.models.llama as llama_module
 import pytest
-from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes
 
-from bench.synthetic import SPECIAL_TOKENS, build_tiny_model, build_tokenizer
+from bench.synthetic import build_tiny_model
 from capacity.formats import KVFormatError
 from engine import Engine
 from engine.config import EngineConfig
-from tests.engine.test_runner_recurrent import LFM2
-from tests.engine_helpers import collect, req, run, started, tokens, wait_idle
+from tests.engine_helpers import (LFM2, collect, random_model, req, run, started, tokens,
+                                  wait_idle)
 
 BUDGET = 1 << 22
 
@@ -39,19 +35,6 @@ RECURRENT_GEMMA = dict(model_type="recurrent_gemma", attention_bias=False, conv1
                        num_attention_heads=2, num_hidden_layers=2, num_key_value_heads=1,
                        rms_norm_eps=1e-6, rope_theta=10000.0, attention_window_size=16,
                        block_types=["recurrent", "attention"], lru_width=128, eos_token_id=0)
-
-
-def random_model(out, config):
-    """A tiny random-weight mlx-lm model of `config` with an offline tokenizer in `out`."""
-    build_tokenizer(out)
-    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
-    config = {**config, "vocab_size": len(vocab) + len(SPECIAL_TOKENS)}
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(config))
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,12 @@
 """Prefix affinity's view of the caches, on a real engine: a replica's report lets the router find
 the longest cached prefix of a request for the same tenant, never another tenant's pages, and
 pages it routed count until a later report supersedes them."""
-import time
-
 import pytest
 
 from engine.request import GenerationRequest
 from engine.sampling.params import SamplingParams
 from serve_app.prefix_affinity import PrefixIndex, PrefixReport
-from tests.engine_helpers import collect, make_engine, prompt, run
+from tests.engine_helpers import collect, make_engine, prompt, run, wait_stats
 
 PAGE = 16
 
@@ -27,17 +25,10 @@ def serve(eng, rid, ids, tenant):
                                               tenant=tenant)))
 
 
-def cached_pages(eng, want):
-    end = time.monotonic() + 10
-    while eng.stats().prefix_cache_pages < want:
-        assert time.monotonic() < end, eng.stats()
-        time.sleep(0.01)
-
-
 def test_longest_prefix_found_for_its_tenant_only(engine):
     history = prompt(5 * PAGE + 3, seed=11)
     serve(engine, "t1", history, tenant="alice")
-    cached_pages(engine, 5)
+    wait_stats(engine, lambda s: s.prefix_cache_pages >= 5)
     index = PrefixIndex()
     index.observe("r-a", PrefixReport(engine)())
     index.observe("r-b", None)    # prefix caching off there: never preferred
