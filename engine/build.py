@@ -71,6 +71,8 @@ def build(cfg: EngineConfig, *, trace: Callable[..., None] | None = None,
 
     if cfg.compiled_decode is not None:   # the engine config overrides the backend default
         kernels = replace(kernels, compiled_decode=cfg.compiled_decode)
+    if cfg.prefill_attention != "auto":
+        kernels = replace(kernels, prefill_attention=cfg.prefill_attention)
 
     # Policy before any weights are read: an unknown value refuses the load (no fallback).
     kv_format = resolve_kv_format(cfg.model, cfg.kv_format, cfg.kv_format_overrides)

@@ -56,6 +56,11 @@ class EngineConfig(BaseModel):
     compiled_decode: bool | None = Field(
         None, description="decode steps through one compiled graph per shape "
         "(engine/runner/compiled_decode.py); None = where the CUDA decode kernel runs")
+    prefill_attention: Literal["auto", "fast", "ops"] = Field(
+        "auto", description="how multi-token calls attend (KernelChoices.prefill_attention): "
+        "'fast' = mx.fast SDPA (cuDNN on CUDA: one plan build per new shape), 'ops' = MLX "
+        "matmuls and softmax (no per-shape build; long calls still take 'fast'), 'auto' = "
+        "'ops' on CUDA, 'fast' elsewhere")
     tenant: str = Field("default", description="label carried in stats and telemetry")
     rate_ewma_alpha: float = Field(0.2, description="smoothing of measured prefill/decode rates "
                                    "used for first-token deadline forecasts")

@@ -93,11 +93,21 @@ class KernelChoices:
     # The same for mlx-lm's SwiGLU activation (engine/model/cpu_swiglu.py): MLX's CPU sigmoid
     # is scalar too. Off: mlx-lm's compiled swiglu.
     cpu_swiglu: bool = True
+    # How multi-token (prefill) calls attend over gathered pages: "fast" (mx.fast's SDPA: cuDNN
+    # on CUDA, which builds an execution plan per (queries, keys, mask) shape, tens of ms each,
+    # nearly every served prefill step), "ops" (engine/attention/ops_prefill.py: two matmuls and
+    # a softmax, no per-shape build, calls up to OPS_SCORE_ELEMENTS scores; longer ones take
+    # "fast"), or "auto": "ops" on CUDA, "fast" elsewhere (Metal's SDPA has no per-shape plan;
+    # the CPU takes cpu_softmax). `bench.device.prefill_shapes` measures them.
+    prefill_attention: str = "auto"
 
     def __post_init__(self):
         if self.prefill_path not in PREFILL_PATHS:
             raise ValueError(f"prefill_path must be one of {PREFILL_PATHS}, "
                              f"got {self.prefill_path!r}")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention must be one of {PREFILL_ATTENTION}, "
+                             f"got {self.prefill_attention!r}")
         if self.packed_decode not in PACKED_DECODE_KERNELS:
             raise ValueError(f"packed_decode must be one of {PACKED_DECODE_KERNELS}, "
                              f"got {self.packed_decode!r}")
@@ -105,6 +115,7 @@ class KernelChoices:
 
 PACKED_DECODE_KERNELS = ("v1", "v2")
 PREFILL_PATHS = ("tiles", "dequant")
+PREFILL_ATTENTION = ("auto", "fast", "ops")
 
 
 DEFAULT_KERNELS = KernelChoices()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from engine.attention import cpu_softmax
+from engine.attention import cpu_softmax, ops_prefill
 from engine.attention.choices import DEFAULT_KERNELS
 from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.kv.store import LayerStore, Slots
@@ -92,6 +92,9 @@ class StepBatch:
         # Set by the runner: attention's softmax runs in NumPy (engine/attention/cpu_softmax.py;
         # CPU backend, float32 pages, KernelChoices.cpu_softmax).
         self.cpu_softmax = False
+        # Set by the runner: multi-token calls attend through MLX ops (ops_prefill.py) where
+        # their scores fit, instead of mx.fast's SDPA (KernelChoices.prefill_attention).
+        self.prefill_ops = False
         self._ends: mx.array | None = None
         self.longest = int((self.starts + self.lengths).max())   # keys of the longest row
 
@@ -310,6 +313,8 @@ class PagedLayerCache:
         if self.step.cpu_softmax and sinks is None and queries.shape[2] > 1:
             return cpu_softmax.prefill_attention(queries, k, v, scale,
                                                  self.step.sdpa_mask(self.view))
+        if self.step.prefill_ops and sinks is None and ops_prefill.use_ops(queries, k):
+            return ops_prefill.ops_attention(queries, k, v, scale, self.step.sdpa_mask(self.view))
         return mx.fast.scaled_dot_product_attention(
             queries, k, v, scale=scale, mask=self.step.sdpa_mask(self.view), sinks=sinks)
 

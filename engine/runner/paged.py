@@ -153,6 +153,11 @@ class ModelRunner:
             install_swiglu_hook(loaded.model)
         self.direct = self._hook_reaches_every_layer()
         self.kernel_decode = kernels.decode_kernel and self._kernel_decode_fits()
+        # Multi-token calls attend through MLX ops instead of mx.fast's SDPA (KernelChoices.
+        # prefill_attention; "auto": on CUDA, where SDPA builds a cuDNN plan per shape).
+        self.prefill_ops = (kernels.prefill_attention == "ops"
+                            or (kernels.prefill_attention == "auto"
+                                and cuda_paged_decode.available()))
         # Per paged layer, what its step cache is made of (class, store, window), looked up
         # once instead of per layer and step; None for layers whose state is not paged.
         self.layer_caches = [(self.cache_class(i), kvstore.layer(i), w) if i in self._paged
@@ -306,6 +311,7 @@ class ModelRunner:
         step.kernel_decode = self.kernel_decode and step.width == 1
         step.kernels = self.kernels
         step.cpu_softmax = self.cpu_softmax
+        step.prefill_ops = self.prefill_ops
         if tokens is not None and step.width == 1:
             inputs = tokens.reshape(-1, 1).astype(mx.int32)
         else:

@@ -1,0 +1,52 @@
+"""Multi-token attention as plain MLX ops (two matmuls and a softmax), for backends whose fast
+SDPA pays a build per shape.
+
+On CUDA, `mx.fast.scaled_dot_product_attention` sends every multi-row call (bf16/fp16, head
+dim <= 128) to cuDNN, and MLX keeps cuDNN's execution plans in an LRU keyed on the exact query,
+key and mask shapes. A served prefill step has a new (queries, keys) pair almost every time
+(prompt lengths and histories differ), so it builds a plan almost every step: tens of ms of
+host time, whatever the step's length. These ops have no plan to build (cuBLAS matmuls and
+MLX's own softmax kernel), so a new shape costs what its arithmetic costs. The score matrix is
+materialised, which is why `use_ops` keeps long calls on the fast path (flash attention keeps
+its memory linear).
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+# The most scores ([B, Hq, L, S] elements) one call materialises through ops: 64 Mi elements,
+# 128 MiB in bf16. Longer calls take mx.fast's SDPA, whose plan build is then a small share
+# of the call.
+OPS_SCORE_ELEMENTS = 1 << 26
+
+_LOWEST = {t: mx.finfo(t).min for t in (mx.float32, mx.float16, mx.bfloat16)}
+
+
+def use_ops(q: mx.array, k: mx.array, limit: int | None = None) -> bool:
+    """Whether a multi-token call of q [B, Hq, L, D] against k [B, Hkv, S, D] stays under the
+    score budget of the ops path (`limit`, default OPS_SCORE_ELEMENTS)."""
+    b, hq, n, _ = q.shape
+    limit = OPS_SCORE_ELEMENTS if limit is None else limit
+    return n > 1 and b * hq * n * k.shape[2] <= limit
+
+
+def ops_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                  mask: mx.array | str | None) -> mx.array:
+    """mx.fast.scaled_dot_product_attention's result for q [B, Hq, L, D] against k [B, Hkv, S,
+    D], v [B, Hkv, S, Dv]; `mask`: None, "causal" (bottom-right aligned, as MLX's) or a boolean
+    array broadcastable to [B, 1, L, S]. The query heads of one KV head go through one matmul
+    as group*L rows (no repeated K/V)."""
+    b, hq, n, d = q.shape
+    hkv, s_len = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = (q * mx.array(scale, dtype=q.dtype)).reshape(b, hkv, g * n, d)
+    scores = (qg @ k.swapaxes(-1, -2)).reshape(b, hkv, g, n, s_len)
+    if isinstance(mask, str):
+        q_pos = mx.arange(s_len - n, s_len)[:, None]
+        mask = (mx.arange(s_len)[None, :] <= q_pos)[None, None]       # [1, 1, L, S]
+    if mask is not None:
+        keep = mask if mask.ndim == 5 else mask[:, :, None]             # [B, 1, 1, L, S]
+        scores = mx.where(keep, scores, _LOWEST[scores.dtype])
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out = probs.reshape(b, hkv, g * n, s_len) @ v
+    return out.reshape(b, hq, n, v.shape[-1])
