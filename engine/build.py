@@ -24,6 +24,7 @@ from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.checkpoint.requests import RequestCheckpoints
 from engine.config import EngineConfig
 from engine.errors import EngineError
+from engine.kv import budget as kv_budget
 from engine.kv.budget import ByteLedger, build_cost_model, resolve_budget_bytes
 from engine.kv.pages import PagePool, pages_for
 from engine.kv.prefix import PrefixCache, chain_root
@@ -115,15 +116,20 @@ def build(cfg: EngineConfig, *, trace: Callable[..., None] | None = None,
     ledger = ByteLedger(cost_model)
     permits = WorkspacePermits(ledger, emit)
     factory, make_runner = store_for(kv_format, cfg, permits.permit, kernels)
+    # The budget prices all `num_pages`; memory for them is taken as admitted work first needs
+    # each (PagePool grows the store), so start-up allocates one slab, not the whole pool.
     kvstore = KVStore(loaded.geometry, num_pages, cfg.page_tokens, loaded.dtype,
-                      layer_factory=factory)
+                      layer_factory=factory,
+                      initial_pages=kv_budget.first_slab_pages(num_pages, page_bytes,
+                                                               cfg.max_num_seqs))
     runner = make_runner(loaded, kvstore, merge_pad_tokens=cfg.merge_pad_tokens,
                          prefill_width_bucket=cfg.prefill_width_bucket)
     head_dim = next((g.head_dim for g in loaded.geometry.layers if g.paged), 0)
     storage = storage_identity(kvstore)
     eos = set(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
     pool = PagePool(num_pages, cfg.page_tokens,
-                    on_free=kvstore.release_pages if tail_pool else None)
+                    on_free=kvstore.release_pages if tail_pool else None,
+                    allocated=kvstore.allocated_pages, grow=kvstore.grow)
     prefix = root_of = None
     if cfg.enable_prefix_caching:
         if loaded.geometry.unpaged_layers:

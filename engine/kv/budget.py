@@ -52,15 +52,28 @@ def resolve_budget_bytes(kv_budget_bytes: int | None, kv_memory_fraction: float,
     elif memory_bytes is not None:
         budget = int(memory_bytes * kv_memory_fraction)
     else:
-        # The pool is allocated up front: on a shared machine a share of the total can be more
-        # than is free, and the kernel's OOM killer then ends the process. The same bound as
-        # the serving memory plan: no more than 0.9 of what is free now.
+        # The pool may grow to all of it while serving: on a shared machine a share of the
+        # total can be more than is free, and the kernel's OOM killer then ends the process.
+        # The same bound as the serving memory plan: no more than 0.9 of what is free now.
         budget = int(device_memory_bytes() * kv_memory_fraction)
         free = available_memory_bytes()
         if free is not None:
             budget = min(budget, int(free * 0.9))
     budget = min(budget, max_useful_bytes)
     return max(page_bytes, budget // page_bytes * page_bytes)
+
+
+# What a replica allocates of its KV pool at start; the rest is allocated as admitted work needs
+# it (engine/kv/pages.py, PagePool.grow). A SmolLM2 replica's default pool (12 GB) took 30-38 s
+# to allocate and zero at start on a 2-core box, most of a replacement replica's outage; 256 MiB
+# take a fraction of a second and hold ~5.8K tokens of SmolLM2 (46 KB per token in float32).
+FIRST_SLAB_BYTES = 256 << 20
+
+
+def first_slab_pages(num_pages: int, page_bytes: int, max_num_seqs: int) -> int:
+    """Pages allocated at start: FIRST_SLAB_BYTES, at least one page per running sequence (the
+    warm-up's batch and a first full batch of short requests grow nothing), at most the pool."""
+    return max(1, min(num_pages, max(FIRST_SLAB_BYTES // page_bytes, max_num_seqs)))
 
 
 def build_cost_model(budget_bytes: int, bytes_per_token: int, page_tokens: int,

@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from capacity.formats import GROUP_SIZE, KVFormat, KVFormatError
-from engine.kv.store import LayerStore, NativeLayerStore, Slots
+from engine.kv.store import LayerStore, NativeLayerStore, Slots, grown
 from engine.model.loader import LayerGeometry
 from engine.kv.page_layout import (K_SECTIONS, SECTIONS, V_SECTIONS, PageLayout,
                                    packed_record)
@@ -107,6 +107,13 @@ class PackedLayerStore(LayerStore):
         self.tail_bytes = sum(a.nbytes for a in self.tail)
         self.tail_bytes_per_request = self.tail_bytes // tails.num_slots if self.tail else 0
         self.page_bytes = (self.nbytes - self.tail_bytes) // num_pages
+
+    def grow(self, num_pages: int) -> None:
+        """More pages of codes (and native sink rows); the native tail pool is per running
+        sequence, not per page, and keeps its size."""
+        self.pool = grown(self.pool, 0, num_pages)
+        self.sinks = tuple(grown(a, 0, num_pages) for a in self.sinks)
+        self.nbytes = sum(a.nbytes for a in (self.pool, *self.sinks, *self.tail))
 
     @property
     def k(self) -> Packed:

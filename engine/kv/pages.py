@@ -1,7 +1,11 @@
 """Page bookkeeping: ids, refcounts and a free list. No MLX, no arrays.
 
 The KV store owns `num_pages` physical pages of `page_tokens` token slots each; this module only
-decides which page ids a request holds. A request's page table grows by appending ids, so live
+decides which page ids a request holds. A pool may start with only its first `allocated` ids
+backed by memory and grow by slabs when an allocation needs more (`grow`): the id space and every
+count callers see (`num_free`, `num_used`) are the whole pool's from the start, so admission and
+eviction decide exactly as with a pool allocated whole; only the memory is taken later (a
+replacement replica's start-up does not wait for gigabytes of zeroed KV: docs/reliability.md). A request's page table grows by appending ids, so live
 KV is never copied. Refcounts exist so later prefix sharing can map one page into several tables;
 a page returns to the free list only when its last holder frees it, and freeing a page nobody
 holds is an error (a double free is always an engine bug, so it raises instead of being ignored).
@@ -31,30 +35,50 @@ def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-class PagePool:
-    """Fixed set of page ids with refcounts and a FIFO free list."""
+def grow_target(allocated: int, missing: int, num_pages: int) -> int:
+    """Pages to hold after a growth that must add at least `missing`: double, so a pool that
+    grows to N pages copies and zeroes O(N) in O(log N) growths, never past `num_pages`."""
+    return min(num_pages, max(allocated + missing, 2 * allocated))
 
-    def __init__(self, num_pages: int, page_tokens: int, on_free=None):
+
+class PagePool:
+    """Fixed set of page ids with refcounts and a FIFO free list.
+
+    `allocated`: how many ids (the first ones) are backed by memory now (default: all);
+    `grow(n)` is called to back the first `n` before any id past them is handed out. It runs
+    where `allocate` runs (the engine thread) and must either back them or raise, leaving the
+    pool unchanged."""
+
+    def __init__(self, num_pages: int, page_tokens: int, on_free=None, *,
+                 allocated: int | None = None, grow=None):
         if num_pages < 1:
             raise PageError(f"a page pool needs at least one page, got {num_pages}")
         if not is_power_of_two(page_tokens):
             raise PageError(f"page_tokens must be a power of two, got {page_tokens}")
+        allocated = num_pages if allocated is None else allocated
+        if not 1 <= allocated <= num_pages:
+            raise PageError(f"allocated pages must be in [1, {num_pages}], got {allocated}")
+        if allocated < num_pages and grow is None:
+            raise PageError(f"{allocated} of {num_pages} pages allocated and no way to grow")
         self.num_pages = num_pages
         self.page_tokens = page_tokens
-        self._refs = [0] * num_pages
+        self.allocated = allocated
+        self._grow = grow
+        self._refs = [0] * allocated
         # FIFO: a freed page is reused last, which later keeps cached prefixes alive longest.
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: deque[int] = deque(range(allocated))
         # Called with the pages a `free` returned to the free list (the KV store drops state
         # kept per page outside the pages themselves: native tails, engine/kv/tails.py).
         self.on_free = on_free
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation may still take: free ones and those not allocated yet."""
+        return len(self._free) + self.num_pages - self.allocated
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.allocated - len(self._free)
 
     def refcount(self, page: int) -> int:
         self._check_id(page)
@@ -64,12 +88,22 @@ class PagePool:
         """Take `n` free pages (refcount 1 each); all or nothing."""
         if n < 0:
             raise PageError(f"cannot allocate {n} pages")
+        if n > self.num_free:
+            raise PageError(f"out of pages: asked {n}, {self.num_free} free of {self.num_pages}")
         if n > len(self._free):
-            raise PageError(f"out of pages: asked {n}, {len(self._free)} free of {self.num_pages}")
+            self._grow_by(n - len(self._free))
         pages = [self._free.popleft() for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
         return pages
+
+    def _grow_by(self, missing: int) -> None:
+        target = grow_target(self.allocated, missing, self.num_pages)
+        self._grow(target)   # raises (nothing changed here) if the memory cannot be had
+        self._refs.extend([0] * (target - self.allocated))
+        # New pages go after the free ones: the FIFO order (cached prefixes reused last) holds.
+        self._free.extend(range(self.allocated, target))
+        self.allocated = target
 
     def share(self, pages: list[int]) -> None:
         """Add one holder to pages already in use (prefix sharing)."""
@@ -110,7 +144,7 @@ class PagePool:
                 raise PageError(f"page {p}: refcount {r} disagrees with the free list")
 
     def _check_id(self, page: int) -> None:
-        if not (isinstance(page, int) and 0 <= page < self.num_pages):
+        if not (isinstance(page, int) and 0 <= page < self.allocated):
             raise PageError(f"unknown page id {page!r}")
 
 

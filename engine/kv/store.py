@@ -96,7 +96,8 @@ class LayerStore:
     Required: `page_tokens`, `page_bytes` (exact physical bytes of one page), `nbytes` (bytes
     allocated), `write(slots, k, v)` (k: [N, kv_heads, head_dim], v: [N, kv_heads, v_dim]),
     `gather(pages)` (page tables [B, P] -> K, V [B, kv_heads, P*page_tokens, dim], in the model's
-    basis) and `arrays()` (what must be evaluated for a step to retire)."""
+    basis), `arrays()` (what must be evaluated for a step to retire) and `grow(num_pages)`
+    (hold more pages, keeping every page's contents: KVStore.grow)."""
 
     page_tokens: int
     page_bytes: int
@@ -134,6 +135,11 @@ class LayerStore:
     def arrays(self) -> list[mx.array]:
         raise NotImplementedError
 
+    def grow(self, num_pages: int) -> None:
+        """Hold `num_pages` pages from now on (no-op where it holds them already): the pages held
+        keep their rows, the new ones are zero. `nbytes` follows; `page_bytes` does not change."""
+        raise NotImplementedError
+
     def head_major_pages(self) -> tuple[mx.array, mx.array] | None:
         """The page arrays [kv_heads, num_pages, T, dim] for attention that reads pages in place,
         or None where the pages are not laid out that way."""
@@ -167,6 +173,11 @@ class NativeLayerStore(LayerStore):
         self.v = mx.zeros((geometry.kv_heads, num_pages, page_tokens, geometry.v_head_dim), dtype)
         mx.eval(self.k, self.v)
         self.page_bytes = (self.k.nbytes + self.v.nbytes) // num_pages
+        self.nbytes = self.k.nbytes + self.v.nbytes
+
+    def grow(self, num_pages: int) -> None:
+        self.k = grown(self.k, 1, num_pages)
+        self.v = grown(self.v, 1, num_pages)
         self.nbytes = self.k.nbytes + self.v.nbytes
 
     def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
@@ -221,26 +232,68 @@ class NativeLayerStore(LayerStore):
         self.k, self.v = arrays
 
 
+def grown(a: mx.array, axis: int, num_pages: int) -> mx.array:
+    """`a` with its page axis extended to `num_pages` by zero pages, evaluated now (`a` itself
+    where it has them already: a growth retried after a failure). A store swaps its arrays one
+    at a time, so a growth needs the old copy of one array at most beside the grown pool (the
+    old array is freed once nothing else holds it), never a second pool."""
+    extra = list(a.shape)
+    extra[axis] = num_pages - a.shape[axis]
+    if extra[axis] <= 0:
+        return a
+    out = mx.concatenate([a, mx.zeros(extra, a.dtype)], axis=axis)
+    mx.eval(out)
+    return out
+
+
 LayerStoreFactory = Callable[[LayerGeometry, int, int, mx.Dtype], LayerStore]
 
 
 class KVStore:
-    """All paged layers' physical pages. Page `p` means the same token slots in every layer."""
+    """All paged layers' physical pages. Page `p` means the same token slots in every layer.
+
+    `num_pages` is the id space (what the budget pays for); `allocated_pages` (the first
+    `initial_pages`, default all) are backed by memory now, and `grow` backs more, on the engine
+    thread, when the page pool hands out ids past them (engine/kv/pages.py)."""
 
     def __init__(self, geometry: ModelGeometry, num_pages: int,
                  page_tokens: int = DEFAULT_PAGE_TOKENS, dtype: mx.Dtype = mx.float32,
-                 layer_factory: LayerStoreFactory = NativeLayerStore):
+                 layer_factory: LayerStoreFactory = NativeLayerStore,
+                 initial_pages: int | None = None):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         if page_tokens < 1 or page_tokens & (page_tokens - 1):
             raise ValueError(f"page_tokens must be a power of two, got {page_tokens}")
+        initial_pages = num_pages if initial_pages is None else initial_pages
+        if not 1 <= initial_pages <= num_pages:
+            raise ValueError(f"initial_pages must be in [1, {num_pages}], got {initial_pages}")
         self.geometry = geometry
         self.num_pages = num_pages
+        self.allocated_pages = initial_pages
         self.page_tokens = page_tokens
         self.dtype = dtype
         self.layers: dict[int, LayerStore] = {
-            g.index: layer_factory(g, num_pages, page_tokens, dtype)
+            g.index: layer_factory(g, initial_pages, page_tokens, dtype)
             for g in geometry.layers if g.paged}
+        self.growths = 0   # how many times the pool grew (stats, tests)
+
+    def grow(self, pages: int) -> None:
+        """Back the first `pages` pages (more than now, at most `num_pages`) in every layer.
+
+        Called by the page pool before it hands out an id past `allocated_pages`, between steps
+        on the engine thread: a step built before reads the arrays it was built with, and a
+        step in flight is waited for (each grown array is evaluated, and it depends on that
+        step's writes). Layer by layer, so the memory held at the peak is the grown pool plus
+        one layer's old array. A failure (out of memory) raises with the pool's size unchanged
+        in the page pool; layers already grown keep their larger arrays (unused ids)."""
+        if not self.allocated_pages < pages <= self.num_pages:
+            raise ValueError(f"cannot grow the KV store from {self.allocated_pages} to "
+                             f"{pages} pages (id space {self.num_pages})")
+        for store in self.layers.values():
+            store.grow(pages)
+        self.allocated_pages = pages
+        self.growths += 1
+        mx.clear_cache()   # the old arrays' buffers go back, not into MLX's buffer cache
 
     def layer(self, index: int) -> LayerStore:
         return self.layers[index]
