@@ -57,7 +57,7 @@ class Delta:
     usage: Usage
     ttft_s: float | None = None  # on the first delta only: seconds from submit to first token
     checkpoint: dict | None = None  # final delta of a checkpoint_to request: manifest or error
-    # Requests with params.logprobs: one sampling.sampler.TokenLogprob per token of token_ids.
+    # Requests with params.logprobs: one sampling.params.TokenLogprob per token of token_ids.
     logprobs: list | None = None
 
 

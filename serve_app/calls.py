@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from engine.sampling.params import SamplingParams
+from engine.request import GenerationRequest
 
 TRACE_ENV = "ORCHARD_TRACE"
 
@@ -23,14 +23,11 @@ def stamp(trace: dict | None, key: str) -> None:
 
 @dataclass
 class GenerateCall:
-    """One choice of one request: the engine's own SamplingParams, built and range-checked once
-    at the ingress and handed through unchanged, plus the facts routing needs."""
+    """One choice of one request: the engine's own GenerationRequest (pure Python, no MLX),
+    built and validated once at the ingress and handed through, plus the facts routing needs."""
 
-    request_id: str
+    request: GenerationRequest   # its first_token_deadline stays None: clocks differ
     model: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    tenant: str | None = None   # prefix-cache namespace (one per API key; None = shared)
     # Wall-clock (time.time()) deadline: monotonic clocks differ between processes and nodes.
     first_token_deadline_unix: float | None = None
     # Debug only (ORCHARD_TRACE=1): hop name -> time.time(), filled along the path.
@@ -42,9 +39,16 @@ class GenerateCall:
     @property
     def raw_tokens(self) -> int:
         """Prompt + max tokens, as the user asked: the unit budgets and holds are priced in."""
-        return len(self.prompt_ids) + self.params.max_tokens
+        return len(self.request.prompt_ids) + self.request.params.max_tokens
 
     def deadline_monotonic(self) -> float | None:
         if self.first_token_deadline_unix is None:
             return None
         return time.monotonic() + (self.first_token_deadline_unix - time.time())
+
+    def engine_request(self) -> GenerationRequest:
+        """The request for this process's engine: the wall-clock deadline on its own clock."""
+        deadline = self.deadline_monotonic()
+        if deadline is None:
+            return self.request
+        return replace(self.request, first_token_deadline=deadline)

@@ -86,8 +86,8 @@ class IngressCore:
                                          str(e.status)).inc()
             return e.response()
         self.metrics.admissions.labels(model).inc()
-        first = streams[0][0]
-        request_id = calls[0].request_id if len(calls) == 1 else calls[0].request_id[:-2]
+        first, asked = streams[0][0], calls[0].request
+        request_id = asked.request_id if len(calls) == 1 else asked.request_id[:-2]
         headers = {"x-orchard-replica": first.replica_id or "?",
                    "x-orchard-request-id": request_id}
         if trace is not None:
@@ -101,8 +101,8 @@ class IngressCore:
             splitter = partial(OutputSplitter, fmt, prep.plan.tools if prep.plan else None,
                                prep.prompt_text)
         out = Choices(kind, P.ResponseBuilder(kind, request_id, model),
-                      P.LogprobsFormatter(entry.tokenizer) if calls[0].params.logprobs is not None
-                      else None, echo_text(req, entry.tokenizer, calls[0].prompt_ids),
+                      P.LogprobsFormatter(entry.tokenizer) if asked.params.logprobs is not None
+                      else None, echo_text(req, entry.tokenizer, asked.prompt_ids),
                       len(calls), splitter)
         tracker = Tracker(self.metrics, model, entry.format_identity, t0)
         if req.stream:

@@ -303,7 +303,7 @@ def openai_finish_reason(reason: str | None) -> str | None:
 
 
 class LogprobsFormatter:
-    """Engine logprob entries ([logprob, [[id, logprob], ...]] per token) -> OpenAI's shapes.
+    """Engine logprob entries (engine.sampling.params.TokenLogprob per token) -> OpenAI's shapes.
 
     Token strings are each id decoded alone; `bytes` are that string's UTF-8 bytes."""
 
@@ -317,8 +317,8 @@ class LogprobsFormatter:
         def one(t, lp):
             s = self._piece(t)
             return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-        return [{**one(t, lp), "top_logprobs": [one(a, alp) for a, alp in top]}
-                for t, (lp, top) in zip(token_ids, entries)]
+        return [{**one(t, e.logprob), "top_logprobs": [one(a, alp) for a, alp in e.top]}
+                for t, e in zip(token_ids, entries)]
 
     def text(self, token_ids: list[int], entries: list, offset: int) -> dict:
         """Legacy completions shape; `offset` = characters of text before the first token."""
@@ -327,8 +327,8 @@ class LogprobsFormatter:
         for s in tokens:
             offsets.append(offset)
             offset += len(s)
-        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
-                "top_logprobs": [{self._piece(a): alp for a, alp in top} for _, top in entries],
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._piece(a): alp for a, alp in e.top} for e in entries],
                 "text_offset": offsets}
 
 

@@ -117,7 +117,7 @@ class CapacityRouter(LocalityMixin, RequestRouter):
                 self.stats["fallback_routes"] += 1
                 return await super()._choose_replica_for_request(pending_request,
                                                                  is_retry=is_retry)
-            self.holds[key] = (call.request_id, hold)
+            self.holds[key] = (call.request.request_id, hold)
         replica = self._ranked_replica(self.holds[key][1], is_retry)
         if replica is not None:
             stamp(call.trace, "router_chosen")
@@ -135,19 +135,20 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         live = {rid.unique_id: r for rid, r in self.curr_replicas.items()}
         for uid, r in live.items():
             self.prefix.observe(uid, (r.routing_stats or {}).get("prefix"))
-        match = self.prefix.matches(live, call.tenant, call.prompt_ids)
+        req = call.request
+        match = self.prefix.matches(live, req.tenant, req.prompt_ids)
         best = max(match.values(), default=0)
         if best <= 0:
             return None
         exclude = [uid for uid, tokens in match.items() if tokens < best]
         try:
-            hold = await self.client.hold(call.model, call.raw_tokens, call.request_id,
-                                          prompt_tokens=len(call.prompt_ids), exclude=exclude)
+            hold = await self.client.hold(call.model, call.raw_tokens, req.request_id,
+                                          prompt_tokens=len(req.prompt_ids), exclude=exclude)
         except CapacityRefused as e:
             self.stats["prefix_full"] += e.reason == "no_capacity"
             return None
         except asyncio.CancelledError:
-            self._cancel_soon(call.request_id, 0.0)
+            self._cancel_soon(req.request_id, 0.0)
             raise
         except Exception:  # noqa: BLE001 - the ordinary hold counts faults and backs off
             return None
@@ -162,7 +163,7 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         self.consecutive_faults = 0
         if self._misses_deadline(call, hold):
             # The caching replica is cold for this deadline; the ordinary hold may rank a warm one.
-            await self._cancel_now(call.request_id)
+            await self._cancel_now(req.request_id)
             return None
         return hold
 
@@ -170,11 +171,12 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         uid = replica.replica_id.unique_id
         self.stats["prefix_lookups"] += 1
         self.prefix.observe(uid, (replica.routing_stats or {}).get("prefix"))
-        cached = self.prefix.matches([uid], call.tenant, call.prompt_ids)[uid]
+        req = call.request
+        cached = self.prefix.matches([uid], req.tenant, req.prompt_ids)[uid]
         if cached:
             self.stats["prefix_hits"] += 1
             self.stats["prefix_cached_tokens"] += cached
-        self.prefix.routed(uid, self.prefix.request_keys(uid, call.tenant, call.prompt_ids))
+        self.prefix.routed(uid, self.prefix.request_keys(uid, req.tenant, req.prompt_ids))
 
     async def _hold(self, call: GenerateCall) -> Any | None:
         """The actor's hold, or None after repeated faults (then power-of-two for a while).
@@ -185,7 +187,7 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         max_queued holds of this router already wait for the model, a newcomer does not queue:
         it is refused at once (a full queue refuses rather than grows without bound).
         """
-        budget = self.queue_timeout_s
+        req, budget = call.request, self.queue_timeout_s
         if call.first_token_deadline_unix is not None:
             budget = min(budget, call.deadline_monotonic() - time.monotonic())
         budget = max(0.0, budget)
@@ -195,15 +197,15 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         while True:
             self.waiting[call.model] = self.waiting.get(call.model, 0) + 1
             try:
-                hold = await self.client.hold(call.model, call.raw_tokens, call.request_id,
-                                              prompt_tokens=len(call.prompt_ids), wait_s=budget)
+                hold = await self.client.hold(call.model, call.raw_tokens, req.request_id,
+                                              prompt_tokens=len(req.prompt_ids), wait_s=budget)
                 if not hold.fallback:
                     self.consecutive_faults = 0
                     self.stats["holds"] += 1
                     if self._misses_deadline(call, hold):
                         # The cold bound of an unmeasured identity already exceeds the time
                         # left: refuse now, with the hold cancelled, rather than serve late.
-                        await self._cancel_now(call.request_id)
+                        await self._cancel_now(req.request_id)
                         raise CapacityRefused(
                             "deadline_unreachable", max(1.0, hold.predicted_ttft_s),
                             f"first token forecast at >= {hold.predicted_ttft_s:.1f} s (cold, "
@@ -224,7 +226,7 @@ class CapacityRouter(LocalityMixin, RequestRouter):
                 self.stats["refusals"] += 1
                 raise
             except asyncio.CancelledError:
-                self._cancel_soon(call.request_id, 0.0)
+                self._cancel_soon(req.request_id, 0.0)
                 raise
             except Exception:  # noqa: BLE001 - a misbehaving actor or client
                 self.stats["faults"] += 1

@@ -18,7 +18,7 @@ from serve_app.capacity_link import CapacityLink
 from serve_app.errors import from_exception
 from serve_app.heartbeat import ReplicaIdentity, RequestMeter, build_report
 from serve_app.prefix_affinity import PrefixReport
-from serve_app.wire import ReplicaDelta, ReplicaError, ReplicaItem, TokenUsage
+from serve_app.wire import ReplicaDelta, ReplicaError, ReplicaItem
 
 if TYPE_CHECKING:
     from capacity.protocol import HeartbeatReport
@@ -148,14 +148,14 @@ class ModelServer:
         meter = self._admit(call)
         try:
             try:
-                async for d in self.engine.generate(self._engine_request(call), coalesce=True):
+                async for d in self.engine.generate(call.engine_request(), coalesce=True):
                     yield self._replica_delta(d, call, first=meter.saw(d))
             except Exception as e:  # noqa: BLE001 - mapped once to an HTTP error
                 if meter.deltas:
                     raise
                 err = from_exception(e)
                 if err.status >= 500 and err.code == "internal_error":
-                    log.exception("request %s failed", call.request_id)
+                    log.exception("request %s failed", call.request.request_id)
                 meter.finish = f"refused:{err.reason}"
                 yield ReplicaError(err.to_wire())
         finally:
@@ -163,48 +163,34 @@ class ModelServer:
 
     def _admit(self, call: GenerateCall) -> RequestMeter:
         """Count the request in flight and commit its hold; the meter starts now."""
-        started = time.monotonic()
-        self._inflight[call.request_id] = call.raw_tokens
+        started, rid = time.monotonic(), call.request.request_id
+        self._inflight[rid] = call.raw_tokens
         if call.caller:
-            self._callers[call.request_id] = call.caller
+            self._callers[rid] = call.caller
         if self.capacity is not None:
             # Off the first-token path: the client sends reports in order, so this commit
             # still reaches the actor before this request's release.
-            self.capacity.commit_soon(call.request_id)
-        return RequestMeter(len(call.prompt_ids), self.engine.stats().num_requests_running,
-                            started)
-
-    @staticmethod
-    def _engine_request(call: GenerateCall) -> Any:
-        from engine.request import GenerationRequest
-
-        return GenerationRequest(call.request_id, call.prompt_ids, call.params,
-                                 first_token_deadline=call.deadline_monotonic(),
-                                 tenant=call.tenant)
+            self.capacity.commit_soon(rid)
+        return RequestMeter(len(call.request.prompt_ids),
+                            self.engine.stats().num_requests_running, started)
 
     def _replica_delta(self, d: Any, call: GenerateCall, first: bool) -> ReplicaDelta:
-        """An engine delta in wire form; the first also carries the replica id and the trace."""
+        """The engine delta as it is; the first also carries the replica id and the trace."""
         if first and call.trace is not None:
             stamp(call.trace, "replica_first_delta")
             call.trace["engine_ttft_s"] = d.ttft_s
-        return ReplicaDelta(
-            text=d.text, token_ids=tuple(d.token_ids), finish_reason=d.finish_reason,
-            usage=TokenUsage(d.usage.prompt_tokens, d.usage.completion_tokens,
-                             d.usage.cached_tokens),
-            ttft_s=d.ttft_s,
-            logprobs=None if d.logprobs is None else tuple(
-                (e.logprob, tuple(tuple(a) for a in e.top)) for e in d.logprobs),
-            replica_id=self.replica_id if first else None,
-            trace=call.trace if first else None)
+        return ReplicaDelta(d, self.replica_id if first else None,
+                            call.trace if first else None)
 
     def _settle(self, call: GenerateCall, meter: RequestMeter) -> None:
         """However the request ended: forget it, cancel it, release its hold with telemetry."""
-        self._inflight.pop(call.request_id, None)
-        self._callers.pop(call.request_id, None)
+        rid = call.request.request_id
+        self._inflight.pop(rid, None)
+        self._callers.pop(rid, None)
         # Safe at any point and idempotent: covers client disconnects mid-stream.
-        self.engine.cancel(call.request_id)
+        self.engine.cancel(rid)
         if self.capacity is not None:
-            self.capacity.release_soon(call.request_id, meter.telemetry(
+            self.capacity.release_soon(rid, meter.telemetry(
                 self.engine.stats().num_requests_running, self.identity.execution))
 
     async def info(self) -> dict:

@@ -1,12 +1,14 @@
 """The reply side of the ingress: open each choice's replica stream (peeking at its first item,
 so refusals before the first token become HTTP errors), merge the choices' ReplicaDeltas
-(serve_app/wire.py), and turn them into one JSON body or SSE chunks, with per-request metrics."""
+(serve_app/wire.py) into their engine Deltas, and turn those into one JSON body or SSE chunks,
+with per-request metrics."""
 from __future__ import annotations
 
 import asyncio
 import time
 from typing import Any, AsyncIterator, Callable
 
+from engine.request import Delta, Usage
 from serve_app import protocol as P
 from serve_app.backends import unwrap
 from serve_app.calls import GenerateCall
@@ -14,7 +16,7 @@ from serve_app.errors import APIError, from_exception, sse_error_event
 from serve_app.metrics import Metrics
 from serve_app.tools import OutputSplitter, Split
 from serve_app.translate import ModelEntry
-from serve_app.wire import ReplicaDelta, ReplicaError, TokenUsage
+from serve_app.wire import ReplicaDelta, ReplicaError
 
 
 def caller_name() -> str | None:
@@ -46,7 +48,7 @@ async def open_stream(call: GenerateCall, entry: ModelEntry):
     if isinstance(first, ReplicaError):
         await agen.aclose()
         raise APIError.from_wire(first.error)
-    if first.finish_reason == "deadline" and not first.token_ids:
+    if first.delta.finish_reason == "deadline" and not first.delta.token_ids:
         await agen.aclose()
         raise APIError(503, "first-token deadline passed before the first token",
                        type="service_unavailable", code="deadline_exceeded",
@@ -82,7 +84,7 @@ class Tracker:
         self.m, self.model, self.identity, self.t0 = metrics, model, identity, t0
         self.last: float | None = None
 
-    def delta(self, item: ReplicaDelta) -> None:
+    def delta(self, item: Delta) -> None:
         if not item.token_ids:
             return
         now = time.monotonic()
@@ -115,9 +117,9 @@ class Choice:
         self.tool_calls: list[dict] = []
         self.logprobs: list = []
         self.finish: str | None = None
-        self.usage: TokenUsage | None = None
+        self.usage: Usage | None = None
 
-    def take(self, item: ReplicaDelta) -> tuple[Split, bool]:
+    def take(self, item: Delta) -> tuple[Split, bool]:
         """This item's text, split; and whether it is the choice's first item."""
         first, self.started = not self.started, True
         text = item.text
@@ -150,7 +152,7 @@ class Choices:
         self.kind, self.builder, self.lp = kind, builder, logprobs
         self.choices = [Choice(splitter() if splitter else None, echo) for _ in range(n)]
 
-    def _logprobs(self, c: Choice, item: ReplicaDelta) -> Any:
+    def _logprobs(self, c: Choice, item: Delta) -> Any:
         if self.lp is None or not item.token_ids:
             return None
         ids, entries = item.token_ids, item.logprobs or ()
@@ -158,7 +160,7 @@ class Choices:
             return self.lp.chat(ids, entries)
         return self.lp.text(ids, entries, c.chars)
 
-    def add(self, index: int, item: ReplicaDelta) -> None:
+    def add(self, index: int, item: Delta) -> None:
         c = self.choices[index]
         lp = self._logprobs(c, item)
         c.take(item)
@@ -166,7 +168,7 @@ class Choices:
         if lp is not None:
             c.logprobs.append(lp)
 
-    def chunks(self, index: int, item: ReplicaDelta, usage: bool = False) -> list[str]:
+    def chunks(self, index: int, item: Delta, usage: bool = False) -> list[str]:
         """This item's SSE chunks; `usage`: each carries the request's usage so far (vLLM's
         continuous_usage_stats: completion tokens of all choices up to this item)."""
         c = self.choices[index]
@@ -228,15 +230,15 @@ def echo_text(req, tok, prompt_ids: list[int]) -> str:
 
 
 async def merge(streams: list[tuple[ReplicaDelta, AsyncIterator[ReplicaDelta]]]
-                ) -> AsyncIterator[tuple[int, ReplicaDelta]]:
-    """(choice index, item) from every choice's stream as they come; all drained to the end
-    (not just the finishing delta) so each replica generator completes normally."""
+                ) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, engine delta) from every choice's stream as they come; all drained to the
+    end (not just the finishing delta) so each replica generator completes normally."""
     if len(streams) == 1:
         first, rest = streams[0]
         try:
-            yield 0, first
+            yield 0, first.delta
             async for item in rest:
-                yield 0, item
+                yield 0, item.delta
         finally:
             await rest.aclose()
         return
@@ -244,9 +246,9 @@ async def merge(streams: list[tuple[ReplicaDelta, AsyncIterator[ReplicaDelta]]]
 
     async def pump(index: int, first: ReplicaDelta, rest: AsyncIterator[ReplicaDelta]) -> None:
         try:
-            await queue.put((index, first, None))
+            await queue.put((index, first.delta, None))
             async for item in rest:
-                await queue.put((index, item, None))
+                await queue.put((index, item.delta, None))
             await queue.put((index, None, None))
         except Exception as e:  # noqa: BLE001 - re-raised by the consumer
             await queue.put((index, None, e))

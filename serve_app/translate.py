@@ -15,12 +15,14 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
+from engine.errors import InvalidRequest
+from engine.request import GenerationRequest
 from serve_app import protocol as P
 from serve_app.calls import GenerateCall, stamp
 from serve_app.config import OrchardConfig
-from serve_app.errors import (APIError, bad_request, context_exceeded, invalid_json,
-                              model_not_found, tokenize_error, too_large, unknown_parameter,
-                              unprocessable)
+from serve_app.errors import (APIError, bad_request, context_exceeded, from_exception,
+                              invalid_json, model_not_found, tokenize_error, too_large,
+                              unknown_parameter, unprocessable)
 from serve_app.tokens import chat_prompt, load_tokenizer, text_prompt_ids
 from serve_app.tools import ModelTextFormat, ToolPlan, plan_tools
 
@@ -168,14 +170,16 @@ class CallBuilder:
                                   f"(size {vocab})", param=name)
         base = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         deadline, tenant = self.deadline_unix(request), self.tenant_of(request)
-        calls = [GenerateCall(
-            request_id=base if req.n == 1 else f"{base}-{i}", model=req.model,
-            prompt_ids=prompt_ids,
-            # Choices of one seeded request differ from each other and are reproducible.
-            params=params if params.seed is None or i == 0
-            else replace(params, seed=params.seed + i),
-            tenant=tenant, first_token_deadline_unix=deadline, trace=trace if i == 0 else None)
-            for i in range(req.n)]
+        try:
+            calls = [GenerateCall(GenerationRequest(
+                base if req.n == 1 else f"{base}-{i}", prompt_ids,
+                # Choices of one seeded request differ from each other and are reproducible.
+                params if params.seed is None or i == 0 else replace(params, seed=params.seed + i),
+                tenant=tenant), model=req.model, first_token_deadline_unix=deadline,
+                trace=trace if i == 0 else None)
+                for i in range(req.n)]
+        except InvalidRequest as e:   # e.g. a prompt that tokenizes to nothing
+            raise from_exception(e) from None
         stamp(trace, "ingress_call_built")
         return Prepared(calls, entry, plan, prompt_text)
 

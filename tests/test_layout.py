@@ -148,6 +148,10 @@ SEAMS = {
     "step rows": ("engine.sched.seq", "Chunk"),
     "step result": ("engine.steps", "StepResult"),
     "delta": ("engine.request", "Delta"),
+    # Across Ray, ingress <-> replica: the request and the delta above, each plus what only
+    # that hop needs (routing facts; the replica id and trace).
+    "call": ("serve_app.calls", "GenerateCall"),
+    "reply": ("serve_app.wire", "ReplicaDelta"),
     "telemetry": ("capacity.protocol", "RequestTelemetry"),
     "config": ("engine.config", "EngineConfig"),
 }
@@ -159,11 +163,6 @@ LOOK_ALIKES = {
     ("serve_app.protocol", "_Sampling"): "the OpenAI HTTP body (pydantic): OpenAI names and "
                                          "OpenAI-only rules; builds SamplingParams once",
     ("capacity.rates", "RequestSample"): "one point of a rate history, derived from telemetry",
-    # Second shapes still there (issue 31, items 1 and 4, reported): the Ray call carries the
-    # request's fields beside SamplingParams instead of a GenerationRequest, and a replica's
-    # deltas cross Ray as their own dataclass.
-    ("serve_app.calls", "GenerateCall"): "second shape of the request (reported)",
-    ("serve_app.wire", "ReplicaDelta"): "second shape of the delta (reported)",
 }
 
 

@@ -144,6 +144,15 @@ class SamplingParams:
         return [t for t, _ in self.logit_bias] + list(self.stop_token_ids)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """What a request with `logprobs` gets per token: the sampled token's log-probability and
+    the `k` most likely alternatives (id, logprob). Pure data: it crosses Ray in a Delta."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

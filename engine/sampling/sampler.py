@@ -27,7 +27,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from engine.sampling.params import SamplingParams
+from engine.sampling.params import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 
@@ -225,14 +225,6 @@ def _draw(masked: mx.array, rows: list[RowSpec]) -> mx.array:
     vocab = masked.shape[-1]
     noise = mx.stack([mx.random.gumbel((vocab,), key=row_key(r.seed, r.index)) for r in rows])
     return mx.argmax(masked + noise, axis=-1).astype(mx.int32)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The sampled token's log-probability and the `k` most likely alternatives (id, logprob)."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 class StepLogprobs:

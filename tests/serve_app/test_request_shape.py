@@ -1,16 +1,20 @@
 """One request shape from the ingress to the engine: the ingress builds the engine's
-SamplingParams once, the GenerateCall carries it across Ray (pickled) unchanged, and each
-value's range is enforced in one place, params.py, with the 400 the HTTP layer always gave."""
+GenerationRequest (with its SamplingParams) once, the GenerateCall carries it across Ray
+(pickled) unchanged, and each value's range is enforced in one place, params.py, with the 400
+the HTTP layer always gave. The reply is the engine's own Delta inside a ReplicaDelta."""
 import pickle
 import subprocess
 import sys
+import time
 
 import pytest
 
-from engine.sampling.params import SamplingParams
+from engine.request import Delta, GenerationRequest, Usage
+from engine.sampling.params import SamplingParams, TokenLogprob
 from serve_app import protocol as P
 from serve_app.calls import GenerateCall
 from serve_app.errors import APIError
+from serve_app.wire import ReplicaDelta
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -24,11 +28,12 @@ def test_a_call_round_trips_through_pickle_with_its_params():
                 min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.5,
                 repetition_penalty=1.1, logit_bias={"7": -3}, stop_token_ids=[2],
                 logprobs=True, top_logprobs=3, ignore_eos=True)
-    call = GenerateCall("r-1", "m", [1, 2, 3], req.sampling_params(8, None), tenant="key-ab",
-                        first_token_deadline_unix=123.5, trace={"ingress_in": 1.0})
+    call = GenerateCall(GenerationRequest("r-1", [1, 2, 3], req.sampling_params(8, None),
+                                          tenant="key-ab"),
+                        "m", first_token_deadline_unix=123.5, trace={"ingress_in": 1.0})
     back = pickle.loads(pickle.dumps(call))
-    assert back == call and back.params == call.params
-    assert back.params == SamplingParams(
+    assert back == call and back.request == call.request
+    assert back.request.params == SamplingParams(
         temperature=0.7, top_p=0.9, top_k=5, seed=3, max_tokens=8, stop=("\n\n",),
         ignore_eos=True, min_tokens=2, min_p=0.05, presence_penalty=0.5,
         frequency_penalty=-0.5, repetition_penalty=1.1, logit_bias=((7, -3.0),),
@@ -79,7 +84,32 @@ def test_openai_only_rules_stay_at_http(fields, param):
     assert e.value.param == param
 
 
+def test_the_replica_hands_the_request_through_with_its_own_clock():
+    req = GenerationRequest("r-2", [4, 5], SamplingParams(max_tokens=3), tenant="t")
+    assert GenerateCall(req, "m").engine_request() is req
+    late = GenerateCall(req, "m", first_token_deadline_unix=time.time() + 5.0).engine_request()
+    assert late.first_token_deadline is not None
+    assert 4.0 < late.first_token_deadline - time.monotonic() <= 5.0
+    assert (late.request_id, late.prompt_ids, late.params, late.tenant) == (
+        req.request_id, req.prompt_ids, req.params, req.tenant)
+
+
+def test_a_reply_carries_the_engine_delta_through_pickle():
+    d = Delta("r-1", "hi", [7, 8], "length", Usage(3, 2, 1), ttft_s=0.25,
+              logprobs=[TokenLogprob(-0.5, ((7, -0.5), (9, -1.5))), TokenLogprob(-0.1)])
+    back = pickle.loads(pickle.dumps(ReplicaDelta(d, "replica-a", {"ingress_in": 1.0})))
+    assert back.delta == d and back.replica_id == "replica-a"
+    entries = P.LogprobsFormatter(_Pieces()).chat(d.token_ids, back.delta.logprobs)
+    assert [e["logprob"] for e in entries] == [-0.5, -0.1]
+    assert [a["token"] for a in entries[0]["top_logprobs"]] == ["<7>", "<9>"]
+
+
+class _Pieces:
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+
 def test_the_ingress_shape_imports_no_mlx():
-    code = ("import sys, serve_app.calls, serve_app.protocol, engine.request; "
+    code = ("import sys, serve_app.calls, serve_app.protocol, serve_app.wire, engine.request; "
             "assert not [m for m in sys.modules if m.split('.')[0] == 'mlx'], 'mlx imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

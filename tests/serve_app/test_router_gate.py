@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from capacity.errors import CapacityRefused
+from engine.request import GenerationRequest
 from engine.sampling.params import SamplingParams
 from serve_app.calls import GenerateCall
 from serve_app.errors import from_exception
@@ -24,8 +25,8 @@ def beat(seq):
 
 
 def call(request_id, deadline_s):
-    return GenerateCall(request_id=request_id, model="m", prompt_ids=list(range(10)),
-                        params=SamplingParams(max_tokens=4),
+    return GenerateCall(GenerationRequest(request_id, list(range(10)),
+                                          SamplingParams(max_tokens=4)), model="m",
                         first_token_deadline_unix=None if deadline_s is None
                         else time.time() + deadline_s)
 
