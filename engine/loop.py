@@ -39,7 +39,7 @@ import random
 import threading
 import time
 from dataclasses import replace
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from capacity.pricing import CostModel
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.bridge import Sink
 from engine.build import EngineParts, build
-from engine.checkpoint.format import CheckpointError
+from engine.checkpoint.requests import CheckpointError, save_command
 from engine.config import EngineConfig
 from engine.errors import (DeadlineUnmeetable, EngineError, EngineOverloaded, EngineShutdown,
                            InvalidRequest, RequestTooLarge)
@@ -172,15 +172,18 @@ class Engine:
         """Save the KV rows a running request has computed so far (between steps, so the step
         that wrote them retired) and return the manifest; `num_tokens` says how many of its
         tokens (prompt, then generated) the checkpoint covers. Blocks until written."""
+        return self.call(save_command(request_id, path), timeout_s)
+
+    def call(self, fn: Callable[[EngineParts], Any], timeout_s: float = 60.0) -> Any:
+        """fn(parts) on the engine thread between steps; blocks for its result or error."""
         if not self.healthy():
             raise EngineShutdown("engine is not running")
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("save", request_id, str(path), done))
+        self._inbox.put(("call", fn, done := concurrent.futures.Future()))
         return done.result(timeout=timeout_s)
 
     def evict_prefix_cache(self) -> None:
-        """Evict every cached prefix page no running request shares (asynchronous)."""
-        self._inbox.put(("evict",))
+        """Evict every cached prefix page no running request shares."""
+        self.call(lambda p: p.scheduler.evict_cache(p.scheduler.pool.num_pages))
 
     def prefix_page_hashes(self) -> list[bytes]:
         """Chain hashes of every page the prefix cache holds (for prefix-aware routing); a
@@ -368,14 +371,11 @@ class Engine:
             p.streams.open(seq, sink)
         elif cmd[0] == "cancel":
             p.scheduler.cancel(cmd[1])
-        elif cmd[0] == "save":
-            _, request_id, path, done = cmd
+        elif cmd[0] == "call":
             try:
-                done.set_result(p.checkpoints.save_running(p.scheduler.running, request_id, path))
+                cmd[2].set_result(cmd[1](p))
             except Exception as e:  # noqa: BLE001 - reported to the caller, never kills the thread
-                done.set_exception(e if isinstance(e, EngineError) else CheckpointError(repr(e)))
-        elif cmd[0] == "evict":
-            p.scheduler.evict_cache(p.scheduler.pool.num_pages)
+                cmd[2].set_exception(e if isinstance(e, EngineError) else CheckpointError(repr(e)))
 
     def _admitted(self, seq: Seq) -> None:
         """Just admitted: trace it, and restore its checkpoint before its first step is built."""
@@ -396,5 +396,5 @@ class Engine:
                 return
             if cmd[0] == "submit":
                 cmd[2].put(exc, final=True)
-            elif cmd[0] == "save":
-                cmd[3].set_exception(exc)
+            elif cmd[0] == "call":
+                cmd[2].set_exception(exc)

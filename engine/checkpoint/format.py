@@ -86,10 +86,12 @@ def _file_sha256(path: Path) -> str:
 
 def save_checkpoint(directory: str | Path, kvstore: KVStore, page_table: list[int],
                     token_ids: list[int], *, model_fingerprint: str,
-                    key: Optional[bytes] = None) -> dict:
+                    key: Optional[bytes] = None, extra: Optional[dict] = None) -> dict:
     """Write the KV rows of `token_ids` (held in `page_table`) and return the manifest.
 
-    The caller retires the step that wrote these rows first (the engine thread owns MLX).
+    `extra`: more manifest fields (JSON), signed with the rest (prefix-page exports name their
+    pages' chains there). The caller retires the step that wrote these rows first (the engine
+    thread owns MLX).
     """
     n = len(token_ids)
     if n == 0 or -(-n // kvstore.page_tokens) > len(page_table):
@@ -131,6 +133,11 @@ def save_checkpoint(directory: str | Path, kvstore: KVStore, page_table: list[in
         "data_bytes": data.stat().st_size,
         "data_sha256": _file_sha256(data),
     }
+    if extra:
+        if set(extra) & set(manifest):
+            raise CheckpointError(f"extra manifest fields {sorted(set(extra) & set(manifest))} "
+                                  "would replace the checkpoint's own")
+        manifest.update(extra)
     if key is not None:
         manifest["hmac"] = _sign(manifest, key)
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -215,6 +222,15 @@ def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[
     """
     manifest = read_manifest(directory, key)
     check_compatible(manifest, kvstore, model_fingerprint, token_ids)
+    tensors = load_rows(directory, manifest, kvstore)
+    n = manifest["num_tokens"]
+    page_table = list(allocate(-(-n // kvstore.page_tokens)))
+    write_rows(kvstore, tensors, page_table, n)
+    return page_table, n
+
+
+def load_rows(directory: str | Path, manifest: dict, kvstore: KVStore) -> dict:
+    """The checkpoint's tensors, each checked against the manifest and this store's layers."""
     try:
         tensors = mx.load(str(Path(directory) / DATA_FILE))
     except Exception as e:   # safetensors parse errors have no common type in MLX
@@ -256,9 +272,13 @@ def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[
                  else g.head_dim if name.endswith("k") else g.v_head_dim)
         if tuple(a.shape[1:]) != (g.kv_heads, width):
             raise CheckpointError(f"checkpoint tensor {name} rows do not fit layer {index}")
-    n = manifest["num_tokens"]
-    page_table = list(allocate(-(-n // kvstore.page_tokens)))
-    slots = _slots(page_table, n, kvstore.page_tokens)
+    return tensors
+
+
+def write_rows(kvstore: KVStore, tensors: dict, page_table: list[int], n: int) -> None:
+    """Write `n` tokens' rows (checked by `load_rows`) verbatim into `page_table`'s slots."""
+    t = kvstore.page_tokens
+    slots = _slots(page_table, n, t)
     for index, store in kvstore.layers.items():
         k, v = tensors[f"layer{index}.k"], tensors[f"layer{index}.v"]
         if store.packed:
@@ -275,4 +295,3 @@ def restore_checkpoint(directory: str | Path, kvstore: KVStore, token_ids: list[
         else:
             store.write(slots, k, v)
     mx.eval(*kvstore.arrays())
-    return page_table, n

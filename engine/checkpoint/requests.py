@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from engine.checkpoint.format import (CheckpointError, check_compatible, read_manifest,
                                restore_checkpoint, save_checkpoint)
@@ -79,3 +79,9 @@ class RequestCheckpoints:
         except Exception as e:  # noqa: BLE001 - the request itself finished fine
             log.exception("checkpoint of %s failed", seq.request_id)
             return {"error": f"checkpoint failed: {e!r}"}
+
+
+def save_command(request_id: str, path) -> Callable[[Any], dict]:
+    """Engine.save_checkpoint's work, a function of the engine's parts (run between steps)."""
+    return lambda parts: parts.checkpoints.save_running(parts.scheduler.running, request_id,
+                                                        str(path))

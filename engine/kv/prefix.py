@@ -13,6 +13,11 @@ hits them; a template that re-tokenizes the reply differently only misses, it ne
 The cache holds one pool reference per cached page; a hit adds the request's own reference, so
 a shared page is allocated (and charged) once. Eviction frees least recently used leaves (pages
 no longer held by any request and with no cached continuation), keeping every chain walkable.
+
+Each entry keeps its page's token ids and its chain's root, so the cache can be handed to another
+replica (`entries()`, engine/checkpoint/prefix_pages.py): the receiver recomputes every hash from
+its own root, never trusting the sender's. `root_tenant` names the tenant of a root this process
+computed (the root is a one-way hash; the export names its tenants).
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ import hashlib
 from dataclasses import dataclass
 
 from engine.kv.pages import PagePool
+
+_TENANTS: dict[bytes, str] = {}   # chain root -> tenant, for roots this process computed
 
 
 def chain_root(storage_identity: str, model_fingerprint: str, tenant: str,
@@ -30,7 +37,14 @@ def chain_root(storage_identity: str, model_fingerprint: str, tenant: str,
             raise ValueError(f"prefix chain root needs a non-empty {name}")
     text = "\x1f".join(["orchard-prefix-v1", storage_identity, model_fingerprint, tenant,
                         str(page_tokens)])
-    return hashlib.sha256(text.encode()).digest()
+    root = hashlib.sha256(text.encode()).digest()
+    _TENANTS[root] = tenant
+    return root
+
+
+def root_tenant(root: bytes) -> str | None:
+    """The tenant of a chain root computed by `chain_root` in this process (None if unknown)."""
+    return _TENANTS.get(root)
 
 
 def page_hashes(root: bytes, token_ids: list[int], page_tokens: int) -> list[bytes]:
@@ -49,7 +63,20 @@ class _Entry:
     page: int
     parent: bytes | None
     last_used: int
+    root: bytes
+    tokens: tuple[int, ...]
     children: int = 0
+
+
+@dataclass(frozen=True)
+class CachedPage:
+    """One cached page as `PrefixCache.entries` lists it (parents before children)."""
+
+    key: bytes
+    parent: bytes | None
+    root: bytes
+    tokens: tuple[int, ...]
+    page: int
 
 
 class PrefixCache:
@@ -65,6 +92,15 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def entries(self) -> list[CachedPage]:
+        """Every cached page, each after its parent (a parent outlives its children and is
+        inserted first, so the dict's order already is one)."""
+        return [CachedPage(h, e.parent, e.root, e.tokens, e.page)
+                for h, e in self._entries.items()]
 
     def lookup(self, root: bytes, token_ids: list[int]) -> list[int]:
         """Pages of the longest cached prefix (leaving >= 1 token to compute), now shared by
@@ -95,11 +131,13 @@ class PrefixCache:
         added = 0
         parent = None
         self._clock += 1
-        for i, h in enumerate(page_hashes(root, token_ids, self.pool.page_tokens)):
+        t = self.pool.page_tokens
+        for i, h in enumerate(page_hashes(root, token_ids, t)):
             entry = self._entries.get(h)
             if entry is None:
                 self.pool.share([page_table[i]])
-                entry = self._entries[h] = _Entry(page_table[i], parent, self._clock)
+                entry = self._entries[h] = _Entry(page_table[i], parent, self._clock, root,
+                                                  tuple(token_ids[i * t:(i + 1) * t]))
                 if parent is not None:
                     self._entries[parent].children += 1
                 added += 1
