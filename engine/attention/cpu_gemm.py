@@ -1,21 +1,20 @@
 """Decode scores against packed keys on the CPU as one BLAS GEMM on the integer codes.
 
-MLX's CPU `quantized_matmul` with transpose=True (q against packed key rows) is a scalar loop: on
-the 2-core dev box one decode step's history scores took 18-28 ms for 4 sequences x 2 KV heads
-x 4,096 rows x 128 channels, against 3.7 ms for the same float32 GEMM; `dequantize` alone cost
-14 ms where converting the same uint8 codes to float32 cost 1.6 ms. So the affine math is taken
-out of the inner product:
+MLX's CPU `quantized_matmul` with transpose=True (q against packed key rows) is a scalar loop,
+several times slower than a float32 GEMM of the same scores, and `dequantize` is slower than
+converting the same codes to float32 (measured: docs/lab/engine-kernel-notes.md). So the affine
+math is taken out of the inner product:
 
     score[r, s] = sum_g scale[s, g] * (q_g[r] . c_g[s]) + offset[s, g] * sum(q_g[r])
 
 with c the codes as float32 and g the groups of 64 channels. All groups go through one GEMM
 against a block-diagonal query matrix (D x G*R), then the per-group scales and the offset term
 (rows x S x groups, small) finish it. FP32 throughout: equal to the dequantized math up to
-rounding. Measured there: int8 7.1 ms, int4 5-7 ms (quantized_matmul 18-28 ms). The float32
-codes are a bounded scratch (SCRATCH_ELEMENTS): long histories are scored slice by slice.
+rounding. The float32 codes are a bounded scratch (SCRATCH_ELEMENTS): long histories are scored
+slice by slice.
 
-The value side stays on quantized_matmul: without the transpose MLX's CPU kernel is already fast
-(5-7 ms, against 9.4 ms for the GEMM form of it).
+The value side stays on quantized_matmul: without the transpose MLX's CPU kernel is already
+faster than the GEMM form of it.
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Attention on the CPU with the softmax done by NumPy on MLX's own buffer.
 
 MLX's CPU backend has no vector math on x86: `exp` (and so `softmax`, `sigmoid`) runs one
-element at a time through a polynomial whose fused multiply-adds are libm calls. On the 2-core
-dev box `mx.exp` over 9 x 512 x 1,024 float32 scores took 120 ms against 7 ms for `np.exp`, and
-it made attention about 60 % of a SmolLM2 1,200-token prefill (bench/cpu_profile.py). So the
-score and value products stay MLX GEMMs (OpenBLAS), and only the softmax between them runs in
-NumPy, in place on the evaluated score array (MLX arrays expose their buffer to NumPy without a
-copy; the array is this function's own fresh result, so no other array sees the write).
+element at a time through a polynomial whose fused multiply-adds are libm calls, an order of
+magnitude slower than `np.exp`, and it made attention most of a CPU prefill
+(bench/cpu_profile.py; the numbers: docs/lab/engine-kernel-notes.md). So the score and value
+products stay MLX GEMMs (OpenBLAS), and only the softmax between them runs in NumPy, in place on
+the evaluated score array (MLX arrays expose their buffer to NumPy without a copy; the array is
+this function's own fresh result, so no other array sees the write).
 
 `prefill_attention` serves multi-token rows; paged decode (engine/attention/paged.py) calls
 `softmax_in_place` on its page-wise scores. Prefill queries are taken in blocks of rows: a causal
@@ -14,8 +14,8 @@ block reads keys only up to its last query, so the masked upper triangle is neit
 nor exponentiated, and the scores never exceed SCORE_ELEMENTS per block.
 
 The price: the graph is evaluated up to each layer's attention while the step is being built,
-so a pipelined decode step no longer builds while the previous one computes. On the CPU the
-build is a few ms of a 250-400 ms 16-row SmolLM2 step, the softmax it saves about 25 ms.
+so a pipelined decode step no longer builds while the previous one computes. On the CPU that
+build is small next to the softmax time it saves (docs/lab/engine-kernel-notes.md).
 """
 from __future__ import annotations
 

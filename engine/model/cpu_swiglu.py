@@ -1,10 +1,10 @@
 """mlx-lm's SwiGLU (silu(gate) * x) computed by NumPy during the engine's CPU steps.
 
 MLX's CPU backend has no vector math on x86: its sigmoid runs one element at a time through a
-polynomial whose fused multiply-adds are libm calls (30 ns an element on the 2-core dev box,
-against about 1 ns for NumPy's exp). In a SmolLM2 1,200-token prefill that made the MLP's
-activation about 17 % of the time once attention's softmax had moved to NumPy
-(bench/cpu_profile.py). The projections around it stay MLX GEMMs.
+polynomial whose fused multiply-adds are libm calls, far slower than NumPy's exp. In a CPU
+prefill that made the MLP's activation a large share of the time once attention's softmax had
+moved to NumPy (bench/cpu_profile.py; the numbers: docs/lab/engine-kernel-notes.md). The
+projections around it stay MLX GEMMs.
 
 How, without forking mlx-lm's model files: `install_swiglu_hook` points every model module's
 `swiglu` at `_swiglu`, as engine/attention/paged.py does for attention. The hook computes in

@@ -1,8 +1,7 @@
 """Structured output: a request's JSON schema compiled to a grammar, and its per-request state.
 
-llguidance was picked by measured per-token mask cost at batch 16 on SmolLM2's tokenizer
-(docs/api.md#structured-output): 0.14-0.28 ms per step for 16 rows and ~10 ms to compile a
-schema, against 2.8-3.8 ms per step and 1-3 s per schema for outlines-core. No MLX here: the
+llguidance was picked by measured per-token mask cost and schema compile time, both an order
+of magnitude below outlines-core's (docs/api.md#structured-output has the numbers). No MLX: the
 ingress compiles each schema once to refuse a bad one with a 400 before any replica sees it; the
 mask is applied by engine/sampling/logits_processors.py.
 """

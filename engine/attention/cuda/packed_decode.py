@@ -22,13 +22,11 @@ native kernel (`cuda_paged_decode.launch_split`): one block per (row, KV head, s
 the head's GQA query heads.
 
 Formats: equal key and value bits (int8, int4), head dim 64 or 128; others (k8v4) keep the
-direct path. Checked only on the H200 (docs/lab/benchmarks-gpu.md), when it read six separate
-arrays per layer, and again reading the layer's one pool (session 9, `python -m
-bench.cuda_check --kernels packed`: every case ok). Never run on Metal. The tiled second
-version (cuda/packed_decode_v2.py: scores per tile of keys, one softmax step per tile, PV with
-lanes over channels, cp.async prefetch) is the default since the H200 run
-of session 8 (KernelChoices.packed_decode); this one serves `version="v1"` and GQA groups past
-v2's MAX_GROUP.
+direct path. Checked with `python -m bench.cuda_check --kernels packed` on a GPU; never run on
+Metal. The tiled second version (cuda/packed_decode_v2.py: scores per tile of keys, one softmax
+step per tile, PV with lanes over channels, cp.async prefetch) is the default
+(KernelChoices.packed_decode); this one serves `version="v1"` and GQA groups past v2's
+MAX_GROUP. Where it was checked and timed: docs/lab/engine-kernel-notes.md.
 """
 from __future__ import annotations
 

@@ -1,18 +1,15 @@
 """Decode attention from packed pages, tiled (second version; CUDA backend only, the default).
 
-Checked and timed on the H200 in session 8 (docs/lab/benchmarks-gpu.md: every
-`bench.cuda_check --kernels packed-v2` case ok; the kernel alone 1.7-2.9x faster than v1), when
-packed layers kept six arrays. It now reads the layer's one pool (engine/kv/page_layout.py):
-same arithmetic, new addresses; that passes the CPU emulator (bench/cuda_emulate.py) and
-compiles with a local nvcc (`python -m bench.cuda_nvcc_check --only decode-v2`), and its H200
-check passed again (session 9: `bench.cuda_check --kernels packed-v2`, every case ok).
+Checked by `bench.cuda_check --kernels packed-v2` on a GPU, by the CPU emulator
+(bench/cuda_emulate.py) and a local nvcc (`python -m bench.cuda_nvcc_check --only decode-v2`);
+never run on Metal. Its checks and timings against v1: docs/lab/engine-kernel-notes.md.
 
 Why a second kernel: v1 gives each key row to a group of LW = D*bits/32 lanes (one packed word
 each), so every key costs, per GQA query head, a shuffle reduction of its score over the group
-and an online-softmax update (max, two exps, a rescale of the accumulators). At 32K context,
-batch 8 it is bound by those instructions, not by the bytes it reads (int4 reads 3.2x fewer
-than native and still ran at 0.83-0.86x native; docs/lab/benchmarks-gpu.md, session 5). This
-kernel is FlashDecoding's split of the work, per block (row, KV head, split of the keys):
+and an online-softmax update (max, two exps, a rescale of the accumulators). At long context
+and batch it is bound by those instructions, not by the bytes it reads (int4 reads 3.2x fewer
+than native and still ran slower: docs/lab/engine-kernel-notes.md). This kernel is
+FlashDecoding's split of the work, per block (row, KV head, split of the keys):
 
 - tiles of KT keys (64 for int4, 32 for int8: the stage must fit static shared memory twice)
   are copied with `cp.async` into shared memory (codes, scales, offsets; coalesced, 16-byte

@@ -1,10 +1,8 @@
 """The tiled packed decode kernel's CUDA source (its design and host side: packed_decode_v2.py).
 
-Checked on the H200 (session 8) when it read six arrays per layer. It now reads the layer's one
-pool (engine/kv/page_layout.py, addressed by CUDA_SECTIONS): the same arithmetic from new
-addresses, run here on the CPU emulator (bench/cuda_emulate.py) and compiled with a local nvcc
-(`python -m bench.cuda_nvcc_check --only decode-v2`), and checked on the H200 again (session 9,
-`python -m bench.cuda_check --kernels packed-v2`: every case ok).
+It reads the layer's one pool (engine/kv/page_layout.py, addressed by CUDA_SECTIONS); the CPU
+emulator (bench/cuda_emulate.py) runs it and `python -m bench.cuda_nvcc_check --only decode-v2`
+compiles it. Where it was checked: docs/lab/engine-kernel-notes.md.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Packed prefill as native prefill: history dequantized by one kernel, then MLX's own SDPA.
 
-Why: the tile kernel (cuda/packed_prefill.py) unpacks history inside its attention and measured
-1.0-1.4x native prefill time on the H200 (docs/lab/benchmarks-gpu.md, sessions 6-10): its
-~240 registers per thread leave one block per SM, so unpacking and MMAs do not overlap. A
+Why: the tile kernel (cuda/packed_prefill.py) unpacks history inside its attention, and its
+~240 registers per thread leave one block per SM, so unpacking and MMAs do not overlap: it
+stayed slower than native prefill (docs/lab/engine-kernel-notes.md). A
 native prefill chunk already copies its history (it gathers the row's pages into one [B, H, S,
 D] array) before `mx.fast.scaled_dot_product_attention`. This path does the same with one
 difference: the copy is made by a kernel that reads the packed pool and writes the keys and
@@ -20,9 +20,9 @@ first, 32 / bits channels per word), one FP32 scale and offset per 64-channel gr
 Workspace: the copy is the size of native's gathered history (the packed formats save memory
 on stored pages, not on this transient). Taken where the tile kernel would be
 (`packed_prefill.applies`) for chunks, when `KernelChoices.prefill_path` is "dequant" (the
-default since the H200 measured it: docs/lab/benchmarks-gpu.md session 11). Checked on the H200
-by `bench.cuda_check --kernels dequant` and in CPU tests through the emulator
-(bench/cuda_emulate.py). Never run on Metal.
+default, on the measurements in docs/lab/engine-kernel-notes.md). Checked by `bench.cuda_check
+--kernels dequant` on a GPU and in CPU tests through the emulator (bench/cuda_emulate.py);
+never run on Metal.
 """
 from __future__ import annotations
 

@@ -31,15 +31,11 @@ codes are read as 16-byte vectors, so code sections must start 16-byte aligned i
 (`tile_helpers.check_pool`).
 
 Formats: 4 or 8 bits for K and V independently (int8, int4, k8v4), head dim 64 or 128, up to
-MAX_WARPS query heads per KV head. Checked only on the H200 (`python -m bench.cuda_check`:
-max error 0.016 against the FP32 direct path, bf16 output rounding), when it read six arrays per
-layer, and again reading the layer's one pool (session 9: every prefill case ok, max error
-0.016). Never run on Metal.
-Measured there (docs/lab/benchmarks-gpu.md, session 6; synthetic 0.5B geometry, chunks of 512):
-prefill 1.02-1.22x native time at 4K and 1.23-1.32x at 16K, against 2.5x / 3.9x for the MLX-op
-direct path. What bounds it now: one block (8 warps, ~240 registers each) per SM, so a tile's
-unpacking and its MMAs do not overlap across blocks; `cp.async` staging of the raw codes or a
-`wgmma` version would be the next steps.
+MAX_WARPS query heads per KV head. Checked by `python -m bench.cuda_check` against the FP32
+direct path (within bf16 output rounding) on a GPU; never run on Metal. What bounds it: one
+block (8 warps, ~240 registers each) per SM, so a tile's unpacking and its MMAs do not overlap
+across blocks; `cp.async` staging of the raw codes or a `wgmma` version would be the next steps.
+Its checks and timings against native and the MLX-op path: docs/lab/engine-kernel-notes.md.
 """
 from __future__ import annotations
 

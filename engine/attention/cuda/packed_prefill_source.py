@@ -1,8 +1,9 @@
 """The packed prefill kernel's CUDA source (its tiling and host side: packed_prefill.py).
 
 History is read from the layer's one uint32 pool (engine/kv/page_layout.py) through
-CUDA_SECTIONS; checked on the H200 with that addressing (session 9, `bench.cuda_check --kernels
-prefill`). This kernel has no CPU emulation: its tensor-core MMAs are inline PTX.
+CUDA_SECTIONS; `bench.cuda_check --kernels prefill` checks it on a GPU (where it was:
+docs/lab/engine-kernel-notes.md). This kernel has no CPU emulation: its tensor-core MMAs are
+inline PTX.
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Rotate and quantize a step's new K/V rows in one CUDA kernel (CUDA backend only).
 
-Why: a packed layer's write was ~40 MLX ops per layer and step (rotation: cast, sign multiply,
-Hadamard; then per K and per V: reshape, min, max, subtract, divide, where, round, clip, cast,
-shift, sum, squeezes), and on the H200 a decode step is bound by the host cost of issuing its
-graph (docs/lab/benchmarks-gpu.md): that alone made int4 decode at batch 1 about 0.7x of native.
+Why: a packed layer's write in MLX ops is ~40 ops per layer and step (rotation: cast, sign
+multiply, Hadamard; then per K and per V: reshape, min, max, subtract, divide, where, round,
+clip, cast, shift, sum, squeezes), and on a GPU a decode step is bound by the host cost of
+issuing its graph: that alone made int4 decode at batch 1 much slower than native
+(docs/lab/engine-kernel-notes.md).
 This kernel computes the same codes, scales and offsets as `quantize(rotate(k))` and
 `quantize(v)` (engine/kv/quant.py, engine/kv/rotation.py) in one launch: one warp per (row, head) of
 K or V holds the D channels in registers (D/32 per lane), applies the fixed signs and the
@@ -16,8 +17,8 @@ as the MLX path, so codes agree except where a value sits on a rounding boundary
 (`python -m bench.cuda_check` reports the fraction).
 
 Head dims 64 and 128 (one Hadamard block), 4 or 8 bits; anything else keeps the MLX ops.
-Checked on the H200 (session 9, emitting pool records: every `bench.cuda_check --kernels write`
-case bit-exact) and on the CPU emulator (bench/cuda_emulate.py); never run on Metal.
+Checked by `bench.cuda_check --kernels write` on a GPU (bit-exact) and on the CPU emulator
+(bench/cuda_emulate.py); never run on Metal. Where it was checked: docs/lab/engine-kernel-notes.md.
 """
 from __future__ import annotations
 
