@@ -90,8 +90,8 @@ _EXECUTOR = None   # llguidance thread pool, made on first use (only structured 
 
 def fill_masks(constraints: list[GrammarConstraint], mask) -> None:
     """Each constraint's next bitmask into its row of `mask` (numpy int32 [R, words]), computed
-    in parallel by llguidance's executor (measured 0.14-0.19 ms for 16 rows against 0.8-1.1 ms
-    one by one; bench/constrained.py)."""
+    in parallel by llguidance's executor (several times faster than one by one:
+    bench/constrained.py, docs/lab/engine-kernel-notes.md)."""
     global _EXECUTOR
     from llguidance import LLExecutor
     from llguidance.numpy import fill_next_token_bitmask_par

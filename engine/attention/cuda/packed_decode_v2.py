@@ -95,9 +95,9 @@ def packed_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool:
     `own`: the kernel also quantizes the step's own rows (k_new, v_new: key ends[b] - 1 of each
     row) and stores them into `pool` at their slot IN PLACE, the same words the write kernel's
     `write_in_place` would store (one quantizer, cuda/packed_write.QUANTIZE), so a decode step
-    issues no write of its own: per layer no write kernel and no slot arithmetic (H200, 0.5B
-    geometry, batch 1, with them: 128 graph nodes per step against native's 111;
-    docs/lab/benchmarks-gpu.md session 13). What it relies on: `pool` is the
+    issues no write of its own: per layer no write kernel and no slot arithmetic (with them a
+    packed step had more graph nodes than native's: docs/lab/engine-kernel-notes.md). What it
+    relies on: `pool` is the
     whole row-contiguous array the store holds, and every later reader runs after this kernel
     on the same stream (as for the native kernel's `own`, cuda/paged_decode.py)."""
     b, hq, _, d = q.shape

@@ -177,7 +177,7 @@ def write_in_place(k: mx.array, v: mx.array, k_bits: int, v_bits: int, layout: P
     holds the rows; the caller makes every later reader of the pool depend on it
     (`mx.depends`). Why: the record scatter it replaces is a graph node per layer and step,
     and a scatter in pipelined decode may find its array still held by the previous step, so
-    MLX copies the whole array first (session 12 counted those copies for native pages).
+    MLX copies the whole array first (docs/lab/engine-kernel-notes.md counts them).
     Relies on the pool being a whole row-contiguous array the store holds, as it is."""
     return _launch(k, v, k_bits, v_bits, layout, pool, slot)
 

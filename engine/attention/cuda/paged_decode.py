@@ -295,9 +295,8 @@ def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, pa
     slot IN PLACE, behind MLX's back (MLX sees the pages as inputs only), so the step issues no
     scatter. Why: the scatters are two graph nodes per layer, and in pipelined decode a page
     array is often still held by the previous step's kernels when the next scatter is issued,
-    so MLX cannot update it in place and copies the layer's whole page array first (on the
-    H200, SmolLM2 batch 1: 52 page-sized copies beside the 60 scatters of a step, all gone with
-    this path; docs/lab/benchmarks-gpu.md session 12). What this relies on: the page arrays are
+    so MLX cannot update it in place and copies the layer's whole page array first (counted:
+    docs/lab/engine-kernel-notes.md). What this relies on: the page arrays are
     whole row-contiguous arrays the store holds (so MLX passes the kernel their buffers, never a
     copy), and every reader of the pages runs on the same stream after this kernel, or reads
     them on the host only after the step retired (as the engine does)."""
