@@ -2,7 +2,8 @@
 
 The engine owns its thread; this shim translates calls, reports to the capacity actor
 (commit on arrival, release with telemetry at the end, sequence-numbered heartbeats), exposes
-routing stats and replica metadata to Serve, and drains on shutdown.
+routing stats and replica metadata to Serve, and drains on shutdown, handing its prefix cache to
+another replica (serve_app/handoff.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from serve_app.calls import GenerateCall, stamp
 from serve_app.capacity_link import CapacityLink
 from serve_app.errors import from_exception
+from serve_app.handoff import Handoff
 from serve_app.heartbeat import ReplicaIdentity, RequestMeter, build_report
 from serve_app.prefix_affinity import PrefixReport
 from serve_app.wire import ReplicaDelta, ReplicaError, ReplicaItem
@@ -89,6 +91,9 @@ class ModelServer:
         self._callers: dict[str, str] = {}    # request id -> its ingress's Ray actor name
         self._watch: Any = None               # the task cancelling requests of dead callers
         self.prefix_report = PrefixReport(self.engine)
+        # Hands the prefix cache to another replica on drain, takes those others leave.
+        self.handoff = Handoff.for_replica(self.engine, self.model_id, self.replica_id,
+                                           capacity.namespace if capacity is not None else None)
 
     def _make_engine(self, engine_cfg: Any) -> Any:
         from engine import Engine
@@ -104,6 +109,8 @@ class ModelServer:
         if self.capacity is not None:
             await self.capacity.start()
         self._watch = asyncio.get_running_loop().create_task(self._watch_callers())
+        if self.handoff is not None:
+            self.handoff.start()
 
     async def _watch_callers(self) -> None:
         """Cancel the requests of ingress replicas that are gone. Ray does not cancel an actor
@@ -281,6 +288,8 @@ class ModelServer:
             self.capacity.stop()
         if self._watch is not None:
             self._watch.cancel()
+        if self.handoff is not None:   # Serve stopped routing here and waited for the requests
+            self.handoff.drain()
         self.engine.shutdown(drain_timeout_s=self.drain_timeout_s)
 
     def __del__(self):

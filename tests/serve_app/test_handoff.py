@@ -1,0 +1,135 @@
+"""Conversation handoff on drain through a served app (its own Serve app, route prefix /handoff,
+capacity namespace and handoff store): two replicas each hold a conversation's history in their
+prefix cache; a redeploy to one replica drains both (Serve calls their destructors), they hand
+their pages to the handoff store, the new replica imports them, and each conversation's next turn
+there is served from cached pages; another tenant resending the same history gets none."""
+from __future__ import annotations
+
+import os
+import threading
+
+import httpx
+import pytest
+
+from tests.fixtures.serve import TEST_API_KEY, TEST_API_KEY_OTHER, make_config, wait_for, \
+    wait_http_ok
+
+pytestmark = pytest.mark.slow
+
+APP = "orchard-handoff"
+MODEL = "tiny-handoff"
+AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
+OTHER = {"Authorization": f"Bearer {TEST_API_KEY_OTHER}"}
+WORDS = ["cat", "dog", "fox", "owl", "elk", "yak", "emu", "ant"]
+
+
+@pytest.fixture(scope="module")
+def served(orchard_url, orchard_config, tiny_llama):
+    import ray
+    from ray import serve
+
+    from capacity.actor import get_or_create_actor
+    from serve_app.app import build_app
+    from serve_app.config import parse_config
+
+    namespace = f"orchard-handoff-{os.getpid()}"
+    raw = make_config(tiny_llama, orchard_config["http"]["port"], namespace)
+    raw["app_name"] = APP
+    raw["models"][0].update(id=MODEL, replicas=2, max_num_seqs=2, max_ongoing_requests=8)
+    get_or_create_actor(namespace=namespace, snapshot_path="")
+    serve.run(build_app(parse_config(raw)), name=APP, route_prefix="/handoff")
+    base = orchard_url + "/handoff"
+    wait_http_ok(base + "/health")
+    yield base, raw, namespace
+    serve.delete(APP)
+    for name in ("capacity", "handoff"):
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace))
+        except ValueError:
+            pass
+
+
+class Chat:
+    def __init__(self, name: str, headers=AUTH):
+        self.headers = headers
+        self.messages = [{"role": "system", "content": f"You keep the {name} ledger. " + " ".join(
+            f"Entry {i} of {name} is a {WORDS[i % 8]}." for i in range(30))}]
+
+    def turn(self, base: str, text: str, max_tokens: int = 8, **extra) -> httpx.Response:
+        self.messages.append({"role": "user", "content": text})
+        r = httpx.post(base + "/v1/chat/completions", headers=self.headers, timeout=120,
+                       json={"model": MODEL, "messages": self.messages, "temperature": 0,
+                             "max_tokens": max_tokens, **extra})
+        assert r.status_code == 200, r.text
+        self.messages.append({"role": "assistant",
+                              "content": r.json()["choices"][0]["message"]["content"]})
+        return r
+
+
+def cached(r: httpx.Response) -> int:
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def running(base: str) -> float:
+    import re
+
+    text = httpx.get(base + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(
+        rf'^vllm:num_requests_running\{{[^}}]*model_name="{MODEL}"[^}}]*\}} (\S+)$', text, re.M))
+
+
+def test_redeploy_hands_conversations_to_the_new_replica(served):
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import parse_config
+
+    base, raw, namespace = served
+    # Spread two conversations over the two replicas: while the first's opening turn runs,
+    # headroom sends the second's to the other, idle replica.
+    a, b = Chat("alpha"), Chat("beta")
+    first: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: first.append(
+        a.turn(base, "Open the ledger.", max_tokens=300, ignore_eos=True)))
+    t.start()
+    wait_for(lambda: running(base) >= 1, 30, "the first turn running")
+    rb = b.turn(base, "Open the ledger.")
+    t.join(120)
+    home = {"a": first[0].headers["x-orchard-replica"], "b": rb.headers["x-orchard-replica"]}
+    assert home["a"] != home["b"], home
+
+    # Redeploy with one replica: Serve starts a new one and drains both old ones.
+    one = {**raw, "models": [{**raw["models"][0], "replicas": 1}]}
+    serve.run(build_app(parse_config(one)), name=APP, route_prefix="/handoff")
+    store = ray.get_actor("handoff", namespace=namespace)
+
+    def handed_on() -> bool:
+        """Both old replicas exported, every export was claimed, and the new replica imported
+        what it claimed (an old replica that claimed one before its own drain passes it on
+        in its own export)."""
+        events = ray.get(store.events.remote())
+        exported = {e["id"]: e["from"] for e in events if e["event"] == "exported"}
+        claimed = {e["id"]: e["by"] for e in events if e["event"] == "claimed"}
+        imported = {e["id"] for e in events if e["event"] == "imported"}
+        new = {i for i, by in claimed.items() if by not in home.values()}
+        return (set(home.values()) <= set(exported.values()) and set(exported) <= set(claimed)
+                and bool(new) and new <= imported)
+    wait_for(handed_on, 120, "both drained replicas' pages imported",
+             lambda: ray.get(store.events.remote()))
+    events = ray.get(store.events.remote())
+    assert not [e for e in events if e["event"] in ("dropped",)
+                or e["event"] == "imported" and "error" in e["result"]], events
+
+    for name, chat in (("a", a), ("b", b)):
+        r = chat.turn(base, "Add entry 40, a cat.")
+        assert r.headers["x-orchard-replica"] not in home.values(), name
+        usage = r.json()["usage"]
+        # The history (system prompt, first turn, its reply as far as the template re-tokenizes
+        # it the same) came with the handoff: no full prefill.
+        assert cached(r) > 0.5 * usage["prompt_tokens"], (name, usage)
+
+    # Another tenant resending a's history finds none of its pages.
+    theirs = Chat("alpha", headers=OTHER)
+    theirs.messages = [dict(m) for m in a.messages]
+    assert cached(theirs.turn(base, "Add entry 41, a dog.")) == 0
