@@ -120,6 +120,7 @@ class DeviceDecodeStep:
     width = 1
     valid = None
     cpu_softmax = False   # one query per row: mx.softmax inside the trace, never NumPy
+    prefill_ops = False   # one query per row: never the prefill attention paths
 
     def __init__(self, table: mx.array, page_tokens: int, kernel_decode: bool, kernels):
         # One copy of the page columns, so a kernel that wants row-contiguous inputs does not
