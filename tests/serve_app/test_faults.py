@@ -21,6 +21,7 @@ import time
 import httpx
 import pytest
 
+from serve_app.config import SERVED_MAX_NUM_SEQS
 from tests.fixtures.serve import TEST_API_KEY, make_config, wait_http_ok
 from tests.fixtures.serve import wait_for as _wait_for
 
@@ -32,10 +33,6 @@ AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
 wait_for = functools.partial(_wait_for, timeout_s=60.0)
 APP = "orchard-faults"
 MODEL = "smollm2"
-# Stated, not planned from this box's memory: the plan would give one replica most of the box
-# (12 GB on a 23 GB machine), and zero-filling that pool is most of a replacement's start-up
-# (docs/reliability.md). 512 MiB holds 11,600 tokens in float32: the 7 long requests below.
-KV_BUDGET_BYTES = 512 << 20
 # Long enough that no stream can end on its own during a fault (SmolLM2 decodes a few tens of
 # tokens per second on a 2-core box).
 LONG = 1500
@@ -56,8 +53,11 @@ def faults(orchard_url, orchard_config, tmp_path_factory):
 
     namespace = f"orchard-faults-{os.getpid()}"
     snapshot = str(tmp_path_factory.mktemp("faults") / "rates.json")
+    # `make serve`'s model settings: the KV budget planned from this box's memory (12 GB on a
+    # 23 GB machine; the replica allocates a first slab and grows: docs/reliability.md) and
+    # the served concurrency ceiling, so the recovery measured is a default replica's.
     raw = make_config(str(ensure_real_model()), orchard_config["http"]["port"], namespace,
-                      kv_budget_bytes=KV_BUDGET_BYTES)
+                      max_num_seqs=SERVED_MAX_NUM_SEQS)
     raw["models"][0]["id"] = MODEL
     raw["app_name"] = APP
     raw["capacity"]["snapshot_path"] = snapshot
@@ -187,6 +187,11 @@ def test_replica_killed_mid_stream_every_stream_ends_and_holds_settle(faults):
     t_plain.start()
     wait_for(lambda: feed(url).get("outstanding_raw_tokens", 0) >= (len(streams) + 1) * LONG,
              what="the plain request to be admitted")
+    # ... and running on the replica: a request the replica has not accepted when it dies is
+    # routed again by Serve, to the replacement (on a loaded box the hold came first by seconds).
+    wait_for(lambda: replica_call("record_routing_stats")["num_requests_running"]
+             >= len(streams) + 1, what="the plain request to run on the replica",
+             status=lambda: replica_call("record_routing_stats"))
     t_kill, kill_unix = time.monotonic(), time.time()
     os.kill(pid, signal.SIGKILL)
     for s in streams:
@@ -231,7 +236,9 @@ def test_replica_killed_mid_stream_every_stream_ends_and_holds_settle(faults):
         "warmup_batch": up.get("warmup_batch"),
         # Replacement ready -> its first 200 (Serve marks it running, the router sees it).
         "ready_to_served_s": round(kill_unix + (recovered_at - t_kill) - up["ready_unix"], 2),
-        "during": len(during)}))
+        "during": len(during),
+        # The replacement's whole KV budget (the default plan's; allocated by slabs as used).
+        "kv_budget_gib": round(replica_call("record_routing_stats")["kv_bytes_total"] / 2**30, 2)}))
 
 
 def test_ingress_killed_streams_end_and_service_recovers(faults):
@@ -296,19 +303,46 @@ def test_capacity_actor_killed_under_load_service_continues_and_holds_settle(fau
     streams = open_streams(url, most=4, max_tokens=64)
     t_kill = time.monotonic()
     ray.kill(actor)
-    responses = [plain(url) for _ in range(6)]
+    since = lambda: round(time.monotonic() - t_kill, 2)  # noqa: E731
+    # The feed watched from the kill on, as a client would, beside the load's own requests.
+    feed_seen: list[float] = []
+
+    def watch_feed() -> None:
+        while not feed_seen and time.monotonic() - t_kill < 60:
+            f = feed(url)
+            if f.get("models") and f["models"][0]["replicas"] == 1:
+                feed_seen.append(since())
+            else:
+                time.sleep(0.1)
+    watcher = threading.Thread(target=watch_feed, daemon=True)
+    watcher.start()
+    responses = []
+    for _ in range(6):
+        responses.append(plain(url))
+        if len(responses) == 1:
+            first_served_s = since()
+    requests_done_s = since()
     for s in streams:
         s.join(60)
         assert s.ended_cleanly and s.error_event is None, (s.error, s.events[-3:])
+    streams_done_s = since()
     assert_no_bad_status(responses)
     assert [r.status_code for r in responses] == [200] * 6
     # A recreated actor learns the replica again from heartbeats; its ledger returns to idle.
     wait_for(lambda: feed(url).get("models") and feed(url)["models"][0]["replicas"] == 1,
              what="the recreated actor to hear the replica")
+    feed_back_s = since()
     wait_for(lambda: settled(url, rebuilt_ok=True), what="the recreated actor's ledger to be idle")
+    idle_s = since()
     # Learned rates survive: the new actor started from the snapshot the old one wrote.
     info = ray.get(ray.get_actor("capacity", namespace=namespace).info.remote())
     [now] = feed(url)["models"][0]["identities"]
     assert info["restored"] and info["identities"] >= 1
     assert now["identity"] == learned["identity"] and now["cap_source"] != "fallback"
-    print(f"\ncapacity actor kill: feed back {time.monotonic() - t_kill:.1f} s after it")
+    # Seconds after the kill: where the time goes (the load's own requests are part of it).
+    watcher.join(60)
+    print("\ncapacity actor kill " + json.dumps({
+        "feed_lists_the_replica_s": feed_seen[0] if feed_seen else None,
+        "first_request_served_s": first_served_s, "six_requests_done_s": requests_done_s,
+        "streams_done_s": streams_done_s, "feed_back_s": feed_back_s,
+        "ledger_idle_s": idle_s}))
