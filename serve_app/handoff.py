@@ -105,6 +105,7 @@ class Handoff:
         self._store: Any = None
         self._task: asyncio.Task | None = None
         self._drained = False
+        self._claimed: dict | None = None   # an export claimed and not yet reported imported
 
     @classmethod
     def for_replica(cls, engine: Any, model_id: str, replica_id: str,
@@ -147,17 +148,24 @@ class Handoff:
                                           self.replica_id)
         if export is None:
             return None
+        self._claimed = export
+        result = await asyncio.to_thread(self._import, export)
+        self._claimed = None
+        return result
+
+    def _import(self, export: dict) -> dict:
+        """Import a claimed export (blocking) and tell the store how it went."""
         from engine.checkpoint.prefix_pages import import_into
 
         with tempfile.TemporaryDirectory(prefix="orchard-handoff-") as d:
             for name, data in export["files"].items():
                 (Path(d) / Path(name).name).write_bytes(data)
             try:
-                result = await asyncio.to_thread(import_into, self.engine, d)
+                result = import_into(self.engine, d)
             except Exception as e:  # noqa: BLE001 - refused (another identity, key): reported
                 result = {"error": f"{type(e).__name__}: {e}"}
         log.info("imported prefix pages of %s from %s: %s", self.model_id, export["from"], result)
-        store.report.remote(export["id"], self.replica_id, result)
+        self.store().report.remote(export["id"], self.replica_id, result)
         return result
 
     def drain(self) -> dict:
@@ -170,6 +178,11 @@ class Handoff:
         self._drained = True
         try:
             from engine.checkpoint.prefix_pages import export_from
+
+            if self._claimed is not None:
+                # Claimed just before the drain: import it (again: engine calls run in order,
+                # so a second import of pages already taken adds nothing) to pass it on.
+                self._import(self._claimed)
 
             with tempfile.TemporaryDirectory(prefix="orchard-handoff-") as d:
                 summary = export_from(self.engine, d)
