@@ -234,19 +234,33 @@ def gpu_stand_ins():
 
 @contextlib.contextmanager
 def params_from(model, given: dict):
-    """`model` computes with `given` ({flat name: array}) while inside."""
+    """`model` computes with `given` ({flat name: array}, as `weights_of` names them) while
+    inside, transposed views included (engine/model/linear.py: "<module>.weight.T")."""
     from mlx.utils import tree_flatten, tree_unflatten
 
+    from engine.model.linear import held_views, hold
+
+    modules = dict(model.named_modules())
+    held = {name: (modules[name]["weight"], view) for name, view in held_views(model).items()}
+    params = {k: v for k, v in given.items() if not k.endswith(".weight.T")}
     before = tree_flatten(model.parameters())
-    model.update(tree_unflatten(list(given.items())))
+    model.update(tree_unflatten(list(params.items())))
+    for name in held:
+        hold(modules[name], modules[name]["weight"], given[f"{name}.weight.T"])
     try:
         yield
     finally:
         model.update(tree_unflatten(before))
+        for name, (w, view) in held.items():
+            hold(modules[name], w, view)
 
 
 def weights_of(model) -> dict:
+    """{flat parameter name: array}, and each held transposed view as "<module>.weight.T"."""
     from mlx.utils import tree_flatten
-    return dict(tree_flatten(model.parameters()))
 
+    from engine.model.linear import held_views
 
+    out = dict(tree_flatten(model.parameters()))
+    out.update({f"{name}.weight.T": view for name, view in held_views(model).items()})
+    return out

@@ -16,6 +16,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.model.linear import pretranspose
+
 # Files above this size are fingerprinted by size + head/tail bytes: hashing tens of GB at every
 # start would cost minutes, while a changed checkpoint virtually always changes size or ends.
 _FULL_HASH_LIMIT = 256 << 20
@@ -197,7 +199,10 @@ def load_model(path_or_hub_id: str, dtype: str | mx.Dtype | None = None,
     """Load an mlx-lm model directory (or hub id when allowed) in the chosen compute dtype.
 
     `fuse`: q/k/v and gate/up projections run as one matmul each (engine/model/fuse.py); done
-    after the cast and before the probe, so the probe runs the model as it will be served."""
+    after the cast and before the probe, so the probe runs the model as it will be served.
+    Every plain linear layer (and a tied embedding's LM head) multiplies by a transposed view of
+    its weight made here once instead of once per call (engine/model/linear.py: the same
+    results, fewer graph nodes per step)."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
@@ -212,6 +217,7 @@ def load_model(path_or_hub_id: str, dtype: str | mx.Dtype | None = None,
     if fuse:
         from engine.model.fuse import fuse_projections
         fuse_projections(model)
+    pretranspose(model)
     mx.eval(model.parameters())
 
     probe = mx.array([[0, 1]], dtype=mx.int32)
