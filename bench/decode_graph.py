@@ -159,11 +159,7 @@ def engine_side(model_dir: str, variant: str, context: int, page_tokens: int,
         out = {"kernel_decode": runner.kernel_decode, "compiled": runner.compiled is not None}
         if runner.compiled is not None:
             comp = runner.compiled
-            from engine.runner.compiled_decode import bucket_pages
-
-            width = bucket_pages(pages)
-            table = mx.array([[context] + chunk_pages + [chunk_pages[0]] * (width - pages)],
-                             dtype=mx.int32)
+            tok_in, table = comp.inputs([Chunk(0, [5], context, chunk_pages)], tok)
 
             def step(tokens, table, **named):
                 w = {k: v for k, v in named.items() if not k.startswith("kv.")}
@@ -173,7 +169,7 @@ def engine_side(model_dir: str, variant: str, context: int, page_tokens: int,
                     res = comp._trace(tokens, table, arrays)
                     return [sample(res[0], specs)] + res
 
-            graph = export(step, [tok, table], {**weights, **kv})
+            graph = export(step, [tok_in, table], {**weights, **kv})
         else:
             def step(tokens, **named):
                 w = {k: v for k, v in named.items() if not k.startswith("kv.")}

@@ -10,11 +10,13 @@ nodes are issued.
 A trace may not capture a host value that changes from step to step, so everything a step
 varies enters as arrays:
 - `tokens` [B]: the rows' input ids (pipelined decode passes the previous step's sampled array);
-- `table` [B, 1 + P] int32: each row's start (keys already in KV, which is also its RoPE
-  position) followed by its page table padded to P pages. P is a power of two (`bucket_pages`),
-  so a growing row re-traces only when it crosses a bucket, and the whole step costs one
-  host-to-device upload. Write slots, row ends and the key mask are derived from it on the
-  device.
+- `table` [B * (4 + P)] int32, flat: the rows' starts (keys already in KV, which is also their
+  RoPE positions), their ends (start + 1: keys attended after the write), their write slots'
+  pages and offsets in the page, then each row's page table padded to P pages. P is a power of
+  two (`bucket_pages`), so a growing row re-traces only when it crosses a bucket, and the whole
+  step costs one host-to-device upload. Every part is a contiguous slice of it, so the step
+  reads them as views: no arithmetic, gather or copy of its own before the model (the key mask
+  is derived from the ends on the device where a step needs one).
 The page arrays are inputs and outputs of the compiled function (it cannot keep state): each
 store gets its arrays back after the call (`adopt`). Where the CUDA kernels write the step's
 keys themselves (`KernelChoices.decode_writes_own`: the native and the v2 packed decode
@@ -122,16 +124,18 @@ class DeviceDecodeStep:
     cpu_softmax = False   # one query per row: mx.softmax inside the trace, never NumPy
     prefill_ops = False   # one query per row: never the prefill attention paths
 
-    def __init__(self, table: mx.array, page_tokens: int, kernel_decode: bool, kernels):
-        # One copy of the page columns, so a kernel that wants row-contiguous inputs does not
-        # copy them once per layer.
-        starts, pages = table[:, 0], mx.contiguous(table[:, 1:])
-        self.size = table.shape[0]
+    def __init__(self, table: mx.array, rows: int, page_tokens: int, kernel_decode: bool,
+                 kernels):
+        # `table`: the flat layout of the module docstring. Each part is a contiguous slice
+        # (a view): the page rows are what a kernel that wants row-contiguous inputs takes as
+        # they are, and no part needs a kernel to be derived.
+        b = rows
+        pages = table[4 * b:].reshape(b, -1)
+        self.size = b
         self.page_tokens = page_tokens
-        self.offset = starts                      # RoPE position of each row's token
-        self.ends = starts + 1                    # keys each row attends to after the write
-        page_of = mx.take_along_axis(pages, (starts // page_tokens)[:, None], axis=1)[:, 0]
-        self.slots = DeviceSlots(page_of, starts % page_tokens)
+        self.offset = table[:b]                   # RoPE position of each row's token
+        self.ends = table[b:2 * b]                # keys each row attends to after the write
+        self.slots = DeviceSlots(table[2 * b:3 * b], table[3 * b:4 * b])
         self.longest = pages.shape[1] * page_tokens   # the bucket's capacity: fixes the split plan
         self.kernel_decode = kernel_decode
         self.kernels = kernels
@@ -171,7 +175,7 @@ class CompiledDecode:
         # Rows' page ids kept between steps, range-checked as they arrive (the runner leaves
         # the check of a compiled step's ids to it: engine/runner/row_pages.py).
         self.row_pages = RowPages(runner.kvstore.num_pages)
-        self._tables: dict[tuple[int, int], np.ndarray] = {}
+        self._tables: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.traces = 0   # how many shapes were traced (tests and benches read it)
         self.failure: str | None = None   # why a trace failed, if one did
         self._fn = mx.compile(self._step)
@@ -194,35 +198,47 @@ class CompiledDecode:
     def forward(self, chunks: list[Chunk], tokens: mx.array | None) -> mx.array | None:
         """Float32 logits [B, vocab] of one-token rows (lazy), as `ModelRunner.forward`; None
         when this shape's trace failed (`TraceFailed`: the caller runs the step uncompiled)."""
-        t, rows = self.page_tokens, len(chunks)
-        need = [c.start // t + 1 for c in chunks]
-        width = bucket_pages(max(need))
-        padded = bucket_rows(rows) if self.runner.kernels.compiled_row_buckets else rows
-        # One host buffer per shape (mx.array copies it): a fresh 8 x 4K table cost more to
-        # allocate and fault in than to fill.
-        table = self._tables.get((padded, width))
-        if table is None:
-            table = self._tables[padded, width] = np.empty((padded, 1 + width), dtype=np.int32)
-        for i, (c, n, ids) in enumerate(zip(chunks, need, self.row_pages.arrays(chunks, need))):
-            table[i, 0] = c.start
-            table[i, 1:1 + n] = ids
-            table[i, 1 + n:] = ids[0]   # any live page: the row's end bounds its keys
-        table[rows:] = table[rows - 1]   # padding repeats the last row (module docstring)
-        if tokens is None:
-            tokens = input_tokens(chunks, 1)
-        tokens = tokens.reshape(-1)
-        if padded > rows:
-            tokens = mx.concatenate([tokens, mx.repeat(tokens[-1:], padded - rows)])
+        tokens, table = self.inputs(chunks, tokens)
         arrays = [a for _, store in self.layers for a in store.arrays()]
         try:
-            out = self._fn(tokens, mx.array(table), *arrays)
+            out = self._fn(tokens, table, *arrays)
         except TraceFailed:
             # Only the stand-ins saw the trace: the stores still hold their arrays, unwritten.
             return None
         del arrays   # the stores' old arrays must be the graph's only references (in place)
         for (_, store), written in self._per_store(out[1:]):
             store.adopt(written)
-        return out[0] if padded == rows else out[0][:rows]
+        rows = len(chunks)
+        return out[0] if tokens.shape[0] == rows else out[0][:rows]
+
+    def inputs(self, chunks: list[Chunk], tokens: mx.array | None) -> tuple[mx.array, mx.array]:
+        """The compiled function's step inputs for these rows: (tokens [padded rows], the flat
+        table of the module docstring), padded to the shape's row bucket."""
+        t, rows = self.page_tokens, len(chunks)
+        need = [c.start // t + 1 for c in chunks]
+        width = bucket_pages(max(need))
+        padded = bucket_rows(rows) if self.runner.kernels.compiled_row_buckets else rows
+        # One host buffer per shape (mx.array copies it): a fresh 8 x 4K table cost more to
+        # allocate and fault in than to fill. `head` and `pages` are views of the flat `table`.
+        bufs = self._tables.get((padded, width))
+        if bufs is None:
+            table = np.empty(padded * (4 + width), dtype=np.int32)
+            bufs = self._tables[padded, width] = (
+                table, table[:4 * padded].reshape(4, padded),
+                table[4 * padded:].reshape(padded, width))
+        table, head, pages = bufs
+        for i, (c, n, ids) in enumerate(zip(chunks, need, self.row_pages.arrays(chunks, need))):
+            head[:, i] = (c.start, c.start + 1, ids[n - 1], c.start % t)
+            pages[i, :n] = ids
+            pages[i, n:] = ids[0]   # any live page: the row's end bounds its keys
+        head[:, rows:] = head[:, rows - 1:rows]   # padding repeats the last row (docstring)
+        pages[rows:] = pages[rows - 1]
+        if tokens is None:
+            tokens = input_tokens(chunks, 1)
+        tokens = tokens.reshape(-1)
+        if padded > rows:
+            tokens = mx.concatenate([tokens, mx.repeat(tokens[-1:], padded - rows)])
+        return tokens, mx.array(table)
 
     def _per_store(self, flat):
         """(layer, store) pairs with their part of `flat` (every store's arrays in order)."""
@@ -243,7 +259,8 @@ class CompiledDecode:
 
     def _trace(self, tokens: mx.array, table: mx.array, arrays) -> list[mx.array]:
         runner = self.runner
-        step = DeviceDecodeStep(table, self.page_tokens, runner.kernel_decode, runner.kernels)
+        step = DeviceDecodeStep(table, tokens.shape[0], self.page_tokens, runner.kernel_decode,
+                                runner.kernels)
         stores = {i: store.traced(given) for (i, store), given in self._per_store(arrays)}
         caches = [cache_class(stores[i], step, None, True)
                   for i, (cache_class, _, _) in enumerate(runner.layer_caches)]
