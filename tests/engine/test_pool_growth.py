@@ -114,16 +114,17 @@ async def _run_all(eng, reqs):
     return await asyncio.gather(*(collect(eng, r) for r in reqs))
 
 
-@pytest.mark.parametrize("fmt", ["native", "int8", "int4-tail"])
+@pytest.mark.parametrize("fmt,compiled", [("native", None), ("int8", None),
+                                          ("int4-tail", None), ("native", True)])
 def test_an_engine_started_with_a_small_slab_generates_what_a_whole_pool_does(
-        tiny_llama, monkeypatch, fmt):
+        tiny_llama, monkeypatch, fmt, compiled):
     """Same greedy tokens, batched and alone, from an engine whose pool grows while requests
     run (a pipelined decode step in flight included) and one allocated whole; admission and
     the advertised capacity are the same; nothing leaks."""
     cfg = dict(model=tiny_llama, kv_format=fmt, kv_budget_bytes=64 * PAGE_BYTES_LLAMA,
-               page_tokens=T, max_num_seqs=4, max_step_tokens=64)
+               page_tokens=T, max_step_tokens=64, compiled_decode=compiled)
     whole = Engine(EngineConfig(**cfg))
-    monkeypatch.setattr(budget, "FIRST_SLAB_BYTES", 0)   # the slab: one page per sequence
+    monkeypatch.setattr(budget, "FIRST_SLAB_BYTES", 0)   # the slab: one page per sequence (16)
     slab = Engine(EngineConfig(**cfg))
     try:
         reqs = lambda: [greq(f"r{i}", prompt(20 + 17 * i, seed=i), max_tokens=40)  # noqa: E731
@@ -133,8 +134,10 @@ def test_an_engine_started_with_a_small_slab_generates_what_a_whole_pool_does(
         assert got == want and all(len(t) == 40 for t in want)
         grown, full = slab.kvstore, whole.kvstore
         assert full.growths == 0 and full.allocated_pages == full.num_pages
-        assert grown.growths >= 1 and 4 < grown.allocated_pages < grown.num_pages
+        assert grown.growths >= 1 and 16 < grown.allocated_pages < grown.num_pages
         assert grown.num_pages == full.num_pages
+        if compiled:   # compiled decode steps ran, traced again for the grown arrays
+            assert slab._parts.runner.compiled.traces > whole._parts.runner.compiled.traces
         assert slab.cost_model() == whole.cost_model()
         s, w = wait_idle(slab), wait_idle(whole)
         assert (s.kv_pages_total, s.kv_pages_used) == (w.kv_pages_total, 0)
