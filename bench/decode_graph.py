@@ -84,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--min-keys", default="default,64,32,16",
                    help="--device-time: the engine's decode_split_min_keys values "
                         "('default': the kernel's own)")
+    p.add_argument("--unfused", action="store_true",
+                   help="--device-time: also the engine with unfused projections (a second copy "
+                        "of the weights)")
     p.add_argument("--steps", type=int, default=96, help="--device-time: steps per round")
     p.add_argument("--rounds", type=int, default=3, help="--device-time: alternating rounds")
     p.add_argument("--out", help="write the JSON here as well as to stdout")

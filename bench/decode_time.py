@@ -42,8 +42,12 @@ def device_time(args, model_dir: str) -> dict:
     specs = [RowSpec(SamplingParams(temperature=0.0), 0, 0)]
     lm = load_model(model_dir, dtype="bfloat16", fuse=True)
     kvh = lm.geometry.layers[0].kv_heads
+    plans = [(lm, mk, f"engine_min_keys_{mk}") for mk in args.min_keys.split(",") if mk]
+    if args.unfused:   # the same step with mlx-lm's separate q/k/v and gate/up matmuls
+        plans.append((load_model(model_dir, dtype="bfloat16", fuse=False), "default",
+                      "engine_unfused_min_keys_default"))
     sides: dict = {}
-    for mk in [x for x in args.min_keys.split(",") if x]:
+    for lm, mk, name in plans:
         keys = None if mk == "default" else int(mk)
         runner = make_runner(lm, "native", pages, t, KernelChoices(
             decode_split_min_keys=keys, compiled_decode=None if gpu else True))
@@ -58,7 +62,7 @@ def device_time(args, model_dir: str) -> dict:
             return [state["toks"]]
 
         capacity = bucket_pages(ctx // t + 1) * t   # the compiled step's split plan reads it
-        sides[f"engine_min_keys_{mk}"] = {
+        sides[name] = {
             "launch": launch, "arrays": runner.kvstore.arrays, "state": state,
             "splits_at_start": pd.split_count(1, kvh, capacity, None, keys),
             "compiled": runner.compiled is not None, "reset": ctx}
