@@ -129,3 +129,20 @@ def test_redeploy_hands_conversations_to_the_new_replica(served):
     theirs = Chat("alpha", headers=OTHER)
     theirs.messages = [dict(m) for m in a.messages]
     assert cached(theirs.turn(base, "Add entry 41, a dog.")) == 0
+
+
+def test_the_store_hands_an_export_to_one_other_replica_of_the_same_identity():
+    from serve_app.handoff import HandoffStore
+
+    store = HandoffStore(max_bytes=10)
+    first = store.put("m", "native-v1-f32", "r1", {"kv": b"1234"}, {"pages": 1})
+    assert store.claim("m", "native-v1-f32", "r1") is None            # never its own
+    assert store.claim("m", "affine-v1-k8v8-g64-f32-h64-s1", "r2") is None   # another identity
+    assert store.claim("other", "native-v1-f32", "r2") is None         # another model
+    assert store.claim("m", "native-v1-f32", "r2")["id"] == first
+    assert store.claim("m", "native-v1-f32", "r3") is None             # claimed once
+    # Over its byte bound the store drops the oldest export.
+    store.put("m", "native-v1-f32", "r1", {"kv": b"123456"}, {"pages": 1})
+    store.put("m", "native-v1-f32", "r1", {"kv": b"123456"}, {"pages": 1})
+    assert [e["event"] for e in store.events()] == ["exported", "claimed", "exported",
+                                                    "exported", "dropped"]
