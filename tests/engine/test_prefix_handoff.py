@@ -119,3 +119,26 @@ def test_pages_cannot_be_moved_to_another_tenant(tiny_llama, tmp_path):
     finally:
         src.shutdown()
         dst.shutdown()
+
+
+def test_pages_beyond_the_room_are_skipped_chain_first(tiny_llama, tmp_path):
+    src, small = caching(tiny_llama), make_engine(tiny_llama, pages=2, max_step_tokens=16,
+                                                  enable_prefix_caching=True)
+    try:
+        second = first_turn(src)
+        export_from(src, tmp_path / "x")
+        got = import_into(small, tmp_path / "x")
+        # Room for 2 of the 3 pages: the chain's first two (a page never without its parent).
+        assert got == {"pages": 2, "already_cached": 0, "skipped": 1, "tenants": {"t1": 2}}
+        s = wait_stats(small, prefix_cache_pages=2)
+        assert s.kv_pages_used == 2 and s.prefix_cache_bytes > 0 and s.kv_bytes_reserved == 0
+        small.evict_prefix_cache()
+        wait_stats(small, kv_pages_used=0, prefix_cache_bytes=0, kv_bytes_reserved=0)
+        assert import_into(small, tmp_path / "x")["pages"] == 2
+        # Imported pages are evictable like any cached page: a turn needing both pages shares
+        # the first and the cache gives up the second.
+        turn2 = run(collect(small, greq("turn2", second[:30], max_tokens=2, tenant="t1")))
+        assert turn2[-1].finish_reason == "length" and turn2[-1].usage.cached_tokens == 16
+    finally:
+        src.shutdown()
+        small.shutdown()
