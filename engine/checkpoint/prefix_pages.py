@@ -98,17 +98,23 @@ def import_pages(parts: Any, directory: str | Path) -> dict:
     entries = _verified_chains(meta, parts.storage_identity, fingerprint, pt)
     # Entries are in chain order, so a prefix of the pages not cached here keeps every parent.
     new = [i for i, e in enumerate(entries) if e[2] not in cache]
-    take = new[:_charge_cache(parts.scheduler.ledger, min(len(new), cache.pool.num_free), pt)]
+    tensors = load_rows(directory, manifest, parts.kvstore) if new else {}   # the last check
+    ledger = parts.scheduler.ledger
+    take = new[:_charge_cache(ledger, min(len(new), cache.pool.num_free), pt)]
     summary = {"pages": 0, "already_cached": len(entries) - len(new),
                "skipped": len(new) - len(take), "tenants": {}}
     if not take:
         return summary
-    tensors = load_rows(directory, manifest, parts.kvstore)
     rows = mx.array([i * pt + r for i in take for r in range(pt)], dtype=mx.int32)
-    chosen = {name: a[_sink_rows(a, take, len(entries)) if name.endswith("sink") else rows]
-              for name, a in tensors.items()}
     new_pages = cache.pool.allocate(len(take))
-    write_rows(parts.kvstore, chosen, new_pages, len(take) * pt)
+    try:
+        write_rows(parts.kvstore, {name: a[_sink_rows(a, take, len(entries))
+                                            if name.endswith("sink") else rows]
+                                   for name, a in tensors.items()}, new_pages, len(take) * pt)
+    except Exception:
+        cache.pool.free(new_pages)
+        ledger.uncharge_cache(len(take))
+        raise
     page_of = dict(zip(take, new_pages))
     kept = set(page_of) | {i for i, e in enumerate(entries) if e[2] in cache}
     added = 0
@@ -118,8 +124,8 @@ def import_pages(parts: Any, directory: str | Path) -> dict:
         # insert shares only the pages it newly caches: those of this import
         added += cache.insert(entries[leaf][0], ids, [page_of.get(j, -1) for j in chain])
     cache.pool.free(new_pages)   # the cache holds them now
-    if added < len(take):   # cannot happen (every taken page is new here); never leak a charge
-        parts.scheduler.ledger.uncharge_cache(len(take) - added)
+    if added < len(take):   # only a (signed) export naming a page twice; never leak a charge
+        ledger.uncharge_cache(len(take) - added)
     for i in take:
         tenant = meta["tenants"][entries[i][3]]["tenant"]
         summary["tenants"][tenant] = summary["tenants"].get(tenant, 0) + 1
