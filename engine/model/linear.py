@@ -25,8 +25,10 @@ def transposed_weight(module: nn.Module) -> mx.array:
     """`module.weight.T`: the view made at load while the weight is the one it was made from."""
     w = module["weight"]
     held = module.__dict__.get(_HELD)
-    if held is not None and held[0] is w:
-        return held[1]
+    if held is not None:
+        if held[0] is w:
+            return held[1]
+        del module.__dict__[_HELD]   # the weight was replaced: do not keep the old one alive
     return w.T
 
 

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from bench.synthetic import ARCHS
 from engine.attention.choices import KernelChoices
 from engine.kv.store import KVStore
-from engine.model.linear import PretransposedLinear, pretranspose
+from engine.model.linear import PretransposedLinear, held_views, pretranspose
 from engine.model.loader import load_model
 from engine.runner.compiled_decode import DeviceDecodeStep
 from engine.runner.paged import ModelRunner
@@ -87,6 +87,7 @@ def test_a_replaced_weight_is_used_not_the_view_made_for_the_old_one():
     assert mx.array_equal(layer(x), mx.addmm(layer.bias, x, layer.weight.T)).item()
     layer.update({"weight": mx.ones((4, 8))})
     assert mx.array_equal(layer(x), mx.addmm(layer.bias, x, mx.ones((8, 4)))).item()
+    assert not held_views(layer)   # the old weight and its view are let go
 
 
 def test_the_held_view_shares_the_weights_buffer():
