@@ -34,8 +34,9 @@ memory, e.g. the 8B geometry with 2; per-layer counts do not depend on it). Setu
 the embedding lookup (its input bytes are the whole table; it reads one row).
 
 `--device-time` (meant for CUDA; elsewhere a smoke test of the code): batch-1 decode timed on
-the device, the engine per decode-kernel split plan (`--min-keys`) against mlx-lm (see
-`device_time`). `--variants=` skips the graphs.
+the device, the engine per decode-kernel split plan (`--min-keys`) against mlx-lm, and one
+layer's attention alone, the paged kernel per plan against mx.fast's SDPA
+(bench/decode_time.py). `--variants=` skips the graphs.
 
 Prints JSON: per side both views, `full_model`, and `diff_<variant>_vs_mlx_lm` (nodes, engine
 minus mlx-lm, per layer / setup / head).

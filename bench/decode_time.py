@@ -121,4 +121,63 @@ def device_time(args, model_dir: str) -> dict:
     base = statistics.median(results["mlx_lm"]["ms_per_token"])
     for name in results:
         out[name]["vs_mlx_lm"] = round(base / statistics.median(results[name]["ms_per_token"]), 3)
+    if gpu:
+        out["attention_alone"] = attention_alone(args, lm)
+    return out
+
+
+def attention_alone(args, lm, calls: int = 32, rounds: int = 20) -> dict:
+    """us per call of one layer's batch-1 decode attention at `--context` keys, `calls` calls
+    (a step's layers) in one compiled function evaluated together, so the host issues them from
+    C++ and a call longer than its issue shows as itself: the paged decode kernel per
+    `--min-keys` plan (capacity as the compiled step plans it) against mx.fast's SDPA over a
+    contiguous cache (mlx-lm's). Median of `rounds`."""
+    import statistics
+    import time
+
+    import mlx.core as mx
+
+    from engine.attention.cuda import paged_decode as pd
+    from engine.runner.compiled_decode import bucket_pages
+
+    g = lm.geometry.layers[0]
+    hq = int(lm.config["num_attention_heads"])
+    t, n = args.page_tokens, args.context + 1
+    per_row = bucket_pages(args.context // t + 1)
+    # One query per call: identical calls would be merged by mx.compile.
+    qs = [mx.random.normal((1, hq, 1, g.head_dim)).astype(mx.bfloat16) for _ in range(calls)]
+    kp, vp = (mx.random.normal((g.kv_heads, per_row, t, g.head_dim)).astype(mx.bfloat16)
+              for _ in range(2))
+    pages = mx.arange(per_row, dtype=mx.int32)[None]
+    ends = mx.array([n], dtype=mx.int32)
+    k, v = (mx.random.normal((1, g.kv_heads, 256 * -(-n // 256), g.head_dim)).astype(mx.bfloat16)
+            for _ in range(2))
+    mx.eval(qs, kp, vp, pages, ends, k, v)
+    scale = g.head_dim ** -0.5
+
+    def timed(fn) -> float:
+        f = mx.compile(fn)
+        for _ in range(3):
+            mx.eval(f())
+        ts = []
+        for _ in range(rounds):
+            mx.synchronize()
+            t0 = time.perf_counter()
+            mx.eval(f())
+            mx.synchronize()
+            ts.append((time.perf_counter() - t0) / calls * 1e6)
+        return round(statistics.median(ts), 2)
+
+    out = {"keys": n, "q_heads": hq, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
+           "calls": calls}
+    for mk in [x for x in args.min_keys.split(",") if x]:
+        keys = None if mk == "default" else int(mk)
+        splits = pd.split_count(1, g.kv_heads, per_row * t, None, keys)
+        out[f"paged_decode_min_keys_{mk}"] = {"splits": splits, "us_per_call": timed(
+            lambda keys=keys: [pd.paged_decode_attention(q, kp, vp, pages, ends, scale,
+                                                         per_row * t, None, keys)
+                               for q in qs])}
+    out["sdpa_vector"] = {"us_per_call": timed(lambda: [
+        mx.fast.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], scale=scale)
+        for q in qs])}
     return out
