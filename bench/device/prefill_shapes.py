@@ -11,6 +11,7 @@ Each mode runs in a fresh process (fresh MLX/cuDNN plan caches) on one in-proces
   ops       prefill_attention="ops": MLX matmuls + softmax (engine/attention/ops_prefill.py)
   bucket64  "fast" with prefill_width_bucket=64 (few shapes, padded)
   nocudnn   "fast" with MLX_CUDA_USE_CUDNN_SDPA=0 (MLX's own op fallback inside mx.fast)
+  opsbucket64  "ops" with prefill_width_bucket=64 (every matmul M and key count bucketed)
   auto      the engine's defaults
 Phases, each prompt random and never repeated (prefix caching off):
   lone      one request at a time, max_tokens 1, each length first (new shape) then again
@@ -36,6 +37,7 @@ MODES = {
     "ops": ({"prefill_attention": "ops"}, {}),
     "bucket64": ({"prefill_attention": "fast", "prefill_width_bucket": 64}, {}),
     "nocudnn": ({"prefill_attention": "fast"}, {"MLX_CUDA_USE_CUDNN_SDPA": "0"}),
+    "opsbucket64": ({"prefill_attention": "ops", "prefill_width_bucket": 64}, {}),
     "auto": ({}, {}),
 }
 LENGTHS = "37,61,90,133,177,250,311,397,512,700,1000,1500"
