@@ -39,7 +39,7 @@ def test_engine_prices_and_names_packed_storage(engines):
 
 
 def test_int8_greedy_equals_native_alone_and_batched(engines):
-    # The tiny model's near-tie-free prompt (see tests/engine/test_packed_engine.py: ties flip any KV change).
+    # The tiny model's near-tie-free prompt (see tests/engine/runner/test_packed_engine.py: ties flip any KV change).
     ids = engines["native"].tokenizer.encode("class Point:\n    x: int\n")
     want = tokens(run(collect(engines["native"], _req("n", ids))))
     got = tokens(run(collect(engines["int8"], _req("p", ids))))

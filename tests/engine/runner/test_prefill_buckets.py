@@ -27,7 +27,7 @@ from engine.model.loader import load_model
 from engine.runner.packed import PackedModelRunner
 from engine.runner.paged import ModelRunner
 from engine.sched.seq import Chunk
-from tests.engine.test_runner_recurrent import lfm2  # noqa: F401  (fixture: LFM2, conv state)
+from tests.engine.runner.test_runner_recurrent import lfm2  # noqa: F401  (fixture: LFM2, conv state)
 from tests.engine_helpers import PAGE_BYTES_LLAMA, collect, req, run, tokens, wait_idle
 
 PAGE = 8

@@ -211,6 +211,6 @@ def test_tiled_prefill_needs_no_cpu_toolchain(tmp_path):
     for name, run_env in (("with", os.environ), ("without", env)):
         path = tmp_path / f"{name}.npy"
         subprocess.run([sys.executable, "-c", _NO_TOOLCHAIN_SCRIPT, str(path)], env=run_env,
-                       check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                       check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
         outs.append(np.load(path))
     assert np.allclose(outs[0], outs[1], atol=1e-6, rtol=0)

@@ -24,7 +24,7 @@ from engine.model.loader import LayerGeometry, ModelGeometry
 from engine.runner.packed import PackedModelRunner
 from engine.runner.paged import ModelRunner
 from engine.sched.seq import Chunk
-from tests.engine.tail_helpers import T, gathered_native, llama, tail_store  # noqa: F401 (fixture)
+from tests.engine.kv.tail_helpers import T, gathered_native, llama, tail_store  # noqa: F401 (fixture)
 
 FMT = "int4-tail"
 

@@ -11,7 +11,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "orchard-tiny"
+MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "orchard-tiny"
 SAMPLES = json.loads((MODEL_DIR / "eval_samples.json").read_text())
 # Measured 2.81 nats/token on these four short windows (file starts, little context; the card's
 # 2048-token-window figure is lower); random weights give ~9, a wrong layout well above 5.
