@@ -216,7 +216,7 @@ class Engine:
             self._stopped.set()
             # Park instead of exiting: a thread that ran compiled MLX code and then exits races
             # MLX's thread-local teardown against interpreter exit ("terminate called without an
-            # active exception", measured ~50% of runs). A parked daemon thread never tears down.
+            # active exception"; docs/lab/engine-notes.md). A parked daemon thread never tears down.
             threading.Event().wait()
 
     def _serve(self) -> None:

@@ -22,9 +22,8 @@ class KernelChoices:
     # page slot itself (cuda/paged_decode.py, `own`); a packed layer's v2 decode kernel
     # quantizes them and stores the records into the pool itself (cuda/packed_decode_v2.py,
     # `own`), else the write kernel does (cuda/packed_write.write_in_place). Why: in pipelined
-    # decode MLX often could not scatter in place and copied whole page arrays (the H200
-    # measured 52 such copies in a 60-scatter SmolLM2 step; docs/lab/benchmarks-gpu.md
-    # session 12). Off: stores scatter the rows first (the path before; benches compare).
+    # decode MLX often cannot scatter in place and copies whole page arrays (measured: see
+    # docs/lab/engine-kernel-notes.md). Off: stores scatter the rows first (benches compare).
     decode_writes_own: bool = True
     # Decode steps through one compiled function per shape (engine/runner/compiled_decode.py)
     # where the step fits it. None: where the CUDA decode kernel runs (a GPU decode step is host
@@ -49,9 +48,8 @@ class KernelChoices:
     # (cuda/packed_dequant.py: history dequantized by one kernel into a copy the size of
     # native's gathered history, then MLX's SDPA as native prefill) or "tiles" (the tile
     # kernel, cuda/packed_prefill.py: history unpacked inside the attention, no copy).
-    # "dequant" is the default since the H200 measured it (docs/lab/benchmarks-gpu.md session
-    # 11; 0.5B geometry, time / native, seven runs): int8 and int4 at 4K 0.84-1.21x, at 16K
-    # 0.85-1.15x, against the tile kernel's 0.77-1.17x and 1.13-1.34x in the same processes.
+    # "dequant" is the default: on the H200 it was as fast as the tile kernel at 4K and faster
+    # at 16K (measured: see docs/lab/engine-kernel-notes.md).
     # "tiles" keeps the copy away where a chunk's transient memory matters more than its time.
     # `bench.kv --prefill-paths tiles` compares them.
     prefill_path: str = "dequant"
@@ -59,16 +57,15 @@ class KernelChoices:
     # (None: cuda/packed_prefill.TARGET_BLOCKS).
     prefill_split_target: int | None = None
     # Decode steps of packed layers through the prefill tile kernel instead of
-    # cuda/packed_decode.py. Off: measured slower on the H200 with this kernel's first version
-    # (int4 at 32K batch 8: 0.62x native vs 0.83x; docs/lab/benchmarks-gpu.md session 6): a decode
-    # tile has one query row per head, so the MMAs do 1/16 useful work while every block still
-    # unpacks whole tiles. `bench.kv --decode-formats int4:tiles` measures it.
+    # cuda/packed_decode.py. Off: slower on the H200 with this kernel's first version
+    # (measured: see docs/lab/engine-kernel-notes.md): a decode tile has one query row per head,
+    # so the MMAs do 1/16 useful work while every block still unpacks whole tiles.
+    # `bench.kv --decode-formats int4:tiles` measures it.
     decode_tiles: bool = False
     # Which packed decode kernel decode steps take (where decode_tiles is off): "v2"
     # (cuda/packed_decode_v2.py, the tiled two-pass version) or "v1" (cuda/packed_decode.py).
-    # v2 is the default since it ran on the H200 (docs/lab/benchmarks-gpu.md session 8): its
-    # device check passed, and it was faster than v1 at every measured point (kernel alone
-    # 1.7-2.9x; int4 decode tok/s 1.06-1.12x v1 at 4K batch 1, 1.50-1.71x at 32K batch 8).
+    # v2 is the default: its device check passed on the H200 and it was faster than v1 at every
+    # point measured there (measured: see docs/lab/engine-kernel-notes.md).
     # v2 serves up to 8 query heads per KV head and hands larger groups to v1.
     # `bench.kv --decode-formats int4:split,int4:v2` compares them.
     packed_decode: str = "v2"
@@ -80,7 +77,8 @@ class KernelChoices:
     # slower). Re-measure with `python -m bench.kv --gpu-qmm` after an MLX upgrade.
     gpu_qmm: bool = False
     # Decode scores on the CPU as a BLAS GEMM on the codes (engine/attention/cpu_gemm.py)
-    # instead of MLX's scalar CPU quantized_matmul: 2-3x faster there.
+    # instead of MLX's scalar CPU quantized_matmul, which is slower there (measured: see
+    # docs/lab/engine-kernel-notes.md).
     cpu_code_gemm: bool = sys.byteorder == "little"
     # Decode scores over page-key history (k6v4-kivi, int4-kivi) as matmuls on the codes with
     # each page's channel scales folded into the queries (engine/attention/page_scores.py), where
@@ -94,7 +92,7 @@ class KernelChoices:
     # is scalar too. Off: mlx-lm's compiled swiglu.
     cpu_swiglu: bool = True
     # How multi-token (prefill) calls attend over gathered pages: "fast" (mx.fast's SDPA: cuDNN
-    # on CUDA, which builds an execution plan per (queries, keys, mask) shape, tens of ms each,
+    # on CUDA, which builds an execution plan per (queries, keys, mask) shape, a cost paid by
     # nearly every served prefill step), "ops" (engine/attention/ops_prefill.py: two matmuls and
     # a softmax, no per-shape build, calls up to OPS_SCORE_ELEMENTS scores; longer ones take
     # "fast"), or "auto": "ops" on CUDA, "fast" elsewhere (Metal's SDPA has no per-shape plan;

@@ -190,9 +190,10 @@ def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, st
     """Attention straight from head-major pages [kv_heads, num_pages, T, dim] via gather_mm.
 
     Scores are computed page by page against the live pages, so the context is read once
-    instead of gathered into a copy first; on the CPU this measured 1.3-3x faster than gather +
-    SDPA for decode. The PV product leaves one partial output per page, so it only pays for
-    short query blocks (group * tokens <= page size); prefill uses gather + SDPA.
+    instead of gathered into a copy first; on the CPU this is faster than gather + SDPA for
+    decode (docs/lab/engine-kernel-notes.md). The PV product leaves one partial output per
+    page, so it only pays for short query blocks (group * tokens <= page size); prefill uses
+    gather + SDPA.
     """
     b, hq, n, d = q.shape
     kv_heads, num_pages, t, _ = k_pages.shape

@@ -64,9 +64,9 @@ def resolve_budget_bytes(kv_budget_bytes: int | None, kv_memory_fraction: float,
 
 
 # What a replica allocates of its KV pool at start; the rest is allocated as admitted work needs
-# it (engine/kv/pages.py, PagePool.grow). A SmolLM2 replica's default pool (12 GB) took 30-38 s
-# to allocate and zero at start on a 2-core box, most of a replacement replica's outage; 256 MiB
-# take a fraction of a second and hold ~5.8K tokens of SmolLM2 (46 KB per token in float32).
+# it (engine/kv/pages.py, PagePool.grow). Allocating and zeroing a whole default pool at start was
+# most of a replacement replica's outage; 256 MiB are quick to allocate and hold ~5.8K tokens of
+# SmolLM2 (46 KB per token in float32). Measured: docs/lab/engine-notes.md.
 FIRST_SLAB_BYTES = 256 << 20
 
 

@@ -1,11 +1,10 @@
 """Where a packed layer's arrays live: one uint32 buffer per layer, each page a run of sections.
 
-Why one buffer: a packed layer used to keep six arrays (K codes, V codes, and the FP32 scales
-and offsets of each), so every write was six scatters, and on a GPU a batch-1 decode step is
-bound by the host cost of issuing its graph nodes (docs/lab/benchmarks-gpu.md: int4 at 4K,
-batch 1 ran at 0.67-0.70x native as the engine decodes, the six scatters a packed layer issues
-where a native layer issues two being most of the gap). With every array a section of one pool,
-a write of N rows is one scatter of one record per row (`write_rows`), whatever the format.
+Why one buffer: six separate arrays (K codes, V codes, and the FP32 scales and offsets of each)
+make every write six scatters where a native layer issues two, and on a GPU a batch-1 decode step
+is bound by the host cost of issuing its graph nodes (measured: docs/lab/engine-notes.md). With
+every array a section of one pool, a write of N rows is one scatter of one record per row
+(`write_rows`), whatever the format.
 
 A page of P = `page_words` uint32 words holds the sections in SECTIONS order, each token-major
 like the native pages ([page_tokens, heads, width] words; FP32 metadata stored as its bits):
@@ -138,8 +137,8 @@ class PageLayout:
     def row_columns(self, offset, names=SECTIONS) -> mx.array:
         """[N, words] int32: the page columns of N rows' records (the named sections' [heads,
         width] blocks in order) for in-page offsets `offset` [N]. Computed on the device from a
-        per-layout template: building it on the host (numpy, then an upload) cost ~1 ms per
-        512-row prefill chunk, which the H200 measured as +20-30% prefill time."""
+        per-layout template: building it on the host (numpy, then an upload) showed in prefill
+        time on a GPU (docs/lab/engine-notes.md)."""
         base, mult = record_template(self, names)
         return _int32(offset)[:, None] * mult + base
 

@@ -16,10 +16,7 @@ from collections import deque
 
 from engine.errors import PageError
 
-# Default page size, chosen by measurement (8-layer llama, hidden 512, 4 KV heads x 64, float32,
-# 2-core CPU, CPU-seconds per decode step vs mlx-lm's contiguous caches, 2026-11-29):
-#   batch 8 @ 2K context: 16 -> 0.80x, 32 -> 1.10x, 64 -> 1.18x, 128 -> 1.18x of mlx-lm
-#   batch 1 @ 2K: 16 -> 0.90x, 64 -> 1.06x; at <= 1K every size is within noise (0.9-1.0x).
+# Default page size, chosen by measurement (docs/lab/engine-notes.md).
 # In-place decode issues one small matmul per (row, KV head, page), so small pages pay call
 # overhead at long context; 128 gains nothing over 64 but doubles the tail (<= 63 idle slots per
 # sequence at 64). Hence 64.

@@ -4,8 +4,8 @@ value ~= code * scale + offset, with offset = group min and scale = (max - min) 
 every value is reconstructed within scale / 2. Codes are packed little-end-first into uint32 words,
 the layout `mx.dequantize` and `mx.quantized_matmul` read, so attention can consume packed pages
 directly. We compute scale/offset ourselves instead of calling `mx.quantize`: MLX's affine mode
-shifts the grid to make zero exact, which roughly doubles the worst-case error (measured 0.94 vs
-0.50 steps at 4 bits) for no RMS gain, and it stores metadata in the input dtype (bf16 on GPU).
+shifts the grid to make zero exact, which roughly doubles the worst-case error for no RMS gain
+(docs/lab/engine-notes.md), and it stores metadata in the input dtype (bf16 on GPU).
 
 A row's byte layout (checkpoints, byte accounting) is codes | FP32 scales | FP32 offsets.
 Groups are 64 channels unless a format says otherwise (int4-k32 keys: 32); a Packed carries its

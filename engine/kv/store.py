@@ -157,8 +157,8 @@ class NativeLayerStore(LayerStore):
 
     Head-major pages gather into [heads, B, P*T, dim], whose transpose to [B, heads, P*T, dim]
     keeps every (row, head) matrix contiguous, so attention reads the gathered copy directly.
-    Token-major pages ([num_pages, T, heads, dim]) measured 3x slower per layer at batch 8
-    (the attention then works on a strided copy).
+    Token-major pages ([num_pages, T, heads, dim]) are slower per layer (the attention then
+    works on a strided copy; measured: docs/lab/engine-notes.md).
     """
 
     can_trace = True

@@ -11,9 +11,10 @@ A padded position costs as much compute as a real token, so `forward` groups chu
 first): a chunk joins the current group while the group's total padding stays within
 `merge_pad_tokens` (a conservative share of what one extra model call costs); otherwise it opens
 a new call. Decode rows therefore batch together, and a long prefill chunk runs in its own call.
-What a call costs depends on the device: on the CPU a batch-1 decode step takes as long as 20-30
-prefill tokens (allowance 16), while on a GPU an uncompiled call of a large model is tens of ms of
-host work and a padded token a few microseconds (allowance `ACCELERATOR_MERGE_PAD_TOKENS`).
+What a call costs depends on the device: on the CPU a batch-1 decode step costs a couple of dozen
+prefill tokens (allowance 16), while on a GPU an uncompiled call of a large model is host work
+worth far more than a padded token (allowance `ACCELERATOR_MERGE_PAD_TOKENS`); measured:
+docs/lab/engine-notes.md.
 The decode rows of a mixed step go through the compiled decode step where one exists, so a
 mixed step pays for its prefill calls only.
 
@@ -247,10 +248,9 @@ class ModelRunner:
 
         Each call writes its K/V rows into the page arrays and its attention reads them. Left
         lazy, the next call's writes become a second consumer of the same array version, so
-        MLX cannot update it in place and copies every page array of every layer (measured on
-        SmolLM2 with a 6 GB pool: mixed prefill + decode steps of several seconds). Queued
-        first, the earlier reads are ordered before the later writes and the update stays in
-        place."""
+        MLX cannot update it in place and copies every page array of every layer, every mixed
+        prefill + decode step (measured: docs/lab/engine-notes.md). Queued first, the earlier
+        reads are ordered before the later writes and the update stays in place."""
         mx.async_eval(logits, *self.kvstore.arrays())
 
     def forward_all(self, chunks: list[Chunk]) -> list[mx.array]:
