@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import importlib
 
+from engine.cuda_env import apply_cuda_cache_defaults
+
+# Before anything in this package touches the GPU (engine/cuda_env.py says why).
+apply_cuda_cache_defaults()
+
 _EXPORTS = {
     "Engine": "engine.loop",
     "EngineConfig": "engine.config",
