@@ -86,7 +86,10 @@ BENCH_ONLY_ENGINE_KNOBS = {"prefill_mode": "served replicas always prefill packe
                            "compiled_decode": "served replicas compile decode steps wherever "
                            "the CUDA decode kernels run and fall back on their own where a "
                            "model cannot be traced; uncompiled steps are reachable from the "
-                           "benchmarks only (--no-compile)"}
+                           "benchmarks only (--no-compile)",
+                           "prefill_attention": "served replicas attend prefill through MLX ops "
+                           "on CUDA and mx.fast elsewhere; the other ways are reachable from the "
+                           "benchmarks only (python -m bench.device.prefill_shapes)"}
 
 
 class ModelConfig(_Strict):

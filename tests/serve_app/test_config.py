@@ -120,3 +120,12 @@ def test_bench_only_compiled_decode_is_refused_in_a_serving_config():
                                               r"serving config.*benchmarks only"):
             parse_config({"models": [{"id": "m", "path": "/x",
                                       "engine": {"compiled_decode": value}}]})
+
+
+def test_bench_only_prefill_attention_is_refused_in_a_serving_config():
+    # The same rule: the identity does not name how prefill attends.
+    for value in ("auto", "fast", "ops"):
+        with pytest.raises(ConfigError, match=r"engine\.prefill_attention cannot be set in a "
+                                              r"serving config.*benchmarks only"):
+            parse_config({"models": [{"id": "m", "path": "/x",
+                                      "engine": {"prefill_attention": value}}]})
