@@ -334,7 +334,9 @@ def _compare(args, targets: list, out_dir: str, command: str, replays, settings:
         write_docs_section(args.docs, md)
     if not args.rates:
         print(md)
-    return 0 if all(runner.clean(s, args.scenario) for s in summaries.values()) else 1
+    verdicts = [runner.clean(s, args.scenario, args.require_delivery)
+                for s in summaries.values()]     # every target's reason printed, not the first
+    return 0 if all(verdicts) else 1
 
 
 def replay_order(targets: list, repeats: int) -> list[tuple[int, object]]:

@@ -82,6 +82,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retry-refused", type=int, default=0,
                    help="retry a refused request up to N times after its Retry-After (latencies "
                    "then count from the first attempt); 0 reports refusals as they come")
+    p.add_argument("--require-delivery", action="store_true",
+                   help="fail the run (exit 1) when the delivery goal applies (mean rate <= "
+                   "20 req/s) and its p99 delivery error exceeds 5 ms; default: reported only")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (faster)")
     p.add_argument("--locust-stats", action="store_true",
                    help="also print Locust's periodic stats table")
@@ -227,12 +230,23 @@ def _loadavg() -> float | None:
         return None
 
 
-def clean(summary: dict, scenario: str) -> bool:
-    """Exit status rule: no errors, hung or unsent requests; overload must also pass its rules."""
+def clean(summary: dict, scenario: str, require_delivery: bool = False) -> bool:
+    """Exit status rule: no errors, hung or unsent requests; overload must also pass its rules;
+    with `require_delivery`, the delivery goal must be met where it applies (the reason is
+    printed to stderr)."""
+    from loadtest import report
+
     c = summary["counts"]
     ok = c["error"] == 0 and c["hung"] == 0 and c["unsent"] == 0
     if scenario == "overload":
         ok = ok and summary["overload_rules"]["passed"]
+    if require_delivery:
+        missed = report.delivery_failure(summary)
+        if missed:
+            name = summary.get("target", {}).get("label") or ""
+            print(f"[loadtest] {name + ': ' if name else ''}{missed} (--require-delivery)",
+                  file=sys.stderr, flush=True)
+            ok = False
     return ok and summary["capacity_after"].get("idle") is not False
 
 
@@ -251,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[loadtest] delivery error p50 {d['p50']:.2f} ms p99 {d['p99']:.2f} ms "
           f"(goal p99 <= {d['goal_p99_ms']} ms at <= 20 req/s; peak "
           f"{summary['schedule']['peak_rate_1s']:.0f} req/s) -> {args.out}/summary.json")
-    return 0 if clean(summary, args.scenario) else 1
+    return 0 if clean(summary, args.scenario, args.require_delivery) else 1
 
 
 if __name__ == "__main__":
