@@ -53,6 +53,12 @@ async def open_stream(call: GenerateCall, entry: ModelEntry):
         raise APIError(503, "first-token deadline passed before the first token",
                        type="service_unavailable", code="deadline_exceeded",
                        retry_after_s=1.0, reason="deadline")
+    if first.delta.finish_reason == "memory" and not first.delta.token_ids:
+        await agen.aclose()
+        raise APIError(503, "the replica could not allocate KV memory for this request "
+                       "(its pool could not grow: another process holds the memory)",
+                       type="service_unavailable", code="kv_memory_unavailable",
+                       retry_after_s=2.0, reason="memory")
     return first, agen
 
 

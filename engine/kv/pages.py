@@ -94,6 +94,15 @@ class PagePool:
             self._refs[p] = 1
         return pages
 
+    def back(self, pages: int) -> None:
+        """Back the first `pages` ids (at most `num_pages`) with memory now, growing as `allocate`
+        would; raises, leaving the pool unchanged, if the memory cannot be had. The scheduler
+        calls it at admission, where a failure can turn the request away, so that the
+        allocations of the steps that follow need no growth."""
+        pages = min(pages, self.num_pages)
+        if pages > self.allocated:
+            self._grow_by(pages - self.allocated)
+
     def _grow_by(self, missing: int) -> None:
         target = grow_target(self.allocated, missing, self.num_pages)
         self._grow(target)   # raises (nothing changed here) if the memory cannot be had

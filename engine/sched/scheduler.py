@@ -56,6 +56,8 @@ class Scheduler:
         self._finished: list[Seq] = []      # finished since the last pop_finished()
         self._next_step = 0
         self.counters: Counter[str] = Counter()
+        # The last failure to grow the KV pool at admission (`_backed`), for logs and tests.
+        self.last_growth_error: str | None = None
 
     # ---- intake ----------------------------------------------------------------------------
 
@@ -297,6 +299,13 @@ class Scheduler:
                 if short > 0 and self.evict_cache(-(-short // self.ledger.page_charge)):
                     continue   # look up again: eviction may have taken some of its pages
                 return admitted
+            if not self._backed(s, len(shared)):
+                self.pool.free(shared)
+                if self.running or self._unreclaimed:
+                    return admitted   # their pages come back to the free list: try again then
+                self.waiting.popleft()
+                self._finish(s, "memory")
+                continue
             self.waiting.popleft()
             self.ledger.reserve(s.request_id, s.raw_tokens, len(shared))
             s.reserved_pages = self.ledger.cost_model.pages(s.raw_tokens)
@@ -312,6 +321,24 @@ class Scheduler:
                 self.counters["prefix_hit_tokens"] += s.cached_tokens
             admitted.append(s)
         return admitted
+
+    def _backed(self, s: Seq, shared: int) -> bool:
+        """Grow the pool's memory (engine/kv/pages.py, `back`) to cover every page the running
+        requests and `s` may still allocate, so a step never grows it halfway through; False
+        if the memory could not be had (another process took what the budget was planned from).
+        The count is an upper bound: pages held by the cache or by finished requests not yet
+        reclaimed come back to the free list first."""
+        if self.pool.allocated >= self.pool.num_pages:
+            return True
+        ahead = sum(max(0, r.reserved_pages - len(r.table.pages)) for r in self.running)
+        mine = self.ledger.cost_model.pages(s.raw_tokens) - shared
+        try:
+            self.pool.back(self.pool.num_used + ahead + mine)
+        except Exception as exc:  # noqa: BLE001 - MLX reports a failed allocation as it may
+            self.counters["kv_growth_failed"] += 1
+            self.last_growth_error = f"{type(exc).__name__}: {exc}"
+            return False
+        return True
 
     def _lookup(self, s: Seq) -> list[int]:
         """Cached full pages of the prompt, now shared by `s` (freed again if it cannot run)."""
