@@ -5,69 +5,29 @@ their pages to the handoff store, the new replica imports them, and each convers
 there is served from cached pages; another tenant resending the same history gets none."""
 from __future__ import annotations
 
-import os
 import threading
 
 import httpx
 import pytest
 
-from tests.fixtures.serve import TEST_API_KEY, TEST_API_KEY_OTHER, make_config, wait_for, \
-    wait_http_ok
+from tests.fixtures.chat_app import OTHER, Chat as _Chat, cached, two_replica_app
+from tests.fixtures.serve import wait_for
 
 pytestmark = pytest.mark.slow
 
 APP = "orchard-handoff"
 MODEL = "tiny-handoff"
-AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
-OTHER = {"Authorization": f"Bearer {TEST_API_KEY_OTHER}"}
-WORDS = ["cat", "dog", "fox", "owl", "elk", "yak", "emu", "ant"]
 
 
 @pytest.fixture(scope="module")
 def served(orchard_url, orchard_config, tiny_llama):
-    import ray
-    from ray import serve
-
-    from capacity.actor import get_or_create_actor
-    from serve_app.app import build_app
-    from serve_app.config import parse_config
-
-    namespace = f"orchard-handoff-{os.getpid()}"
-    raw = make_config(tiny_llama, orchard_config["http"]["port"], namespace)
-    raw["app_name"] = APP
-    raw["models"][0].update(id=MODEL, replicas=2, max_num_seqs=2, max_ongoing_requests=8)
-    get_or_create_actor(namespace=namespace, snapshot_path="")
-    serve.run(build_app(parse_config(raw)), name=APP, route_prefix="/handoff")
-    base = orchard_url + "/handoff"
-    wait_http_ok(base + "/health")
-    yield base, raw, namespace
-    serve.delete(APP)
-    for name in ("capacity", "handoff"):
-        try:
-            ray.kill(ray.get_actor(name, namespace=namespace))
-        except ValueError:
-            pass
+    with two_replica_app(orchard_url, orchard_config, tiny_llama, app=APP, model=MODEL,
+                         route="/handoff") as app:
+        yield app
 
 
-class Chat:
-    def __init__(self, name: str, headers=AUTH):
-        self.headers = headers
-        self.messages = [{"role": "system", "content": f"You keep the {name} ledger. " + " ".join(
-            f"Entry {i} of {name} is a {WORDS[i % 8]}." for i in range(30))}]
-
-    def turn(self, base: str, text: str, max_tokens: int = 8, **extra) -> httpx.Response:
-        self.messages.append({"role": "user", "content": text})
-        r = httpx.post(base + "/v1/chat/completions", headers=self.headers, timeout=120,
-                       json={"model": MODEL, "messages": self.messages, "temperature": 0,
-                             "max_tokens": max_tokens, **extra})
-        assert r.status_code == 200, r.text
-        self.messages.append({"role": "assistant",
-                              "content": r.json()["choices"][0]["message"]["content"]})
-        return r
-
-
-def cached(r: httpx.Response) -> int:
-    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+def Chat(name, **kw):   # noqa: N802 - the conversation class, bound to this app's model
+    return _Chat(name, MODEL, **kw)
 
 
 def running(base: str) -> float:

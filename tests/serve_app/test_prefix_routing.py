@@ -5,48 +5,31 @@ replica has no room under its cap the request goes where there is room; another 
 identical prompt is never steered by, nor served from, the first tenant's pages."""
 from __future__ import annotations
 
-import os
 import re
 import threading
 
 import httpx
 import pytest
 
-from tests.fixtures.serve import TEST_API_KEY, TEST_API_KEY_OTHER, make_config, wait_for, \
-    wait_http_ok
+from tests.fixtures.chat_app import OTHER, WORDS, Chat as _Chat, cached, two_replica_app
+from tests.fixtures.serve import wait_for
 
 pytestmark = pytest.mark.slow
 
 APP = "orchard-affinity"
 MODEL = "tiny-affinity"
-AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
-OTHER = {"Authorization": f"Bearer {TEST_API_KEY_OTHER}"}
-WORDS = ["cat", "dog", "fox", "owl", "elk", "yak", "emu", "ant"]
 
 
 @pytest.fixture(scope="module")
 def url(orchard_url, orchard_config, tiny_llama):
-    import ray
-    from ray import serve
+    with two_replica_app(orchard_url, orchard_config, tiny_llama, app=APP, model=MODEL,
+                         route="/affinity") as (base, _, _):
+        wait_for(lambda: len(replica_gauges(base)) == 2, 60, "both replicas in the routing stats")
+        yield base
 
-    from capacity.actor import get_or_create_actor
-    from serve_app.app import build_app
-    from serve_app.config import parse_config
 
-    namespace = f"orchard-affinity-{os.getpid()}"
-    raw = make_config(tiny_llama, orchard_config["http"]["port"], namespace)
-    raw["app_name"] = APP
-    # Two requests fill a replica: the cap test fills one with two long streams.
-    raw["models"][0].update(id=MODEL, replicas=2, max_num_seqs=2, max_ongoing_requests=8)
-    cfg = parse_config(raw)
-    get_or_create_actor(namespace=namespace, snapshot_path="")
-    serve.run(build_app(cfg), name=APP, route_prefix="/affinity")
-    base = orchard_url + "/affinity"
-    wait_http_ok(base + "/health")
-    wait_for(lambda: len(replica_gauges(base)) == 2, 60, "both replicas in the routing stats")
-    yield base
-    serve.delete(APP)
-    ray.kill(ray.get_actor("capacity", namespace=namespace))
+def Chat(name, **kw):   # noqa: N802 - the conversation class, bound to this app's model
+    return _Chat(name, MODEL, **kw)
 
 
 def metrics(base: str) -> str:
@@ -63,27 +46,6 @@ def replica_gauges(base: str) -> dict[str, float]:
 def events(base: str) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(
         r'^orchard:router_events\{event="(\w+)"\} (\S+)$', metrics(base), re.M)}
-
-
-class Chat:
-    def __init__(self, name: str, headers=AUTH):
-        self.headers = headers
-        self.messages = [{"role": "system", "content": f"You keep the {name} ledger. " + " ".join(
-            f"Entry {i} of {name} is a {WORDS[i % 8]}." for i in range(30))}]
-
-    def turn(self, base: str, text: str, max_tokens: int = 8, **extra) -> httpx.Response:
-        self.messages.append({"role": "user", "content": text})
-        r = httpx.post(base + "/v1/chat/completions", headers=self.headers, timeout=120,
-                       json={"model": MODEL, "messages": self.messages, "temperature": 0,
-                             "max_tokens": max_tokens, **extra})
-        assert r.status_code == 200, r.text
-        self.messages.append({"role": "assistant",
-                              "content": r.json()["choices"][0]["message"]["content"]})
-        return r
-
-
-def cached(r: httpx.Response) -> int:
-    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def test_turns_follow_their_history_and_respect_caps(url):
