@@ -188,3 +188,34 @@ def _largest(ok, hi: int) -> int:
         else:
             hi = mid
     return lo
+
+
+# ---- the step's transient (the direct path's prepaid workspace) ---------------------------------
+
+SCORE_ITEMSIZE = 4      # attention scores and the additive mask are FP32 on every path
+
+
+def step_workspace_bytes(*, query_heads: int, kv_heads: int, head_dim: int, token_limit: int,
+                         max_step_tokens: int, max_num_seqs: int, kv_itemsize: int) -> int:
+    """Most transient bytes one step of the direct (paged) path allocates beyond weights and
+    pages, from the model's geometry and the engine's step bounds.
+
+    A step's attention runs one layer at a time. For that layer it gathers each row's pages
+    into a contiguous K and V copy, rows padded to the longest (at most `max_num_seqs` rows of
+    `token_limit` keys), and scores its query tokens against their keys in FP32 for every
+    query head, with a mask of the same shape: at most `max_step_tokens` query tokens in all,
+    each against at most `token_limit` keys. The bound is per step, not per request: one
+    request with a long history and a full chunk reaches the scores term alone, and padding
+    lets one long row inflate every short row's gather, so a charge linear in each request's
+    own tokens (Workspace.per_token) cannot cover it without charging every request for the
+    longest. It is a per-replica arena, allocated again at every step and freed after it.
+    `kv_itemsize`: the gathered copy's bytes per value (the compute dtype bounds every format:
+    packed history is gathered packed and unpacked one bounded tile at a time)."""
+    for name, v in (("query_heads", query_heads), ("kv_heads", kv_heads),
+                    ("head_dim", head_dim), ("token_limit", token_limit),
+                    ("max_step_tokens", max_step_tokens), ("max_num_seqs", max_num_seqs),
+                    ("kv_itemsize", kv_itemsize)):
+        _check_int(name, v, 1)
+    scores = max_step_tokens * token_limit * (query_heads + 1) * SCORE_ITEMSIZE
+    gathered = max_num_seqs * token_limit * 2 * kv_heads * head_dim * kv_itemsize
+    return scores + gathered

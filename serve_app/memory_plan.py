@@ -3,7 +3,7 @@
 Each engine sizes its KV pool on its own; without this plan two models on one Mac would each
 take a fraction of unified memory and together oversubscribe it. At deploy the plan adds, per
 node, what every replica that may be placed there needs (weights at their compute dtype, its
-KV pool, a workspace allowance) and refuses a config that cannot fit, with the numbers. A model
+KV pool, its step workspace) and refuses a config that cannot fit, with the numbers. A model
 without an explicit `kv_budget_bytes` gets its share of what is left, split evenly between the
 replicas that may share the node, so the defaults always fit together.
 
@@ -12,6 +12,12 @@ replicas (a single box, or a fleet where Serve may pack them). The node's memory
 `memory.node_bytes` if set, else the smallest `mac_mem_gb` the Ray cluster's nodes advertise
 (cluster.yaml's worker start command), else this machine's device memory, and then no more than
 most of what is free on it at deploy (AVAILABLE_FRACTION).
+
+A replica's workspace is the larger of `memory.workspace_bytes_per_replica` (the runtime's
+allowance) and its steps' transient priced from the model's geometry
+(capacity.pricing.step_workspace_bytes: the gathered K/V copy and FP32 scores of a step of
+`max_step_tokens` against the context): a long-context model with many heads needs more than
+any flat allowance, and a step allocates it whatever mix of requests runs.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from capacity.pricing import step_workspace_bytes
 from serve_app.config import ConfigError, ModelConfig, OrchardConfig
 
 GIB = 1 << 30
@@ -120,6 +127,41 @@ def model_weight_bytes(m: ModelConfig, compute_itemsize: int) -> int:
     return total
 
 
+def _model_config(m: ModelConfig) -> dict:
+    """The model's config.json (a local directory, else the hub cache, else the hub)."""
+    path = Path(m.path).expanduser()
+    if path.is_dir():
+        return json.loads((path / "config.json").read_text())
+    from huggingface_hub import hf_hub_download
+
+    try:
+        try:
+            found = hf_hub_download(m.path, "config.json", local_files_only=True)
+        except Exception:  # noqa: BLE001 - not cached: ask the hub
+            found = hf_hub_download(m.path, "config.json")
+        return json.loads(Path(found).read_text())
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo: say so
+        raise ConfigError(f"model {m.id!r}: cannot read the geometry of hub model {m.path!r} "
+                          f"for the memory plan ({type(e).__name__}: {e}); download it first "
+                          "or give a local directory") from None
+
+
+def model_step_workspace_bytes(m: ModelConfig, itemsize: int) -> int:
+    """One replica's step transient from the model's geometry and its engine's step bounds
+    (token limit as the engine sets it: max_model_len, else the model's context, else 8192)."""
+    raw = _model_config(m)
+    c = {**raw, **raw.get("text_config", {})}    # multimodal configs nest the language model
+    q_heads = int(c["num_attention_heads"])
+    kv_heads = int(c.get("num_key_value_heads") or q_heads)
+    head_dim = int(c.get("head_dim") or c["hidden_size"] // q_heads)
+    token_limit = m.engine.max_model_len or int(c.get("max_position_embeddings") or 8192)
+    kv_itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(m.engine.dtype or "", itemsize)
+    return step_workspace_bytes(query_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                                token_limit=token_limit,
+                                max_step_tokens=m.engine.max_step_tokens,
+                                max_num_seqs=m.max_num_seqs, kv_itemsize=kv_itemsize)
+
+
 def compute_itemsize() -> int:
     """4 on the CPU backend (float32 compute), 2 on Metal/CUDA (bfloat16)."""
     import mlx.core as mx
@@ -188,8 +230,9 @@ def plan_memory(cfg: OrchardConfig, node_bytes: int | None = None,
     for m in cfg.models:
         per_node = min(m.replicas, m.max_replicas_per_node or m.replicas)
         weights = model_weight_bytes(m, size)
-        needs.append(ModelNeed(m.id, per_node, weights, cfg.memory.workspace_bytes_per_replica,
-                               m.kv_budget_bytes))
+        workspace = max(cfg.memory.workspace_bytes_per_replica,
+                        model_step_workspace_bytes(m, size))
+        needs.append(ModelNeed(m.id, per_node, weights, workspace, m.kv_budget_bytes))
     fixed = sum(n.replicas_on_node * (n.weight_bytes + n.workspace_bytes + (n.kv_bytes or 0))
                 for n in needs)
     sharing = sum(n.replicas_on_node for n in needs if n.kv_bytes is None)

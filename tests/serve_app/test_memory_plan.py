@@ -3,12 +3,20 @@ the config is refused at deploy with the numbers; default KV budgets are each mo
 import pytest
 
 from serve_app.config import ConfigError, parse_config
-from serve_app.memory_plan import GIB, plan_memory, weight_bytes, with_kv_budgets
+from capacity.pricing import step_workspace_bytes
+from serve_app.memory_plan import (GIB, model_step_workspace_bytes, plan_memory, weight_bytes,
+                                   with_kv_budgets)
 
 
 def config(tiny_llama, *models, **memory):
     return parse_config({"memory": {"workspace_bytes_per_replica": 0, **memory},
                          "models": [{"id": mid, "path": tiny_llama, **kw} for mid, kw in models]})
+
+
+def fixed(tiny_llama) -> int:
+    """Weights + step workspace of one tiny-llama replica (float32, default engine knobs)."""
+    m = config(tiny_llama, ("a", {})).models[0]
+    return weight_bytes(tiny_llama, 4) + model_step_workspace_bytes(m, 4)
 
 
 def test_weights_are_counted_at_the_compute_dtype(tiny_llama):
@@ -20,7 +28,7 @@ def test_default_kv_budgets_are_shares_that_fit_together(tiny_llama):
     cfg = config(tiny_llama, ("a", {"replicas": 2}), ("b", {}), node_bytes=4 * GIB,
                  budget_fraction=0.5)
     plan = plan_memory(cfg, itemsize=4)
-    weights = weight_bytes(tiny_llama, 4)
+    weights = fixed(tiny_llama)
     assert plan.kv_share_bytes == (2 * GIB - 3 * weights) // 3
     budgets = {m.id: m.kv_budget_bytes for m in with_kv_budgets(cfg, plan)}
     assert budgets == {"a": plan.kv_share_bytes, "b": plan.kv_share_bytes}
@@ -33,7 +41,7 @@ def test_an_explicit_budget_is_kept_and_the_rest_share_what_is_left(tiny_llama):
                  budget_fraction=0.5)
     plan = plan_memory(cfg, itemsize=4)
     assert plan.kv_budget_for("a") == GIB
-    assert plan.kv_budget_for("b") == GIB - 2 * weight_bytes(tiny_llama, 4)
+    assert plan.kv_budget_for("b") == GIB - 2 * fixed(tiny_llama)
 
 
 def test_models_that_cannot_fit_together_are_refused_with_the_numbers(tiny_llama):
@@ -47,7 +55,8 @@ def test_models_that_cannot_fit_together_are_refused_with_the_numbers(tiny_llama
 
 
 def test_a_default_share_below_the_minimum_is_refused(tiny_llama):
-    cfg = config(tiny_llama, ("a", {"replicas": 8}), node_bytes=GIB, budget_fraction=0.5,
+    # 8 x (weights + 0.16 GiB of step workspace) of 2 GiB usable: 85 MiB of KV each
+    cfg = config(tiny_llama, ("a", {"replicas": 8}), node_bytes=4 * GIB, budget_fraction=0.5,
                  min_kv_bytes_per_replica=128 << 20)
     with pytest.raises(ConfigError, match=r"KV per replica without an explicit budget"):
         plan_memory(cfg, itemsize=4)
@@ -59,7 +68,7 @@ def test_on_this_machine_the_plan_uses_no_more_than_most_of_what_is_free(tiny_ll
     cfg = config(tiny_llama, ("a", {}), budget_fraction=0.75)
     plan = plan_memory(cfg, node_bytes=8 * GIB, available_bytes=2 * GIB, itemsize=4)
     assert plan.usable_bytes == int(2 * GIB * 0.9)
-    assert plan.kv_share_bytes == plan.usable_bytes - weight_bytes(tiny_llama, 4)
+    assert plan.kv_share_bytes == plan.usable_bytes - fixed(tiny_llama)
     roomy = plan_memory(cfg, node_bytes=8 * GIB, available_bytes=7 * GIB, itemsize=4)
     assert roomy.usable_bytes == 6 * GIB                   # the configured share still rules
     with pytest.raises(ConfigError, match=r"bounded by 0.9 of the 0.01 GiB free now"):
@@ -109,7 +118,7 @@ def test_a_hub_id_in_the_local_hub_cache_is_planned_with_its_weight_bytes(tiny_l
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
     plan = plan_memory(_hub_config("org/tiny", allow_hub=True), itemsize=4)
     assert plan.needs[0].weight_bytes == weight_bytes(tiny_llama, 4) > 0
-    assert plan.kv_share_bytes == plan.usable_bytes - weight_bytes(tiny_llama, 4)
+    assert plan.kv_share_bytes == plan.usable_bytes - fixed(tiny_llama)
 
 
 def test_a_hub_id_that_cannot_be_sized_or_loaded_is_refused_naming_it(tmp_path, monkeypatch):
@@ -122,3 +131,80 @@ def test_a_hub_id_that_cannot_be_sized_or_loaded_is_refused_naming_it(tmp_path, 
     monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)   # no network in tests: the hub is away
     with pytest.raises(ConfigError, match=r"cannot size the weights of hub model 'org/absent'"):
         plan_memory(_hub_config("org/absent", allow_hub=True), itemsize=4)
+
+
+def test_the_step_workspace_is_priced_from_the_geometry_not_a_flat_allowance(tiny_llama,
+                                                                            tmp_path):
+    """The tiny llama's weights with a long-context, many-head geometry (8B-like: 32 query / 8
+    KV heads of 128, 32K context): its steps' transient (scores of a 512-token chunk against
+    32K keys, 32 rows' gathered K/V) is far above the flat 512 MiB allowance, and a node that
+    the flat allowance would have let it share is refused, naming the workspace."""
+    import json
+    import shutil
+
+    big = tmp_path / "big"
+    shutil.copytree(tiny_llama, big)
+    geo = json.loads((big / "config.json").read_text())
+    geo.update(num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               max_position_embeddings=32768)
+    (big / "config.json").write_text(json.dumps(geo))
+    memory = {"node_bytes": 16 * GIB, "budget_fraction": 0.75}
+    cfg = parse_config({"memory": memory, "models": [{"id": "m", "path": str(big)}]})
+    priced = step_workspace_bytes(query_heads=32, kv_heads=8, head_dim=128, token_limit=32768,
+                                  max_step_tokens=512, max_num_seqs=32, kv_itemsize=2)
+    # 512 x 32768 x 33 x 4 (scores + mask) + 32 x 32768 x 2 x 8 x 128 x 2 (gathered K/V)
+    assert priced == 2_214_592_512 + 4_294_967_296
+    plan = plan_memory(cfg, itemsize=2)
+    assert plan.needs[0].workspace_bytes == priced
+    assert plan.kv_share_bytes == 12 * GIB - weight_bytes(str(big), 2) - priced
+    # A smaller chunk and context price less; the allowance stays the floor.
+    small = plan_memory(parse_config({"memory": memory, "models": [
+        {"id": "m", "path": str(big), "engine": {"max_step_tokens": 64, "max_model_len": 1024}}]}),
+        itemsize=2)
+    assert small.needs[0].workspace_bytes == 512 << 20
+    with pytest.raises(ConfigError, match=r"workspace 6\.06 GiB"):
+        plan_memory(parse_config({"memory": {"node_bytes": 8 * GIB, "budget_fraction": 0.75},
+                                  "models": [{"id": "m", "path": str(big), "replicas": 2}]}),
+                    itemsize=2)
+
+
+def test_the_priced_step_workspace_bounds_a_measured_step():
+    """A real step: orchard-tiny on this backend, seven short requests decoding while a long
+    prompt prefills in 512-token chunks beside them; the most any step allocated beyond what
+    was resident before it (MLX's peak, which the engine resets per step and reports when it
+    releases the step) stays within the price the memory plan reserves for it."""
+    import asyncio
+    import random
+    from pathlib import Path
+
+    from engine import Engine
+    from engine.config import EngineConfig
+    from engine.request import GenerationRequest
+    from engine.sampling.params import SamplingParams
+    from serve_app.memory_plan import compute_itemsize
+
+    tiny = str(Path(__file__).resolve().parents[2] / "models" / "orchard-tiny")
+    releases = []
+    eng = Engine(EngineConfig(model=tiny, kv_budget_bytes=256 << 20, max_num_seqs=8,
+                              max_step_tokens=512, enable_prefix_caching=False),
+                 trace=lambda kind, **kw: releases.append(kw) if kind == "release" else None)
+
+    async def one(rid: int, n: int, max_tokens: int) -> None:
+        rng = random.Random(rid)
+        r = GenerationRequest(str(rid), [rng.randrange(4, 8000) for _ in range(n)],
+                              SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                             ignore_eos=True))
+        async for _ in eng.generate(r):
+            pass
+
+    async def load() -> None:
+        await asyncio.gather(*[one(i, 40, 200) for i in range(7)], one(99, 3500, 8))
+    try:
+        asyncio.run(load())
+    finally:
+        eng.shutdown()
+    measured = max(e["peak"] - e["active_before"] for e in releases)
+    m = parse_config({"models": [{"id": "t", "path": tiny, "max_num_seqs": 8,
+                                  "engine": {"max_step_tokens": 512}}]}).models[0]
+    priced = model_step_workspace_bytes(m, compute_itemsize())
+    assert 0 < measured <= priced, (measured, priced)
