@@ -99,7 +99,13 @@ def test_disconnect_mid_stream_frees_the_reservation(http, orchard_url):
     try:
         assert stream.status == 200
         assert stream.read_content_events(2) == 2
-        time.sleep(1.0)   # a heartbeat or two: the request is still running, still held
+        # Two heartbeats per replica after the request was running (so at least one of its
+        # replica's reports listed it), and the replica's routing stats showing it: it is
+        # still running, still held.
+        f = feed(http)
+        beats = f["counters"]["heartbeats"] + 2 * sum(m["replicas"] for m in f["models"])
+        wait_for(lambda: feed(http)["counters"]["heartbeats"] >= beats and running(http) == 1,
+                 what="two heartbeats per replica and the routing stats while it streams")
         assert feed(http)["outstanding_raw_tokens"] >= 3000
         assert running(http) == 1
     finally:
