@@ -1,10 +1,14 @@
 """`orchard bench memory`: how many long conversations each server holds under one memory limit.
 
-Both servers get the same number of bytes for the process that holds the model and its KV cache
-(`loadtest/memory_limit.py`: mlx_lm.server's process; Orchard's model replica, whose KV budget
-is what is left of the limit after its weights and a runtime allowance). Then the same ramp
-runs against each, one server at a time (on one box, at the same time they would compete for
-the cores):
+Every server setting gets the same number of bytes for the process that holds the model and its
+KV cache (`loadtest/memory_limit.py`): Orchard's model replica (one setting per --kv-format),
+whose KV budget is what is left of the limit after its weights and a runtime allowance;
+mlx_lm.server's process (native KV, and `--kv-bits B` per --peer-kv-bits); llama.cpp's
+llama-server (one setting per --llama-model x --llama-kv cache type), continuous batching, one
+slot per conversation of the largest level, all slots sharing one KV pool (`--kv-unified`) sized
+like Orchard's: what is left of the limit after the GGUF and --llama-runtime-mib. Then the same
+ramp runs against each, one setting at a time (on one box, at the same time they would compete
+for the cores):
 
 - level c: c conversations are live. New ones open with their own ~`--context-tokens` prompt
   (distinct text, so nothing is shared by accident); every live conversation then sends its
@@ -13,9 +17,10 @@ the cores):
   and the process is still alive under the limit. The ramp stops at the first level that is not
   (an OOM kill, a 5xx, a refusal, a stream error or a hang).
 
-Reported per server and level: turns served, errors by kind, TTFT p50/p99, the process's peak
-memory; and the headline: the most conversations served with zero errors, and p99 TTFT there and
-at the peer's best level. Prints JSON; writes it and a Markdown table under --out.
+Reported per setting and level (one row each): turns served, errors by kind, TTFT p50/p99, the
+process's peak memory; and the headline: the best peer setting (most conversations served with
+zero errors; p99 TTFT at that level breaks a tie) and each Orchard setting's ratio against it.
+Prints JSON; writes it and a Markdown table under --out.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import json
 import os
 import shlex
 import statistics
+import struct
 import sys
 import tempfile
 import threading
@@ -167,7 +173,11 @@ def ramp(label: str, base: str, model: str | None, pid: int, args) -> dict:
     limit = memory_limit.make_limit(args.memory_limit_mib * MIB, label, args.enforce)
     out: dict = {"label": label, "url": base, "model": model, "levels": []}
     try:
-        limit.adopt(pid)
+        try:
+            limit.adopt(pid)
+        except RuntimeError as e:   # over the limit before any request: this setting serves 0
+            out.update(error=str(e), most_conversations=0, ttft_p99_at_most_s=None)
+            return out
         out["enforced_by"] = limit.mode
         cal, _ = probe.calibrate(base, "chat", model)
         out["idle_bytes"] = limit.report().peak_bytes
@@ -226,31 +236,131 @@ def replica_pid(server_pid: int, timeout_s: float = 60.0) -> int:
         time.sleep(0.5)
 
 
+# Bytes per value of llama.cpp's KV cache types (quantized ones: a block of 32 values plus an
+# f16 scale, and an f16 minimum for the _1 types).
+LLAMA_KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32,
+                  "q4_1": 20 / 32, "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32}
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def _gguf_value(f, vtype: int):
+    if vtype == 8:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n).decode(errors="replace")
+    if vtype == 9:
+        etype, n = struct.unpack("<IQ", f.read(12))   # skipped: geometry is never an array
+        if etype in _GGUF_SCALARS:
+            f.seek(struct.calcsize(_GGUF_SCALARS[etype]) * n, 1)
+        else:
+            for _ in range(n):
+                _gguf_value(f, etype)
+        return None
+    fmt = _GGUF_SCALARS[vtype]
+    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+
+def gguf_geometry(path: str) -> dict:
+    """Layers, KV heads and K/V head dims from a GGUF's metadata (no tensor is read)."""
+    meta: dict = {}
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        _version, _tensors, n_kv = struct.unpack("<IQQ", f.read(20))
+        for _ in range(n_kv):
+            (n,) = struct.unpack("<Q", f.read(8))
+            key = f.read(n).decode()
+            (vtype,) = struct.unpack("<I", f.read(4))
+            meta[key] = _gguf_value(f, vtype)
+    arch = meta["general.architecture"]
+    heads = meta[f"{arch}.attention.head_count"]
+    head_dim = meta[f"{arch}.embedding_length"] // heads
+    return {"layers": meta[f"{arch}.block_count"],
+            "kv_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+            "k_dim": meta.get(f"{arch}.attention.key_length", head_dim),
+            "v_dim": meta.get(f"{arch}.attention.value_length", head_dim)}
+
+
+def llama_kv_bytes_per_token(geometry: dict, cache_type: str) -> float:
+    b = LLAMA_KV_BYTES[cache_type]
+    return geometry["layers"] * geometry["kv_heads"] * (geometry["k_dim"] + geometry["v_dim"]) * b
+
+
+def llama_pool_tokens(gguf_bytes: int, per_token: float, limit_mib: int, runtime_mib: int,
+                      slots: int) -> int:
+    """Tokens of llama-server's shared KV pool under the limit, by the rule Orchard's budget
+    follows: what is left after the weights (the GGUF) and a runtime allowance, rounded down to
+    a multiple of 256 x slots (`-c` is slots x a per-slot size)."""
+    left = limit_mib * MIB - gguf_bytes - runtime_mib * MIB
+    step = 256 * slots
+    tokens = int(left // per_token) // step * step
+    if tokens < step:
+        raise ValueError(f"a {limit_mib} MiB limit leaves {left / MIB:.0f} MiB for llama.cpp's KV "
+                         f"after the GGUF and {runtime_mib} MiB of runtime: too little for "
+                         f"{slots} slots")
+    return tokens
+
+
+def llama_args(cache_type: str) -> tuple[str, ...]:
+    """Options for one llama.cpp KV setting on top of llama_peer's (-np, -c, --cont-batching):
+    K and V in `cache_type` (a quantized V cache needs flash attention), one KV pool shared by
+    every slot, and no host-RAM prompt cache (it would hold KV beyond the pool, over the limit)."""
+    return ("-fa", "on", "--cache-type-k", cache_type, "--cache-type-v", cache_type,
+            "--kv-unified", "--cache-ram", "0")
+
+
+def mlx_kv_args(bits: int | None) -> tuple[str, ...]:
+    """mlx_lm.server's quantized KV from the first token (its default starts at 5,000, past a
+    4K conversation); it then serves one request at a time (its --help says so)."""
+    return () if bits is None else ("--kv-bits", str(bits), "--quantized-kv-start", "0")
+
+
+def best_peer(results: dict[str, dict]) -> str | None:
+    """The peer setting that served the most conversations with zero errors; the lower p99 TTFT
+    at that level breaks a tie."""
+    peers = [(label, r) for label, r in results.items() if r.get("server") != "orchard"]
+    if not peers:
+        return None
+    inf = float("inf")
+    return min(peers, key=lambda lr: (-lr[1]["most_conversations"],
+                                      lr[1]["ttft_p99_at_most_s"] if lr[1]["ttft_p99_at_most_s"]
+                                      is not None else inf))[0]
+
+
+def _row_at(res: dict, n: int) -> dict | None:
+    return next((r for r in res["levels"] if r["conversations"] == n), None)
+
+
 def headline(results: dict[str, dict]) -> dict:
-    o, p = results.get("orchard"), results.get(PEER_LABEL)
-    if not (o and p):
+    """Each Orchard setting against the best peer setting."""
+    best = best_peer(results)
+    orchards = {label: r for label, r in results.items() if r.get("server") == "orchard"}
+    if best is None or not orchards:
         return {}
-    best_peer = p["most_conversations"]
-    at_peer = next((r for r in o["levels"] if r["conversations"] == best_peer), None)
-    peer_row = next((r for r in p["levels"] if r["conversations"] == best_peer), None)
-    return {
-        "conversations_ratio": (round(o["most_conversations"] / best_peer, 2) if best_peer
-                                else None),
-        "orchard_most": o["most_conversations"], "peer_most": best_peer,
-        "ttft_p99_at_peer_best_s": {"orchard": at_peer and at_peer["ttft_p99_s"],
-                                    "peer": peer_row and peer_row["ttft_p99_s"]},
-        "ttft_p99_at_own_best_s": {"orchard": o["ttft_p99_at_most_s"],
-                                   "peer": p["ttft_p99_at_most_s"]},
-        "orchard_errors_or_oom": any(not r["clean"] for r in o["levels"]
-                                     if r["conversations"] <= o["most_conversations"]),
-    }
+    p = results[best]
+    n = p["most_conversations"]
+    per = {}
+    for label, o in orchards.items():
+        at_peer = _row_at(o, n)
+        per[label] = {
+            "conversations_ratio": round(o["most_conversations"] / n, 2) if n else None,
+            "orchard_most": o["most_conversations"],
+            "ttft_p99_at_peer_best_s": at_peer and at_peer["ttft_p99_s"],
+            "ttft_p99_at_own_best_s": o["ttft_p99_at_most_s"],
+            "errors_or_oom": any(not r["clean"] for r in o["levels"]
+                                 if r["conversations"] <= o["most_conversations"]),
+        }
+    return {"best_peer": best, "peer_most": n, "peer_ttft_p99_at_most_s": p["ttft_p99_at_most_s"],
+            "orchard": per}
 
 
 def markdown(results: dict[str, dict], head: dict, command: str) -> str:
     lines = [f"Command: `{command}`", "",
-             "| server | conversations | served | errors | TTFT p50 s | TTFT p99 s | peak MiB |",
+             "| setting | conversations | served | errors | TTFT p50 s | TTFT p99 s | peak MiB |",
              "|---|---|---|---|---|---|---|"]
     for label, res in results.items():
+        if res.get("error"):
+            lines.append(f"| {label} | - | - | {res['error'][:120]} | - | - | - |")
         for r in res["levels"]:
             err = ", ".join(f"{k} x{v}" for k, v in r["errors"].items()) or (
                 "-" if r["alive"] else "killed")
@@ -259,9 +369,13 @@ def markdown(results: dict[str, dict], head: dict, command: str) -> str:
             lines.append(f"| {label} | {r['conversations']} | {r['served']} | {err} | "
                          f"{r['ttft_p50_s']} | {r['ttft_p99_s']} | {r['peak_mib']} |")
     if head:
-        lines += ["", f"Most conversations with zero errors: Orchard {head['orchard_most']}, "
-                  f"{PEER_LABEL} {head['peer_most']} ({head['conversations_ratio']}x); p99 TTFT "
-                  f"at the peer's best level: {head['ttft_p99_at_peer_best_s']}."]
+        lines += ["", f"Best peer setting: {head['best_peer']}, {head['peer_most']} "
+                  f"conversations with zero errors (p99 TTFT {head['peer_ttft_p99_at_most_s']} s)."]
+        for label, h in head["orchard"].items():
+            lines.append(f"{label}: {h['orchard_most']} conversations "
+                         f"({h['conversations_ratio']}x); p99 TTFT at the peer's best level "
+                         f"{h['ttft_p99_at_peer_best_s']} s, at its own best "
+                         f"{h['ttft_p99_at_own_best_s']} s.")
     return "\n".join(lines)
 
 
@@ -275,14 +389,58 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
+def _kv_types(text: str) -> list[str]:
+    types = [x.strip().lower() for x in text.split(",") if x.strip()]
+    bad = [t for t in types if t not in LLAMA_KV_BYTES]
+    if not types or bad:
+        raise argparse.ArgumentTypeError(f"--llama-kv wants llama.cpp cache types from "
+                                         f"{', '.join(LLAMA_KV_BYTES)}, got {text!r}")
+    return types
+
+
+def _formats(text: str) -> list[str]:
+    formats = [x.strip() for x in text.split(",") if x.strip()]
+    if not formats:
+        raise argparse.ArgumentTypeError(f"--kv-format wants one or more formats, got {text!r}")
+    return formats
+
+
+def _gguf(spec: str) -> str:
+    from loadtest import llama_peer
+    try:
+        return llama_peer.gguf_path(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orchard bench memory", description=__doc__.split("\n")[0],
                                 epilog="Needs Linux + root for the kernel-enforced limit "
                                 "(cgroup v1); elsewhere a resident-set watchdog holds it.")
     p.add_argument("--orchard-model", type=model_arg, help="start Orchard on this model: " +
                    MODEL_HELP)
-    p.add_argument("--peer-model", type=model_arg, help="start mlx_lm.server on this model")
-    p.add_argument("--kv-format", default="int4", help="Orchard's KV format (default: int4)")
+    p.add_argument("--peer-model", type=model_arg, help="start mlx_lm.server on this model "
+                   "(native KV, then each --peer-kv-bits)")
+    p.add_argument("--peer-kv-bits", type=int, action="append", default=[], choices=[2, 3, 4,
+                   5, 6, 8], help="also run mlx_lm.server with --kv-bits B (quantized from "
+                   "the first token; it then serves one request at a time); repeatable")
+    p.add_argument("--peer-args", default="", help="more mlx_lm.server options, one string")
+    p.add_argument("--llama-model", action="append", default=[], type=_gguf,
+                   help="start llama.cpp's llama-server on this GGUF, once per --llama-kv type: "
+                   "f32 or q4_1 (SmolLM2 GGUFs written by `make llama-server`) or a .gguf file; "
+                   "repeatable")
+    p.add_argument("--llama-kv", type=_kv_types, default=_kv_types("q8_0,q4_0"),
+                   help="llama.cpp KV cache types (K and V), one setting each "
+                   "(default: q8_0,q4_0)")
+    p.add_argument("--llama-runtime-mib", type=int, default=256,
+                   help="what llama-server keeps for everything but the GGUF and its KV pool "
+                   "(compute buffers, slots); the pool is the rest (default: %(default)s)")
+    p.add_argument("--llama-binary", default=None,
+                   help="llama-server binary (default: the one `make llama-server` builds)")
+    p.add_argument("--llama-args", default="", help="more llama-server options, one string")
+    p.add_argument("--kv-format", type=_formats, default=_formats("int4"),
+                   help="Orchard's KV formats, one setting each, e.g. k6v4-kivi,int8 "
+                   "(default: int4)")
     p.add_argument("--memory-limit-mib", type=int, default=2048,
                    help="bytes each server's model process may hold (default: %(default)s)")
     p.add_argument("--runtime-mib", type=int, default=640,
@@ -303,11 +461,29 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _setting(label: str, server: str, start, args, model: str | None, **record) -> dict:
+    """Start one server setting, ramp it under the limit, stop it; a setting that fails to
+    start is recorded as such and the others still run."""
+    try:
+        srv, pid, more = start()
+    except Exception as e:   # noqa: BLE001 - one setting's failure must not end the bench
+        print(f"[bench memory] {label}: did not start: {e}", flush=True)
+        return {"label": label, "server": server, "levels": [], "most_conversations": 0,
+                "ttft_p99_at_most_s": None, "error": f"did not start: {e}"[:300], **record}
+    try:
+        out = ramp(label, srv.url, model, pid, args)
+    finally:
+        srv.stop()
+    out.update(server=server, **record, **more)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
-    if not (args.orchard_model or args.peer_model):
-        print("orchard bench memory: give --orchard-model and/or --peer-model", file=sys.stderr)
+    if not (args.orchard_model or args.peer_model or args.llama_model):
+        print("orchard bench memory: give --orchard-model, --peer-model and/or --llama-model",
+              file=sys.stderr)
         return 2
     out_dir = args.out or tempfile.mkdtemp(prefix="orchard-bench-memory-")
     os.makedirs(out_dir, exist_ok=True)
@@ -317,31 +493,63 @@ def main(argv: list[str] | None = None) -> int:
         # As `orchard serve --model` names it: the folder's (or file's) name.
         model_id = os.path.basename(args.orchard_model.rstrip("/")).removesuffix(".gguf")
         kv = orchard_kv_bytes(args.orchard_model, args.memory_limit_mib, args.runtime_mib)
-        cfg_path = os.path.join(out_dir, "orchard.yaml")
-        with open(cfg_path, "w") as f:
-            json.dump(orchard_config(args.orchard_model, model_id, args.kv_format, kv), f)
-        print(f"[bench memory] starting Orchard ({args.kv_format}, KV budget "
-              f"{kv / MIB:.0f} MiB)", flush=True)
-        server = orchard_proc.start(None, os.path.join(out_dir, "orchard_serve.log"),
-                                    config=cfg_path)
-        try:
-            results["orchard"] = ramp("orchard", server.url, model_id,
-                                      replica_pid(server.proc.pid), args)
-            results["orchard"].update(kv_format=args.kv_format, kv_budget_mib=round(kv / MIB),
-                                      whole_server_rss_mib=round(memory_limit.process_tree_rss(
-                                          server.proc.pid) / MIB))
-        finally:
-            server.stop()
+        for fmt in args.kv_format:
+            def start_orchard(fmt=fmt):
+                cfg_path = os.path.join(out_dir, f"orchard-{fmt}.yaml")
+                with open(cfg_path, "w") as f:
+                    json.dump(orchard_config(args.orchard_model, model_id, fmt, kv), f)
+                print(f"[bench memory] starting Orchard ({fmt}, KV budget {kv / MIB:.0f} MiB)",
+                      flush=True)
+                server = orchard_proc.start(None, os.path.join(out_dir, f"orchard-{fmt}.log"),
+                                            config=cfg_path)
+                try:
+                    pid = replica_pid(server.proc.pid)
+                except BaseException:
+                    server.stop()
+                    raise
+                return server, pid, {}
+            label = f"orchard-{fmt}"
+            results[label] = _setting(label, "orchard", start_orchard, args, model_id,
+                                      kv_format=fmt, kv_budget_mib=round(kv / MIB))
     if args.peer_model:
         dtype = peer.default_dtype() if args.peer_dtype == "auto" else args.peer_dtype
         model = peer.prepare_model(args.peer_model, dtype)
-        print(f"[bench memory] starting {PEER_LABEL} on {args.peer_model} ({dtype})", flush=True)
-        p = peer.start(model, log_path=os.path.join(out_dir, "mlx_lm_server.log"))
-        try:
-            results[PEER_LABEL] = ramp(PEER_LABEL, p.url, None, p.proc.pid, args)
-            results[PEER_LABEL].update(kv_format="native", dtype=dtype)
-        finally:
-            p.stop()
+        for bits in [None, *args.peer_kv_bits]:
+            label = PEER_LABEL if bits is None else f"{PEER_LABEL}-kv{bits}"
+            extra = mlx_kv_args(bits) + tuple(shlex.split(args.peer_args))
+
+            def start_peer(label=label, extra=extra):
+                print(f"[bench memory] starting {label} on {args.peer_model} ({dtype})",
+                      flush=True)
+                p = peer.start(model, log_path=os.path.join(out_dir, f"{label}.log"),
+                               extra_args=extra)
+                return p, p.proc.pid, {}
+            results[label] = _setting(label, PEER_LABEL, start_peer, args, None,
+                                      kv_format="native" if bits is None else f"kv-bits {bits}",
+                                      dtype=dtype, extra_args=list(extra))
+    for gguf in args.llama_model:
+        from loadtest import llama_peer
+        geometry = gguf_geometry(gguf)
+        slots = max(args.levels)
+        for ctype in args.llama_kv:
+            label = f"{llama_peer.label(gguf)}-kv-{ctype}"
+            per_token = llama_kv_bytes_per_token(geometry, ctype)
+
+            def start_llama(label=label, ctype=ctype, per_token=per_token):
+                pool = llama_pool_tokens(os.path.getsize(gguf), per_token, args.memory_limit_mib,
+                                         args.llama_runtime_mib, slots)
+                print(f"[bench memory] starting {label} ({slots} slots sharing a {pool}-token "
+                      f"pool, {pool * per_token / MIB:.0f} MiB)", flush=True)
+                s = llama_peer.start(gguf, os.path.join(out_dir, f"{label}.log"),
+                                     binary=args.llama_binary or llama_peer.DEFAULT_BINARY,
+                                     slots=slots, ctx_per_slot=pool // slots,
+                                     extra_args=llama_args(ctype) + tuple(
+                                         shlex.split(args.llama_args)))
+                return s, s.proc.pid, {"settings": s.settings, "kv_pool_tokens": pool,
+                                       "kv_pool_mib": round(pool * per_token / MIB)}
+            results[label] = _setting(label, "llama.cpp", start_llama, args, None,
+                                      kv_format=ctype, kv_bytes_per_token=round(per_token, 1),
+                                      runtime_mib=args.llama_runtime_mib)
     head = headline(results)
     doc = {"command": command, "memory_limit_mib": args.memory_limit_mib,
            "context_tokens": args.context_tokens, "turn_tokens": args.turn_tokens,
