@@ -145,13 +145,18 @@ class Fleet:
             forecasts[rep.replica_id] = f
             return (f.seconds, -room.requests, rep.replica_id)
 
+        # Holding an id that is still active returns its reservation (the ledger is
+        # idempotent): Serve re-routing a request before its first hold settled. Counted once,
+        # so holds and settlements balance exactly.
+        again = self.ledger.reservation(request_id) is not None
         try:
             res, ranking = self.ledger.hold(model_id, raw_tokens, request_id, now, exclude, rank,
                                             stretch)
         except CapacityRefused:
             self.counters["refusals"] += 1
             raise
-        self.counters["holds"] += 1
+        if not again:
+            self.counters["holds"] += 1
         f = forecasts.get(res.replica_id)
         if f is not None and f.trainable:
             res.predicted_ttft_s = f.raw_s
