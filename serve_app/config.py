@@ -249,8 +249,11 @@ class MemorySettings(_Strict):
     budget_fraction: float = Field(0.75, gt=0, le=0.95, description="share of a node's memory "
                                    "the replicas on it may use together (the OS and other "
                                    "processes keep the rest)")
-    workspace_bytes_per_replica: int = Field(512 << 20, ge=0, description="allowance per "
-                                             "replica for the runtime and step activations")
+    workspace_bytes_per_replica: int = Field(512 << 20, ge=0, description="floor of the "
+                                             "per-replica allowance for the runtime and step "
+                                             "activations; the plan reserves the larger of this "
+                                             "and the step workspace priced from the model's "
+                                             "geometry (capacity/pricing.py)")
     min_kv_bytes_per_replica: int = Field(64 << 20, ge=0, description="a default KV share "
                                           "below this refuses the config")
 
