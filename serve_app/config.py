@@ -199,6 +199,10 @@ class CapacitySettings(_Strict):
     prefix_routing: bool = Field(
         True, description="route a request to the replica caching the longest prefix of its "
         "prompt (its tenant's pages) when that replica has room; false = headroom only")
+    handoff: bool = Field(
+        True, description="a replica with prefix caching that drains (redeploy, scale-down) "
+        "hands its cached pages to another replica of the same model and format, which imports "
+        "them (serve_app/handoff.py); false = a drained replica's conversations are recomputed")
     queue_timeout_s: float = Field(
         30.0, ge=0, validation_alias=AliasChoices("queue_timeout_s", "hold_wait_s"),
         description="how long a request may wait in the capacity queue (FIFO per model at the "

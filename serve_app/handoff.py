@@ -109,11 +109,13 @@ class Handoff:
 
     @classmethod
     def for_replica(cls, engine: Any, model_id: str, replica_id: str,
-                    namespace: str | None) -> "Handoff | None":
-        """A handoff for a Serve replica with prefix caching; None elsewhere (nothing to hand
-        off, or no Ray to hand it through)."""
-        if namespace is None or not engine.cfg.enable_prefix_caching:
+                    capacity: Any) -> "Handoff | None":
+        """A handoff for a Serve replica with prefix caching whose capacity settings
+        (serve_app/config.py CapacitySettings) have `handoff` on; None elsewhere (turned off,
+        nothing to hand off, or no Ray to hand it through)."""
+        if capacity is None or not capacity.handoff or not engine.cfg.enable_prefix_caching:
             return None
+        namespace = capacity.namespace
         try:
             import ray
         except ImportError:

@@ -92,8 +92,7 @@ class ModelServer:
         self._watch: Any = None               # the task cancelling requests of dead callers
         self.prefix_report = PrefixReport(self.engine)
         # Hands the prefix cache to another replica on drain, takes those others leave.
-        self.handoff = Handoff.for_replica(self.engine, self.model_id, self.replica_id,
-                                           capacity.namespace if capacity is not None else None)
+        self.handoff = Handoff.for_replica(self.engine, self.model_id, self.replica_id, capacity)
 
     def _make_engine(self, engine_cfg: Any) -> Any:
         from engine import Engine

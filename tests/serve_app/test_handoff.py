@@ -106,3 +106,20 @@ def test_the_store_hands_an_export_to_one_other_replica_of_the_same_identity():
     store.put("m", "native-v1-f32", "r1", {"kv": b"123456"}, {"pages": 1})
     assert [e["event"] for e in store.events()] == ["exported", "claimed", "exported",
                                                     "exported", "dropped"]
+
+
+def test_a_replica_hands_off_only_with_prefix_caching_and_handoff_on(ray_session):
+    from types import SimpleNamespace
+
+    from serve_app.config import CapacitySettings
+    from serve_app.handoff import Handoff
+
+    def engine(prefix):
+        return SimpleNamespace(cfg=SimpleNamespace(enable_prefix_caching=prefix))
+
+    on, off = CapacitySettings(namespace="ns"), CapacitySettings(namespace="ns", handoff=False)
+    got = Handoff.for_replica(engine(True), "m", "r1", on)
+    assert got is not None and got.namespace == "ns"
+    assert Handoff.for_replica(engine(True), "m", "r1", off) is None       # turned off
+    assert Handoff.for_replica(engine(False), "m", "r1", on) is None       # nothing to hand off
+    assert Handoff.for_replica(engine(True), "m", "r1", None) is None      # no capacity actor
