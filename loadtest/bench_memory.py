@@ -472,6 +472,8 @@ def _setting(label: str, server: str, start, args, model: str | None, **record) 
                 "ttft_p99_at_most_s": None, "error": f"did not start: {e}"[:300], **record}
     try:
         out = ramp(label, srv.url, model, pid, args)
+        # The server's whole process tree (Orchard: its Ray, not only the limited replica).
+        out["whole_server_rss_mib"] = round(memory_limit.process_tree_rss(srv.proc.pid) / MIB)
     finally:
         srv.stop()
     out.update(server=server, **record, **more)

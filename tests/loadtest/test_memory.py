@@ -230,6 +230,7 @@ def test_ramp_against_orchard_and_the_peer(tmp_path):
         assert all(lv["clean"] and lv["ttft_p99_s"] > 0 and lv["peak_mib"] > 0
                    for lv in r["levels"]), r["levels"]
         assert r["most_conversations"] == 2 and r["limit"]["mode"] == r["enforced_by"]
+        assert r["whole_server_rss_mib"] > 0
     assert res["orchard-int4"]["kv_format"] == "int4"
     assert doc["headline"]["best_peer"] == "mlx_lm.server"
     assert doc["headline"]["orchard"]["orchard-int4"]["conversations_ratio"] == 1.0
