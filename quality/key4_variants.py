@@ -107,6 +107,8 @@ VARIANTS = {v.name: v for v in [
     KeyVariant("prerope-hot9-w16x8", pre_rope=True, hot_heads=9, wide=16),
     KeyVariant("prerope-hot9-w16x8-v5", pre_rope=True, hot_heads=9, wide=16, v_bits=5),
     KeyVariant("kivi-w16x8-v5", wide=16, v_bits=5),
+    KeyVariant("kivi-hot9-w16x8-v5", hot_heads=9, wide=16, v_bits=5),
+    KeyVariant("prerope-hot18-w16x8-v5", pre_rope=True, hot_heads=18, wide=16, v_bits=5),
     KeyVariant("kivi-k16v5", k_bits=16, v_bits=5),   # diagnostics: what 5- and 6-bit values
     KeyVariant("kivi-k16v6", k_bits=16, v_bits=6),   # cost with native keys (the values' floor)
 ]}
