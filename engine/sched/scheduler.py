@@ -29,7 +29,7 @@ from typing import Callable
 
 from engine.errors import DeadlineUnmeetable, EngineOverloaded, PageError, RequestTooLarge
 from engine.kv.budget import ByteLedger
-from engine.kv.pages import PagePool, PageTable
+from engine.kv.pages import PagePool, PageTable, pages_for
 from engine.kv.prefix import PrefixCache
 from engine.sched.forecast import RateForecast
 from engine.sched.seq import FINISHED, RUNNING, WAITING, Chunk, Seq, Step, chunk_of
@@ -323,15 +323,18 @@ class Scheduler:
         return admitted
 
     def _backed(self, s: Seq, shared: int) -> bool:
-        """Grow the pool's memory (engine/kv/pages.py, `back`) to cover every page the running
-        requests and `s` may still allocate, so a step never grows it halfway through; False
-        if the memory could not be had (another process took what the budget was planned from).
-        The count is an upper bound: pages held by the cache or by finished requests not yet
-        reclaimed come back to the free list first."""
+        """Grow the pool's memory (engine/kv/pages.py, `back`) to cover the pages the next
+        steps will take: `s`'s prefill and first token beyond its cached pages, and one more
+        page per running request. False if the memory could not be had (another process took
+        what the budget was planned from): then `s` is not admitted, and the engine, not yet
+        holding its pages, goes on. Later decode pages are backed as they come (`allocate`
+        grows), so a request without max_tokens, reserved for its whole context, does not make
+        the pool grow to that reservation at once (on a CPU box growing to gigabytes takes
+        seconds, and every running request waits for it)."""
         if self.pool.allocated >= self.pool.num_pages:
             return True
-        ahead = sum(max(0, r.reserved_pages - len(r.table.pages)) for r in self.running)
-        mine = self.ledger.cost_model.pages(s.raw_tokens) - shared
+        ahead = sum(1 for r in self.running if len(r.table.pages) < r.reserved_pages)
+        mine = pages_for(len(s.prompt_ids) + 1, self.pool.page_tokens) - shared
         try:
             self.pool.back(self.pool.num_used + ahead + mine)
         except Exception as exc:  # noqa: BLE001 - MLX reports a failed allocation as it may

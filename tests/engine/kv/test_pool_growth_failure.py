@@ -1,7 +1,7 @@
 """A KV pool that cannot grow turns requests away at admission; the engine goes on serving.
 
-The pool grows at admission (`Scheduler._backed` -> `PagePool.back`) to cover every page the
-running requests and the new one may still allocate, so no step grows it halfway through. When
+The pool grows at admission (`Scheduler._backed` -> `PagePool.back`) to cover the new request's
+prefill and one more page per running request (decode pages later grow it as they come). When
 the memory cannot be had (another process took what the budget was planned from), a request
 that nothing running will make room for finishes with reason "memory" and no tokens (the
 served app answers 503 kv_memory_unavailable); one that arrives while others run waits for
@@ -43,7 +43,7 @@ def test_a_request_the_slab_cannot_hold_is_turned_away_and_serving_goes_on(
         small = lambda rid: greq(rid, prompt(20, seed=1), max_tokens=12)  # noqa: E731
         want = tokens(run(collect(whole, small("w"))))
         assert tokens(run(collect(stuck, small("a")))) == want
-        # 300 + 40 tokens need 22 pages: more than the 16 the slab holds.
+        # A 300-token prompt needs 19 pages: more than the 16 the slab holds.
         big = run(collect(stuck, greq("big", prompt(300, seed=2), max_tokens=40)))
         assert [d.finish_reason for d in big] == ["memory"] and tokens(big) == []
         sched = stuck.scheduler
@@ -63,14 +63,15 @@ def test_a_request_that_arrives_while_others_run_waits_for_their_pages(tiny_llam
     whole, stuck = _engines(tiny_llama, monkeypatch)
     try:
         want = tokens(run(collect(whole, greq("w", prompt(40, seed=3), max_tokens=30))))
-        want_late = tokens(run(collect(whole, greq("wl", prompt(150, seed=4), max_tokens=40))))
+        want_late = tokens(run(collect(whole, greq("wl", prompt(200, seed=4), max_tokens=40))))
 
         async def go():
-            # One request holds 5 of the 16 pages; a second one needing 12 cannot be backed
-            # while it runs (17 > 16): it waits, and runs in the slab once those pages return.
+            # One request holds 3 of the 16 pages (and may take one more); a second one whose
+            # prefill needs 13 cannot be backed while it runs (17 > 16): it waits, and runs in
+            # the slab (15 pages in all) once those pages return.
             agen, first = await started(stuck, greq("a", prompt(40, seed=3), max_tokens=30))
             late = asyncio.ensure_future(
-                collect(stuck, greq("late", prompt(150, seed=4), max_tokens=40)))
+                collect(stuck, greq("late", prompt(200, seed=4), max_tokens=40)))
             rest = [d async for d in agen]
             return first + rest, await late
 
