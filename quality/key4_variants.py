@@ -37,8 +37,8 @@ import numpy as np
 
 from engine.attention.layers import register_cache
 from engine.attention.paged import PagedLayerCache
-from engine.kv.store import KVStore, NativeLayerStore
-from quality.variants import fake_quant
+from engine.kv.store import NativeLayerStore
+from quality.variants import fake_quant, variant_runner
 
 
 @dataclass(frozen=True)
@@ -203,29 +203,17 @@ register_cache(KeyVariantStore, KeyVariantCache)
 
 
 def make_runner(loaded, name: str, num_pages: int):
-    from engine.runner.packed import PackedModelRunner
-    from quality.runs import PAGE_TOKENS
     if name == "native":
-        return PackedModelRunner(loaded, KVStore(loaded.geometry, num_pages, PAGE_TOKENS,
-                                                 loaded.dtype))
+        return variant_runner(loaded, num_pages)
     var = VARIANTS[name]
     rope = loaded.model.layers[0].self_attn.rope
     if var.pre_rope and (type(rope).__name__ != "RoPE" or rope.traditional or rope.scale != 1.0):
         raise RuntimeError(f"{name}: pre-RoPE keys are simulated for plain rotate-half RoPE only")
     base = float(getattr(rope, "base", 10000.0))
     hot = hot_heads(var.hot_heads) if var.hot_heads else {}
-    layer = iter(range(10**6))
-
-    def factory(g, pages, tokens, dtype):
-        if g.kind != "full":
-            return NativeLayerStore(g, pages, tokens, dtype)
-        return KeyVariantStore(g, pages, tokens, dtype, var, base, hot.get(next(layer)))
-
-    runner = PackedModelRunner(loaded, KVStore(loaded.geometry, num_pages, PAGE_TOKENS,
-                                               loaded.dtype, layer_factory=factory))
-    if not runner.direct:
-        raise RuntimeError("variant caches need the SDPA hook on every paged layer")
-    return runner
+    layer = iter(range(10**6))   # full-attention layers are built in order
+    return variant_runner(loaded, num_pages, lambda g, pages, tokens, dtype: KeyVariantStore(
+        g, pages, tokens, dtype, var, base, hot.get(next(layer))))
 
 
 def main(argv=None) -> int:

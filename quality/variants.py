@@ -149,24 +149,35 @@ class VariantStore(NativeLayerStore):
 register_cache(VariantStore, VariantCache)
 
 
-def make_runner(loaded, name: str, num_pages: int):
+def variant_runner(loaded, num_pages: int, full_layer_store=None):
+    """A PackedModelRunner whose full-attention layers keep their KV in
+    `full_layer_store(geometry, pages, tokens, dtype)` (other layers native); with no factory,
+    every layer native (the reference). Variant caches read pages through the SDPA hook, so
+    every paged layer must reach it."""
     from engine.runner.packed import PackedModelRunner
     from quality.runs import PAGE_TOKENS
-    if name == "native":
+    if full_layer_store is None:
         return PackedModelRunner(loaded, KVStore(loaded.geometry, num_pages, PAGE_TOKENS,
                                                  loaded.dtype))
-    var = VARIANTS[name]
 
     def factory(g, pages, tokens, dtype):
         if g.kind != "full":
             return NativeLayerStore(g, pages, tokens, dtype)
-        return VariantStore(g, pages, tokens, dtype, var)
+        return full_layer_store(g, pages, tokens, dtype)
 
     runner = PackedModelRunner(loaded, KVStore(loaded.geometry, num_pages, PAGE_TOKENS,
                                                loaded.dtype, layer_factory=factory))
     if not runner.direct:
         raise RuntimeError("variant caches need the SDPA hook on every paged layer")
     return runner
+
+
+def make_runner(loaded, name: str, num_pages: int):
+    if name == "native":
+        return variant_runner(loaded, num_pages)
+    var = VARIANTS[name]
+    return variant_runner(loaded, num_pages,
+                          lambda g, pages, tokens, dtype: VariantStore(g, pages, tokens, dtype, var))
 
 
 def main(argv=None) -> int:
