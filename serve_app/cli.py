@@ -113,7 +113,7 @@ BENCHES = {
     "serve-path": "bench.serve_path",      # TTFT overhead of the HTTP/Serve path
     "decode-host": "bench.decode_host",    # host milliseconds per decode step, engine vs mlx-lm
     "decode-kernels": "bench.decode_kernels",  # CUDA decode attention kernels timed alone
-    "memory": "loadtest.bench_memory",     # Orchard vs mlx_lm.server under one memory limit
+    "memory": "loadtest.bench_memory",     # Orchard vs mlx_lm.server and llama.cpp, one memory limit
 }
 
 
