@@ -334,3 +334,30 @@ def stop_node_processes(node: NodeSpec) -> None:
             time.sleep(0.05)
     node.init_pid = 0
 
+
+
+def run_scenario(repo: Path, tmp_path: Path, module: str, timeout: int) -> dict:
+    """Start the head and the worker, run scenario `module` (python -m, in the client's
+    namespace, given the cluster spec and `tmp_path`), tear the cluster down; return the facts
+    its last `FACTS {json}` line printed, plus both nodes' start-up seconds. Fails with the
+    scenario's output and the nodes' log tails when it exits nonzero or prints no facts.
+    `pytest -s` shows the timings docs/reliability.md records."""
+    import json
+    import sys
+
+    with NetnsCluster(repo, tmp_path) as cluster:
+        head_s = cluster.start_node("head")
+        worker_s = cluster.start_node("worker")
+        env = {**cluster.env("client"), "PYTHONPATH": str(repo)}
+        proc = cluster.run_in("client", [sys.executable, "-m", module,
+                                         json.dumps(cluster.spec()), str(tmp_path)],
+                              env=env, cwd=repo, capture_output=True, text=True,
+                              timeout=timeout)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("FACTS ")]
+        logs = "".join(Path(n.log).read_text(errors="replace")[-1500:]
+                       for n in cluster.nodes.values() if Path(n.log).exists())
+        assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:] + logs
+    facts = json.loads(lines[-1].removeprefix("FACTS "))
+    print(json.dumps({"head_start_s": round(head_s, 1), "worker_start_s": round(worker_s, 1),
+                      **{k: v for k, v in facts.items() if k != "job_tail"}}, indent=1))
+    return facts

@@ -6,13 +6,11 @@ worker's port on the switch set down while a stream runs on its replica
 a guess at this machine's speed. Needs root (CI runs as root); a kernel that refuses network
 namespaces fails this test, it is not skipped.
 """
-import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.netns import NetnsCluster
+from tests.cluster.netns import run_scenario
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -21,21 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.cluster
 def test_cable_pulled_streams_end_the_head_serves_the_feed_drops_it_and_holds_settle(tmp_path):
-    with NetnsCluster(REPO, tmp_path) as cluster:
-        head_s = cluster.start_node("head")
-        worker_s = cluster.start_node("worker")
-        env = {**cluster.env("client"), "PYTHONPATH": str(REPO)}
-        proc = cluster.run_in("client", [sys.executable, "-m", "tests.cluster.node_loss",
-                                         json.dumps(cluster.spec()), str(tmp_path)],
-                              env=env, cwd=REPO, capture_output=True, text=True, timeout=540)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("FACTS ")]
-        logs = "".join(Path(n.log).read_text(errors="replace")[-1500:]
-                       for n in cluster.nodes.values() if Path(n.log).exists())
-        assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:] + logs
-    facts = json.loads(lines[-1].removeprefix("FACTS "))
-    # The timings docs/reliability.md records: `pytest -s` prints them.
-    print(json.dumps({"head_start_s": round(head_s, 1), "worker_start_s": round(worker_s, 1),
-                      **{k: v for k, v in facts.items() if k != "job_tail"}}, indent=1))
+    facts = run_scenario(REPO, tmp_path, "tests.cluster.node_loss", timeout=540)
     assert "error" not in facts, facts
     assert facts["submit_rc"] == 0, facts["job_tail"]
     head, worker = "10.203.0.1", "10.203.0.2"
