@@ -1,7 +1,8 @@
 """The house rules of issues 16 and 31, checked on the source: the product never imports tooling,
 Ray stays out of capacity/ (but its actor) and engine/, no import cycle anywhere (imports inside
 functions and `if TYPE_CHECKING:` blocks count: a lazy import still ties two modules' concepts
-together), one class per seam shape, no module over 400 lines. Pure Python (ast)."""
+together), one class per seam shape, no getattr probing of KV stores, no module over 400 lines. Pure
+Python (ast)."""
 from __future__ import annotations
 
 import ast
@@ -226,3 +227,21 @@ def test_seam_check_finds_a_copied_row():
                                      " page_table: list\n").body[0])
     assert _look_alike(rows, seq_chunk) and _look_alike(rows, attention_row)
     assert not _look_alike(rows, {"window", "pages", "base", "start"})
+
+
+def _store_probes(tree: ast.AST) -> list[str]:
+    """`getattr(<something naming a store>, ...)` calls: an optional member found by probing
+    instead of declared on the store contract (engine/kv/store.py, LayerStore)."""
+    return [ast.unparse(node) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr") and node.args
+            and "store" in ast.unparse(node.args[0]).lower()]
+
+
+def test_no_getattr_probing_of_stores():
+    """Issue 31: every capability of a KV store is declared with its default on LayerStore;
+    the engine reads it, never probes for it."""
+    found = [f"{name}: {probe}" for name, path in _modules("engine").items()
+             for probe in _store_probes(ast.parse(path.read_text()))]
+    assert not found, found
+    assert _store_probes(ast.parse("getattr(self.store, 'decode_writes_own', False)"))
