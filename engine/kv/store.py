@@ -10,6 +10,7 @@ business (engine/attention/layers.py), not the store's.
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 from typing import Callable
 
 import mlx.core as mx
@@ -90,7 +91,7 @@ class Slots:
         return self._by_heads[key]
 
 
-class LayerStore:
+class LayerStore(ABC):
     """The contract of one paged layer's store: every capability, with its default.
 
     Required: `page_tokens`, `page_bytes` (exact physical bytes of one page), `nbytes` (bytes
@@ -120,8 +121,9 @@ class LayerStore:
     tails = None
     tail_bytes_per_request = 0
 
+    @abstractmethod
     def write(self, slots: "Slots", k: mx.array, v: mx.array) -> None:
-        raise NotImplementedError
+        """Store token rows k, v ([N, kv_heads, dim], N = slots' count) into their slots."""
 
     def write_decode(self, slots: "Slots", keys: mx.array, values: mx.array) -> None:
         """One token per row in the model's layout ([N, kv_heads, 1, dim]); a store with a
@@ -129,16 +131,18 @@ class LayerStore:
         n, h, _, d = keys.shape
         self.write(slots, keys.reshape(n, h, d), values.reshape(n, h, values.shape[-1]))
 
+    @abstractmethod
     def gather(self, pages: mx.array) -> tuple[mx.array, mx.array]:
-        raise NotImplementedError
+        """Keys and values of `pages` ([B, P] page ids) as [B, kv_heads, P*T, dim] arrays."""
 
+    @abstractmethod
     def arrays(self) -> list[mx.array]:
-        raise NotImplementedError
+        """Every array the store holds (what a compiled step takes and hands back)."""
 
+    @abstractmethod
     def grow(self, num_pages: int) -> None:
         """Hold `num_pages` pages from now on (no-op where it holds them already): the pages held
         keep their rows, the new ones are zero. `nbytes` follows; `page_bytes` does not change."""
-        raise NotImplementedError
 
     def head_major_pages(self) -> tuple[mx.array, mx.array] | None:
         """The page arrays [kv_heads, num_pages, T, dim] for attention that reads pages in place,
