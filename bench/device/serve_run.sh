@@ -17,6 +17,9 @@
 # Each Orchard variant's replicas log their steps (ORCHARD_STEP_LOG, serve_app/step_log.py) to
 # <shape>/<label>-steps.<pid>.jsonl.
 #
+# A SHAPES entry NAME=FOLDER serves that model folder (e.g. real weights imported on the device:
+# bench/device/real_smollm2.sh) instead of building NAME's random-weight shape.
+#
 # RATES lists RATE:REQUESTS pairs (req/s : Poisson arrivals); prompts are 25-400 tokens. TOK is a
 # folder with the tokenizer files the shaped models get (models/smollm2-135m is git-ignored: carry
 # its tokenizer*.json, special_tokens_map.json and generation_config.json).
@@ -72,10 +75,11 @@ load() {  # tag, url, model id, label, model folder: warm-up, then one run per r
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; $PY -V
   $PY -c 'import mlx.core as mx, mlx_lm, ray; print("mlx", mx.__version__, "mlx_lm", mlx_lm.__version__, "ray", ray.__version__)'
 } > $W/versions.txt 2>&1
-missing=$(for S in $SHAPES; do [ -f $W/models/$S-random/config.json ] || echo $S; done)
+missing=$(for S in $SHAPES; do [[ $S == *=* ]] || [ -f $W/models/$S-random/config.json ] || echo $S; done)
 [ -z "$missing" ] || step shapes 240 $PY -m bench.device.shaped_models --tokenizer-from $TOK --out $W/models $missing
 for S in $SHAPES; do
-  m=$W/models/$S-random; mkdir -p $W/$S
+  if [[ $S == *=* ]]; then m=${S#*=}; S=${S%%=*}; else m=$W/models/$S-random; fi
+  id=$(basename $m); mkdir -p $W/$S
   port=8100
   for variant in $VARIANTS; do
     label=${variant%%=*}; knobs=${variant#*=}
@@ -83,8 +87,8 @@ for S in $SHAPES; do
     port=$((port + 1))
     args=(--model $m)
     if [ -n "$knobs" ]; then   # engine knobs (EngineConfig) through a config file
-      printf 'http: {host: 127.0.0.1, port: %s}\nmodels:\n  - id: %s-random\n    path: %s\n    engine: %s\n' \
-        $port $S $m "$knobs" > $W/$S/$label.yaml
+      printf 'http: {host: 127.0.0.1, port: %s}\nmodels:\n  - id: %s\n    path: %s\n    engine: %s\n' \
+        $port $id $m "$knobs" > $W/$S/$label.yaml
       args=($W/$S/$label.yaml)
     fi
     home=$(mktemp -d /tmp/orc-XXXX)   # short: Ray's socket paths live under it
@@ -92,7 +96,7 @@ for S in $SHAPES; do
       serve "${args[@]}" --host 127.0.0.1 --port $port > $W/$S/${label}_serve.log 2>&1 &
     pid=$!
     if wait_http http://127.0.0.1:$port/health 240; then
-      load $S-$label http://127.0.0.1:$port $S-random $label $m
+      load $S-$label http://127.0.0.1:$port $id $label $m
     else echo "== $S $label not healthy" | tee -a $W/steps.txt >&2; fi
     # Serve's own logs (a replica that failed to start says why only there).
     mkdir -p $W/$S/$label-ray-logs

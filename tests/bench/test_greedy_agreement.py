@@ -1,0 +1,34 @@
+"""bench.greedy_agreement's verdicts: a divergence counts as a near tie only when mlx-lm's two best
+logits at that position are within one bfloat16 step; anything wider is reported as not a tie."""
+from bench.greedy_agreement import bf16_step, judge, parse_args
+from engine.sampling.params import TokenLogprob
+
+
+def test_bf16_step_is_the_spacing_of_bfloat16_at_that_magnitude():
+    assert bf16_step(1.0) == 2 ** -7
+    assert bf16_step(-20.0) == 2 ** -3     # 16 <= 20 < 32: 8 significant bits
+    assert bf16_step(0.75) == 2 ** -8
+
+
+def test_agreeing_tokens_have_no_divergence():
+    r = judge([1, 2, 3], [(5.0, 1.0)] * 3, [1, 2, 3], [])
+    assert r == {"agree": True, "tokens": 3}
+
+
+def test_a_divergence_at_a_tie_is_a_near_tie_and_records_the_engine_gap():
+    lps = [TokenLogprob(-0.1), TokenLogprob(-0.7, ((9, -0.7), (4, -0.71)))]
+    r = judge([1, 4, 5], [(5.0, 1.0), (20.0, 20.0 - 2 ** -3)], [1, 9, 6], lps)
+    assert (r["agree"], r["first_divergence"], r["ref_token"], r["engine_token"]) == (False, 1, 4, 9)
+    assert r["near_tie"] is True
+    assert r["engine_top2_logprob_gap"] == 0.01
+
+
+def test_a_divergence_with_a_clear_winner_is_not_a_tie():
+    r = judge([1, 4], [(5.0, 1.0), (20.0, 19.0)], [1, 9], [])
+    assert r["near_tie"] is False and r["ref_top2_gap"] == 1.0
+
+
+def test_arguments_are_checked():
+    import pytest
+    with pytest.raises(SystemExit):
+        parse_args(["--prompts", "0"])
