@@ -13,6 +13,9 @@ Each mode runs in a fresh process (fresh MLX/cuDNN plan caches) on one in-proces
   nocudnn   "fast" with MLX_CUDA_USE_CUDNN_SDPA=0 (MLX's own op fallback inside mx.fast)
   opsbucket64  "ops" with prefill_width_bucket=64 (every matmul M and key count bucketed)
   auto      the engine's defaults
+  autonographs  the defaults with MLX_USE_CUDA_GRAPHS=0 (ops launched on the stream, not captured
+            and instantiated as a CUDA graph): whether a new shape's remaining 15-25 ms is graph
+            instantiation
 Phases, each prompt random and never repeated (prefix caching off):
   lone      one request at a time, max_tokens 1, each length first (new shape) then again
             (same shape, new tokens): the prefill steps' seconds from the engine's step events;
@@ -39,6 +42,7 @@ MODES = {
     "nocudnn": ({"prefill_attention": "fast"}, {"MLX_CUDA_USE_CUDNN_SDPA": "0"}),
     "opsbucket64": ({"prefill_attention": "ops", "prefill_width_bucket": 64}, {}),
     "auto": ({}, {}),
+    "autonographs": ({}, {"MLX_USE_CUDA_GRAPHS": "0"}),
 }
 LENGTHS = "37,61,90,133,177,250,311,397,512,700,1000,1500"
 
