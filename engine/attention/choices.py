@@ -84,6 +84,12 @@ class KernelChoices:
     # each page's channel scales folded into the queries (engine/attention/page_scores.py), where
     # the values take quantized_matmul; off: the tiled path dequantizes every key each step.
     page_key_scores: bool = sys.byteorder == "little"
+    # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
+    # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
+    # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is
+    # the tiled path that dequantizes every key each step); the CPU keeps page_key_scores
+    # (MLX's CPU quantized_matmul is a scalar loop). `bench.device.page_key_qmm` measures it.
+    page_key_qmm: bool | None = None
     # Attention on the CPU (float32) takes its softmax in NumPy between MLX's GEMMs
     # (engine/attention/cpu_softmax.py): MLX's CPU exp is scalar. Off: mx.fast's SDPA for
     # prefill, mx.softmax in paged decode.

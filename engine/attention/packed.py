@@ -14,8 +14,9 @@ Two paths, one contract (same inputs, outputs agree within the quantization erro
 
 Keys in history are stored rotated (engine.kv.rotation); queries are rotated here, never values.
 Page-key history (int4-kivi, k6v4-kivi: engine.kv.page_quant, metadata per channel per page) is
-stored unrotated, so its queries are not rotated, and it is always scored by the tiled path
-(quantized_matmul reads per-token metadata only).
+stored unrotated, so its queries are not rotated; decode steps score it with each page's scales
+folded into the queries (page_scores on the CPU, engine.attention.page_qmm's quantized matmuls
+on GPUs), longer chunks by the tiled path.
 Shapes: q (B, Hq, L, D); fresh k/v (B, Hkv, L, D); history (B, Hkv, S, ...) packed.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ import mlx.core as mx
 from capacity.formats import GROUP_SIZE, KVFormat
 from engine.attention import cpu_gemm as cpu_packed_gemm
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
+from engine.attention import page_qmm
 from engine.attention.page_scores import page_scores
 from engine.kv.page_quant import PagePacked
 from engine.kv.quant import Packed, PackedKV, dequantize, group_of
@@ -148,7 +150,11 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     k_new = mx.expand_dims(k_new.astype(mx.float32), 2)
     v_new = mx.expand_dims(v_new.astype(mx.float32), 2)
     act_k = act_v = None
-    if L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries):
+    # Page-key decode through MLX's quantized matmuls (engine.attention.page_qmm), FP32.
+    key_qmm = L == 1 and isinstance(hist.k, PagePacked) and page_qmm.enabled(kernels)
+    if key_qmm:
+        act_k = act_v = page_qmm.ACTIVATION
+    elif L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries):
         act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D, kernels.gpu_qmm)
         if isinstance(hist.k, PagePacked):
             # Page keys (per-page metadata: engine.kv.page_quant) are scored by MLX matmuls on
@@ -170,8 +176,11 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     s_new = qn @ k_new.swapaxes(-1, -2)  # (B, Hkv, rep, L, L)
     # One (rep*L)-row matmul per KV head: broadcasting packed rows over a repeat axis instead
     # was ~1.7x slower on the CPU at batch 4 (measured).
-    s_hist = _history_scores(qh.reshape(B, Hkv, rep * L, D), hist.k, fmt.k_bits, act_k,
-                             kernels.cpu_code_gemm)
+    if key_qmm:
+        s_hist = page_qmm.scores(qh.reshape(B, Hkv, rep * L, D), hist.k, fmt.k_bits)
+    else:
+        s_hist = _history_scores(qh.reshape(B, Hkv, rep * L, D), hist.k, fmt.k_bits, act_k,
+                                 kernels.cpu_code_gemm)
     s_hist = s_hist.reshape(B, Hkv, rep, L, S)
     if hmask is not None:
         s_hist = mx.where(hmask, s_hist, neg)
@@ -182,7 +191,10 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
         parts.append(mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1),
                                      (B, Hkv, rep, L, 1)))
     p = mx.softmax(mx.concatenate(parts, axis=-1), axis=-1, precise=True)
-    out = _qmm(p[..., :S].reshape(B, Hkv, rep * L, S), hist.v, fmt.v_bits, False, act_v)
+    if key_qmm:
+        out = page_qmm.values(p[..., :S].reshape(B, Hkv, rep * L, S), hist.v, fmt.v_bits)
+    else:
+        out = _qmm(p[..., :S].reshape(B, Hkv, rep * L, S), hist.v, fmt.v_bits, False, act_v)
     K = k_new.shape[-2]   # the fresh rows, after any native sink rows (attention/packed_cache.py)
     out = out.reshape(B, Hkv, rep, L, D) + p[..., S:S + K] @ v_new
     return out.reshape(B, Hq, L, D).astype(q.dtype)

@@ -1,0 +1,186 @@
+"""Decode attention over page-key history with MLX's own quantized matmuls (every backend).
+
+Page keys (engine.kv.page_quant) are code[t, c] * scale[p, c] + offset[p, c]: one FP32 scale and
+offset per channel per page. Folding each page's scales into the query (page_scores' identity)
+
+    score[r, t] = sum_c (q[r, c] * scale[p, c]) * code[t, c] + sum_c q[r, c] * offset[p, c]
+
+leaves a plain matmul of the scaled query against the raw codes. The codes are stored as
+MLX packs them (page_quant._pack: 4 codes per 32 bits little-end first for 4 bits, 4 codes in 3
+bytes for 6), so `mx.quantized_matmul(x, codes, ones, zeros, transpose=True)` computes that
+matmul with MLX's kernels on Metal, CUDA and the CPU, one batch entry per (sequence, KV head,
+page): unit scales and zero biases make MLX's dequantization the identity on the codes. The
+group size is then free (it only says how many unit scales there are), so every page size works,
+16-token pages included; the per-channel, per-page grouping lives in the folded query.
+Why not quantized_matmul(q, K^T, scale, offset, transpose=False) with group = page size: that
+needs codes packed along tokens (not how pages store them) and page size >= 32 (MLX's smallest
+group); and MLX's CUDA backend serves transpose=False only with its generic kernel.
+
+Values are token-local (per-token groups of 64 channels with FP32 scale and offset), which is
+MLX's own affine layout: p @ V is quantized_matmul(p, V, transpose=False), as
+engine.attention.packed does for token-local formats.
+
+Exactness: the activations are float32 (ACTIVATION), so MLX takes the FP32 metadata as stored;
+with bf16 activations MLX's CUDA kernels want the scales and offsets in bf16 too
+(engine.attention.packed._qmm casts them), 8 mantissa bits: a new error no identity names.
+
+What it still copies: MLX 0.32's CUDA quantized kernels step batch entry i of the weights, scales
+and biases by i times one matrix's size, whatever the array's strides (qmm_naive and qmv), so
+each operand must be one contiguous block. The page pool interleaves KV heads inside a page and
+keeps every section of a page together (engine.kv.page_layout), so each step copies the
+gathered codes and value metadata into that order (packed bytes, never dequantized). Reading
+pages in place needs a pool with one contiguous (page, head) block per section
+(`expert_attention` is that shape; bench.device.page_key_qmm times both).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from engine.attention.choices import KernelChoices
+from engine.kv.page_quant import PagePacked
+from engine.kv.quant import Packed, group_of
+
+# Activation dtype of the quantized matmuls: float32 keeps the formats' FP32 metadata exact.
+ACTIVATION = mx.float32
+# Most matrices one quantized matmul call may batch: MLX's CUDA kernels launch one grid z-slice
+# per batch entry, and CUDA caps gridDim.z at 65,535 (32K tokens x 8 sequences x 4 KV heads in
+# 16-token pages is 65,536 entries).
+MAX_ENTRIES = 65535
+
+
+# Tokens of value history per batch entry of the values' matmul (`values`); a multiple of 64
+# (MLX's CUDA contraction tile for 64-channel groups) so the bulk needs no residue handling.
+VALUE_CHUNK = 256
+
+
+def page_slices(lead: int, pages: int) -> list[slice]:
+    """Slices of `pages` such that lead * (pages in a slice) <= MAX_ENTRIES."""
+    step = max(1, MAX_ENTRIES // max(1, lead))
+    return [slice(i, min(i + step, pages)) for i in range(0, pages, step)]
+
+
+def enabled(kernels: KernelChoices) -> bool:
+    """Whether decode steps over page-key history take this path (KernelChoices.page_key_qmm:
+    None means on GPUs, where the alternative is the tiled dequantize path)."""
+    choice = kernels.page_key_qmm
+    return mx.default_device() != mx.cpu if choice is None else choice
+
+
+def key_group(head_dim: int) -> int:
+    """The (unit-scale) group size MLX is told for codes of one key row: any legal size that
+    divides head_dim; the largest, so the unit scales are fewest."""
+    for g in (128, 64, 32):
+        if head_dim % g == 0:
+            return g
+    raise ValueError(f"head_dim {head_dim} is not a multiple of 32 (MLX's smallest group)")
+
+
+def _identity_meta(shape: tuple, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    # Full-size, contiguous: MLX's CUDA kernels read metadata at a fixed per-entry stride.
+    return mx.ones(shape, dtype), mx.zeros(shape, dtype)
+
+
+def fold_scores(x: mx.array, codes: mx.array, bits: int, dtype: mx.Dtype = ACTIVATION):
+    """Scaled queries x (..., R, D) against raw codes (..., T, D*bits/32): (..., R, T). The codes
+    are copied whole unless already one contiguous block (see `values`)."""
+    d = x.shape[-1]
+    g = key_group(d)
+    ones, zeros = _identity_meta((*codes.shape[:-1], d // g), dtype)
+    return mx.quantized_matmul(x.astype(dtype), mx.contiguous(codes), ones, zeros,
+                               transpose=True, group_size=g, bits=bits)
+
+
+def scores(rows: mx.array, keys: PagePacked, bits: int, dtype: mx.Dtype = ACTIVATION):
+    """rows (B, Hkv, R, D) against page-key history of P whole pages: (B, Hkv, R, P*T) float32."""
+    B, H, R, D = rows.shape
+    P, T = keys.scales.shape[-2], keys.page_tokens
+    rows = rows.astype(mx.float32)
+    x = mx.expand_dims(rows, 2) * mx.expand_dims(keys.scales, 3)            # (B, H, P, R, D)
+    codes = keys.codes.reshape(B, H, P, T, -1)
+    raw = mx.concatenate([fold_scores(x[:, :, sl], codes[:, :, sl], bits, dtype)
+                          for sl in page_slices(B * H, P)], axis=2)         # (B, H, P, R, T)
+    shift = keys.offsets @ rows.swapaxes(-1, -2)                             # (B, H, P, R)
+    s = raw.astype(mx.float32) + mx.expand_dims(shift, -1)
+    return s.transpose(0, 1, 3, 2, 4).reshape(B, H, R, P * T)
+
+
+def values(p: mx.array, v: Packed, bits: int, dtype: mx.Dtype = ACTIVATION,
+           chunk: int | None = None) -> mx.array:
+    """p (B, Hkv, R, S) @ token-local packed values (B, Hkv, S, ...): (B, Hkv, R, D) float32.
+
+    The history is cut into chunks of `chunk` tokens, one batch entry each, and their partial
+    sums added: MLX's CUDA kernel for transpose=False runs one thread block per (row tile,
+    column tile, batch entry) and walks the whole contraction inside it, so one entry per
+    sequence and head would leave most of the GPU idle on long histories."""
+    B, H, R, S = p.shape
+    chunk = chunk or VALUE_CHUNK
+    codes, scales, offsets = v
+    bulk = S - S % chunk
+    parts = []
+    for lo, hi, n in ((0, bulk, chunk), (bulk, S, S - bulk)):
+        if hi == lo:
+            continue
+        c = (hi - lo) // n
+        x = p[..., lo:hi].reshape(B, H, R, c, n).swapaxes(2, 3).astype(dtype)
+        # Whole copies: MLX's CUDA kernels step batch entries by one matrix's size, whatever
+        # the strides say, so a view that is not one contiguous block reads the wrong rows.
+        w, sc, of = (mx.contiguous(a[:, :, lo:hi].reshape(B, H, c, n, -1).astype(t))
+                     for a, t in ((codes, codes.dtype), (scales, dtype), (offsets, dtype)))
+        out = mx.quantized_matmul(x, w, sc, of, transpose=False,
+                                  group_size=group_of(v, bits), bits=bits)   # (B, H, c, R, D)
+        parts.append(out.astype(mx.float32).sum(axis=2))
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+class PageExperts(NamedTuple):
+    """Page-key pages as one contiguous block per (page, KV head), entry e = page * Hkv + head:
+    the pool shape gather_qmm could read in place. kc (E, T, D*kb/32) key codes, ks / ko (E, D)
+    per-channel key scale / offset, vc (E, T, D*vb/32) value codes, vs / vo (E, T, D/64)."""
+
+    kc: mx.array
+    ks: mx.array
+    ko: mx.array
+    vc: mx.array
+    vs: mx.array
+    vo: mx.array
+    k1: mx.array   # unit scales and zero biases of kc (E, T, D/key_group): MLX's identity
+    k0: mx.array   # dequantization, built once with the pool (`page_experts`)
+
+
+def page_experts(kc, ks, ko, vc, vs, vo) -> PageExperts:
+    """A PageExperts pool from its arrays, with the unit metadata its key codes need."""
+    d = ks.shape[-1]
+    kc, ks, ko, vc, vs, vo = (mx.contiguous(a) for a in (kc, ks, ko, vc, vs, vo))
+    return PageExperts(kc, ks, ko, vc, vs, vo,
+                       *_identity_meta((kc.shape[0], kc.shape[1], d // key_group(d)), ACTIVATION))
+
+
+def expert_attention(q: mx.array, pool: PageExperts, tables: mx.array, kv_heads: int,
+                     k_bits: int, v_bits: int, scale: float, v_group: int = 64) -> mx.array:
+    """Decode attention of q (B, Hq, D) over whole pages `tables` (B, P) of `pool`, read in
+    place by gather_qmm (no copy of the codes): (B, Hq, D) float32. History only (no fresh
+    rows, every page visible): the part of a decode step the store layout decides."""
+    B, Hq, D = q.shape
+    P = tables.shape[1]
+    T = pool.kc.shape[1]
+    rep = Hq // kv_heads
+    entry = (tables.astype(mx.int32)[:, None, :] * kv_heads
+             + mx.arange(kv_heads, dtype=mx.int32)[None, :, None])          # (B, H, P)
+    rows = q.astype(mx.float32).reshape(B, kv_heads, rep, D) * scale
+    ks, ko = pool.ks[entry], pool.ko[entry]                                   # (B, H, P, D)
+    x = (mx.expand_dims(rows, 2) * mx.expand_dims(ks, 3)).astype(ACTIVATION)  # (B, H, P, R, D)
+    slices = page_slices(B * kv_heads, P)
+    raw = mx.concatenate([
+        mx.gather_qmm(x[:, :, sl], pool.kc, pool.k1, pool.k0, rhs_indices=entry[:, :, sl],
+                      transpose=True, group_size=key_group(D), bits=k_bits)
+        for sl in slices], axis=2)                                             # (B, H, P, R, T)
+    s = raw + mx.expand_dims(ko @ rows.swapaxes(-1, -2), -1)
+    s = s.transpose(0, 1, 3, 2, 4).reshape(B, kv_heads, rep, P * T)
+    p = mx.softmax(s, axis=-1, precise=True)
+    p = p.reshape(B, kv_heads, rep, P, T).transpose(0, 1, 3, 2, 4).astype(ACTIVATION)
+    out = sum(mx.gather_qmm(p[:, :, sl], pool.vc, pool.vs, pool.vo, rhs_indices=entry[:, :, sl],
+                            transpose=False, group_size=v_group, bits=v_bits).sum(axis=2)
+              for sl in slices)                                                # (B, H, R, D)
+    return out.reshape(B, Hq, D)
