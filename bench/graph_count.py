@@ -218,8 +218,8 @@ def gpu_stand_ins():
     saved = (pd.available, pd._native_kernel, pd._merge_kernel, fast.rms_norm,
              fast.layer_norm, fast.rope, fast.scaled_dot_product_attention, mx.contiguous)
     pd.available = lambda: True
-    pd._native_kernel = lambda own=False: kernel("CustomKernel:paged_decode"
-                                                 + ("_own" if own else ""))
+    pd._native_kernel = lambda own=False, warps=pd.WARPS: kernel(
+        "CustomKernel:paged_decode" + ("_own" if own else ""))
     pd._merge_kernel = lambda: kernel("CustomKernel:decode_merge")
     fast.rms_norm, fast.layer_norm, fast.rope = rms_norm, layer_norm, rope
     fast.scaled_dot_product_attention = sdpa

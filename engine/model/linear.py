@@ -74,3 +74,60 @@ def held_views(model: nn.Module) -> dict[str, mx.array]:
 def hold(module: nn.Module, weight: mx.array, view: mx.array) -> None:
     """Make `module` multiply by `view` while it holds `weight` (benches: traced stand-ins)."""
     object.__setattr__(module, _HELD, (weight, view))
+
+
+def store_input_major(model: nn.Module) -> int:
+    """Store every pre-transposed layer's weight as a contiguous [in, out] copy (issue 33's
+    layout question; benches only, the loader keeps [out, in]). Why: at one token MLX's CUDA
+    matmul takes its own GEMV kernel only for `x @ W.T` of a row-major W (`can_use_gemv`: M == 1
+    and b transposed, which both mlx-lm and the default layout are); a row-major [in, out]
+    weight goes to cuBLAS instead, whose bandwidth at batch 1 is what bench.decode_sweep
+    compares. `weight` becomes the copy's transposed view (same shape and values), so the
+    memory stays one copy once the old weight is freed. Results differ in rounding only (another
+    kernel's summation order). Returns how many layers changed."""
+    changed = 0
+    for _, m in model.named_modules():
+        held = m.__dict__.get(_HELD)
+        if held is None or held[0] is not m["weight"]:
+            continue
+        copy = mx.contiguous(held[1])
+        mx.eval(copy)   # one layer at a time: at most one extra weight alive at once
+        m.weight = copy.T
+        hold(m, m["weight"], copy)
+        changed += 1
+    return changed
+
+
+class OneTokenGemvLinear(PretransposedLinear):
+    """A linear layer whose one-token calls run the CUDA GEMV kernel (cuda/gemv.py)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        from engine.attention.cuda import gemv
+        if "bias" not in self and gemv.fits(x, self["weight"]):
+            return gemv.gemv(x, self["weight"])
+        return super().__call__(x)
+
+
+class OneTokenGemvEmbedding(PretransposedEmbedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        from engine.attention.cuda import gemv
+        if gemv.fits(x, self["weight"]):
+            return gemv.gemv(x, self["weight"])
+        return super().as_linear(x)
+
+
+def use_gemv_kernel(model: nn.Module) -> int:
+    """Route the one-token calls of every pre-transposed layer through the CUDA GEMV kernel
+    (issue 33's bandwidth question; benches only until measured). Returns how many layers;
+    0 where the default device is not a CUDA GPU (the layers stay as they are)."""
+    from engine.attention.cuda.paged_decode import available
+    if not available():
+        return 0
+    swap = {PretransposedLinear: OneTokenGemvLinear,
+            PretransposedEmbedding: OneTokenGemvEmbedding}
+    n = 0
+    for _, m in model.named_modules():
+        if type(m) in swap:
+            m.__class__ = swap[type(m)]
+            n += 1
+    return n

@@ -52,6 +52,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.attention.choices import KernelChoices
+from engine.attention.cuda.paged_decode import asked_warps
 from engine.attention.paged import PagedLayerCache, View
 from engine.kv.store import KVStore
 from engine.runner.row_pages import RowPages
@@ -178,6 +179,10 @@ class CompiledDecode:
         self._tables: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.traces = 0   # how many shapes were traced (tests and benches read it)
         self.failure: str | None = None   # why a trace failed, if one did
+        # `KernelChoices.compiled_greedy`: the last step's argmax tokens [rows] int32 (lazy),
+        # the compute-dtype logits' argmax inside the compiled function; None otherwise.
+        self.greedy: mx.array | None = None
+        self._greedy = runner.kernels.compiled_greedy
         self._fn = mx.compile(self._step)
 
     @staticmethod
@@ -198,6 +203,7 @@ class CompiledDecode:
     def forward(self, chunks: list[Chunk], tokens: mx.array | None) -> mx.array | None:
         """Float32 logits [B, vocab] of one-token rows (lazy), as `ModelRunner.forward`; None
         when this shape's trace failed (`TraceFailed`: the caller runs the step uncompiled)."""
+        self.greedy = None   # a step that falls back uncompiled leaves none
         tokens, table = self.inputs(chunks, tokens)
         arrays = [a for _, store in self.layers for a in store.arrays()]
         try:
@@ -206,9 +212,12 @@ class CompiledDecode:
             # Only the stand-ins saw the trace: the stores still hold their arrays, unwritten.
             return None
         del arrays   # the stores' old arrays must be the graph's only references (in place)
+        rows = len(chunks)
+        if self._greedy:
+            greedy, out = out[0], out[1:]
+            self.greedy = greedy if tokens.shape[0] == rows else greedy[:rows]
         for (_, store), written in self._per_store(out[1:]):
             store.adopt(written)
-        rows = len(chunks)
         return out[0] if tokens.shape[0] == rows else out[0][:rows]
 
     def inputs(self, chunks: list[Chunk], tokens: mx.array | None) -> tuple[mx.array, mx.array]:
@@ -265,5 +274,13 @@ class CompiledDecode:
         caches = [cache_class(stores[i], step, None, True)
                   for i, (cache_class, _, _) in enumerate(runner.layer_caches)]
         inputs = tokens.astype(mx.int32)[:, None]
-        logits = runner.call_model(inputs, caches, step, last_only=True).astype(mx.float32)
-        return [logits] + [a for i, _ in self.layers for a in stores[i].arrays()]
+        # The native decode kernel's warps per block (KernelChoices.decode_warps) reach it
+        # through a context variable: the attention call site passes split choices only.
+        with asked_warps(runner.kernels.decode_warps):
+            raw = runner.call_model(inputs, caches, step, last_only=True)
+        logits = raw.astype(mx.float32)
+        # Greedy tokens from the compute-dtype logits: the float32 cast is exact and monotone,
+        # so the index (first maximum on ties) is the one `sample` takes from float32 logits,
+        # and a caller that reads only these leaves the cast unevaluated.
+        greedy = [mx.argmax(raw, axis=-1).astype(mx.int32)] if self._greedy else []
+        return greedy + [logits] + [a for i, _ in self.layers for a in stores[i].arrays()]

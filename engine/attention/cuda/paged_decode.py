@@ -22,6 +22,8 @@ keeps the gather path otherwise.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import lru_cache
 
 import mlx.core as mx
@@ -36,6 +38,16 @@ HEAD_DIMS = (64, 128)
 TARGET_BLOCKS = 528
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
+# Warps per block of the native kernel where a caller asks for more than WARPS
+# (KernelChoices.decode_warps): at batch 1 and short contexts one split gives rows * KV heads
+# blocks (8 at the Llama 8B shape), so each of 4 warps walks a quarter of the row's keys one
+# after another; more warps per block shorten that walk without the merge kernel a split
+# costs. The block merge keeps NW * G * D floats in shared memory, so the count is capped to
+# stay inside SHARED_FLOATS (static shared memory is 48 KB per block).
+SHARED_FLOATS = 10240
+# The warp count compiled traces ask for (`decode_warps`): a context variable, not an argument,
+# because the call site in engine/attention/paged.py passes split choices only. None: WARPS.
+_ASKED_WARPS: ContextVar[int | None] = ContextVar("orchard_decode_warps", default=None)
 
 HEADER = """
 #include <cuda_bf16.h>
@@ -172,10 +184,34 @@ if (split == 0 && warp == NW - 1) {
 """
 
 
-def _native_source(own: bool) -> str:
-    """The kernel body: `_NATIVE` with the OWN part spliced in before the block merge."""
+def _native_source(own: bool, warps: int = WARPS) -> str:
+    """The kernel body: `_NATIVE` with the OWN part spliced in before the block merge, and
+    `warps` warps per block (the default text is unchanged for WARPS, which the emulator
+    checks of bench/cuda_emulate_inplace.py run)."""
     head, merge = _NATIVE.split("__shared__ float sm[NW][G]", 1)
+    if warps != WARPS:
+        head = head.replace(f"constexpr int NW = {WARPS};", f"constexpr int NW = {warps};", 1)
     return head + (_OWN if own else "") + "__shared__ float sm[NW][G]" + merge
+
+
+def block_warps(asked: int | None, group: int, head_dim: int) -> int:
+    """Warps per block for `asked` (None: WARPS): a power of two from WARPS up, at most what
+    SHARED_FLOATS holds for the block merge of `group` query heads of `head_dim`."""
+    warps = WARPS
+    while warps * 2 <= (asked or WARPS) and warps * 2 * group * head_dim <= SHARED_FLOATS:
+        warps *= 2
+    return warps
+
+
+@contextmanager
+def asked_warps(warps: int | None):
+    """Native decode kernels launched inside take `warps` warps per block (see _ASKED_WARPS;
+    engine/runner/compiled_decode.py wraps its trace in it)."""
+    token = _ASKED_WARPS.set(warps)
+    try:
+        yield
+    finally:
+        _ASKED_WARPS.reset(token)
 
 
 _MERGE = """
@@ -197,14 +233,15 @@ put(out + (size_t)r * D + d, num / den);
 
 
 @lru_cache(maxsize=None)
-def _native_kernel(own: bool = False):
+def _native_kernel(own: bool = False, warps: int = WARPS):
     """The native decode kernel; `own`: the variant that attends to and writes the step's own
-    keys and values (inputs kn, vn)."""
+    keys and values (inputs kn, vn); `warps` per block."""
     extra = ["kn", "vn"] if own else []
     return mx.fast.cuda_kernel(
-        name="orchard_paged_decode" + ("_own" if own else ""),
+        name="orchard_paged_decode" + ("_own" if own else "")
+        + ("" if warps == WARPS else f"_w{warps}"),
         input_names=["q", "kp", "vp", "pages", "ends", "dims", "scale", *extra],
-        output_names=["out", "part", "ml"], source=_native_source(own), header=HEADER,
+        output_names=["out", "part", "ml"], source=_native_source(own, warps), header=HEADER,
         ensure_row_contiguous=True)
 
 
@@ -249,11 +286,13 @@ def _scale(scale: float) -> mx.array:
 
 
 def launch_split(kernel, inputs: list, template: list, rows: int, kv_heads: int, hq: int,
-                 head_dim: int, splits: int, dtype: mx.Dtype) -> mx.array:
-    """Launch a decode kernel built on BLOCK_MERGE over (rows * kv_heads, splits) blocks and
-    return [rows, hq, 1, head_dim] in `dtype` (merging the partials when splits > 1)."""
+                 head_dim: int, splits: int, dtype: mx.Dtype,
+                 threads: int = THREADS) -> mx.array:
+    """Launch a decode kernel built on BLOCK_MERGE over (rows * kv_heads, splits) blocks of
+    `threads` threads and return [rows, hq, 1, head_dim] in `dtype` (merging the partials
+    when splits > 1)."""
     out, part, ml = kernel(inputs=inputs, **_launch_args(tuple(template), rows, kv_heads, hq,
-                                                         head_dim, splits, dtype))
+                                                         head_dim, splits, dtype, threads))
     if splits == 1:
         return out
     (merged,) = _merge_kernel()(inputs=[part, ml, _dims(splits)],
@@ -263,12 +302,12 @@ def launch_split(kernel, inputs: list, template: list, rows: int, kv_heads: int,
 
 @lru_cache(maxsize=1024)
 def _launch_args(template: tuple, rows: int, kv_heads: int, hq: int, head_dim: int,
-                 splits: int, dtype: mx.Dtype) -> dict:
+                 splits: int, dtype: mx.Dtype, threads: int = THREADS) -> dict:
     """The launch's keyword arguments, built once per shape (every layer of a step, and every
     step of a batch size, launches with the same ones)."""
     parts = splits if splits > 1 else 1
     return dict(template=[*template, ("SPLIT", splits > 1), ("TO", dtype)],
-                grid=(rows * kv_heads * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
+                grid=(rows * kv_heads * threads, splits, 1), threadgroup=(threads, 1, 1),
                 output_shapes=[(rows, hq, 1, head_dim), (rows * hq * parts, head_dim),
                                (rows * hq * parts, 2)],
                 output_dtypes=[dtype, mx.float32, mx.float32])
@@ -285,7 +324,8 @@ def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, pa
                            ends: mx.array, scale: float, longest: int,
                            target_blocks: int | None = None,
                            min_keys: int | None = None,
-                           own: tuple[mx.array, mx.array] | None = None) -> mx.array:
+                           own: tuple[mx.array, mx.array] | None = None,
+                           warps: int | None = None) -> mx.array:
     """Attention of one query per row [B, Hq, 1, D] over head-major pages [kvh, NP, T, D]:
     row b reads keys 0..ends[b]-1 through its page table `pages[b]`; `longest` is max(ends) on
     the host (it picks the split count, aiming at `target_blocks`). Returns [B, Hq, 1, D].
@@ -299,16 +339,19 @@ def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, pa
     docs/lab/engine-kernel-notes.md). What this relies on: the page arrays are
     whole row-contiguous arrays the store holds (so MLX passes the kernel their buffers, never a
     copy), and every reader of the pages runs on the same stream after this kernel, or reads
-    them on the host only after the step retired (as the engine does)."""
+    them on the host only after the step retired (as the engine does).
+
+    `warps`: warps per block (None: what `asked_warps` set, else WARPS; see block_warps)."""
     b, hq, _, d = q.shape
     kvh, num_pages, page_tokens, _ = k_pages.shape
     splits = split_count(b, kvh, longest, target_blocks, min_keys)
     extra = [] if own is None else [a if a.dtype == k_pages.dtype else a.astype(k_pages.dtype)
                                     for a in own]
+    nw = block_warps(warps if warps is not None else _ASKED_WARPS.get(), hq // kvh, d)
     return launch_split(
-        _native_kernel(own is not None),
+        _native_kernel(own is not None, nw),
         [q, k_pages, v_pages, pages, ends, _dims(hq, kvh, num_pages, pages.shape[1]),
          _scale(float(scale)), *extra],
         [("D", d), ("G", hq // kvh), ("PT", page_tokens), ("TQ", q.dtype),
          ("TK", k_pages.dtype), ("OWN", own is not None)],
-        b, kvh, hq, d, splits, q.dtype)
+        b, kvh, hq, d, splits, q.dtype, 32 * nw)
