@@ -282,7 +282,10 @@ def run_shape(args, shape: str) -> dict:
                 if weights == "in_major":
                     store_input_major(lm.model)
                 if weights == "gemv":
-                    lm.gemv_layers = use_gemv_kernel(lm.model)
+                    object.__setattr__(lm, "gemv_layers", use_gemv_kernel(lm.model))
+                    bound = getattr(lm.head, "__self__", None)
+                    if bound is not None:   # a tied head's as_linear, bound before the swap
+                        object.__setattr__(lm, "head", bound.as_linear)
                 models[weights] = lm
             sides[v] = engine_side(models, v, prompt, args, gpu)
         except Exception as e:  # noqa: BLE001 - recorded; the other sides go on

@@ -199,6 +199,7 @@ def test_decode_sweep_runs_on_a_tiny_shape(tmp_path):
         assert set(sides[name]["sync_median_ms"]) >= {"build", "issue", "wait"}
     assert sides["mlx_lm_stream_generate"]["tok_s_median"] > 0
     assert sides["greedy_in_step"]["compiled"] and not sides["uncompiled"]["compiled"]
+    assert sides["gemv_kernel"]["gemv_kernel_layers"] == 0   # CUDA only: the default path here
     assert "sdpa_vector_contiguous" in res["attention_alone"]
     assert res["matmul_alone"]["qkv"]["x_WT_gemv"]["us"] > 0
     assert res["limit_tok_s"] > 0
