@@ -15,7 +15,7 @@ what it measured):
 2. decode timing per (geometry, context, batch): bench.kv's interleaved rounds
    (bench/kv_decode.py: native, then each variant, per round; paired ratios to native),
    pipelined as the engine decodes. Variants: k6v4-kivi:tiled-keys (the GPU path before),
-   k6v4-kivi:qmm, int4-kivi:qmm.
+   k6v4-kivi:qmm (float32 activations, the default), k6v4-kivi:qmm-bf16, int4-kivi:qmm.
 3. attention only, one layer call of k6v4-kivi at the row's shape: page_qmm.expert_attention
    reading a pool of (page, head) blocks in place, against the same call on a gathered copy: what
    a store layout with contiguous (page, head) sections would save over today's per-step copy.
@@ -47,9 +47,11 @@ GEOMETRIES = {
 # (geometry, context, batch): the three targets first, so a run cut short keeps them
 ROWS = [("gpu", 4096, 1), ("gpu", 32768, 8), ("llama8b-2l", 4096, 8), ("gpu", 4096, 8)]
 TINY_ROWS = [("tiny", 128, 1), ("tiny", 96, 2)]
-VARIANTS = ["k6v4-kivi:tiled-keys", "k6v4-kivi:qmm", "int4-kivi:qmm"]
+VARIANTS = ["k6v4-kivi:tiled-keys", "k6v4-kivi:qmm", "k6v4-kivi:qmm-bf16", "int4-kivi:qmm"]
 FORMAT_BITS = {"k6v4-kivi": (6, 4), "int4-kivi": (4, 4)}
-TOLERANCE = 2e-3   # float32 throughout: a broken path is off by O(1)
+TOLERANCE = 2e-3        # float32 throughout: a broken path is off by O(0.1-1)
+BF16_TOLERANCE = 0.1    # bf16 activations (KernelChoices.page_key_qmm_bf16): 0.03-0.05 on the
+                        # CPU at test shapes; compare 'native_bf16_like_vs_reference'
 
 
 def parse_args(argv=None):
@@ -138,6 +140,9 @@ def attention_check(geometry: dict, context: int, batch: int, fmt: str) -> dict:
     kw = dict(fmt=KVFormat(fmt, d), scale=d ** -0.5, new_mask=None)
     got = direct_attention(q, hist, k_new, v_new, **kw,
                            kernels=replace(DEFAULT_KERNELS, page_key_qmm=True))
+    got16 = direct_attention(q, hist, k_new, v_new, **kw,
+                             kernels=replace(DEFAULT_KERNELS, page_key_qmm=True,
+                                             page_key_qmm_bf16=True))
     tiled = direct_attention(q, hist, k_new, v_new, **kw,
                              kernels=replace(DEFAULT_KERNELS, page_key_qmm=False,
                                              page_key_scores=False))
@@ -158,6 +163,12 @@ def attention_check(geometry: dict, context: int, batch: int, fmt: str) -> dict:
            "tiled_vs_reference": _maxdiff(tiled, want),
            "expert_in_place_vs_reference": _maxdiff(expert, want_hist[:, :, 0])}
     out["ok"] = all(x < TOLERANCE for x in out.values())
+    out["qmm_bf16_vs_reference"] = _maxdiff(got16, want)
+    # What attention over bf16-rounded q, K and V (native bf16 KV of these values) is off by.
+    r16 = lambda a: a.astype(mx.bfloat16).astype(mx.float32)
+    native_like = mx.fast.scaled_dot_product_attention(r16(q), r16(kd), r16(vd), scale=d ** -0.5)
+    out["native_bf16_like_vs_reference"] = _maxdiff(native_like, want)
+    out["ok_bf16"] = out["qmm_bf16_vs_reference"] < BF16_TOLERANCE
     out["reference_max_abs"] = float(mx.abs(want).max().item())   # the scale the diffs face
     return out
 
@@ -272,12 +283,14 @@ def main(argv=None) -> int:
         progress("correctness (child process)", "page_key_qmm")
         doc["correctness"] = run_check_child(args, Path(tmp), budget_s=max(20.0, 0.6 * left))
         save()
-        variants = args.variants
-        if ("error" in doc["correctness"]
-                or not all(r.get("ok") for r in doc["correctness"].values())):
-            variants = [v for v in variants if not v.endswith(":qmm")]
-            doc["qmm_left_out"] = "correctness step failed or disagreed: see 'correctness'"
-            progress(doc["qmm_left_out"], "page_key_qmm")
+        variants, checks = args.variants, doc["correctness"]
+        for flag, suffix in (("ok", ":qmm"), ("ok_bf16", ":qmm-bf16")):
+            if "error" in checks or not all(r.get(flag) for r in checks.values()):
+                variants = [v for v in variants if not v.endswith(suffix)]
+                doc[f"{suffix[1:]}_left_out"] = ("correctness step failed or disagreed: see "
+                                                 "'correctness'")
+                progress(f"{suffix[1:]} left out: {doc[f'{suffix[1:]}_left_out']}",
+                         "page_key_qmm")
         last_row_s = 0.0   # a row that would not end within the budget is not started
         for g, n, b in args.rows:
             row_started = time.perf_counter()
@@ -298,7 +311,7 @@ def main(argv=None) -> int:
                 cell["step_ms"] = round(1e3 * b / cell["tok_s"], 3) if "tok_s" in cell else None
                 progress(f"{g} ctx {n} batch {b} {spec}: {cell.get('tok_s')} tok/s, paired "
                          f"{cell.get('ratio_paired_median')}", "page_key_qmm")
-            if any(v.endswith(":qmm") for v in variants):
+            if any(":qmm" in v for v in variants):
                 try:
                     row["attention_only_k6v4"] = in_place_timing(_geometry(g), n, b,
                                                                  iters=3 if args.tiny else 10)

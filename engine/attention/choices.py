@@ -99,6 +99,11 @@ class KernelChoices:
     # the tiled path that dequantizes every key each step); the CPU keeps page_key_scores
     # (MLX's CPU quantized_matmul is a scalar loop). `bench.device.page_key_qmm` measures it.
     page_key_qmm: bool | None = None
+    # Its matmuls with bf16 activations (tensor cores on CUDA) instead of float32: the folded
+    # queries and the probabilities rounded to bf16 as native attention's are, and the value
+    # scales and offsets rounded to bf16 as the kernels take them (stored bytes unchanged).
+    # Off until the device bench (`k6v4-kivi:qmm-bf16`) shows it pays.
+    page_key_qmm_bf16: bool = False
     # Attention on the CPU (float32) takes its softmax in NumPy between MLX's GEMMs
     # (engine/attention/cpu_softmax.py): MLX's CPU exp is scalar. Off: mx.fast's SDPA for
     # prefill, mx.softmax in paged decode.

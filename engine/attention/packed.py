@@ -153,7 +153,7 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     # Page-key decode through MLX's quantized matmuls (engine.attention.page_qmm), FP32.
     key_qmm = L == 1 and isinstance(hist.k, PagePacked) and page_qmm.enabled(kernels)
     if key_qmm:
-        act_k = act_v = page_qmm.ACTIVATION
+        act_k = act_v = page_qmm.activation(kernels)
     elif L <= (QMM_MAX_QUERIES if qmm_max_queries is None else qmm_max_queries):
         act_v = _qmm_activation_dtype(fmt.v_bits, q.dtype, rep * L, D, kernels.gpu_qmm)
         if isinstance(hist.k, PagePacked):
@@ -177,7 +177,7 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     # One (rep*L)-row matmul per KV head: broadcasting packed rows over a repeat axis instead
     # was ~1.7x slower on the CPU at batch 4 (measured).
     if key_qmm:
-        s_hist = page_qmm.scores(qh.reshape(B, Hkv, rep * L, D), hist.k, fmt.k_bits)
+        s_hist = page_qmm.scores(qh.reshape(B, Hkv, rep * L, D), hist.k, fmt.k_bits, act_k)
     else:
         s_hist = _history_scores(qh.reshape(B, Hkv, rep * L, D), hist.k, fmt.k_bits, act_k,
                                  kernels.cpu_code_gemm)
@@ -192,7 +192,8 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
                                      (B, Hkv, rep, L, 1)))
     p = mx.softmax(mx.concatenate(parts, axis=-1), axis=-1, precise=True)
     if key_qmm:
-        out = page_qmm.values(p[..., :S].reshape(B, Hkv, rep * L, S), hist.v, fmt.v_bits)
+        out = page_qmm.values(p[..., :S].reshape(B, Hkv, rep * L, S), hist.v, fmt.v_bits,
+                              act_v)
     else:
         out = _qmm(p[..., :S].reshape(B, Hkv, rep * L, S), hist.v, fmt.v_bits, False, act_v)
     K = k_new.shape[-2]   # the fresh rows, after any native sink rows (attention/packed_cache.py)

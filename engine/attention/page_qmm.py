@@ -50,8 +50,7 @@ ACTIVATION = mx.float32
 MAX_ENTRIES = 65535
 
 
-# Tokens of value history per batch entry of the values' matmul (`values`); a multiple of 64
-# (MLX's CUDA contraction tile for 64-channel groups) so the bulk needs no residue handling.
+# Most tokens of value history per batch entry of the values' matmul (`values`).
 VALUE_CHUNK = 256
 
 
@@ -66,6 +65,11 @@ def enabled(kernels: KernelChoices) -> bool:
     None means on GPUs, where the alternative is the tiled dequantize path)."""
     choice = kernels.page_key_qmm
     return mx.default_device() != mx.cpu if choice is None else choice
+
+
+def activation(kernels: KernelChoices) -> mx.Dtype:
+    """The matmuls' activation dtype (KernelChoices.page_key_qmm_bf16; see the module doc)."""
+    return mx.bfloat16 if kernels.page_key_qmm_bf16 else ACTIVATION
 
 
 def key_group(head_dim: int) -> int:
@@ -83,8 +87,9 @@ def _identity_meta(shape: tuple, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
 
 
 def fold_scores(x: mx.array, codes: mx.array, bits: int, dtype: mx.Dtype = ACTIVATION):
-    """Scaled queries x (..., R, D) against raw codes (..., T, D*bits/32): (..., R, T). The codes
-    are copied whole unless already one contiguous block (see `values`)."""
+    """Scaled queries x (..., M, D) against raw codes (..., N, D*bits/32): (..., M, N). The codes
+    are copied whole unless already one contiguous block (MLX's CUDA kernels step batch entries
+    by one matrix's size whatever the strides, so a strided view would read the wrong rows)."""
     d = x.shape[-1]
     g = key_group(d)
     ones, zeros = _identity_meta((*codes.shape[:-1], d // g), dtype)
@@ -92,46 +97,72 @@ def fold_scores(x: mx.array, codes: mx.array, bits: int, dtype: mx.Dtype = ACTIV
                                transpose=True, group_size=g, bits=bits)
 
 
+def _own_heads(a: mx.array, first: int, second: int) -> mx.array:
+    """The entries of `a` where its two KV-head axes agree, axis `second` dropped: each query
+    head's product with its own KV head's columns."""
+    h = a.shape[first]
+    shape = [1] * a.ndim
+    shape[first] = shape[second] = h
+    return (a * mx.eye(h, dtype=a.dtype).reshape(shape)).sum(axis=second)
+
+
+def _page_major(a: mx.array) -> mx.array:
+    """(B, H, S, ...) history -> (B, S, H, ...): the store gathers pages token-major and hands
+    attention a transposed view, so this is the gathered buffer itself, no copy."""
+    return a.swapaxes(1, 2)
+
+
 def scores(rows: mx.array, keys: PagePacked, bits: int, dtype: mx.Dtype = ACTIVATION):
-    """rows (B, Hkv, R, D) against page-key history of P whole pages: (B, Hkv, R, P*T) float32."""
+    """rows (B, Hkv, R, D) against page-key history of P whole pages: (B, Hkv, R, P*T) float32.
+
+    One batch entry per (sequence, page), every KV head in it: rows are the H*R query heads
+    (each scaled by its own KV head's page scales), columns the page's T*H stored key rows as
+    they lie in the gathered buffer (token-major, heads interleaved), so the codes need no
+    reordering copy; each query head keeps its own KV head's columns (`_own_heads`). MLX's CUDA
+    kernel computes whole 16-64 x 128 tiles, so up to T*H = 128 columns cost what one head's T
+    columns would, with H times fewer batch entries."""
     B, H, R, D = rows.shape
     P, T = keys.scales.shape[-2], keys.page_tokens
     rows = rows.astype(mx.float32)
     x = mx.expand_dims(rows, 2) * mx.expand_dims(keys.scales, 3)            # (B, H, P, R, D)
-    codes = keys.codes.reshape(B, H, P, T, -1)
-    raw = mx.concatenate([fold_scores(x[:, :, sl], codes[:, :, sl], bits, dtype)
-                          for sl in page_slices(B * H, P)], axis=2)         # (B, H, P, R, T)
+    x = x.transpose(0, 2, 1, 3, 4).reshape(B, P, H * R, D)
+    codes = _page_major(keys.codes).reshape(B, P, T * H, -1)                 # rows (t, h)
+    raw = mx.concatenate([fold_scores(x[:, sl], codes[:, sl], bits, dtype)
+                          for sl in page_slices(B, P)], axis=1)             # (B, P, H*R, T*H)
+    raw = _own_heads(raw.astype(mx.float32).reshape(B, P, H, R, T, H), 2, 5)  # (B,P,H,R,T)
     shift = keys.offsets @ rows.swapaxes(-1, -2)                             # (B, H, P, R)
-    s = raw.astype(mx.float32) + mx.expand_dims(shift, -1)
-    return s.transpose(0, 1, 3, 2, 4).reshape(B, H, R, P * T)
+    s = raw.transpose(0, 2, 3, 1, 4) + mx.expand_dims(shift.swapaxes(-1, -2), -1)
+    return s.reshape(B, H, R, P * T)
+
+
+def _chunk_tokens(S: int, chunk: int) -> int:
+    """The largest divisor of S that is at most `chunk`: whole chunks, no remainder call."""
+    return max(n for n in range(1, min(S, chunk) + 1) if S % n == 0)
 
 
 def values(p: mx.array, v: Packed, bits: int, dtype: mx.Dtype = ACTIVATION,
            chunk: int | None = None) -> mx.array:
     """p (B, Hkv, R, S) @ token-local packed values (B, Hkv, S, ...): (B, Hkv, R, D) float32.
 
-    The history is cut into chunks of `chunk` tokens, one batch entry each, and their partial
-    sums added: MLX's CUDA kernel for transpose=False runs one thread block per (row tile,
-    column tile, batch entry) and walks the whole contraction inside it, so one entry per
-    sequence and head would leave most of the GPU idle on long histories."""
+    The history is cut into chunks of up to `chunk` tokens, one batch entry each, and their
+    partial sums added: MLX's CUDA kernel for transpose=False runs one thread block per (row
+    tile, column tile, batch entry) and walks the contraction inside it, so one entry per
+    sequence would leave most of the GPU idle on long histories. As in `scores`, every KV head
+    is in one matrix (rows: the H*R query heads; columns: the H*D values of a token as the
+    gathered buffer holds them, no copy) and each query head keeps its own head's columns."""
     B, H, R, S = p.shape
-    chunk = chunk or VALUE_CHUNK
-    codes, scales, offsets = v
-    bulk = S - S % chunk
-    parts = []
-    for lo, hi, n in ((0, bulk, chunk), (bulk, S, S - bulk)):
-        if hi == lo:
-            continue
-        c = (hi - lo) // n
-        x = p[..., lo:hi].reshape(B, H, R, c, n).swapaxes(2, 3).astype(dtype)
-        # Whole copies: MLX's CUDA kernels step batch entries by one matrix's size, whatever
-        # the strides say, so a view that is not one contiguous block reads the wrong rows.
-        w, sc, of = (mx.contiguous(a[:, :, lo:hi].reshape(B, H, c, n, -1).astype(t))
-                     for a, t in ((codes, codes.dtype), (scales, dtype), (offsets, dtype)))
-        out = mx.quantized_matmul(x, w, sc, of, transpose=False,
-                                  group_size=group_of(v, bits), bits=bits)   # (B, H, c, R, D)
-        parts.append(out.astype(mx.float32).sum(axis=2))
-    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    n = _chunk_tokens(S, chunk or VALUE_CHUNK)
+    c = S // n
+    x = p.reshape(B, H * R, c, n).swapaxes(1, 2)                             # (B, c, H*R, n)
+    w, sc, of = (_page_major(a).reshape(B, c, n, -1).astype(t)
+                 for a, t in ((v.codes, v.codes.dtype), (v.scales, dtype), (v.offsets, dtype)))
+    out = 0
+    for sl in page_slices(B, c):
+        part = mx.quantized_matmul(x[:, sl].astype(dtype), *(mx.contiguous(a[:, sl])
+                                                           for a in (w, sc, of)),
+                                   transpose=False, group_size=group_of(v, bits), bits=bits)
+        out = out + part.astype(mx.float32).sum(axis=1)                      # (B, H*R, H*D)
+    return _own_heads(out.reshape(B, H, R, H, -1), 1, 3)                     # (B, H, R, D)
 
 
 class PageExperts(NamedTuple):

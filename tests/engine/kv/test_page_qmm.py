@@ -94,6 +94,11 @@ def test_decode_attention_equals_reference_and_page_scores(fmt, max_entries, mon
     assert got.shape == (B, Hq, 1, D)
     assert mx.abs(got - want).max().item() < 1e-4
     assert mx.abs(got - old).max().item() < 1e-4
+    bf16 = direct_attention(q, hist, k_new, v_new, **kw,
+                            kernels=replace(on, page_key_qmm_bf16=True))
+    # bf16 activations: their rounding only (on this CPU 0.03-0.05 here, against 0.002-0.004
+    # for attention over bf16-rounded q, K and V; a broken path is off by 0.3 or more).
+    assert 0 < mx.abs(bf16 - want).max().item() < 0.1
     # The padding pages are really hidden: un-masking them changes the answer.
     unmasked = direct_attention(q, hist, k_new, v_new, kernels=on,
                                 **{**kw, "hist_mask": mx.ones_like(hist_mask)})
