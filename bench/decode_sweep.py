@@ -52,6 +52,8 @@ VARIANTS = {
     "unfused": ("unfused", {}, False),
     "in_major_weights": ("in_major", {}, False),
     "gemv_kernel": ("gemv", {}, False),
+    # The three step-level candidates together (shares the gemv side's weights).
+    "gemv_greedy_warps_16": ("gemv", {"compiled_greedy": True, "decode_warps": 16}, True),
 }
 TINY = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
         "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -126,6 +128,7 @@ class Side:
     def __init__(self, launch, arrays, rewind, info: dict):
         self.launch, self.arrays, self.rewind, self.info = launch, arrays, rewind, info
         self.ms, self.sync, self.spent, self.tokens = [], [], 0.0, []
+        self.logits = self.first_logprobs = None   # the last step's (lazy); the first's
 
 
 def engine_side(models: dict, variant: str, prompt: list[int], args, gpu: bool) -> Side:
@@ -153,6 +156,7 @@ def engine_side(models: dict, variant: str, prompt: list[int], args, gpu: bool) 
 
     def launch():
         logits = runner.forward([Chunk(0, [0], state["n"], table)], decode_tokens=state["toks"])
+        side.logits = logits
         fast = runner.compiled.greedy if (greedy and runner.compiled is not None) else None
         state["toks"], state["n"] = (fast if fast is not None else sample(logits, specs),
                                      state["n"] + 1)
@@ -164,7 +168,7 @@ def engine_side(models: dict, variant: str, prompt: list[int], args, gpu: bool) 
     g = lm.geometry.layers[0]
     hq = int(lm.config["num_attention_heads"])
     capacity = bucket_pages(ctx // t + 1) * t   # the compiled step plans its split by it
-    return Side(launch, runner.kvstore.arrays, rewind,
+    side = Side(launch, runner.kvstore.arrays, rewind,
                 {"weights": weights, "choices": overrides,
                  "compiled": runner.compiled is not None, "kernel_decode": runner.kernel_decode,
                  "gemv_kernel_layers": getattr(lm, "gemv_layers", 0),
@@ -172,6 +176,7 @@ def engine_side(models: dict, variant: str, prompt: list[int], args, gpu: bool) 
                                                    overrides.get("decode_split_min_keys")),
                  "warps": pd.block_warps(overrides.get("decode_warps"), hq // g.kv_heads,
                                          g.head_dim)})
+    return side
 
 
 def mlx_lm_side(model, prompt: list[int]) -> Side:
@@ -187,6 +192,7 @@ def mlx_lm_side(model, prompt: list[int]) -> Side:
         logits = model(ref["y"][None], cache=cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         ref["y"] = mx.argmax(logprobs, axis=-1)
+        side.logits = logprobs
         return [ref["y"], logprobs]
 
     def rewind():
@@ -194,7 +200,8 @@ def mlx_lm_side(model, prompt: list[int]) -> Side:
         for c in cache:
             c.offset = len(prompt)
 
-    return Side(launch, lambda: [c.state for c in cache], rewind, {"weights": "mlx_lm"})
+    side = Side(launch, lambda: [c.state for c in cache], rewind, {"weights": "mlx_lm"})
+    return side
 
 
 def pipelined(side: Side, steps: int) -> float:
@@ -216,8 +223,14 @@ def pipelined(side: Side, steps: int) -> float:
 def first_tokens(side: Side, n: int) -> list[int]:
     """The side's first `n` greedy tokens after the prompt (also its warm-up: traces, kernel
     builds, the page buckets the rounds reach)."""
+    import mlx.core as mx
+    import numpy as np
+
     side.rewind()
-    toks = [int(side.launch()[0].reshape(-1)[0].item()) for _ in range(n)]
+    toks = [int(side.launch()[0].reshape(-1)[0].item())]
+    first = side.logits.reshape(-1).astype(mx.float32)
+    side.first_logprobs = np.array(first - mx.logsumexp(first))   # the first step's, [vocab]
+    toks += [int(side.launch()[0].reshape(-1)[0].item()) for _ in range(n - 1)]
     return toks
 
 
@@ -228,17 +241,10 @@ def stream_generate_tps(model, tokenizer, prompt: list[int], steps: int) -> floa
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
 
-    class Quiet:
+    class Quiet:   # the detokenizer protocol stream_generate calls, doing nothing
         last_segment = ""
-
-        def reset(self):
-            pass
-
-        def add_token(self, token):
-            pass
-
-        def finalize(self):
-            pass
+        reset = finalize = lambda self: None
+        add_token = lambda self, token: None   # noqa: E731
 
     tokenizer._detokenizer = Quiet()
     tokenizer._eos_token_ids = set()
@@ -252,6 +258,7 @@ def run_shape(args, shape: str) -> dict:
     import gc
 
     import mlx.core as mx
+    import numpy as np
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load
 
@@ -335,6 +342,10 @@ def run_shape(args, shape: str) -> dict:
                                      for k in side.sync[0]}
         if ref is not None:
             row["tokens_match_default"] = sum(a == b for a, b in zip(side.tokens, ref))
+            # The first step's log-probabilities against the default's: rounding-level for a
+            # variant that computes the same thing (bf16 logits: ~1e-2), large for a broken one.
+            row["first_logprob_max_abs_diff"] = round(float(np.abs(
+                side.first_logprobs - sides["default"].first_logprobs).max()), 5)
         res["sides"][name] = row
     res["sides"]["mlx_lm_stream_generate"] = {"generation_tps": stream, "tok_s_median": (
         statistics.median(stream) if stream else None)}

@@ -196,6 +196,7 @@ def test_decode_sweep_runs_on_a_tiny_shape(tmp_path):
         assert "error" not in sides[name], (name, sides[name])
         assert sides[name]["tok_s_median"] > 0
         assert sides[name]["tokens_match_default"] == decode_sweep.COMPARE_TOKENS, name
+        assert sides[name]["first_logprob_max_abs_diff"] < 0.1, name
         assert set(sides[name]["sync_median_ms"]) >= {"build", "issue", "wait"}
     assert sides["mlx_lm_stream_generate"]["tok_s_median"] > 0
     assert sides["greedy_in_step"]["compiled"] and not sides["uncompiled"]["compiled"]
