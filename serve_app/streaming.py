@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
 from engine.request import Delta, Usage
@@ -55,11 +56,36 @@ async def open_stream(call: GenerateCall, entry: ModelEntry):
                        retry_after_s=1.0, reason="deadline")
     if first.delta.finish_reason == "memory" and not first.delta.token_ids:
         await agen.aclose()
-        raise APIError(503, "the replica could not allocate KV memory for this request "
-                       "(its pool could not grow: another process holds the memory)",
-                       type="service_unavailable", code="kv_memory_unavailable",
-                       retry_after_s=2.0, reason="memory")
+        raise kv_memory_unavailable()
     return first, agen
+
+
+def kv_memory_unavailable() -> APIError:
+    """The engine finished a request with reason "memory": its KV pool could not grow."""
+    return APIError(503, "the replica could not allocate KV memory for this request "
+                    "(its pool could not grow: another process holds the memory)",
+                    type="service_unavailable", code="kv_memory_unavailable",
+                    retry_after_s=2.0, reason="memory")
+
+
+async def choice_deltas(first: ReplicaDelta, rest: AsyncIterator[ReplicaDelta]
+                        ) -> AsyncIterator[Delta]:
+    """One choice's engine deltas. A "memory" finish after the first token (the pool could not
+    grow for the request's next page) is a failure, not an end: its tokens go out, then it
+    raises, so a stream ends with the kv_memory_unavailable error event and a plain request
+    answers 503 instead of a reply cut short as if it were complete."""
+    item = first
+    while True:
+        d = item.delta
+        if d.finish_reason == "memory":
+            if d.token_ids:
+                yield replace(d, finish_reason=None)
+            raise kv_memory_unavailable()
+        yield d
+        try:
+            item = await rest.__anext__()
+        except StopAsyncIteration:
+            return
 
 
 async def open_streams(calls: list[GenerateCall], entry: ModelEntry):
@@ -242,9 +268,8 @@ async def merge(streams: list[tuple[ReplicaDelta, AsyncIterator[ReplicaDelta]]]
     if len(streams) == 1:
         first, rest = streams[0]
         try:
-            yield 0, first.delta
-            async for item in rest:
-                yield 0, item.delta
+            async for d in choice_deltas(first, rest):
+                yield 0, d
         finally:
             await rest.aclose()
         return
@@ -252,9 +277,8 @@ async def merge(streams: list[tuple[ReplicaDelta, AsyncIterator[ReplicaDelta]]]
 
     async def pump(index: int, first: ReplicaDelta, rest: AsyncIterator[ReplicaDelta]) -> None:
         try:
-            await queue.put((index, first.delta, None))
-            async for item in rest:
-                await queue.put((index, item.delta, None))
+            async for d in choice_deltas(first, rest):
+                await queue.put((index, d, None))
             await queue.put((index, None, None))
         except Exception as e:  # noqa: BLE001 - re-raised by the consumer
             await queue.put((index, None, e))

@@ -23,6 +23,11 @@ from engine.errors import PageError
 DEFAULT_PAGE_TOKENS = 64
 
 
+class GrowthFailed(PageError):
+    """The pool's memory could not be grown (the store's `grow` raised): the caller may free
+    pages or turn the request that needed them away; the pool is unchanged."""
+
+
 def pages_for(tokens: int, page_tokens: int) -> int:
     """Whole pages needed for `tokens` token slots (tails count as a full page)."""
     return -(-max(tokens, 0) // page_tokens)
@@ -74,6 +79,11 @@ class PagePool:
         return len(self._free) + self.num_pages - self.allocated
 
     @property
+    def num_free_backed(self) -> int:
+        """Free pages already backed by memory: an allocation of at most this many never grows."""
+        return len(self._free)
+
+    @property
     def num_used(self) -> int:
         return self.allocated - len(self._free)
 
@@ -82,7 +92,8 @@ class PagePool:
         return self._refs[page]
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free pages (refcount 1 each); all or nothing."""
+        """Take `n` free pages (refcount 1 each); all or nothing (GrowthFailed when the pool
+        had to grow for them and could not)."""
         if n < 0:
             raise PageError(f"cannot allocate {n} pages")
         if n > self.num_free:
@@ -96,8 +107,8 @@ class PagePool:
 
     def back(self, pages: int) -> None:
         """Back the first `pages` ids (at most `num_pages`) with memory now, growing as `allocate`
-        would; raises, leaving the pool unchanged, if the memory cannot be had. The scheduler
-        calls it at admission, where a failure can turn the request away, so that the
+        would; raises GrowthFailed, leaving the pool unchanged, if the memory cannot be had. The
+        scheduler calls it at admission, where a failure can turn the request away, so that the
         allocations of the steps that follow need no growth."""
         pages = min(pages, self.num_pages)
         if pages > self.allocated:
@@ -105,7 +116,11 @@ class PagePool:
 
     def _grow_by(self, missing: int) -> None:
         target = grow_target(self.allocated, missing, self.num_pages)
-        self._grow(target)   # raises (nothing changed here) if the memory cannot be had
+        try:
+            self._grow(target)
+        except Exception as exc:  # noqa: BLE001 - MLX reports a failed allocation as it may
+            raise GrowthFailed(f"could not grow the KV pool from {self.allocated} to {target} "
+                               f"pages: {type(exc).__name__}: {exc}") from exc
         self._refs.extend([0] * (target - self.allocated))
         # New pages go after the free ones: the FIFO order (cached prefixes reused last) holds.
         self._free.extend(range(self.allocated, target))

@@ -3,8 +3,10 @@
 Memory policy (issue 2): a request is admitted only when the byte ledger can charge its whole
 raw-token footprint (prompt + max_tokens, whole pages) at once. Pages are then taken lazily as the
 request grows, but always within that reservation, so a running request can never run out of
-pages and nothing is ever preempted. A request larger than the whole budget is refused at once
-(RequestTooLarge); others wait in FCFS order (head-of-line, so big requests are not starved).
+pages and nothing is ever preempted. Only memory can fail it: a pool that must grow for a page
+and cannot (`_paged`) finishes that request with reason "memory" and serves the others. A
+request larger than the whole budget is refused at once (RequestTooLarge); others wait in FCFS
+order (head-of-line, so big requests are not starved).
 
 Each step is one forward pass: every decoding request contributes one token, then prefilling
 requests fill the rest of `max_step_tokens` (chunked prefill): those that can finish within half
@@ -29,7 +31,7 @@ from typing import Callable
 
 from engine.errors import DeadlineUnmeetable, EngineOverloaded, PageError, RequestTooLarge
 from engine.kv.budget import ByteLedger
-from engine.kv.pages import PagePool, PageTable, pages_for
+from engine.kv.pages import GrowthFailed, PagePool, PageTable, pages_for
 from engine.kv.prefix import PrefixCache
 from engine.sched.forecast import RateForecast
 from engine.sched.seq import FINISHED, RUNNING, WAITING, Chunk, Seq, Step, chunk_of
@@ -56,7 +58,7 @@ class Scheduler:
         self._finished: list[Seq] = []      # finished since the last pop_finished()
         self._next_step = 0
         self.counters: Counter[str] = Counter()
-        # The last failure to grow the KV pool at admission (`_backed`), for logs and tests.
+        # The last failure to grow the KV pool (`_backed`, `_paged`), for logs and tests.
         self.last_growth_error: str | None = None
 
     # ---- intake ----------------------------------------------------------------------------
@@ -135,16 +137,34 @@ class Scheduler:
                 ids = s.prompt_ids[s.num_computed:s.num_computed + n]
                 chunks.append(chunk_of(s, s.num_computed, ids, s.num_computed + n == s.num_tokens))
                 budget -= n
+        chunks = [c for c in chunks if self._paged(c.seq, c.start + len(c.token_ids))]
         if not chunks:
             return None
         step = Step(self._next_step, chunks)
         self._next_step += 1
         for c in chunks:
-            c.seq.table.ensure(c.start + len(c.token_ids))
             if len(c.seq.table.pages) > c.seq.reserved_pages:
                 raise PageError(f"{c.seq.request_id} grew past its reservation")
             c.seq.last_step = step.step_id
         return step
+
+    def _paged(self, s: Seq, tokens: int) -> bool:
+        """Pages for `tokens` slots of `s`. If the pool must grow for them and cannot (another
+        process took the memory), cached pages are evicted for them; else `s` finishes with
+        reason "memory" (its steps retired: its pages come back at the next reclaim)."""
+        try:
+            s.table.ensure(tokens)
+            return True
+        except GrowthFailed as exc:
+            self._growth_failed(exc)
+        if self.evict_cache(pages_for(tokens, self.pool.page_tokens) - len(s.table.pages)):
+            try:
+                s.table.ensure(tokens)
+                return True
+            except GrowthFailed as exc:
+                self._growth_failed(exc)
+        self._finish(s, "memory")
+        return False
 
     def _prefill_order(self, budget: int) -> list[Seq]:
         """Prefills that can finish within half this step's token budget go first, shortest
@@ -169,7 +189,7 @@ class Scheduler:
         """Whether the decode step after `step` may be built before `step` retired: nothing
         waits, every running request is a row of `step`, and each row keeps running with at
         least two tokens left to max_tokens (so the next step stays within its reservation)
-        and no checkpoint to write when it finishes."""
+        and no checkpoint to write when it finishes, and the pages it takes need no growth."""
         if self.waiting or len(self.running) != len(step.chunks):
             return False
         for c in step.chunks:
@@ -177,7 +197,10 @@ class Scheduler:
             if (s.status != RUNNING or len(s.output_ids) + 2 > s.params.max_tokens
                     or s.checkpoint_to is not None):
                 return False
-        return True
+        # Pages the pool must grow for are taken by next_step, with no step in flight (`_paged`).
+        pt = self.pool.page_tokens
+        new = sum(pages_for(c.start + 2, pt) > len(c.seq.table.pages) for c in step.chunks)
+        return new <= self.pool.num_free_backed
 
     def continue_decode(self, step: Step, tokens) -> Step:
         """The next decode step of `step`'s rows, built BEFORE `step` retired (pipelining).
@@ -337,11 +360,14 @@ class Scheduler:
         mine = pages_for(len(s.prompt_ids) + 1, self.pool.page_tokens) - shared
         try:
             self.pool.back(self.pool.num_used + ahead + mine)
-        except Exception as exc:  # noqa: BLE001 - MLX reports a failed allocation as it may
-            self.counters["kv_growth_failed"] += 1
-            self.last_growth_error = f"{type(exc).__name__}: {exc}"
+        except GrowthFailed as exc:
+            self._growth_failed(exc)
             return False
         return True
+
+    def _growth_failed(self, exc: GrowthFailed) -> None:
+        self.counters["kv_growth_failed"] += 1
+        self.last_growth_error = str(exc)
 
     def _lookup(self, s: Seq) -> list[int]:
         """Cached full pages of the prompt, now shared by `s` (freed again if it cannot run)."""

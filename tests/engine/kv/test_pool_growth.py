@@ -17,7 +17,7 @@ from engine import Engine
 from engine.errors import PageError
 from engine.kv import budget
 from engine.kv.factory import store_factory
-from engine.kv.pages import PagePool, PageTable, grow_target
+from engine.kv.pages import GrowthFailed, PagePool, PageTable, grow_target
 from engine.kv.store import KVStore
 from engine.model.loader import load_model
 from tests.engine_helpers import PAGE_BYTES_LLAMA, collect, greq, prompt, run, tokens, wait_idle
@@ -51,8 +51,9 @@ def test_a_growth_that_fails_leaves_the_pool_as_it_was():
         raise MemoryError(f"no memory for {n} pages")
     pool = PagePool(8, T, allocated=2, grow=no_memory)
     held = pool.allocate(2)
-    with pytest.raises(MemoryError):
+    with pytest.raises(GrowthFailed, match="from 2 to 4 pages") as failed:
         pool.allocate(1)
+    assert isinstance(failed.value.__cause__, MemoryError)   # what the store raised, kept
     assert (pool.allocated, pool.num_free, pool.num_used) == (2, 6, 2)
     with pytest.raises(PageError, match="unknown page id"):
         pool.refcount(2)                    # never handed out
