@@ -149,14 +149,15 @@ def attention_check(geometry: dict, context: int, batch: int, fmt: str) -> dict:
     kd = mx.concatenate([dequantize_pages(hist.k, kb), k_new], axis=2)
     vd = mx.concatenate([dequantize(hist.v, vb), v_new], axis=2)
     want = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), kd, vd, scale=d ** -0.5)
-    # The in-place shape: this history as a pool of (page, head) blocks, pages in order.
+    # The in-place shape: this history as a pool of pages (sections apart), pages in order.
+    page_major = lambda a: a.reshape(batch, hkv, P, T, -1).transpose(0, 2, 3, 1, 4).reshape(
+        batch * P, T, hkv, -1)
     pool = page_qmm.page_experts(
-        codes.transpose(0, 2, 1, 3, 4).reshape(batch * P * hkv, T, -1),
-        *(a.transpose(0, 2, 1, 3).reshape(batch * P * hkv, d) for a in (scales, offsets)),
-        *(a.reshape(batch, hkv, P, T, -1).transpose(0, 2, 1, 3, 4).reshape(batch * P * hkv, T, -1)
-          for a in hist.v))
+        page_major(codes),
+        *(a.transpose(0, 2, 1, 3).reshape(batch * P, hkv, d) for a in (scales, offsets)),
+        *(page_major(a) for a in hist.v))
     tables = mx.arange(batch * P, dtype=mx.int32).reshape(batch, P)
-    expert = page_qmm.expert_attention(q[:, :, 0], pool, tables, hkv, kb, vb, d ** -0.5)
+    expert = page_qmm.expert_attention(q[:, :, 0], pool, tables, kb, vb, d ** -0.5)
     want_hist = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), kd[:, :, :-1],
                                                      vd[:, :, :-1], scale=d ** -0.5)
     out = {"qmm_vs_reference": _maxdiff(got, want), "qmm_vs_tiled": _maxdiff(got, tiled),
@@ -226,26 +227,25 @@ def in_place_timing(geometry: dict, context: int, batch: int, iters: int) -> dic
     hq, hkv, d = (geometry[k] for k in ("num_attention_heads", "num_key_value_heads",
                                          "head_dim"))
     P = context // T
-    E = batch * P * hkv
+    N = batch * P
     r = mx.random.split(mx.random.key(2), 6)
-    words = lambda bits: mx.random.randint(0, 2 ** 31, (E, T, d * bits // 32),
+    words = lambda bits: mx.random.randint(0, 2 ** 31, (N, T, hkv, d * bits // 32),
                                            key=mx.random.key(bits)).astype(mx.uint32)
-    pool = page_qmm.page_experts(words(6), mx.random.uniform(shape=(E, d), key=r[1]) * 0.1,
-                                 mx.random.normal((E, d), key=r[2]), words(4),
-                                 mx.random.uniform(shape=(E, T, d // 64), key=r[3]) * 0.1,
-                                 mx.random.normal((E, T, d // 64), key=r[5]))
+    pool = page_qmm.page_experts(words(6), mx.random.uniform(shape=(N, hkv, d), key=r[1]) * 0.1,
+                                 mx.random.normal((N, hkv, d), key=r[2]), words(4),
+                                 mx.random.uniform(shape=(N, T, hkv, d // 64), key=r[3]) * 0.1,
+                                 mx.random.normal((N, T, hkv, d // 64), key=r[5]))
     mx.eval(*pool)
-    perm = mx.random.permutation(batch * P, key=r[0]).astype(mx.int32).reshape(batch, P)
+    perm = mx.random.permutation(N, key=r[0]).astype(mx.int32).reshape(batch, P)
     q = mx.random.normal((batch, hq, d), key=r[4])
-    flat = (perm.reshape(-1, 1) * hkv + mx.arange(hkv)).reshape(-1)
 
     def in_place():
-        return page_qmm.expert_attention(q, pool, perm, hkv, 6, 4, d ** -0.5)
+        return page_qmm.expert_attention(q, pool, perm, 6, 4, d ** -0.5)
 
-    def copied():   # today's store: the step's pages copied into (page, head) order first
-        part = page_qmm.page_experts(*(a[flat] for a in pool[:6]))
-        tables = mx.arange(batch * P, dtype=mx.int32).reshape(batch, P)
-        return page_qmm.expert_attention(q, part, tables, hkv, 6, 4, d ** -0.5)
+    def copied():   # as the store does today: the step's pages gathered (copied) first
+        part = page_qmm.page_experts(*(a[perm.reshape(-1)] for a in pool[:6]))
+        tables = mx.arange(N, dtype=mx.int32).reshape(batch, P)
+        return page_qmm.expert_attention(q, part, tables, 6, 4, d ** -0.5)
 
     out = {}
     for name, fn in (("in_place", in_place), ("copied", copied)) * 2:   # second pass timed

@@ -8,8 +8,8 @@ offset per channel per page. Folding each page's scales into the query (page_sco
 leaves a plain matmul of the scaled query against the raw codes. The codes are stored as
 MLX packs them (page_quant._pack: 4 codes per 32 bits little-end first for 4 bits, 4 codes in 3
 bytes for 6), so `mx.quantized_matmul(x, codes, ones, zeros, transpose=True)` computes that
-matmul with MLX's kernels on Metal, CUDA and the CPU, one batch entry per (sequence, KV head,
-page): unit scales and zero biases make MLX's dequantization the identity on the codes. The
+matmul with MLX's kernels on Metal, CUDA and the CPU, one batch entry per (sequence, page):
+unit scales and zero biases make MLX's dequantization the identity on the codes. The
 group size is then free (it only says how many unit scales there are), so every page size works,
 16-token pages included; the per-channel, per-page grouping lives in the folded query.
 Why not quantized_matmul(q, K^T, scale, offset, transpose=False) with group = page size: that
@@ -22,15 +22,18 @@ engine.attention.packed does for token-local formats.
 
 Exactness: the activations are float32 (ACTIVATION), so MLX takes the FP32 metadata as stored;
 with bf16 activations MLX's CUDA kernels want the scales and offsets in bf16 too
-(engine.attention.packed._qmm casts them), 8 mantissa bits: a new error no identity names.
+(engine.attention.packed._qmm casts them), 8 mantissa bits, a new error no identity names: so
+bf16 (KernelChoices.page_key_qmm_bf16, tensor cores on CUDA) is off by default.
 
-What it still copies: MLX 0.32's CUDA quantized kernels step batch entry i of the weights, scales
-and biases by i times one matrix's size, whatever the array's strides (qmm_naive and qmv), so
-each operand must be one contiguous block. The page pool interleaves KV heads inside a page and
-keeps every section of a page together (engine.kv.page_layout), so each step copies the
-gathered codes and value metadata into that order (packed bytes, never dequantized). Reading
-pages in place needs a pool with one contiguous (page, head) block per section
-(`expert_attention` is that shape; bench.device.page_key_qmm times both).
+What MLX 0.32's CUDA quantized kernels assume (qmm_naive, qmv): batch entry i of the weights,
+scales and biases starts i matrices into the array, whatever its strides, so each operand must
+be one contiguous block per entry. `scores` and `values` put every KV head of a page (or a
+chunk of tokens) in one matrix, which is exactly how the store's gathered buffer lies (token-
+major, heads interleaved), so they read it without a reordering copy; what is still copied is
+that gather itself (the page pool keeps all six sections of a page together,
+engine.kv.page_layout, so a section's pages are not one contiguous block each). Reading pages in
+place needs each section in its own array (`PageExperts`; `expert_attention` runs that shape
+with gather_qmm and bench.device.page_key_qmm times it against a gathered copy).
 """
 from __future__ import annotations
 
@@ -166,9 +169,11 @@ def values(p: mx.array, v: Packed, bits: int, dtype: mx.Dtype = ACTIVATION,
 
 
 class PageExperts(NamedTuple):
-    """Page-key pages as one contiguous block per (page, KV head), entry e = page * Hkv + head:
-    the pool shape gather_qmm could read in place. kc (E, T, D*kb/32) key codes, ks / ko (E, D)
-    per-channel key scale / offset, vc (E, T, D*vb/32) value codes, vs / vo (E, T, D/64)."""
+    """Page-key pages with each section in its own array, one contiguous block per page (the
+    stored page layout, token-major with KV heads interleaved, minus the other sections): the
+    pool shape gather_qmm could read in place. kc (N, T, Hkv, D*kb/32) key codes, ks / ko
+    (N, Hkv, D) per-channel key scale / offset, vc (N, T, Hkv, D*vb/32) value codes, vs / vo
+    (N, T, Hkv, D/64)."""
 
     kc: mx.array
     ks: mx.array
@@ -176,42 +181,45 @@ class PageExperts(NamedTuple):
     vc: mx.array
     vs: mx.array
     vo: mx.array
-    k1: mx.array   # unit scales and zero biases of kc (E, T, D/key_group): MLX's identity
+    k1: mx.array   # unit scales and zero biases of kc (N, T*Hkv, D/key_group): MLX's identity
     k0: mx.array   # dequantization, built once with the pool (`page_experts`)
 
 
 def page_experts(kc, ks, ko, vc, vs, vo) -> PageExperts:
     """A PageExperts pool from its arrays, with the unit metadata its key codes need."""
+    n, t, h, _ = kc.shape
     d = ks.shape[-1]
     kc, ks, ko, vc, vs, vo = (mx.contiguous(a) for a in (kc, ks, ko, vc, vs, vo))
     return PageExperts(kc, ks, ko, vc, vs, vo,
-                       *_identity_meta((kc.shape[0], kc.shape[1], d // key_group(d)), ACTIVATION))
+                       *_identity_meta((n, t * h, d // key_group(d)), ACTIVATION))
 
 
-def expert_attention(q: mx.array, pool: PageExperts, tables: mx.array, kv_heads: int,
-                     k_bits: int, v_bits: int, scale: float, v_group: int = 64) -> mx.array:
+def expert_attention(q: mx.array, pool: PageExperts, tables: mx.array, k_bits: int,
+                     v_bits: int, scale: float, v_group: int = 64) -> mx.array:
     """Decode attention of q (B, Hq, D) over whole pages `tables` (B, P) of `pool`, read in
-    place by gather_qmm (no copy of the codes): (B, Hq, D) float32. History only (no fresh
-    rows, every page visible): the part of a decode step the store layout decides."""
+    place by gather_qmm (no copy of the codes; every KV head of a page in one matmul, as in
+    `scores`): (B, Hq, D) float32. History only (no fresh rows, every page visible): the part
+    of a decode step the store layout decides."""
     B, Hq, D = q.shape
-    P = tables.shape[1]
-    T = pool.kc.shape[1]
-    rep = Hq // kv_heads
-    entry = (tables.astype(mx.int32)[:, None, :] * kv_heads
-             + mx.arange(kv_heads, dtype=mx.int32)[None, :, None])          # (B, H, P)
-    rows = q.astype(mx.float32).reshape(B, kv_heads, rep, D) * scale
-    ks, ko = pool.ks[entry], pool.ko[entry]                                   # (B, H, P, D)
-    x = (mx.expand_dims(rows, 2) * mx.expand_dims(ks, 3)).astype(ACTIVATION)  # (B, H, P, R, D)
-    slices = page_slices(B * kv_heads, P)
+    N, T, H, _ = pool.kc.shape
+    P, R = tables.shape[1], Hq // H
+    tables = tables.astype(mx.int32)
+    rows = q.astype(mx.float32).reshape(B, H, R, D) * scale
+    ks, ko = pool.ks[tables], pool.ko[tables]                                # (B, P, H, D)
+    x = (mx.expand_dims(rows, 1) * mx.expand_dims(ks, 3)).reshape(B, P, H * R, D)
+    kc, vc = pool.kc.reshape(N, T * H, -1), pool.vc.reshape(N, T, -1)       # views, no copy
+    vs, vo = pool.vs.reshape(N, T, -1), pool.vo.reshape(N, T, -1)
+    slices = page_slices(B, P)
     raw = mx.concatenate([
-        mx.gather_qmm(x[:, :, sl], pool.kc, pool.k1, pool.k0, rhs_indices=entry[:, :, sl],
-                      transpose=True, group_size=key_group(D), bits=k_bits)
-        for sl in slices], axis=2)                                             # (B, H, P, R, T)
-    s = raw + mx.expand_dims(ko @ rows.swapaxes(-1, -2), -1)
-    s = s.transpose(0, 1, 3, 2, 4).reshape(B, kv_heads, rep, P * T)
-    p = mx.softmax(s, axis=-1, precise=True)
-    p = p.reshape(B, kv_heads, rep, P, T).transpose(0, 1, 3, 2, 4).astype(ACTIVATION)
-    out = sum(mx.gather_qmm(p[:, :, sl], pool.vc, pool.vs, pool.vo, rhs_indices=entry[:, :, sl],
-                            transpose=False, group_size=v_group, bits=v_bits).sum(axis=2)
-              for sl in slices)                                                # (B, H, R, D)
-    return out.reshape(B, Hq, D)
+        mx.gather_qmm(x[:, sl].astype(ACTIVATION), kc, pool.k1, pool.k0,
+                      rhs_indices=tables[:, sl], transpose=True, group_size=key_group(D),
+                      bits=k_bits)
+        for sl in slices], axis=1)                                           # (B, P, H*R, T*H)
+    raw = _own_heads(raw.reshape(B, P, H, R, T, H), 2, 5)                   # (B, P, H, R, T)
+    shift = (mx.expand_dims(ko, 3) * mx.expand_dims(rows, 1)).sum(-1)       # (B, P, H, R)
+    s = (raw + mx.expand_dims(shift, -1)).transpose(0, 2, 3, 1, 4).reshape(B, H, R, P * T)
+    p = mx.softmax(s, axis=-1, precise=True).reshape(B, H * R, P, T).swapaxes(1, 2)
+    out = sum(mx.gather_qmm(p[:, sl].astype(ACTIVATION), vc, vs, vo, rhs_indices=tables[:, sl],
+                            transpose=False, group_size=v_group, bits=v_bits).sum(axis=1)
+              for sl in slices)                                              # (B, H*R, H*D)
+    return _own_heads(out.reshape(B, H, R, H, D), 1, 3).reshape(B, Hq, D)
