@@ -18,7 +18,8 @@ greedy tokens are compared with the default's (`tokens_match_default`): a varian
 results beyond rounding shows there.
 
 Time bounds: a side that has used `--side-seconds` stops taking rounds; past `--budget` seconds
-the sweep stops adding work and writes what it has (`budget_exhausted`). A side whose setup or
+the sweep loads no more weights, starts no more shapes (`budget_exhausted`), skips the kernel
+timings and takes no round after each built side's first. A side whose setup or
 kernel fails (e.g. a kernel that does not compile on the device) records its error and the rest
 go on. The JSON is rewritten after every shape (a killed run keeps what was done). Progress on
 stderr.
@@ -225,13 +226,11 @@ def first_tokens(side: Side, n: int) -> list[int]:
     builds, the page buckets the rounds reach)."""
     import mlx.core as mx
     import numpy as np
-
     side.rewind()
     toks = [int(side.launch()[0].reshape(-1)[0].item())]
     first = side.logits.reshape(-1).astype(mx.float32)
     side.first_logprobs = np.array(first - mx.logsumexp(first))   # the first step's, [vocab]
-    toks += [int(side.launch()[0].reshape(-1)[0].item()) for _ in range(n - 1)]
-    return toks
+    return toks + [int(side.launch()[0].reshape(-1)[0].item()) for _ in range(n - 1)]
 
 
 def stream_generate_tps(model, tokenizer, prompt: list[int], steps: int) -> float:
@@ -283,6 +282,9 @@ def run_shape(args, shape: str) -> dict:
     models, sides = {}, {}
     for v in args.variants:
         weights = VARIANTS[v][0]
+        if weights not in models and v != "default" and time.perf_counter() - T0 > args.budget:
+            res["sides"][v] = {"skipped": "budget"}
+            continue
         try:
             if weights not in models:
                 lm = load_model(folder, dtype="bfloat16", fuse=weights != "unfused")
@@ -311,7 +313,9 @@ def run_shape(args, shape: str) -> dict:
     stream = []
     for r in range(args.rounds):
         for name, side in sides.items():
-            if side.spent > args.side_seconds or time.perf_counter() - T0 > args.budget:
+            # The first round always runs (each built side's one measurement), later ones in time.
+            late = r > 0 and time.perf_counter() - T0 > args.budget
+            if side.spent > args.side_seconds or late:
                 continue
             t0 = time.perf_counter()
             try:
@@ -323,7 +327,7 @@ def run_shape(args, shape: str) -> dict:
                 side.info["error"] = f"round {r}: {type(e).__name__}: {e}"[:500]
                 side.spent = float("inf")
             side.spent += time.perf_counter() - t0
-        if time.perf_counter() - T0 < args.budget:
+        if r == 0 or time.perf_counter() - T0 < args.budget:
             stream.append(round(guarded(lambda: {"tps": stream_generate_tps(
                 model, tokenizer, prompt, args.steps)}).get("tps", float("nan")), 1))
         log(f"{shape}: round {r + 1} done")
