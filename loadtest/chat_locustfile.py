@@ -35,12 +35,27 @@ def _add_arguments(parser):
     g.add_argument("--stream-timeout", type=float, default=300.0)
 
 
+class ReplicaSeen:
+    """The client, remembering the replica (x-orchard-replica) of the last response it opened:
+    one per conversation and target, so a turn's replica is read right after its request."""
+
+    def __init__(self, client: HTTPClient):
+        self.client, self.replica = client, None
+
+    def request(self, *args, **kwargs):
+        self.replica = None
+        resp = self.client.request(*args, **kwargs)
+        self.replica = resp.get("x-orchard-replica")
+        return resp
+
+
 def play(client: HTTPClient, target: dict, conv: chat_plan.Conversation, p: chat_plan.ChatParams,
          key: str | None, t0: float, out: list[dict], request_event) -> None:
     gevent.sleep(max(0.0, t0 + conv.start_s - perf()))
     messages = [{"role": "system", "content": conv.system}]
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     history = None          # tokens before this turn's user message: last prompt + its reply
+    client = ReplicaSeen(client)
     for turn, text in enumerate(conv.users, start=1):
         messages.append({"role": "user", "content": text})
         body = {"model": target["model"], "messages": messages, "max_tokens": p.max_tokens,
@@ -49,7 +64,8 @@ def play(client: HTTPClient, target: dict, conv: chat_plan.Conversation, p: chat
         stream_one(client, PATH, json.dumps(body).encode(), rec, t0, p.max_tokens * 10.0 + 120,
                    headers)
         row = {"target": target["label"], "conversation": conv.index, "tenant": conv.tenant,
-               "turn": turn, "history_tokens": history, **rec.to_dict()}
+               "turn": turn, "history_tokens": history, "replica": client.replica,
+               **rec.to_dict()}
         out.append(row)
         ttft = rec.ttft_ms
         request_event.fire(request_type="CHAT", name=f"[{target['label']}] turn {min(turn, 2)}"

@@ -46,6 +46,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--min-turns", type=int, default=d.min_turns)
     p.add_argument("--max-turns", type=int, default=d.max_turns)
     p.add_argument("--tenants", type=int, default=d.tenants)
+    p.add_argument("--system-words", type=int, nargs=2, default=d.system_words,
+                   metavar=("LOW", "HIGH"), help="words of each conversation's system document")
+    p.add_argument("--user-words", type=int, nargs=2, default=d.user_words,
+                   metavar=("LOW", "HIGH"), help="words of each user message")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--think-s", type=float, default=d.think_s)
     p.add_argument("--stagger-s", type=float, default=d.stagger_s)
@@ -107,6 +111,20 @@ def p50(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def switched(ok: list[dict]) -> dict:
+    """Later turns served by another replica than their conversation's previous turn: a
+    capacity-only router must move some conversations for routing, not cache size, to be what
+    the two targets differ in; `missed_half` counts turns with under half their history cached."""
+    where = {(r["conversation"], r["turn"]): r.get("replica") for r in ok}
+    pairs = [(where.get((r["conversation"], r["turn"] - 1)), r.get("replica"))
+             for r in ok if r["turn"] >= 2]
+    known = [(a, b) for a, b in pairs if a and b]
+    return {"turns_with_replicas": len(known), "switched": sum(a != b for a, b in known),
+            "switched_share": sum(a != b for a, b in known) / len(known) if known else None,
+            "missed_half": sum((r["cached_tokens"] or 0) < 0.5 * (r["history_tokens"] or 0)
+                               for r in ok if r["turn"] >= 2)}
+
+
 def summarize(rows: list[dict], label: str) -> dict:
     mine = [r for r in rows if r["target"] == label]
     ok = [r for r in mine if r["status"] == 200 and r["error"] is None and r["chunk_times"]]
@@ -129,6 +147,9 @@ def summarize(rows: list[dict], label: str) -> dict:
         "span_s": span,
         "output_tokens_per_s": out_tokens / span if span else None,
         "e2e_p50_ms": p50([r["done"] * 1000 for r in ok]),
+        "ttft_mean_turns2plus_ms": (statistics.fmean(r["chunk_times"][0] * 1000 for r in later)
+                                    if later else None),
+        "later_turns": switched(ok),
     }
 
 
@@ -163,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, targets: list[dict]) -> int:
     params = chat_plan.ChatParams(
         conversations=args.conversations, min_turns=args.min_turns, max_turns=args.max_turns,
-        tenants=args.tenants, max_tokens=args.max_tokens, think_s=args.think_s,
+        tenants=args.tenants, system_words=tuple(args.system_words),
+        user_words=tuple(args.user_words), max_tokens=args.max_tokens, think_s=args.think_s,
         stagger_s=args.stagger_s, seed=args.seed)
     plan = chat_plan.build(params)
     plan_path = os.path.join(args.out, "plan.json")
@@ -203,7 +225,8 @@ def run(args, targets: list[dict]) -> int:
         a, b = (summary["targets"][t["label"]] for t in targets)
         summary["ratios_first_over_second"] = {
             k: (a[k] / b[k] if a[k] is not None and b[k] else None)
-            for k in ("ttft_p50_turns2plus_ms", "ttft_p50_turn1_ms", "output_tokens_per_s",
+            for k in ("ttft_p50_turns2plus_ms", "ttft_mean_turns2plus_ms", "ttft_p50_turn1_ms",
+                      "output_tokens_per_s",
                       "cached_share_of_history", "e2e_p50_ms")}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -21,6 +21,10 @@ from serve_app.server import ModelServer
 
 INGRESS_NAME = "ingress"
 ROUTER_CLASS = "serve_app.routing.CapacityRouter"
+INGRESS_SHUTDOWN_POLL_S = 0.5
+# After a model replica ends a stream (or is killed mid-stream), the old ingress still writes
+# the stream's last events (finish or error, then [DONE]) before it may be stopped.
+INGRESS_RELAY_MARGIN_S = 5.0
 
 
 log = logging.getLogger("orchard.app")
@@ -68,6 +72,26 @@ def actor_options(cfg: OrchardConfig, resources) -> dict[str, Any]:
     return opts
 
 
+def model_shutdown_budget_s(cfg: OrchardConfig) -> float:
+    """How long Serve lets a model replica drain before killing it: its requests' drain, then
+    the engine's shutdown and the handoff export."""
+    return cfg.drain_timeout_s + 5.0
+
+
+def ingress_deployment_options(cfg: OrchardConfig) -> dict[str, Any]:
+    return dict(
+        name=INGRESS_NAME, num_replicas=1,
+        ray_actor_options=actor_options(cfg, cfg.ingress_resources),
+        max_ongoing_requests=10_000,
+        # A redeploy replaces the ingress while streams run through it. Serve's default budget
+        # (20 s) cut streams their model replica was still serving; the old ingress now outlives
+        # the model replicas' drain by the time to relay a stream's last events, and checks
+        # every 0.5 s (Serve's default: 2 s) so it leaves right after its last stream.
+        graceful_shutdown_wait_loop_s=INGRESS_SHUTDOWN_POLL_S,
+        graceful_shutdown_timeout_s=model_shutdown_budget_s(cfg) + INGRESS_RELAY_MARGIN_S,
+    )
+
+
 def model_deployment_options(cfg: OrchardConfig, model) -> dict[str, Any]:
     extra = {"max_replicas_per_node": model.max_replicas_per_node} \
         if model.max_replicas_per_node else {}
@@ -82,7 +106,7 @@ def model_deployment_options(cfg: OrchardConfig, model) -> dict[str, Any]:
         health_check_period_s=1.0,
         health_check_timeout_s=30.0,
         graceful_shutdown_wait_loop_s=1.0,
-        graceful_shutdown_timeout_s=cfg.drain_timeout_s + 5.0,
+        graceful_shutdown_timeout_s=model_shutdown_budget_s(cfg),
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER_CLASS,
             request_router_kwargs={
@@ -102,9 +126,7 @@ def build_app(config: OrchardConfig | dict[str, Any]):
         dep = serve.deployment(ModelDeployment, **model_deployment_options(cfg, m))
         handles[m.id] = dep.bind(model=model, kv_format=cfg.kv_format_for(m),
                                  capacity=cfg.capacity, drain_timeout_s=cfg.drain_timeout_s)
-    ingress = serve.deployment(OrchardIngress, name=INGRESS_NAME, num_replicas=1,
-                               ray_actor_options=actor_options(cfg, cfg.ingress_resources),
-                               max_ongoing_requests=10_000)
+    ingress = serve.deployment(OrchardIngress, **ingress_deployment_options(cfg))
     return ingress.bind(cfg, handles)
 
 
