@@ -54,7 +54,7 @@ def bounds(spec: dict, cfg: dict) -> dict:
     Serve's routers drop the replica and tell the capacity actor (`retire`). Independently,
     the capacity ledger stops counting a replica silent for `stale_after_s` (its feed's
     `replicas`). The values are Ray's and the ledger's own defaults, overridden where
-    cluster.yaml's head start command sets RAY_health_check_* (it sets none today)."""
+    cluster.yaml's head start command sets RAY_health_check_* (it sets all three: 10 s)."""
     from ray._raylet import Config
 
     from capacity.ledger import LedgerConfig
