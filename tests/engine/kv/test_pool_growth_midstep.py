@@ -36,7 +36,12 @@ def test_a_decode_row_whose_page_cannot_be_had_finishes_with_memory_and_others_g
     whole = Engine(cfg)
     monkeypatch.setattr(budget, "FIRST_SLAB_BYTES", 0)   # the slab: one page per sequence (16)
     monkeypatch.setattr(KVStore, "grow", _failing_grow)
-    stuck = Engine(cfg)
+    refunds = []
+
+    def trace(event, **fields):
+        if event == "refund":
+            refunds.append(fields["request"])
+    stuck = Engine(cfg, trace=trace)
     # 97 + 15 tokens: 7 pages from its prefill to its end, so it never needs another one.
     fits = greq("fits", prompt(97, seed=7), max_tokens=15)
     # 140 prompt tokens: 9 pages, which fill the 16-page slab with the 7 above; the token at
@@ -57,6 +62,7 @@ def test_a_decode_row_whose_page_cannot_be_had_finishes_with_memory_and_others_g
         assert 0 < n < 40 and tokens(got_grows) == tokens(want_grows)[:n]
         assert got_fits[-1].finish_reason == "length"
         assert tokens(got_fits) == tokens(want_fits)
+        assert refunds[:2] == ["grows", "fits"]   # "fits" ran on after "grows" was turned away
         sched = stuck.scheduler
         assert sched.counters["finished_memory"] == 1
         assert sched.counters["kv_growth_failed"] >= 1
@@ -80,7 +86,12 @@ def test_a_page_the_pool_cannot_grow_for_is_taken_from_the_prefix_cache(tiny_lla
     whole = Engine(cfg)
     monkeypatch.setattr(budget, "FIRST_SLAB_BYTES", 0)
     monkeypatch.setattr(KVStore, "grow", _failing_grow)
-    stuck = Engine(cfg)
+    refunds = []
+
+    def trace(event, **fields):
+        if event == "refund":
+            refunds.append(fields["request"])
+    stuck = Engine(cfg, trace=trace)
     # 97 + 15 tokens leave 6 full pages in the cache; then 140 + 40 tokens need 12 pages of the
     # 10 the 16-page slab has left.
     cached = greq("cached", prompt(97, seed=7), max_tokens=15)
