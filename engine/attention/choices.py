@@ -41,10 +41,11 @@ class KernelChoices:
     # target, sets the split count (4K keys / 256 = 16 splits: 32 blocks of a 2-KV-head layer
     # on 132 SMs); `bench.kv --split-min-keys N` measures others.
     decode_split_min_keys: int | None = None
-    # Warps per block of the native decode kernel (None: cuda/paged_decode.WARPS, 4), capped by
-    # its shared memory (block_warps). Applied to compiled decode steps only (the trace sets
-    # it; the uncompiled call site passes split choices only). Issue 33: at batch 1 a short row
-    # is one block of 4 warps per KV head; `bench.decode_sweep` measures 16.
+    # Warps per block of the native decode kernel, capped by its shared memory (block_warps).
+    # None: 16 on a grid of at most 16 blocks (batch 1-2 at short contexts), else 4
+    # (cuda/paged_decode.launch_warps; measured by `bench.decode_sweep`, issue 33). A count
+    # given here reaches compiled decode steps only (the trace sets it; the uncompiled call
+    # site passes split choices only).
     decode_warps: int | None = None
     # Compiled decode steps also return the argmax of the compute-dtype logits (exact: the
     # float32 cast is monotone), so a greedy batch needs no float32 cast, argmax and int32 cast

@@ -48,6 +48,13 @@ SHARED_FLOATS = 10240
 # The warp count compiled traces ask for (`decode_warps`): a context variable, not an argument,
 # because the call site in engine/attention/paged.py passes split choices only. None: WARPS.
 _ASKED_WARPS: ContextVar[int | None] = ContextVar("orchard_decode_warps", default=None)
+# Unasked, a grid of at most SMALL_GRID_BLOCKS blocks (batch 1-2 at short contexts: one split,
+# rows x KV heads blocks) gets SMALL_GRID_WARPS warps per block. Measured on the H200 at batch
+# 1 after 160 tokens (bench.decode_sweep, docs/lab/decode-graph-8b.md "Sweep run 1"): 16 warps
+# made the Llama-3.1-8B step 5.06-5.20 ms against 5.93-6.05 with 4, the 1B step 1.69-2.26
+# against 2.11-2.42. Larger grids keep WARPS (not measured with more).
+SMALL_GRID_BLOCKS = 16
+SMALL_GRID_WARPS = 16
 
 HEADER = """
 #include <cuda_bf16.h>
@@ -203,6 +210,14 @@ def block_warps(asked: int | None, group: int, head_dim: int) -> int:
     return warps
 
 
+def launch_warps(asked: int | None, blocks: int, group: int, head_dim: int) -> int:
+    """Warps per block for a native decode launch of `blocks` blocks: `asked` where given, else
+    SMALL_GRID_WARPS on a small grid and WARPS on a larger one (capped as block_warps caps)."""
+    if asked is None and blocks <= SMALL_GRID_BLOCKS:
+        asked = SMALL_GRID_WARPS
+    return block_warps(asked, group, head_dim)
+
+
 @contextmanager
 def asked_warps(warps: int | None):
     """Native decode kernels launched inside take `warps` warps per block (see _ASKED_WARPS;
@@ -341,13 +356,15 @@ def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, pa
     copy), and every reader of the pages runs on the same stream after this kernel, or reads
     them on the host only after the step retired (as the engine does).
 
-    `warps`: warps per block (None: what `asked_warps` set, else WARPS; see block_warps)."""
+    `warps`: warps per block (None: what `asked_warps` set, else SMALL_GRID_WARPS on a grid of
+    at most SMALL_GRID_BLOCKS blocks and WARPS on larger ones; see block_warps)."""
     b, hq, _, d = q.shape
     kvh, num_pages, page_tokens, _ = k_pages.shape
     splits = split_count(b, kvh, longest, target_blocks, min_keys)
     extra = [] if own is None else [a if a.dtype == k_pages.dtype else a.astype(k_pages.dtype)
                                     for a in own]
-    nw = block_warps(warps if warps is not None else _ASKED_WARPS.get(), hq // kvh, d)
+    nw = launch_warps(warps if warps is not None else _ASKED_WARPS.get(), b * kvh * splits,
+                      hq // kvh, d)
     return launch_split(
         _native_kernel(own is not None, nw),
         [q, k_pages, v_pages, pages, ends, _dims(hq, kvh, num_pages, pages.shape[1]),

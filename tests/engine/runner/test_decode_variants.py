@@ -204,3 +204,11 @@ def test_decode_sweep_runs_on_a_tiny_shape(tmp_path):
     assert "sdpa_vector_contiguous" in res["attention_alone"]
     assert res["matmul_alone"]["qkv"]["x_WT_gemv"]["us"] > 0
     assert res["limit_tok_s"] > 0
+
+
+def test_unasked_launches_widen_only_small_grids():
+    # Batch 1 at the 8B shape after a short prompt: 8 KV heads, one split -> 8 blocks.
+    assert pd.launch_warps(None, 8, 4, 128) == pd.SMALL_GRID_WARPS == 16
+    assert pd.launch_warps(None, pd.SMALL_GRID_BLOCKS + 1, 4, 128) == pd.WARPS   # batch 8
+    assert pd.launch_warps(4, 8, 4, 128) == pd.WARPS     # an asked count wins (A/B runs)
+    assert pd.launch_warps(None, 8, 8, 128) == 8         # still capped by shared memory
