@@ -208,7 +208,11 @@ class CapacitySettings(_Strict):
         description="how long a request may wait in the capacity queue (FIFO per model at the "
         "actor) before 429; bounded by the first-token deadline; 0 = refuse at once. "
         "`hold_wait_s` is the old name")
-    max_queued: int = Field(64, ge=0, description="requests per model one ingress lets wait "
+    # 1024, not 64: on the H200 a burst of 256 SmolLM2 requests in 2 s (a queue the replica
+    # drains in seconds) had half refused at once by a bound of 64, where mlx_lm.server served
+    # all (docs/lab/benchmarks-serve-gpu.md, run 5). The wait is bounded in time by
+    # queue_timeout_s; this count only caps what one ingress holds open.
+    max_queued: int = Field(1024, ge=0, description="requests per model one ingress lets wait "
                             "for capacity; beyond that a request is refused (429) at once")
     decode_floor_tps: float | None = Field(
         None, gt=0, description="TPOT objective: per-request decode tok/s a user must still see "
