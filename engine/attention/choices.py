@@ -99,7 +99,10 @@ class KernelChoices:
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is
     # the tiled path that dequantizes every key each step); the CPU keeps page_key_scores
     # (MLX's CPU quantized_matmul is a scalar loop). `bench.device.page_key_qmm` measures it.
-    page_key_qmm: bool | None = None
+    # Off by default until it has run on a GPU: its first device run (2026-12-04) timed out
+    # in the correctness child (MLX's first quantized-kernel builds), so it was never checked
+    # or timed there, and MLX's CUDA quantized matmul has faulted on this machine before.
+    page_key_qmm: bool | None = False
     # Its matmuls with bf16 activations (tensor cores on CUDA) instead of float32: the folded
     # queries and the probabilities rounded to bf16 as native attention's are, and the value
     # scales and offsets rounded to bf16 as the kernels take them (stored bytes unchanged).
