@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+from pathlib import Path
 
 from bench.output import run_bench
 from engine.model.names import MODEL_HELP, model_arg
@@ -127,7 +128,8 @@ def run(args) -> dict:
                for t in PROMPTS[:args.prompts]]
     refs = [reference(model, p, args.tokens) for p in prompts]
     del model
-    out = {"model": str(args.model), "device": str(mx.default_device()), "tokens": args.tokens,
+    # The folder's name, not its path: the JSON lands in docs/ (no machine paths there).
+    out = {"model": Path(str(path)).name, "device": str(mx.default_device()), "tokens": args.tokens,
            "prompts": len(prompts), "formats": {}}
     for fmt in args.formats.split(","):
         eng = Engine(EngineConfig(model=str(path), kv_format=fmt, max_num_seqs=len(prompts)))
