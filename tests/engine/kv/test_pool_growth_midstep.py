@@ -25,6 +25,20 @@ def _failing_grow(self, num_pages):
     raise MemoryError("fake: the memory the budget was planned from is gone")
 
 
+def _engines(cfg, monkeypatch):
+    """An engine with the whole pool, then one whose pool is a 16-page slab that cannot grow
+    (one page per sequence), recording the order its requests are refunded in."""
+    whole = Engine(cfg)
+    monkeypatch.setattr(budget, "FIRST_SLAB_BYTES", 0)
+    monkeypatch.setattr(KVStore, "grow", _failing_grow)
+    refunds = []
+
+    def trace(event, **fields):
+        if event == "refund":
+            refunds.append(fields["request"])
+    return whole, Engine(cfg, trace=trace), refunds
+
+
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_a_decode_row_whose_page_cannot_be_had_finishes_with_memory_and_others_go_on(
         tiny_llama, monkeypatch, pipelined):
@@ -33,15 +47,7 @@ def test_a_decode_row_whose_page_cannot_be_had_finishes_with_memory_and_others_g
     monkeypatch.setattr(Engine, "pipeline_decode", pipelined)
     cfg = EngineConfig(model=tiny_llama, kv_budget_bytes=64 * PAGE_BYTES_LLAMA, page_tokens=T,
                        max_step_tokens=64)
-    whole = Engine(cfg)
-    monkeypatch.setattr(budget, "FIRST_SLAB_BYTES", 0)   # the slab: one page per sequence (16)
-    monkeypatch.setattr(KVStore, "grow", _failing_grow)
-    refunds = []
-
-    def trace(event, **fields):
-        if event == "refund":
-            refunds.append(fields["request"])
-    stuck = Engine(cfg, trace=trace)
+    whole, stuck, refunds = _engines(cfg, monkeypatch)
     # 97 + 15 tokens: 7 pages from its prefill to its end, so it never needs another one.
     fits = greq("fits", prompt(97, seed=7), max_tokens=15)
     # 140 prompt tokens: 9 pages, which fill the 16-page slab with the 7 above; the token at
@@ -83,15 +89,7 @@ def test_a_page_the_pool_cannot_grow_for_is_taken_from_the_prefix_cache(tiny_lla
     turning a running request away."""
     cfg = EngineConfig(model=tiny_llama, kv_budget_bytes=64 * PAGE_BYTES_LLAMA, page_tokens=T,
                        max_step_tokens=64, enable_prefix_caching=True)
-    whole = Engine(cfg)
-    monkeypatch.setattr(budget, "FIRST_SLAB_BYTES", 0)
-    monkeypatch.setattr(KVStore, "grow", _failing_grow)
-    refunds = []
-
-    def trace(event, **fields):
-        if event == "refund":
-            refunds.append(fields["request"])
-    stuck = Engine(cfg, trace=trace)
+    whole, stuck, refunds = _engines(cfg, monkeypatch)
     # 97 + 15 tokens leave 6 full pages in the cache; then 140 + 40 tokens need 12 pages of the
     # 10 the 16-page slab has left.
     cached = greq("cached", prompt(97, seed=7), max_tokens=15)
