@@ -12,7 +12,6 @@ view of the nodes is read throughout. Prints one line `FACTS {json}`.
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,7 +21,8 @@ from pathlib import Path
 import yaml
 
 from tests.cluster.node_loss import bounds, two_node_config
-from tests.cluster.scenario import MODEL, Cluster, Load, job_submit, only_if, wait_until
+from tests.cluster.scenario import (MODEL, Cluster, Load, job_submit, only_if, report_facts,
+                                    wait_until)
 
 # How long the load and the busy loops last, in detection bounds: a node that misses its checks
 # under this load does so well within it.
@@ -89,9 +89,4 @@ def main(spec: dict, workdir: str, facts: dict) -> dict:
 
 
 if __name__ == "__main__":
-    found: dict = {}
-    try:
-        main(json.loads(sys.argv[1]), sys.argv[2], found)
-    except Exception as e:  # noqa: BLE001 - reported in the facts, the test fails on it
-        found["error"] = f"{type(e).__name__}: {e}"
-    print("FACTS " + json.dumps(found), flush=True)
+    report_facts(main)

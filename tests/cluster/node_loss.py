@@ -17,7 +17,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import yaml
 
 from tests.cluster.netns import cluster_commands
 from tests.cluster.scenario import (API_KEY, MODEL, Cluster, Load, deploy_config, job_submit,
-                                    only_if, wait_until)
+                                    only_if, report_facts, wait_until)
 
 PROBE_EVERY_S = 0.5           # the prober's open-loop arrivals: one new request each interval
 
@@ -344,9 +343,4 @@ def main(spec: dict, workdir: str, facts: dict) -> dict:
 
 
 if __name__ == "__main__":
-    found: dict = {}
-    try:
-        main(json.loads(sys.argv[1]), sys.argv[2], found)
-    except Exception as e:  # noqa: BLE001 - reported in the facts, the test fails on it
-        found["error"] = f"{type(e).__name__}: {e}"
-    print("FACTS " + json.dumps(found), flush=True)
+    report_facts(main)

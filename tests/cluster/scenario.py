@@ -357,5 +357,17 @@ def main(spec: dict, workdir: str) -> dict:
     return facts
 
 
+def report_facts(scenario) -> None:
+    """A scenario module's entry point: run `scenario(config, repo, facts)` with the command
+    line's arguments and print `FACTS {json}` whatever happens (an exception is reported in the
+    facts, and the test fails on it), so the facts gathered before a failure still reach it."""
+    found: dict = {}
+    try:
+        scenario(json.loads(sys.argv[1]), sys.argv[2], found)
+    except Exception as e:  # noqa: BLE001 - reported in the facts, the test fails on it
+        found["error"] = f"{type(e).__name__}: {e}"
+    print("FACTS " + json.dumps(found), flush=True)
+
+
 if __name__ == "__main__":
     print("FACTS " + json.dumps(main(json.loads(sys.argv[1]), sys.argv[2])), flush=True)
