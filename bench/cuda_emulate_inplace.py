@@ -15,12 +15,13 @@ from bench import cuda_emulate as ce
 
 
 def native_decode(q, k_pages, v_pages, tables, ends, scale, own=None, target_blocks=None,
-                  workdir: Path | None = None):
+                  workdir: Path | None = None, warps: int | None = None):
     """The native decode kernel (cuda/paged_decode.py) and, with several splits, its merge,
     run here with the split plan its host side picks (`paged_decode_attention`'s arguments, as
     numpy float32 arrays that are rounded to bfloat16). `own`: (keys, values) [B, kvh, 1, D] of
     the OWN variant, which attends to them and writes them into the pages. Returns
-    (out [B, Hq, 1, D], k_pages, v_pages after the kernel), float32."""
+    (out [B, Hq, 1, D], k_pages, v_pages after the kernel), float32. `warps`: warps per block
+    (None: pd.WARPS; KernelChoices.decode_warps' kernel variants)."""
     import mlx.core as mx
 
     from engine.attention.cuda import paged_decode as pd
@@ -41,11 +42,13 @@ def native_decode(q, k_pages, v_pages, tables, ends, scale, own=None, target_blo
     parts = rows * hq * (splits if splits > 1 else 1)
     template = [("D", d), ("G", hq // kvh), ("PT", pt), ("TQ", "bfloat16"), ("TK", "bfloat16"),
                 ("OWN", own is not None), ("SPLIT", splits > 1), ("TO", "bfloat16")]
-    name = "orchard_paged_decode" + ("_own" if own is not None else "")
+    warps = warps or pd.WARPS
+    name = ("orchard_paged_decode" + ("_own" if own is not None else "")
+            + (f"_w{warps}" if warps != pd.WARPS else ""))
     out, part, ml, kp, vp = ce.run(
         name, inputs, [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")],
-        pd._native_source(own is not None), "", template, arrays,
-        [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits), pd.THREADS, workdir,
+        pd._native_source(own is not None, warps), "", template, arrays,
+        [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits), 32 * warps, workdir,
         writes=(1, 2))
     if splits > 1:
         (out,) = ce.run("orchard_decode_merge", [("part", "float32"), ("ml", "float32"),

@@ -36,34 +36,10 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 def _emulated(q, kp, vp, tables, ends, own, warps, workdir):
     """The native kernel (OWN variant) with `warps` warps per block and, split, its merge, on
     the emulator with the split plan its host side picks; (out, k pages, v pages)."""
-    from bench import cuda_emulate as ce
+    from bench.cuda_emulate_inplace import native_decode
 
-    rows, hq, _, d = q.shape
-    kvh, num_pages, pt, _ = kp.shape
-    splits = pd.split_count(rows, kvh, int(ends.max()))
-    parts = rows * hq * (splits if splits > 1 else 1)
-    inputs = [("q", "bfloat16"), ("kp", "bfloat16"), ("vp", "bfloat16"), ("pages", "int32"),
-              ("ends", "int32"), ("dims", "int32"), ("scale", "float32"),
-              ("kn", "bfloat16"), ("vn", "bfloat16")]
-    arrays = [ce._bits16(mx.array(a)) for a in (q, kp, vp)] + [
-        tables, ends, np.array([hq, kvh, num_pages, tables.shape[1]], np.int32),
-        np.array([d ** -0.5], np.float32), ce._bits16(mx.array(own[0])),
-        ce._bits16(mx.array(own[1]))]
-    template = [("D", d), ("G", hq // kvh), ("PT", pt), ("TQ", "bfloat16"), ("TK", "bfloat16"),
-                ("OWN", True), ("SPLIT", splits > 1), ("TO", "bfloat16")]
-    out, part, ml, k_after, v_after = ce.run(
-        f"orchard_paged_decode_own_w{warps}", inputs,
-        [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")],
-        pd._native_source(True, warps), "", template, arrays,
-        [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits), 32 * warps, workdir,
-        writes=(1, 2))
-    if splits > 1:
-        (out,) = ce.run("orchard_decode_merge", [("part", "float32"), ("ml", "float32"),
-                                                 ("dims", "int32")], [("out", "bfloat16")],
-                        pd._MERGE, "", [("D", d), ("TO", "bfloat16")],
-                        [part, ml, np.array([splits], np.int32)], [(rows, hq, 1, d)],
-                        (rows * hq, 1), d, workdir)
-    return out, k_after, v_after
+    return native_decode(q, kp, vp, tables, ends, q.shape[-1] ** -0.5, own=own,
+                         workdir=workdir, warps=warps)
 
 
 def test_wider_blocks_attend_and_write_as_the_four_warp_kernel_on_cpu_fibers(tmp_path):
