@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def say(msg: str) -> None:
@@ -67,10 +69,100 @@ def connect(address: str | None, namespace: str, start_local: bool,
     if cluster_env:
         # A local Ray's controller and proxy inherit this process's environment.
         os.environ.update(cluster_env)
-    ray.init(address=None if start_local else address, namespace=namespace,
-             runtime_env=_runtime_env(cluster_env),
-             include_dashboard=False if start_local else None, log_to_driver=False,
-             _system_config=LOCAL_RAY_SYSTEM_CONFIG if start_local else None)
+
+    def init():
+        return ray.init(address=None if start_local else address, namespace=namespace,
+                        runtime_env=_runtime_env(cluster_env),
+                        include_dashboard=False if start_local else None, log_to_driver=False,
+                        _system_config=LOCAL_RAY_SYSTEM_CONFIG if start_local else None)
+
+    if start_local:
+        start_with_retry(init)
+    else:   # joining a cluster starts no node of ours: nothing to clean up or retry
+        init()
+
+
+# A new local node must register its raylet with its GCS within 30 s or ray.init raises a plain
+# Exception ("The current node timed out during startup"). The 30 s is a local variable in
+# ray/_private/node.py (Node.__init__, Ray 2.60): no config or environment setting reaches it
+# (RAY_raylet_start_wait_time_s is a different wait, the C++ one of a driver joining a cluster).
+# With every core busy, registration can take longer (seen: 1-3 of 64 tests per
+# `make test-loaded`). The failed node never becomes Ray's global node, so ray.shutdown() does not
+# stop its processes: discard_failed_node() does, then the start is tried again.
+RAY_START_ATTEMPTS = 3
+RAY_START_TIMEOUT = "The current node timed out during startup"
+
+
+def is_start_timeout(e: BaseException) -> bool:
+    return type(e) is Exception and str(e).startswith(RAY_START_TIMEOUT)
+
+
+def start_with_retry(start: Callable[[], T], attempts: int = RAY_START_ATTEMPTS) -> T:
+    """`start()` (a local ray.init, or a ray.cluster_utils head node), tried again up to `attempts`
+    times in all when it fails with Ray's node start-up timeout; any other error at once."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return start()
+        except Exception as e:  # noqa: BLE001 - anything but the start-up timeout is re-raised
+            if not is_start_timeout(e) or attempt == attempts:
+                raise
+            say(f"Ray's new node did not register within Ray's 30 s (attempt {attempt} of "
+                f"{attempts}; a busy machine?): stopping that node and starting again")
+            ray.shutdown()
+            pids = discard_failed_node(e)
+            say(f"  stopped {len(pids)} process(es) of the failed node: {sorted(pids)}" if pids
+                else "  found no process of the failed node (its reaper stops them at exit)")
+    raise AssertionError("unreachable")
+
+
+def discard_failed_node(e: BaseException) -> list[int]:
+    """Stop every process of the node whose start-up raised `e`, and only those: the Node is
+    found in the traceback (node.py raises inside Node.__init__); its own process handles (GCS,
+    raylet, reaper, ...) are stopped as ray.shutdown() would, then any process still running
+    with that node's session directory on its command line (the raylet's workers and agents).
+    The session directory name carries a timestamp and this process's pid, so other Ray
+    instances on the machine never match. Returns the pids that were running."""
+    import re
+
+    import psutil
+
+    node = failed_node(e)
+    if node is None:
+        return []
+    session = re.compile(re.escape(node.get_session_dir_path().rstrip("/")) + "(/|$)")
+    mine = {info.process.pid for infos in node.all_processes.values() for info in infos
+            if info.process.poll() is None}
+    others = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.info["pid"] not in mine and any(
+                    session.search(a) for a in (p.info["cmdline"] or ())):
+                others.append(p)
+        except (psutil.Error, TypeError):
+            continue
+    node.kill_all_processes(check_alive=False, allow_graceful=True, wait=True)
+    for p in others:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(others, timeout=10)
+    return [*mine, *(p.pid for p in others)]
+
+
+def failed_node(e: BaseException):
+    """The ray._private.node.Node whose __init__ raised `e`, if it is in the traceback."""
+    from ray._private.node import Node
+
+    tb = e.__traceback__
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if isinstance(obj, Node):
+            return obj
+        tb = tb.tb_next
+    return None
 
 
 def wait_port_free(host: str, port: int, timeout_s: float = 30.0) -> None:
