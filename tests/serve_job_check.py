@@ -25,16 +25,27 @@ import yaml
 def main(model_dir: str, config_dir: str) -> dict:
     from ray.cluster_utils import Cluster
 
+    from serve_app.launch import LOCAL_RAY_SYSTEM_CONFIG, start_with_retry
     from tests.fixtures.serve import free_port, make_config, wait_http_ok
 
     facts: dict = {}
     dash_port = free_port()
-    cluster = Cluster(initialize_head=True, head_node_args={
+    head_args = {
         "num_cpus": 2, "gcs_server_port": free_port(), "include_dashboard": True,
         "dashboard_host": "127.0.0.1", "dashboard_port": dash_port,
         # Fixed defaults (52365, ...) collide with other Ray instances on a shared machine.
         "dashboard_agent_listen_port": free_port(), "runtime_env_agent_port": free_port(),
-        "metrics_export_port": free_port()})
+        "metrics_export_port": free_port(),
+        # As `orchard serve`'s local Ray and cluster.yaml's nodes: workers at normal priority.
+        # At Ray's default (niceness 15) Serve's controller, proxy, the capacity actor and the
+        # replica got about 3 % of a core each next to one busy loop per core, and the job's
+        # deploy ran past the 300 s below (issue 34).
+        "_system_config": LOCAL_RAY_SYSTEM_CONFIG}
+    cluster = Cluster()
+    t0 = time.monotonic()
+    # The head's raylet may miss Ray's fixed 30 s registration wait on a busy machine.
+    start_with_retry(lambda: cluster.add_node(**head_args))
+    facts["head_start_s"] = round(time.monotonic() - t0, 1)
     try:
         http_port = free_port()
         cfg_path = os.path.join(config_dir, "config.yaml")
