@@ -8,7 +8,7 @@ USAGE = """usage: python -m loadtest COMMAND [options]
 commands:
   run          one named scenario against one OpenAI-compatible target (Locust, headless)
   bench-serve  the same schedule against several targets (Orchard per KV format, mlx_lm.server)
-  chat         multi-turn conversations (growing history, several tenants) against targets at once
+  chat         multi-turn conversations (growing history, several tenants), targets one after another
 
 `python -m loadtest COMMAND --help` lists each command's options."""
 

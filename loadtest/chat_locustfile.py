@@ -1,6 +1,6 @@
 """Locust entry of the multi-turn chat scenario: one user plays every conversation of the plan
-against every target at once (one greenlet per conversation and target), so the targets are
-compared in one run under the same load on the same box.
+against every target it is given at once (one greenlet per conversation and target): one target
+per run in the chat command's default (sequential) mode, all of them with `--simultaneous`.
 
 Run through `python -m loadtest chat` (loadtest/multiturn.py), which writes the plan and reads
 the records. Each turn streams (TTFT on the first content event), sends the whole history, and

@@ -1,31 +1,34 @@
-"""`python -m loadtest chat`: the multi-turn chat scenario against one or more targets at once.
+"""`python -m loadtest chat`: the multi-turn chat scenario against one or more targets.
 
     python -m loadtest chat --target label=prefix,url=http://127.0.0.1:8001,model=smollm2 \\
         --target label=capacity,url=http://127.0.0.1:8002,model=smollm2 --out OUT
     python -m loadtest chat --serve prefix=CONFIG_A.yaml --serve capacity=CONFIG_B.yaml \\
         --model smollm2 --out OUT        # starts `orchard serve CONFIG` per label, stops them
 
-Every conversation of the plan (loadtest/chat_plan.py) runs against every target at the same
-time, in one Locust run, so targets share the box's load and are compared as ratios. While it
-runs, each target's /metrics is sampled for requests running per replica against the learned
-concurrency cap. API keys (one tenant each) come from $ORCHARD_LOADTEST_API_KEYS (comma-separated).
-Writes OUT/plan.json, OUT/chat_records.json and OUT/summary.json; talks HTTP only.
+By default the targets run one after another (loadtest/chat_legs.py): each plays the identical
+plan (loadtest/chat_plan.py: same conversations, texts, think times, seed) alone on the box, a
+`--serve` target on a server started for its leg and stopped before the next one starts.
+`--simultaneous` plays every conversation against every target at the same time, in one Locust
+run, so targets share the box's load. Either way they are compared as ratios. While a leg runs,
+each of its targets' /metrics is sampled for requests running per replica against the learned
+concurrency cap. API keys (one tenant each) come from $ORCHARD_LOADTEST_API_KEYS
+(comma-separated). Writes OUT/plan.json, OUT/chat_records.json (every leg's records) and
+OUT/summary.json (loadtest/chat_summary.py); talks HTTP only.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
-import re
 import signal
-import statistics
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 
-from loadtest import chat_plan
+from loadtest import chat_legs, chat_plan, chat_summary
+from loadtest.chat_summary import p50, summarize, switched  # noqa: F401 - this module's API
+from loadtest.chat_watch import CapWatch, metrics_sample
 
 LOCUSTFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_locustfile.py")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +43,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--serve", action="append", default=[],
                    help="LABEL=CONFIG.yaml: start `orchard serve CONFIG` as target LABEL")
     p.add_argument("--model", default="", help="model id for --serve targets")
+    p.add_argument("--simultaneous", action="store_const", dest="mode",
+                   const=chat_legs.SIMULTANEOUS, default=chat_legs.SEQUENTIAL,
+                   help="play the plan against every target at once (default: one target "
+                        "after another, each --serve server fresh and alone)")
     p.add_argument("--out", required=True)
     d = chat_plan.ChatParams()
     p.add_argument("--conversations", type=int, default=d.conversations)
@@ -66,91 +73,39 @@ def parse_target(spec: str) -> dict:
     return {"label": fields["label"], "url": fields["url"].rstrip("/"), "model": fields["model"]}
 
 
-_RUNNING = re.compile(r'^vllm:num_requests_running\{[^}]*replica="([^"]+)"[^}]*\} (\S+)$', re.M)
-_CAP = re.compile(r'^orchard:concurrency_cap\{[^}]*\} (\S+)$', re.M)
-_EVENT = re.compile(r'^orchard:router_events\{event="(\w+)"\} (\S+)$', re.M)
+def entries(args: argparse.Namespace) -> list[chat_legs.Entry]:
+    """--target entries first, then --serve entries, each in the order given."""
+    out = [chat_legs.Entry(t["label"], t["model"], url=t["url"])
+           for t in map(parse_target, args.target)]
+    if args.serve and not args.model:
+        raise SystemExit("--serve needs --model (the model id in the configs)")
+    for spec in args.serve:
+        label, config = spec.split("=", 1)
+        out.append(chat_legs.Entry(label, args.model, config=config))
+    if not out:
+        raise SystemExit("give at least one --target or --serve")
+    return out
 
 
-def metrics_sample(url: str) -> dict:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    caps = [float(v) for v in _CAP.findall(text)]
-    return {"running": {rid: float(v) for rid, v in _RUNNING.findall(text)},
-            "cap": min(caps) if caps else None,
-            "router_events": {k: float(v) for k, v in _EVENT.findall(text)}}
+def params_of(args: argparse.Namespace) -> chat_plan.ChatParams:
+    return chat_plan.ChatParams(
+        conversations=args.conversations, min_turns=args.min_turns, max_turns=args.max_turns,
+        tenants=args.tenants, system_words=tuple(args.system_words),
+        user_words=tuple(args.user_words), max_tokens=args.max_tokens, think_s=args.think_s,
+        stagger_s=args.stagger_s, seed=args.seed)
 
 
-class CapWatch(threading.Thread):
-    """Samples each target's replicas: the most requests seen running on one, and the cap."""
+def serve(out: str):
+    """chat_legs' `start`: `orchard serve CONFIG` on a fresh home and Ray, logged under OUT."""
+    from loadtest import orchard_proc
 
-    def __init__(self, targets: list[dict], period_s: float):
-        super().__init__(daemon=True)
-        self.targets, self.period_s = targets, period_s
-        self.stop_event = threading.Event()
-        self.seen = {t["label"]: {"samples": 0, "max_running": 0.0, "over_cap_samples": 0,
-                                  "caps": []} for t in targets}
+    def start(entry: chat_legs.Entry):
+        print(f"[chat] starting orchard serve {entry.config} as {entry.label}", flush=True)
+        srv = orchard_proc.start(None, os.path.join(out, f"orchard-{entry.label}.log"),
+                                 config=entry.config)
+        return {"label": entry.label, "url": srv.url, "model": entry.model}, srv.stop
 
-    def run(self) -> None:
-        while not self.stop_event.wait(self.period_s):
-            for t in self.targets:
-                try:
-                    s = metrics_sample(t["url"])
-                except OSError:
-                    continue
-                seen = self.seen[t["label"]]
-                seen["samples"] += 1
-                top = max(s["running"].values(), default=0.0)
-                seen["max_running"] = max(seen["max_running"], top)
-                if s["cap"] is not None:
-                    if s["cap"] not in seen["caps"]:
-                        seen["caps"].append(s["cap"])
-                    seen["over_cap_samples"] += top > s["cap"]
-
-
-def p50(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def switched(ok: list[dict]) -> dict:
-    """Later turns served by another replica than their conversation's previous turn: a
-    capacity-only router must move some conversations for routing, not cache size, to be what
-    the two targets differ in; `missed_half` counts turns with under half their history cached."""
-    where = {(r["conversation"], r["turn"]): r.get("replica") for r in ok}
-    pairs = [(where.get((r["conversation"], r["turn"] - 1)), r.get("replica"))
-             for r in ok if r["turn"] >= 2]
-    known = [(a, b) for a, b in pairs if a and b]
-    return {"turns_with_replicas": len(known), "switched": sum(a != b for a, b in known),
-            "switched_share": sum(a != b for a, b in known) / len(known) if known else None,
-            "missed_half": sum((r["cached_tokens"] or 0) < 0.5 * (r["history_tokens"] or 0)
-                               for r in ok if r["turn"] >= 2)}
-
-
-def summarize(rows: list[dict], label: str) -> dict:
-    mine = [r for r in rows if r["target"] == label]
-    ok = [r for r in mine if r["status"] == 200 and r["error"] is None and r["chunk_times"]]
-    later = [r for r in ok if r["turn"] >= 2]
-    history = sum(r["history_tokens"] or 0 for r in later)
-    cached = sum(r["cached_tokens"] or 0 for r in later)
-    out_tokens = sum(r["output_tokens"] or 0 for r in ok)
-    # Each target's own span (first send to last end): targets run at once but finish apart.
-    span = (max(r["sent"] + r["done"] for r in ok) - min(r["sent"] for r in ok)) if ok else 0.0
-    return {
-        "turns": len(mine), "ok": len(ok), "failed": len(mine) - len(ok),
-        "conversations": len({r["conversation"] for r in mine}),
-        "ttft_p50_turn1_ms": p50([r["chunk_times"][0] * 1000 for r in ok if r["turn"] == 1]),
-        "ttft_p50_turns2plus_ms": p50([r["chunk_times"][0] * 1000 for r in later]),
-        "prompt_tokens_turns2plus": sum(r["prompt_tokens"] or 0 for r in later),
-        "history_tokens_turns2plus": history,
-        "cached_tokens_turns2plus": cached,
-        "cached_share_of_history": cached / history if history else None,
-        "output_tokens": out_tokens,
-        "span_s": span,
-        "output_tokens_per_s": out_tokens / span if span else None,
-        "e2e_p50_ms": p50([r["done"] * 1000 for r in ok]),
-        "ttft_mean_turns2plus_ms": (statistics.fmean(r["chunk_times"][0] * 1000 for r in later)
-                                    if later else None),
-        "later_turns": switched(ok),
-    }
+    return start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,51 +113,52 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a timeout, a kill) must still stop the servers this run started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.makedirs(args.out, exist_ok=True)
-    targets = [parse_target(t) for t in args.target]
-    servers = []
-    try:
-        if args.serve:
-            from loadtest import orchard_proc
-
-            if not args.model:
-                raise SystemExit("--serve needs --model (the model id in the configs)")
-            for spec in args.serve:
-                label, config = spec.split("=", 1)
-                print(f"[chat] starting orchard serve {config} as {label}", flush=True)
-                srv = orchard_proc.start(None, os.path.join(args.out, f"orchard-{label}.log"),
-                                         config=config)
-                servers.append(srv)
-                targets.append({"label": label, "url": srv.url, "model": args.model})
-        if not targets:
-            raise SystemExit("give at least one --target or --serve")
-        return run(args, targets)
-    finally:
-        for srv in servers:
-            srv.stop()
-
-
-def run(args, targets: list[dict]) -> int:
-    params = chat_plan.ChatParams(
-        conversations=args.conversations, min_turns=args.min_turns, max_turns=args.max_turns,
-        tenants=args.tenants, system_words=tuple(args.system_words),
-        user_words=tuple(args.user_words), max_tokens=args.max_tokens, think_s=args.think_s,
-        stagger_s=args.stagger_s, seed=args.seed)
+    todo = entries(args)
+    params = params_of(args)
     plan = chat_plan.build(params)
+    plan_text = chat_plan.to_json(params, plan)
     plan_path = os.path.join(args.out, "plan.json")
-    rec_path = os.path.join(args.out, "chat_records.json")
     with open(plan_path, "w") as f:
-        f.write(chat_plan.to_json(params, plan))
-    before = {t["label"]: metrics_sample(t["url"])["router_events"] for t in targets}
+        f.write(plan_text)
     longest = max(c.start_s + len(c.users) * (params.think_s + 120) for c in plan)
+    n_legs = len(chat_legs.legs(todo, args.mode))
+    count = iter(range(n_legs))
+
+    def leg(targets: list[dict]) -> dict:
+        i = next(count)
+        print(f"[chat] leg {i + 1}/{n_legs} ({args.mode}): "
+              f"{', '.join(t['label'] for t in targets)}", flush=True)
+        rec_path = os.path.join(args.out, f"chat_records-leg{i + 1}.json")
+        return run_leg(targets, plan_path, rec_path, longest, args.sample_s)
+
+    results = chat_legs.run_legs(todo, args.mode, serve(args.out), leg)
+    with open(os.path.join(args.out, "chat_records.json"), "w") as f:
+        json.dump({"mode": args.mode, "wall_s": sum(r["wall_s"] for r in results),
+                   "legs": [{"labels": r["labels"], "wall_s": r["wall_s"]} for r in results],
+                   "records": [row for r in results for row in r["records"]]}, f)
+    summary = chat_summary.build(chat_plan.asdict(params), args.mode, results, os.cpu_count(),
+                                 hashlib.sha256(plan_text.encode()).hexdigest())
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps(summary, indent=1))
+    failed = sum(s["failed"] for s in summary["targets"].values())
+    return 0 if summary["locust_exit_code"] == 0 and failed == 0 else 1
+
+
+def run_leg(targets: list[dict], plan_path: str, rec_path: str, longest_s: float,
+            sample_s: float) -> dict:
+    """One Locust run of the plan against `targets` (all at once); its records and facts."""
+    before = {t["label"]: metrics_sample(t["url"])["router_events"] for t in targets}
     cmd = [sys.executable, "-m", "locust", "-f", LOCUSTFILE, "--headless", "-u", "1", "-r", "1",
-           "-H", targets[0]["url"], "-t", f"{int(longest + 60)}s", "--stop-timeout", "5",
+           "-H", targets[0]["url"], "-t", f"{int(longest_s + 60)}s", "--stop-timeout", "5",
            "--loglevel", "WARNING", "--only-summary", "--plan-file", plan_path,
            "--targets-json", json.dumps(targets), "--records-out", rec_path]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         x for x in (REPO_ROOT, os.environ.get("PYTHONPATH")) if x)}
-    watch = CapWatch(targets, args.sample_s)
+    watch = CapWatch(targets, sample_s)
     watch.start()
     load_before = os.getloadavg()[0]
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     rc = subprocess.call(cmd, env=env)
     watch.stop_event.set()
     watch.join()
@@ -210,26 +166,12 @@ def run(args, targets: list[dict]) -> int:
         raise RuntimeError(f"locust exited {rc} without writing {rec_path}")
     with open(rec_path) as f:
         recorded = json.load(f)
-    summary = {"params": chat_plan.asdict(params), "locust_exit_code": rc,
-               "wall_s": recorded["wall_s"],
-               "host": {"cpus": os.cpu_count(), "loadavg_1m_before": load_before,
-                        "loadavg_1m_after": os.getloadavg()[0]},
-               "targets": {}}
+    events = {}
     for t in targets:
-        s = summarize(recorded["records"], t["label"])
         after = metrics_sample(t["url"])["router_events"]
-        s["router_events"] = {k: v - before[t["label"]].get(k, 0.0) for k, v in after.items()}
-        s["replica_load"] = watch.seen[t["label"]]
-        summary["targets"][t["label"]] = s
-    if len(targets) == 2:
-        a, b = (summary["targets"][t["label"]] for t in targets)
-        summary["ratios_first_over_second"] = {
-            k: (a[k] / b[k] if a[k] is not None and b[k] else None)
-            for k in ("ttft_p50_turns2plus_ms", "ttft_mean_turns2plus_ms", "ttft_p50_turn1_ms",
-                      "output_tokens_per_s",
-                      "cached_share_of_history", "e2e_p50_ms")}
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    print(json.dumps(summary, indent=1))
-    failed = sum(s["failed"] for s in summary["targets"].values())
-    return 0 if rc == 0 and failed == 0 else 1
+        events[t["label"]] = {k: v - before[t["label"]].get(k, 0.0) for k, v in after.items()}
+    return {"labels": [t["label"] for t in targets], "locust_exit_code": rc,
+            "wall_s": recorded["wall_s"], "started_utc": started,
+            "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
+            "records": recorded["records"], "router_events": events,
+            "replica_load": {t["label"]: watch.seen[t["label"]] for t in targets}}
