@@ -11,7 +11,10 @@ Measures, per format (int8, k8v4, int4, int4 without the K rotation; native as a
   prefill;
 - exact-answer generation probes that native answers correctly;
 with paired bootstrap 95% intervals over windows / cases and verdicts against margins declared
-up front (MARGINS; rule in quality.stats).
+up front (MARGINS; rule in quality.stats). Off float32 (bfloat16 on Metal/CUDA) the same weights
+also run natively in float32 and the NLL/KL margins bound a format's excess over native's
+distance to that reference, the noise floor measured in the same run (quality.verdicts.
+REFERENCE_DTYPE, --reference-dtype; docs/quality.md, "bfloat16").
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ from pathlib import Path
 from engine.model.names import MODEL_HELP, model_arg
 from quality.stats import FAIL
 from quality.verdicts import (MARGINS, MIN_MARGIN_NATS, PROBE_POINTS, PROBE_POINTS_BY_FORMAT,
-                              RETRIEVAL_NATIVE_MIN, RETRIEVAL_POINTS, summarize_accuracy,
-                              summarize_nll, verdicts)
+                              REFERENCE_DTYPE, RETRIEVAL_NATIVE_MIN, RETRIEVAL_POINTS,
+                              summarize_accuracy, summarize_floor, summarize_nll, verdicts)
 
 TASKS = ("passkey", "kv")
 FULL = {"nll_tokens": 20480, "retrieval_cases": 100, "probes": 200, "lengths": "512,1024,2048,4096"}
@@ -76,6 +79,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="sequences per forward call (default 4 on the CPU, 64 elsewhere)")
     ap.add_argument("--dtype", default=None, help="compute dtype (default: float32 on the CPU, "
                     "bfloat16 on Metal/CUDA)")
+    ap.add_argument("--reference-dtype", default="auto",
+                    help="noise floor for NLL/KL off float32 (quality.verdicts.REFERENCE_DTYPE): "
+                    "the same weights also run natively in this dtype, every run is scored "
+                    "against it, and the declared NLL/KL margins bound a format's excess over "
+                    "native's (result key 'floor'). auto: float32 when the compute dtype is not "
+                    "float32, else off; none: off (formats judged against native alone)")
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--md", default=None, help="write the markdown report here (docs/quality.md)")
     ap.add_argument("--machine", default=None, help="machine description for the report")
@@ -110,9 +119,24 @@ def _log(msg: str) -> None:
 
 # ------------------------------------------------------------------ the three measurements
 
-def run_nll(loaded, held, a) -> dict:
+def reference_dtype(a: argparse.Namespace, compute: str) -> str | None:
+    """The noise floor's reference dtype for this run, or None (no floor: float32 compute, or
+    --reference-dtype none or equal to the compute dtype)."""
+    want = str(a.reference_dtype).strip().lower()
+    if want == "none":
+        return None
+    if want == "auto":
+        want = REFERENCE_DTYPE
+    from engine.model.loader import resolve_dtype
+    name = str(resolve_dtype(want)).removeprefix("mlx.core.")
+    return None if name == compute else name
+
+
+def run_nll(loaded, held, a, floor: dict | None = None) -> dict:
+    """NLL/KL of each format against native; with a reference dtype (reference_dtype) also
+    against native in that dtype, the noise floor and excesses written into `floor`."""
     from quality.data import text_windows, windows
-    from quality.runs import teacher_forced
+    from quality.runs import teacher_forced, teacher_forced_exact
     per_window = a.window - 1 - a.chunk
     n = max(2, math.ceil(a.nll_tokens / per_window))
     if a.suite == "text":   # half chat prose, half held-out code
@@ -121,7 +145,26 @@ def run_nll(loaded, held, a) -> dict:
     else:
         wins = windows(held.stream, n, a.window)
     _log(f"nll: {n} windows x {a.window} tokens, chunk {a.chunk}, {per_window} scored per window")
-    scores = teacher_forced(loaded, wins, a.formats, a.chunk, a.batch, log=_log)
+    ref = reference_dtype(a, loaded.dtype_name)
+    if ref is None:
+        scores = teacher_forced(loaded, wins, a.formats, a.chunk, a.batch, log=_log)
+        return {f: summarize_nll(s) for f, s in scores.items()}
+    from engine.model.loader import load_model
+    exact = load_model(a.model, dtype=ref)
+    _log(f"nll: noise floor against native {ref} (the same weights; "
+         f"MLX_ENABLE_TF32={os.environ.get('MLX_ENABLE_TF32', 'unset')})")
+    scores, vs_exact = teacher_forced_exact(loaded, exact, wins, a.formats, a.chunk, a.batch,
+                                            log=_log)
+    del exact
+    got = summarize_floor(vs_exact, loaded.dtype_name, ref)
+    got["mlx_enable_tf32"] = os.environ.get("MLX_ENABLE_TF32")
+    if floor is not None:
+        floor.update(got)
+    fl = got["floor"]
+    _log(f"nll: floor (native {loaded.dtype_name} vs {ref}) KL {fl['kl']['estimate']:.2e}, NLL "
+         f"{fl['nll_delta_pct']['estimate']:+.3f} %; excess KL "
+         + ", ".join(f"{f} {d['excess']['kl']['estimate']:.2e}"
+                     for f, d in got["formats"].items()))
     return {f: summarize_nll(s) for f, s in scores.items()}
 
 
@@ -321,6 +364,8 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
         "heldout": {"tokens": int(len(held.stream)), "sha256_16": held.sha256, "source": held.source},
         "margins": MARGINS, "retrieval_points": RETRIEVAL_POINTS, "probe_points": PROBE_POINTS,
         "probe_points_by_format": PROBE_POINTS_BY_FORMAT,
+        # the noise floor's reference dtype (None: judged against native alone, as in float32)
+        "reference_dtype": reference_dtype(a, loaded.dtype_name),
     }
     if a.suite == "text":
         from quality.tasks import RETRIEVAL_TASK
@@ -348,6 +393,8 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
         fn = fns[name]
         t = time.time()
         kw = {"checkpoint": lambda part, n=name: checkpoint(n, part)} if name == "retrieval" else {}
+        if name == "nll" and result["reference_dtype"]:
+            kw = {"floor": result.setdefault("floor", {})}
         part = fn(loaded, held, a, **kw)
         stamps[name] = round(time.time() - t, 1)
         checkpoint(name, part)

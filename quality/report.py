@@ -45,6 +45,29 @@ def table(r: dict) -> str:
     return "\n".join(rows)
 
 
+def floor_table(r: dict) -> str:
+    """The noise floor (quality.verdicts.summarize_floor) and each format's excess over it."""
+    f = r.get("floor")
+    if not f or "floor" not in f:
+        return ""
+    cd, rd, fl = f["compute_dtype"], f["reference_dtype"], f["floor"]
+    rows = [f"Noise floor: native {cd} against native {rd} (same weights, same windows): KL "
+            f"{_kl(fl['kl'])}, NLL delta {_ci(fl['nll_delta_pct'])} %, top-1 "
+            f"{_ci(fl['top1_agreement'], '{:.4f}')}.", "",
+            f"| format | KL to {rd} | KL / floor | KL over floor [95% CI] | "
+            f"NLL delta to {rd} % | NLL over floor % [95% CI] | judged (margin: headroom) |",
+            "|---|---|---|---|---|---|---|"]
+    for fmt, d in f["formats"].items():
+        ratio = d["kl_ratio_to_floor"]
+        judged = "; ".join(f"{m} {v['margin']:g}: {v['headroom']:+.3g}"
+                           for m, v in d["margins"].items()) or "-"
+        rows.append(f"| {fmt} | {_kl(d['kl_to_reference'])} | "
+                    f"{'-' if ratio is None else f'{ratio:.2f}'} | {_kl(d['excess']['kl'])} | "
+                    f"{_ci(d['nll_delta_pct_to_reference'])} | {_ci(d['excess']['nll_delta_pct'])} "
+                    f"| {judged} |")
+    return "\n".join(rows)
+
+
 def checks(r: dict) -> str:
     rows = ["| format | check | estimate | 95% CI | verdict |", "|---|---|---|---|---|"]
     for fmt, v in r["verdicts"].items():
@@ -67,7 +90,7 @@ def cells(r: dict) -> str:
 
 def markdown(r: dict, table_only: bool = False) -> str:
     if table_only:
-        return table(r)
+        return table(r) + ("\n\n" + floor_table(r) if r.get("floor") else "")
     s = r["sizes"]
     n = r["nll"].get("native") or next(iter(r["nll"].values()), None) or {
         "tokens": 0, "windows": 0, "native_nll": float("nan")}
@@ -91,6 +114,16 @@ def markdown(r: dict, table_only: bool = False) -> str:
                "store\n(expected exactly 0, 0 and 1.0)." if s.get("independent_control") else
                "In this run the native NLL/KL/top-1 row compared the reference run with itself\n"
                "(trivially 0; the gate now runs an independent second native store).")
+    floor = ""
+    if r.get("floor") and "floor" in r["floor"]:
+        f = r["floor"]
+        floor = (f"### Judged over the {f['compute_dtype']} noise floor\n\n"
+                 f"Compute dtype {f['compute_dtype']}: the NLL/KL margins bound each format's "
+                 f"excess over native {f['compute_dtype']}, both scored against native "
+                 f"{f['reference_dtype']} on the same weights (MLX_ENABLE_TF32="
+                 f"{f.get('mlx_enable_tf32') or 'unset'}); the table above is against native "
+                 f"{f['compute_dtype']}, reported, not judged, for NLL/KL. Rule: {f['rule']}."
+                 f"\n\n{floor_table(r)}\n\n")
     notes = f"\n## Reading the results\n\n{r['notes'].strip()}\n" if r.get("notes") else ""
     raw = "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in r.items()
                               if k != "notes") + "\n}"
@@ -133,7 +166,7 @@ any fails, otherwise it is inconclusive.
 
 {table(r)}
 
-{control} For retrieval and probes the native row is the reference run
+{floor}{control} For retrieval and probes the native row is the reference run
 itself, shown with the interval that the same data would give a format with no loss. Cells show
 accuracy (%) and the paired difference to native in points.
 

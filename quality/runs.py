@@ -41,6 +41,8 @@ REF = "__reference__"
 # graded_spans' per-span margin of the reference run: min over the span's positions of the forced
 # token's log-prob minus the best other token's (negative where the reference gets it wrong).
 REF_MARGIN = "__reference_margin__"
+# teacher_forced_exact's higher-precision native run (the bfloat16 gate's float32 reference).
+EXACT = "__exact_reference__"
 
 
 # ------------------------------------------------------------------ attention adapters
@@ -127,6 +129,7 @@ def teacher_forced(loaded, wins: list[np.ndarray], formats, chunk: int, batch: i
                    log=print, reference: str = "native",
                    make=None) -> dict[str, WindowScores]:
     """Score every window under each format against `reference`, chunk by chunk.
+    (teacher_forced_exact: the same, plus every run against a higher-precision native run.)
 
     The reference runs in a store of its own, so listing `reference` among `formats` compares two
     independent runs (the control: any nondeterminism or store leak in the harness shows there).
@@ -135,11 +138,28 @@ def teacher_forced(loaded, wins: list[np.ndarray], formats, chunk: int, batch: i
     Positions of the first chunk read no stored history (every format equals native there), so
     only targets predicted from positions >= `chunk` are scored.
     """
+    return _scores(loaded, wins, formats, chunk, batch, log, reference, make, None)[0]
+
+
+def teacher_forced_exact(loaded, exact, wins: list[np.ndarray], formats, chunk: int, batch: int,
+                         log=print, make=None):
+    """teacher_forced against native, and every run (native's included, under the key "native")
+    against `exact`: the same weights loaded in a wider compute dtype (float32 for a bfloat16
+    gate), run natively through its own paged store. Returns (scores against native, scores
+    against exact); the second's `nll_native` is the exact run's NLL. quality.verdicts' noise
+    floor is native's row of the second."""
+    return _scores(loaded, wins, formats, chunk, batch, log, "native", make, exact)
+
+
+def _scores(loaded, wins, formats, chunk, batch, log, reference, make, exact):
     make = make or make_runner
     length = len(wins[0])
     if chunk >= length - 1:
         raise ValueError(f"chunk {chunk} leaves nothing to score in windows of {length}")
     sums = {f: np.zeros((4, len(wins))) for f in formats}
+    # Against the exact run: native (the reference run) and every other format.
+    vs_exact = ["native", *[f for f in formats if f != "native"]] if exact is not None else []
+    exact_sums = {f: np.zeros((4, len(wins))) for f in vs_exact}
     counts = np.zeros(len(wins))
     t0 = time.time()
     for b0 in range(0, len(wins), batch):
@@ -148,6 +168,8 @@ def teacher_forced(loaded, wins: list[np.ndarray], formats, chunk: int, batch: i
         num_pages, tables = _tables(n, length)
         runners = {REF: make(loaded, reference, num_pages),
                    **{f: make(loaded, f, num_pages) for f in formats}}
+        if exact is not None:
+            runners[EXACT] = make_runner(exact, "native", num_pages)
         for s in range(0, length, chunk):
             e = min(s + chunk, length)
             chunks = [Chunk(i, group[i, s:e].tolist(), s, tables[i]) for i in range(n)]
@@ -162,15 +184,20 @@ def teacher_forced(loaded, wins: list[np.ndarray], formats, chunk: int, batch: i
             valid = mx.array(np.broadcast_to(ok, (n, e - s)))
             got = {f: _chunk_metrics(logits[REF], logits[f], mx.array(tgt), valid)
                    for f in formats}
-            mx.eval(got)
+            ex = {f: _chunk_metrics(logits[EXACT], logits[REF if f == "native" else f],
+                                    mx.array(tgt), valid) for f in vs_exact}
+            mx.eval(got, ex)
             for f in formats:
                 sums[f][:, b0:b0 + n] += np.stack([np.array(a) for a in got[f]])
+            for f in vs_exact:
+                exact_sums[f][:, b0:b0 + n] += np.stack([np.array(a) for a in ex[f]])
             counts[b0:b0 + n] += ok.sum()
         del runners
         done = min(b0 + batch, len(wins))
         log(f"  nll: {done}/{len(wins)} windows, {int(counts.sum())} tokens scored per format, "
             f"{time.time() - t0:.0f}s")
-    return {f: WindowScores(*sums[f], counts.copy()) for f in formats}
+    return ({f: WindowScores(*sums[f], counts.copy()) for f in formats},
+            {f: WindowScores(*exact_sums[f], counts.copy()) for f in vs_exact})
 
 
 # ------------------------------------------------------------------ greedy generation

@@ -69,6 +69,18 @@ def relative_delta_interval(fmt: np.ndarray, ref: np.ndarray,
     return _interval(est, 100.0 * (sf - sr) / sr)
 
 
+def excess_interval(a: np.ndarray, b: np.ndarray, den: np.ndarray, scale: float = 1.0,
+                    resamples: int = BOOTSTRAP_RESAMPLES,
+                    seed: int = BOOTSTRAP_SEED) -> Interval:
+    """scale * (sum(a) - sum(b)) / sum(den), paired over units: how much more a costs than b,
+    both measured against one reference (e.g. per-window KL of a format and of native to a
+    float32 run, over tokens; or NLL sums over the reference's NLL sum, in percent)."""
+    a, b, den = (np.asarray(x, np.float64) for x in (a, b, den))
+    idx = _resample_index(len(a), resamples, seed)
+    draws = scale * (a[idx].sum(1) - b[idx].sum(1)) / den[idx].sum(1)
+    return _interval(scale * (a.sum() - b.sum()) / den.sum(), draws)
+
+
 def binomial_upper(k: int, n: int, alpha: float = (1 - CONFIDENCE) / 2) -> float:
     """Clopper-Pearson one-sided upper bound on a rate with k events in n trials."""
     if k >= n:
