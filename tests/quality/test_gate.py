@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from quality import gate as quality
+from quality import options
 from quality.stats import (FAIL, INCONCLUSIVE, PASS, Interval, accuracy_delta_interval,
                                   combine, relative_delta_interval, verdict_at_most,
                                   verdict_within_points)
@@ -117,10 +118,10 @@ def test_bootstrap_intervals_are_paired_and_seeded():
 
 
 def test_sizes_presets():
-    a = quality.resolve_sizes(quality._parser().parse_args(["--quick", "--probes", "9"]))
-    assert a.probes == 9 and a.retrieval_cases == quality.QUICK["retrieval_cases"]
+    a = quality.resolve_sizes(quality.build_parser().parse_args(["--quick", "--probes", "9"]))
+    assert a.probes == 9 and a.retrieval_cases == options.QUICK["retrieval_cases"]
     assert a.lengths == [512]
-    full = quality.resolve_sizes(quality._parser().parse_args([]))
+    full = quality.resolve_sizes(quality.build_parser().parse_args([]))
     assert full.nll_tokens >= 20000 and full.retrieval_cases >= 100 and full.probes >= 50
     assert full.lengths == [512, 1024, 2048, 4096]
 

@@ -164,7 +164,7 @@ def test_retrieval_task_copies_the_dict_with_given_demonstrations(llama):
 
 
 def test_text_presets_have_cases_for_a_decision():
-    a = quality.resolve_sizes(quality._parser().parse_args(["--model", "models/smollm2-135m"]))
+    a = quality.resolve_sizes(quality.build_parser().parse_args(["--model", "models/smollm2-135m"]))
     assert a.suite == "text" and a.lengths == [512]
     # a 0-loss pass needs ~185 judged cases; about 8 in 10 candidates pass the margin rule
     assert a.retrieval_cases * 0.75 >= 180 and a.probes >= 185

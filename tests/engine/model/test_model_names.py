@@ -104,15 +104,15 @@ def test_every_model_taking_command_explains_and_resolves_the_flag(capsys):
     from loadtest import bench_serve, runner
     from bench import serve_path as serve_bench
 
-    for main in (bench_kv.main, serve_bench.main, lambda a: quality._parser().parse_args(a),
+    for main in (bench_kv.main, serve_bench.main, lambda a: quality.build_parser().parse_args(a),
                  lambda a: runner.parser().parse_args(a),
                  lambda a: bench_serve.parser().parse_args(a)):
         with pytest.raises(SystemExit):
             main(["--help"])
         assert "smollm2" in capsys.readouterr().out
     tiny = str(model_names.REPO_ROOT / "models" / "orchard-tiny")
-    assert quality._parser().parse_args([]).model == tiny    # the default stays orchard-tiny
-    assert quality._parser().parse_args(["--model", "orchard-tiny"]).model == tiny
+    assert quality.build_parser().parse_args([]).model == tiny    # the default stays orchard-tiny
+    assert quality.build_parser().parse_args(["--model", "orchard-tiny"]).model == tiny
     assert runner.parser().parse_args(["--host", "http://h", "--model", "smollm2"]).model == \
         "smollm2-135m"
     args = bench_serve.parser().parse_args(["--target", "url=http://h,model=smollm2",
