@@ -26,7 +26,8 @@ from serve_app.capacity_link import identity_rows
 from serve_app.config import OrchardConfig
 from serve_app.errors import APIError, from_exception, model_not_found, unauthorized
 from serve_app.metrics import CONTENT_TYPE, Metrics
-from serve_app.streaming import Choices, Tracker, echo_text, merge, open_streams, sse
+from serve_app.streaming import (Choices, Tracker, drain_soon, echo_text, merge, open_streams, sse,
+                                 until_answered)
 from serve_app.tools import OutputSplitter
 from serve_app.translate import CallBuilder, ModelEntry, parse_body
 
@@ -112,7 +113,7 @@ class IngressCore:
                                      headers={"Cache-Control": "no-cache", **headers})
         finish, merged = None, merge(streams)
         try:
-            async for index, item in merged:
+            async for index, item in until_answered(merged, len(calls)):
                 tracker.delta(item)
                 out.add(index, item)
             finish = out.finish()
@@ -121,8 +122,10 @@ class IngressCore:
             finish = f"error:{err.reason}"
             return err.response()
         finally:
-            await merged.aclose()
+            if finish is None or finish.startswith("error:"):
+                await merged.aclose()
             tracker.done(finish, out.usage())
+        drain_soon(merged)   # the replica streams end after the reply is complete
         return JSONResponse(out.body(), headers=headers)
 
     def _failed_mid_stream(self, request_id: str, model: str, exc: Exception) -> APIError:

@@ -8,7 +8,7 @@
 #  - every rate (and the warm-up) on its own --seed, so no prompt repeats within a server's life
 #    (no prefix- or prompt-cache hit the user would not get); both servers get the same prompts;
 #  - 64 output tokens with EOS ignored, counted from the streamed text.
-# Then the in-process engine beside mlx-lm's stream_generate at batch 1 (the one-stream yardstick).
+# Between Orchard and the peer, the in-process engine at batch 1 (the one-stream yardstick).
 #
 #   SHAPES="smollm2-135m llama-3.1-8b" RATES="1:16 32:48" bench/device/serve_run.sh
 #   VARIANTS='orchard= pad16={"merge_pad_tokens":16}' PEER=0 ... bench/device/serve_run.sh
@@ -107,6 +107,10 @@ for S in $SHAPES; do
   done
   nvidia-smi --query-gpu=memory.used --format=csv,noheader > $W/$S/gpu_mem_after_orchard.txt
   [ "$PEER" = 1 ] || { tar czf $OUT/$S.tar.gz -C $W $S; continue; }
+  # The in-process engine right after Orchard's runs (the one-stream yardstick is a ratio of the
+  # two, and this host's speed drifts over minutes), then the peer.
+  step $S-engine $ENGINE_LIMIT $PY -m bench.engine --model $m --prefill 512 --batches 1 \
+    --decode-tokens 64 --repeats 3
   setsid $PY -m mlx_lm server --model $m --host 127.0.0.1 --port 8200 --log-level WARNING \
     > $W/$S/mlx_lm_server.log 2>&1 &
   pid=$!
@@ -114,8 +118,6 @@ for S in $SHAPES; do
     load $S-mlx_lm http://127.0.0.1:8200 $m mlx_lm.server $m
   else echo "== $S mlx_lm.server not healthy" | tee -a $W/steps.txt >&2; fi
   stop_group $pid
-  step $S-engine $ENGINE_LIMIT $PY -m bench.engine --model $m --prefill 512 --batches 1 \
-    --decode-tokens 64 --repeats 3
   cp $W/$S-* $W/versions.txt $W/steps.txt $W/$S/ 2>/dev/null
   tar czf $OUT/$S.tar.gz -C $W $S
 done
