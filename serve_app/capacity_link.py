@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("orchard.capacity_link")
 
+# Least time between two heartbeats when releases call for one early (CapacityLink.nudge): a
+# burst of request ends costs one report per spacing, not one each.
+NUDGE_SPACING_S = 0.05
+
 
 class ReplicaReporter(Protocol):
     """What a CapacityLink needs from its replica (serve_app.server.ModelServer has it)."""
@@ -54,6 +58,7 @@ class CapacityLink:
         self.seq = 0
         self._task: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()
+        self._nudged = asyncio.Event()
         self.heartbeats_sent = 0
         self.faults = 0
 
@@ -68,8 +73,21 @@ class CapacityLink:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.interval_s)
+            try:
+                await asyncio.wait_for(self._nudged.wait(), self.interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._nudged.clear()
             await self.beat()
+            await asyncio.sleep(NUDGE_SPACING_S)   # nudges meanwhile share the next beat
+
+    def nudge(self) -> None:
+        """Heartbeat soon instead of at the next interval. The actor counts a replica's running
+        requests (its concurrency slots) and KV bytes from heartbeats only, so after requests
+        end, holds queued for this replica wait for the next report: up to a whole interval
+        (2 s by default) of an idle engine under a full queue (seen on the H200: 1.7 s between
+        one wave of 32 ending and the next 16 arriving)."""
+        self._nudged.set()
 
     async def beat(self) -> None:
         self.seq += 1
@@ -108,6 +126,9 @@ class CapacityLink:
             await self.client.release(request_id, telemetry)
         except Exception:  # noqa: BLE001
             log.warning("release of %s failed", request_id, exc_info=True)
+        # After the release (reports travel in order): the report that frees its slot and
+        # bytes must not reach the actor while the actor still holds the request as committed.
+        self.nudge()
 
 
 # Between asks while the capacity actor does not answer (it may still be starting).
