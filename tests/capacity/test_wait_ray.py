@@ -9,6 +9,7 @@ import pytest
 from capacity.actor import get_or_create_actor
 from serve_app.capacity_client import CapacityClient
 from capacity.errors import CapacityRefused
+from tests.fixtures.conditions import until
 
 NS = "orchard-test"
 
@@ -18,13 +19,6 @@ def beat(seq, model, replica, max_=1000):
             "seq": seq, "slots": [{"model_id": model, "state": "running", "raw_budget_used": 0,
                                   "raw_budget_max": max_, "max_concurrency": 64,
                                   "kv_bytes_per_token": 1}]}
-
-
-async def until(pred, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not await pred():
-        assert time.monotonic() < deadline, "condition never became true"
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("transport", ["auto", "ray"])

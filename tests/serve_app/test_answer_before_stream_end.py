@@ -32,6 +32,7 @@ class HeldEnd:
         self.release = asyncio.Event()
         self.ended = [False] * n
         self.closed_early = [False] * n
+        self.over = [asyncio.Event() for _ in range(n)]   # set when stream i ended either way
         self._next = 0
 
     async def stream(self, call):
@@ -44,6 +45,8 @@ class HeldEnd:
         except (GeneratorExit, asyncio.CancelledError):
             self.closed_early[i] = True
             raise
+        finally:
+            self.over[i].set()
 
     def entry(self):
         return SimpleNamespace(backend=SimpleNamespace(stream=self.stream), prefix_caching=False)
@@ -102,8 +105,7 @@ def test_a_plain_reply_is_built_at_the_last_finish_and_the_streams_drain_in_the_
         assert held.ended == [False]
         drain_soon(merged)
         held.release.set()
-        while not (held.ended[0] or held.closed_early[0]):
-            await asyncio.sleep(0)   # yield to the drain task; the loop's own turn, not a timer
+        await held.over[0].wait()   # the background drain reached the stream's end
         return held
 
     held = asyncio.run(asyncio.wait_for(go(), LIMIT_S))

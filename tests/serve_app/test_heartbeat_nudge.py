@@ -14,6 +14,7 @@ from capacity.actor import DEFAULT_NAME
 from capacity.protocol import RequestTelemetry
 from serve_app.capacity_link import CapacityLink
 from serve_app.config import CapacitySettings
+from tests.fixtures.conditions import until
 
 pytestmark = pytest.mark.ray
 
@@ -59,8 +60,11 @@ def test_a_release_frees_the_slot_for_a_queued_hold_without_waiting_for_the_inte
         assert await link.commit("a")
         await link.beat()                         # the actor now sees its one slot busy
         queued = asyncio.ensure_future(router.hold("m", 100, "b", wait_s=30))
-        while (await actor.info.remote())["waiting"] < 1 and not queued.done():
-            await asyncio.sleep(0.01)
+
+        async def parked_or_answered():
+            return queued.done() or (await actor.info.remote())["waiting"] >= 1
+
+        await until(parked_or_answered, 20, "b parked at the actor")
         assert not queued.done(), "b should wait: the replica's only slot runs a"
         beats = link.heartbeats_sent
         del replica.active["a"]                   # "a" ends on the replica
