@@ -1,10 +1,12 @@
 """The operations a client batches to the capacity actor, as dataclasses, and their one codec.
 
 On both transports (Ray calls and the direct connection) an operation travels as a plain list,
-`[name, field, ...]` in field order, so msgpack and pickle carry the same thing and a client
-older or newer by a trailing optional field still decodes:
+`[name, field, ...]` in field order, so msgpack and pickle carry the same thing. Trailing fields
+at their defaults are left off, so an op that uses no newer field reads as its older form, and
+an older client's shorter form decodes with the defaults:
 
-    ["hold", model_id, raw_tokens, request_id, prompt_tokens=None, exclude=(), wait_s=0.0]
+    ["hold", model_id, raw_tokens, request_id, prompt_tokens=None, exclude=(), wait_s=0.0,
+     affine=False]     # affine: wait beside the FIFO for the non-excluded replicas only
     ["commit", request_id, replica_id, raw_tokens=None, model_id=None]
     ["release", request_id, telemetry=None]      # RequestTelemetry as its field dict
     ["cancel", request_id]
@@ -17,7 +19,7 @@ when the operation is built, so the actor reads the type the replica made. Pure 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, ClassVar, Union
 
 from pydantic import BaseModel
@@ -35,6 +37,10 @@ class HoldOp:
     prompt_tokens: int | None = None
     exclude: tuple = ()
     wait_s: float = 0.0
+    # The prefix-aware router's wait for the replicas caching the prompt (capacity/waiting.py):
+    # on its own list, never ahead of the FIFO's head, refused when wait_s runs out. An actor
+    # older than this field rejects such an op as malformed (the router then routes by headroom).
+    affine: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "exclude", tuple(self.exclude))   # msgpack sends a list
@@ -89,8 +95,16 @@ OPS: dict[str, type] = {cls.name: cls for cls in (HoldOp, CommitOp, ReleaseOp, C
 
 
 def encode_op(op: Op) -> list:
-    """The wire form of an operation: [name, field, ...]."""
-    return [op.name, *(_plain(getattr(op, f)) for f in _FIELDS[type(op)])]
+    """The wire form of an operation: [name, field, ...], trailing defaults left off."""
+    values = [getattr(op, f.name) for f in _FIELDS[type(op)]]
+    n = len(values)
+    while n and _is_default(_FIELDS[type(op)][n - 1], values[n - 1]):
+        n -= 1
+    return [op.name, *(_plain(v) for v in values[:n])]
+
+
+def _is_default(f, value: Any) -> bool:
+    return f.default is not MISSING and type(value) is type(f.default) and value == f.default
 
 
 def _plain(value: Any) -> Any:
@@ -112,4 +126,4 @@ def decode_op(raw: Any) -> Op:
 
 
 _OP_TYPES = tuple(OPS.values())
-_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _OP_TYPES}
+_FIELDS = {cls: fields(cls) for cls in _OP_TYPES}

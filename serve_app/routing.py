@@ -10,9 +10,11 @@ cool-down period, so an actor outage degrades routing quality, not availability.
 
 Prefix affinity (`prefix_routing`, on by default): before the ordinary hold, a request whose
 prompt's leading pages some replica already caches (for the request's tenant) holds on the
-replicas holding the longest such prefix only (the others excluded, no queueing), so the actor
-still enforces every cap and never ranks a dead replica; when none of them has room, the
-ordinary hold routes by headroom. serve_app/prefix_affinity.py keeps the view of the caches.
+replicas holding the longest such prefix only (the others excluded), so the actor still enforces
+every cap and never ranks a dead replica. When none of them has room it waits for them up to
+`prefix_wait_s` on the actor's affine list (beside the FIFO, never blocking it:
+capacity/waiting.py), because a cached prefill saves several times that wait; then the ordinary
+hold routes by headroom. serve_app/prefix_affinity.py keeps the view of the caches.
 """
 from __future__ import annotations
 
@@ -66,13 +68,15 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         self.stats = {"holds": 0, "refusals": 0, "faults": 0, "fallback_routes": 0,
                       "queue_full": 0}
         self.prefix_routing = settings.prefix_routing
+        self.prefix_wait_s = settings.prefix_wait_s
         self.prefix = PrefixIndex()
         if self.prefix_routing:
             # lookups: requests routed through the actor; hits: sent to a replica caching a
-            # prefix of theirs; cached_tokens: that prefix's tokens; full: the replica caching
-            # it had no room, so headroom decided.
+            # prefix of theirs; cached_tokens: that prefix's tokens; waited: found those
+            # replicas full and waited for them; wait_granted: then got one; full: got none
+            # (after any wait), so headroom decided.
             self.stats.update(prefix_lookups=0, prefix_hits=0, prefix_cached_tokens=0,
-                              prefix_full=0)
+                              prefix_full=0, prefix_waited=0, prefix_wait_granted=0)
         self._tasks: set[asyncio.Task] = set()
         self._live_replicas: set[str] = set()
         router_registry.register(self)
@@ -109,9 +113,10 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         key = pending_request.metadata.internal_request_id
         if key not in self.holds:
             stamp(call.trace, "router_in")
+            started = time.monotonic()
             hold = await self._affine_hold(call) if self.prefix_routing else None
             if hold is None:
-                hold = await self._hold(call)
+                hold = await self._hold(call, spent_s=time.monotonic() - started)
             stamp(call.trace, "router_held")
             if hold is None:
                 self.stats["fallback_routes"] += 1
@@ -145,8 +150,10 @@ class CapacityRouter(LocalityMixin, RequestRouter):
             hold = await self.client.hold(call.model, call.raw_tokens, req.request_id,
                                           prompt_tokens=len(req.prompt_ids), exclude=exclude)
         except CapacityRefused as e:
-            self.stats["prefix_full"] += e.reason == "no_capacity"
-            return None
+            hold = await self._affine_wait(call, exclude) if e.reason == "no_capacity" else None
+            self.stats["prefix_full"] += e.reason == "no_capacity" and hold is None
+            if hold is None:
+                return None
         except asyncio.CancelledError:
             self._cancel_soon(req.request_id, 0.0)
             raise
@@ -167,6 +174,30 @@ class CapacityRouter(LocalityMixin, RequestRouter):
             return None
         return hold
 
+    async def _affine_wait(self, call: GenerateCall, exclude: list[str]) -> Any | None:
+        """The caching replicas are full: wait for one of them (a hold), or None when the wait
+        runs out, is not allowed (0 s, no time left before the deadline, this router's queue
+        full) or fails. Bounded by prefix_wait_s, queue_timeout_s and the deadline."""
+        req, budget = call.request, min(self.prefix_wait_s, self.queue_timeout_s)
+        if call.first_token_deadline_unix is not None:
+            budget = min(budget, call.deadline_monotonic() - time.monotonic())
+        if budget <= 0 or self.waiting.get(call.model, 0) >= self.max_queued:
+            return None
+        self.stats["prefix_waited"] += 1
+        self.waiting[call.model] = self.waiting.get(call.model, 0) + 1
+        try:
+            hold = await self.client.hold(call.model, call.raw_tokens, req.request_id,
+                                          prompt_tokens=len(req.prompt_ids), exclude=exclude,
+                                          wait_s=budget, affine=True)
+        except CapacityRefused:
+            return None
+        except Exception:  # noqa: BLE001 - e.g. an actor older than affine waits: headroom
+            return None
+        finally:
+            self.waiting[call.model] -= 1
+        self.stats["prefix_wait_granted"] += not hold.fallback
+        return hold
+
     def _count_prefix(self, replica: RunningReplica, call: GenerateCall) -> None:
         uid = replica.replica_id.unique_id
         self.stats["prefix_lookups"] += 1
@@ -178,16 +209,17 @@ class CapacityRouter(LocalityMixin, RequestRouter):
             self.stats["prefix_cached_tokens"] += cached
         self.prefix.routed(uid, self.prefix.request_keys(uid, req.tenant, req.prompt_ids))
 
-    async def _hold(self, call: GenerateCall) -> Any | None:
+    async def _hold(self, call: GenerateCall, spent_s: float = 0.0) -> Any | None:
         """The actor's hold, or None after repeated faults (then power-of-two for a while).
 
         When no replica has room the hold waits in the actor's per-model FIFO for up to
-        queue_timeout_s (never past the request's first-token deadline) and is granted in
-        arrival order as capacity frees; "no_capacity" then means the wait ran out. While
+        queue_timeout_s less `spent_s` (an affine wait already spent; never past the request's
+        first-token deadline) and is granted in arrival order as capacity frees; "no_capacity"
+        then means the wait ran out. While
         max_queued holds of this router already wait for the model, a newcomer does not queue:
         it is refused at once (a full queue refuses rather than grows without bound).
         """
-        req, budget = call.request, self.queue_timeout_s
+        req, budget = call.request, self.queue_timeout_s - spent_s
         if call.first_token_deadline_unix is not None:
             budget = min(budget, call.deadline_monotonic() - time.monotonic())
         budget = max(0.0, budget)

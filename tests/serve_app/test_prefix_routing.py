@@ -22,8 +22,10 @@ MODEL = "tiny-affinity"
 
 @pytest.fixture(scope="module")
 def url(orchard_url, orchard_config, tiny_llama):
+    # No affine wait: the cap test's turn must find its full replica and move at once, not
+    # race the fillers' end (the wait itself: test_prefix_wait.py).
     with two_replica_app(orchard_url, orchard_config, tiny_llama, app=APP, model=MODEL,
-                         route="/affinity") as (base, _, _):
+                         route="/affinity", capacity={"prefix_wait_s": 0}) as (base, _, _):
         wait_for(lambda: len(replica_gauges(base)) == 2, 60, "both replicas in the routing stats")
         yield base
 
