@@ -6,11 +6,17 @@ wire form: an affine hold carries one more trailing field, a plain one reads as 
 import asyncio
 
 import msgpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from capacity.fleet import Fleet, FleetConfig
 from capacity.operations import HoldOp, decode_op, encode_op
 from capacity.ops import BatchOps
-from tests.capacity.test_wait import RETRY, beat, outstanding, run
+from tests.capacity.test_wait import (RETRY, FakeClock, beat, capped_service, outstanding,
+                                      run)
+
+
+REPLICAS = ("r0", "r1")
 
 
 def service() -> BatchOps:
@@ -89,6 +95,22 @@ def test_an_affine_wait_runs_out_to_the_usual_refusal():
     run(scenario())
 
 
+def test_an_affine_waiter_is_never_admitted_above_the_cap():
+    async def scenario():
+        clock = FakeClock()
+        ops = capped_service(clock)                  # cap 3; FIFO waiters stretch after 1 s
+        assert [ops.apply([("hold", "m", 10, r)])[0]["ok"] for r in "abc"] == [True] * 3
+        x = hold(ops, "x", 10, wait_s=30, affine=True)
+        clock.now += 1.5
+        ops.apply([("heartbeat", beat(2, active=[(r, 10) for r in "abc"]))])
+        assert not x.done() and ops.waits.stats.stretched == 0
+        ops.apply([("release", "a", None),           # under the cap again: now it fits
+                   ("heartbeat", beat(3, active=[(r, 10) for r in "bc"]))])
+        assert (await x)["ok"] and outstanding(ops) == 30
+
+    run(scenario())
+
+
 def test_an_affine_waiter_is_cancelled_dropped_and_tombstoned_like_any():
     async def scenario():
         ops = service()
@@ -127,3 +149,47 @@ def test_the_wire_form_stays_backwards_compatible():
         assert decode_op(carried) == decode_op(wire)
     assert decode_op(plain).affine is False and decode_op(affine).affine is True
     assert isinstance(decode_op(["hold", "m", 10, "a", None, [], 1.0]).exclude, tuple)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["hold", "wait", "affine", "release", "cancel",
+                                           "beat"]),
+                          st.integers(0, 7), st.integers(100, 700), st.sampled_from(REPLICAS)),
+                max_size=40))
+def test_affine_and_fifo_waiters_keep_the_ledger_invariants(steps):
+    async def scenario():
+        ops = service()
+        seq = 1
+        futures = []
+        for kind, i, raw, holder in steps:
+            rid = f"q{i}"
+            if kind in ("hold", "wait", "affine"):
+                others = tuple(r for r in REPLICAS if r != holder)
+                out = hold(ops, rid, raw, exclude=others if kind == "affine" else (),
+                           wait_s=0 if kind == "hold" else 30, affine=kind == "affine")
+                if isinstance(out, asyncio.Future):
+                    futures.append((out, holder if kind == "affine" else None))
+            elif kind == "release":
+                ops.apply([("release", rid, None)])
+            elif kind == "cancel":
+                ops.apply([("cancel", rid)])
+                assert rid not in ops.waits.waiting()
+            else:
+                seq += 1
+                ops.apply([("heartbeat", beat(seq, max_=raw * 2, replica=holder))])
+            outstanding(ops)                  # conserved, never above a replica's budget
+            for rep in ops.fleet.ledger.replicas("m"):
+                assert ops.fleet.ledger.headroom(rep, ops.clock()).max_request >= 0
+            for rid_w in ops.waits.waiting():
+                assert ops.fleet.ledger.reservation(rid_w) is None   # waiting debits nothing
+            # Nobody waits in the FIFO while a replica has room for its head.
+            fifo = ops.waits.waiting("m")
+            if fifo:
+                head = ops.waits._by_id[fifo[0]]
+                assert not ops.waits._fits("m", head.raw_tokens, head.exclude)
+        for fut, holder in futures:             # an affine grant is on its holder only
+            if fut.done() and not fut.cancelled() and fut.result()["ok"] and holder:
+                assert fut.result()["hold"].replica_id == holder
+            fut.cancel()
+
+    run(scenario())
