@@ -31,6 +31,9 @@ SHAPES=${SHAPES:-smollm2-135m}; RATES=${RATES:-1:16 32:48}; TOK=${TOK:-models/sm
 # Orchard variants, each LABEL=ENGINE-KNOBS (a YAML/JSON mapping of EngineConfig knobs, e.g.
 # 'pad16={"merge_pad_tokens":16}'); an empty mapping serves with `--model M` and no config.
 VARIANTS=${VARIANTS:-orchard=}; PEER=${PEER:-1}   # PEER=0: no mlx_lm.server, no engine bench
+# LLAMA_GGUF: also serve this GGUF (same weights) with llama.cpp's llama-server from LLAMA_BIN
+# (bench/device/llama_cuda.sh build) after mlx_lm.server; applies to every shape in SHAPES.
+LLAMA_GGUF=${LLAMA_GGUF:-}; LLAMA_BIN=${LLAMA_BIN:-/tmp/llama-cuda/bin}; LLAMA_SLOTS=${LLAMA_SLOTS:-64}
 BUDGET=${BUDGET:-560}; ENGINE_LIMIT=${ENGINE_LIMIT:-90}; PY=${PY:-python3}
 T0=$(date +%s); W=${W:-/tmp/serve-run}; mkdir -p $W
 export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
@@ -106,18 +109,34 @@ for S in $SHAPES; do
     stop_group $pid $home
   done
   nvidia-smi --query-gpu=memory.used --format=csv,noheader > $W/$S/gpu_mem_after_orchard.txt
-  [ "$PEER" = 1 ] || { tar czf $OUT/$S.tar.gz -C $W $S; continue; }
-  # The in-process engine right after Orchard's runs (the one-stream yardstick is a ratio of the
-  # two, and this host's speed drifts over minutes), then the peer.
-  step $S-engine $ENGINE_LIMIT $PY -m bench.engine --model $m --prefill 512 --batches 1 \
-    --decode-tokens 64 --repeats 3
-  setsid $PY -m mlx_lm server --model $m --host 127.0.0.1 --port 8200 --log-level WARNING \
-    > $W/$S/mlx_lm_server.log 2>&1 &
-  pid=$!
-  if wait_http http://127.0.0.1:8200/v1/models 120; then
-    load $S-mlx_lm http://127.0.0.1:8200 $m mlx_lm.server $m
-  else echo "== $S mlx_lm.server not healthy" | tee -a $W/steps.txt >&2; fi
-  stop_group $pid
+  if [ "$PEER" = 1 ]; then
+    # The in-process engine right after Orchard's runs (the one-stream yardstick is a ratio of
+    # the two, and this host's speed drifts over minutes), then the peer.
+    step $S-engine $ENGINE_LIMIT $PY -m bench.engine --model $m --prefill 512 --batches 1 \
+      --decode-tokens 64 --repeats 3
+    setsid $PY -m mlx_lm server --model $m --host 127.0.0.1 --port 8200 --log-level WARNING \
+      > $W/$S/mlx_lm_server.log 2>&1 &
+    pid=$!
+    if wait_http http://127.0.0.1:8200/v1/models 120; then
+      load $S-mlx_lm http://127.0.0.1:8200 $m mlx_lm.server $m
+    else echo "== $S mlx_lm.server not healthy" | tee -a $W/steps.txt >&2; fi
+    stop_group $pid
+  fi
+  if [ -n "$LLAMA_GGUF" ]; then
+    # llama.cpp's CUDA server on a GGUF of the same weights (bench/device/llama_cuda.sh), all
+    # layers on the GPU, continuous batching over LLAMA_SLOTS slots of 768 tokens (the longest
+    # prompt, 64 tokens out and the template).
+    setsid $LLAMA_BIN/llama-server -m $LLAMA_GGUF --host 127.0.0.1 --port 8300 --alias $id \
+      -np $LLAMA_SLOTS -c $((LLAMA_SLOTS * 768)) --cont-batching -ngl 999 --no-webui \
+      > $W/$S/llama_server.log 2>&1 &
+    pid=$!
+    { $LLAMA_BIN/llama-server --version; echo "gguf $(basename $LLAMA_GGUF) slots $LLAMA_SLOTS"; } \
+      > $W/$S/llama_version.txt 2>&1
+    if wait_http http://127.0.0.1:8300/health 120; then
+      load $S-llama http://127.0.0.1:8300 $id llama.cpp $m
+    else echo "== $S llama-server not healthy" | tee -a $W/steps.txt >&2; fi
+    stop_group $pid
+  fi
   cp $W/$S-* $W/versions.txt $W/steps.txt $W/$S/ 2>/dev/null
   tar czf $OUT/$S.tar.gz -C $W $S
 done
