@@ -13,7 +13,8 @@ list of its own, beside the FIFO, for a short bound, then is refused so that the
 headroom. It never blocks the FIFO: a freed slot it cannot take goes to the FIFO's head at once.
 Between the two, arrival order decides: an affine waiter that arrived before the FIFO's head is
 offered room first; one that arrived after it waits behind it (a newcomer never overtakes).
-Affine waiters are never stretched above a cap: they have somewhere else to go.
+A newcomer that fits is not held back for an affine waiter, and affine waiters are never
+stretched above a cap: their wait is short and they have somewhere else to go.
 
 A waiter whose client gave up is never granted: a cancel of its request id removes it, and so
 does the end of the direct connection it came on (`drop_owner`). A cancel that arrives before its

@@ -81,3 +81,43 @@ def test_client_waits_in_fifo_and_gives_up_cleanly(ray_session, transport):
         asyncio.run(scenario())
     finally:
         ray.kill(actor, no_restart=True)
+
+
+@pytest.mark.parametrize("transport", ["auto", "ray"])
+def test_an_affine_wait_crosses_both_transports(ray_session, transport):
+    """The affine field travels on both transports: the hold waits for its holder (r0) beside
+    the FIFO, a plain hold meanwhile goes to r1, and the freed r0 is the affine waiter's."""
+    ray = ray_session
+    name = f"capacity-{uuid.uuid4().hex[:8]}"
+    actor = get_or_create_actor(NS, name, config={"caps": {"native_seeds": {"m": 400.0}}},
+                                snapshot_path="", reap_interval_s=0.05)
+
+    async def parked():
+        return (await actor.info.remote())["waits"]["affine_parked"] == 1
+
+    async def scenario():
+        client = CapacityClient(namespace=NS, name=name, snapshot_path="", call_timeout_s=30,
+                                transport=transport)
+        await client.heartbeat(beat(1, "m", "r0"))
+        await client.heartbeat(beat(1, "m", "r1"))
+        if transport == "auto":
+            await until(lambda: asyncio.sleep(0, bool(client.fast_link.conns)))
+        assert (await client.hold("m", 1000, "a", exclude=["r1"])).replica_id == "r0"
+        b = asyncio.ensure_future(client.hold("m", 600, "b", exclude=["r1"], wait_s=20,
+                                              affine=True))
+        await until(parked, what="the affine hold parked")
+        assert (await client.hold("m", 600, "c", wait_s=20)).replica_id == "r1"
+        assert not b.done() and await client.release("a")
+        assert (await asyncio.wait_for(b, 10)).replica_id == "r0"
+        with pytest.raises(CapacityRefused) as e:
+            await client.hold("m", 600, "d", exclude=["r1"], wait_s=0.2, affine=True)
+        assert e.value.reason == "no_capacity"
+        info = await actor.info.remote()
+        assert info["waits"]["affine_granted"] == 1 and info["waits"]["affine_timed_out"] == 1
+        assert (client.fast_batches > 0) == (transport == "auto")
+        await client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        ray.kill(actor, no_restart=True)
