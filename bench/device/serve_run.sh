@@ -71,7 +71,10 @@ load() {  # tag, url, model id, label, model folder: warm-up, then one run per r
     --seed 9000 --out $W/warm/$tag
   for spec in $RATES; do
     i=$((i + 1))
-    step $tag-r${spec%%:*} 150 $PY -m loadtest bench-serve "${common[@]}" --rates ${spec%%:*} \
+    # A rate step's limit: its arrivals' span three times over plus a minute for start-up and the
+    # last streams, at most 150 s (a fixed 150 s made BUDGET skip fast servers' rates in run 7).
+    lim=$(awk -v r=${spec%%:*} -v n=${spec##*:} 'BEGIN { l = 60 + 3 * n / r; print (l > 150 ? 150 : int(l)) }')
+    step $tag-r${spec%%:*} $lim $PY -m loadtest bench-serve "${common[@]}" --rates ${spec%%:*} \
       --requests-per-rate ${spec##*:} --seed $((100 + i)) --out $W/$S/$label
   done
 }
