@@ -77,9 +77,74 @@ def connect(address: str | None, namespace: str, start_local: bool,
                         _system_config=LOCAL_RAY_SYSTEM_CONFIG if start_local else None)
 
     if start_local:
-        start_with_retry(init)
+        start_with_retry(with_agent_ports(init))
     else:   # joining a cluster starts no node of ours: nothing to clean up or retry
         init()
+
+
+# A new node's raylet needs the ports of its Python agents (the dashboard agent's gRPC, HTTP and
+# metrics-export ports, the runtime-env agent's). Unless it is given them it reads each from a
+# file the agent writes once it has imported its modules and bound, waits 15 s per file (fixed
+# in Ray 2.60's raylet: no setting reaches it) and then aborts, so the node never registers and
+# ray.init raises the start-up timeout below. With every core busy the agents' imports alone
+# take longer (seen under `make test-loaded` beside a second Ray: the metrics agent's port
+# written 15.5 s after the agents started, the raylet aborting at 15.3 s; on the retry at 29.6 s
+# waiting for the export port). Ports chosen here go to the raylet and the agents on their
+# command lines: the raylet registers as soon as it runs, and the agents bind when they get
+# there. Ray's fixed default for the agent's HTTP port (52365) also clashed with the other Ray
+# on the box: the agent retried it for 3.4 s, gave up with its HTTP service off, and the node
+# advertised the other cluster's port. ray.init exposes only the export port, so the ports go
+# in through the RayParams that ray.init builds (looked up as ray._private.parameter.RayParams
+# at the call, Ray 2.60), replaced by a subclass for that one call; and Ray 2.60 hands the HTTP
+# port to the agent but not to the raylet (which has the flag), so the raylet's command gets it
+# where Ray starts the process (services.start_ray_process, also replaced for the call).
+AGENT_PORTS = ("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port",
+               "runtime_env_agent_port")
+
+
+def with_agent_ports(start: Callable[[], T]) -> Callable[[], T]:
+    """`start` (a local ray.init) run with the agent ports chosen up front, fresh on each call
+    (a retry after a port was taken meanwhile gets others); ports the call sets itself stay."""
+    def run() -> T:
+        from ray._private import parameter, ray_constants, services
+
+        base_params, base_start = parameter.RayParams, services.start_ray_process
+        ports = dict(zip(AGENT_PORTS, free_ports(len(AGENT_PORTS))))
+
+        class RayParamsWithAgentPorts(base_params):
+            def __init__(self, *args, **kwargs):
+                for name, port in ports.items():
+                    if not kwargs.get(name):
+                        kwargs[name] = port
+                super().__init__(*args, **kwargs)
+                ports["dashboard_agent_listen_port"] = self.dashboard_agent_listen_port
+
+        def start_ray_process(command, process_type, *args, **kwargs):
+            if process_type == ray_constants.PROCESS_TYPE_RAYLET:
+                command = [*command, "--dashboard_agent_listen_port="
+                           f"{ports['dashboard_agent_listen_port']}"]
+            return base_start(command, process_type, *args, **kwargs)
+
+        parameter.RayParams, services.start_ray_process = RayParamsWithAgentPorts, start_ray_process
+        try:
+            return start()
+        finally:
+            parameter.RayParams, services.start_ray_process = base_params, base_start
+    return run
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on every interface (the agents bind the node's address)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 # A new local node must register its raylet with its GCS within 30 s or ray.init raises a plain
@@ -87,8 +152,10 @@ def connect(address: str | None, namespace: str, start_local: bool,
 # ray/_private/node.py (Node.__init__, Ray 2.60): no config or environment setting reaches it
 # (RAY_raylet_start_wait_time_s is a different wait, the C++ one of a driver joining a cluster).
 # With every core busy, registration can take longer (seen: 1-3 of 64 tests per
-# `make test-loaded`). The failed node never becomes Ray's global node, so ray.shutdown() does not
-# stop its processes: discard_failed_node() does, then the start is tried again.
+# `make test-loaded`; the raylet aborting while it waited for its agents' ports was the cause
+# found, which with_agent_ports removes; the retry stays for a start that is slow elsewhere).
+# The failed node never becomes Ray's global node, so ray.shutdown() does not stop its
+# processes: discard_failed_node() does, then the start is tried again.
 RAY_START_ATTEMPTS = 3
 RAY_START_TIMEOUT = "The current node timed out during startup"
 
