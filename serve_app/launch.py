@@ -47,7 +47,14 @@ def direct_ingress_env(port: int, span: int = 0) -> dict[str, str]:
 # Killing the server does not give the other program memory it can keep, so it is off.
 # A cluster started with `ray start` gets the same through RAY_worker_niceness=0 and
 # RAY_memory_monitor_refresh_ms=0 (cluster.yaml).
-LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "memory_monitor_refresh_ms": 0}
+# The raylet exits when its runtime-env agent (a Python process it starts) does not accept a
+# connection within agent_register_timeout_ms (30 s): with every core busy, and the agent
+# ports no longer waited for (with_agent_ports below), that became the next wait to run out
+# (seen under `make test-loaded`: the agent had not yet logged a line 33 s after its start, the
+# raylet exited, the driver died). An agent that crashes ends the raylet at once; the longer
+# wait only matters for one that is alive and slow.
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "memory_monitor_refresh_ms": 0,
+                           "agent_register_timeout_ms": 120_000}
 # Serve's controller kills (ray.kill) a proxy not ready within 5 s of its start, and one whose
 # health check takes 10 s: on a box whose cores are all busy a proxy starts slower than that and
 # Serve never gets one (seen: ActorDiedError in set-up, 5 of 5 runs with a CPU hog per core).

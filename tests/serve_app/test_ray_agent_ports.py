@@ -4,12 +4,14 @@ with_agent_ports; issue 34).
 Ray's raylet waits 15 s for each port file its agents (dashboard agent, runtime-env agent) write
 once they have imported and bound, then aborts and the node never registers. On a box whose cores
 are all busy the agents' imports took longer than that: `orchard serve` failed all three start
-attempts. With the ports chosen up front the raylet does not wait for the agents.
+attempts. With the ports chosen up front the raylet does not wait for the files; it then waits
+for the runtime-env agent's connection, up to agent_register_timeout_ms (raised for local starts,
+launch.LOCAL_RAY_SYSTEM_CONFIG).
 
 The Ray test makes that fault happen on a quiet machine: a sitecustomize on the child's
-PYTHONPATH holds every agent process AGENT_DELAY_S before it runs (longer than the raylet's
-15 s), and writes a marker so the test knows the fault was injected. The start must succeed on
-its first attempt and the cluster must run a task.
+PYTHONPATH holds every agent process AGENT_DELAY_S before it runs (longer than both of Ray's
+waits), and writes a marker so the test knows the fault was injected. The start must succeed on
+its first attempt and the cluster must run a task (which needs the runtime-env agent).
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ import pytest
 from serve_app import launch
 
 REPO = Path(__file__).resolve().parents[2]
-AGENT_DELAY_S = 25          # the raylet's wait per port file is 15 s (Ray 2.60)
+# Longer than the raylet's wait per port file (15 s) and its default wait for the runtime-env
+# agent's connection (agent_register_timeout_ms, 30 s), both of which ended the start.
+AGENT_DELAY_S = 40
 # The injected fault: run by every Python process of the child's Ray, it holds only the agents.
 SLOW_AGENTS = """\
 import os, sys, time
