@@ -112,9 +112,9 @@ class CapacityActor:
 
     async def hold(self, model_id: str, raw_tokens: int, request_id: str,
                    prompt_tokens: int | None = None, exclude=(), wait_s: float = 0.0,
-                   affine: bool = False) -> dict:
+                   affine: bool = False, saved_tokens: int = 0) -> dict:
         return (await self.apply([HoldOp(model_id, raw_tokens, request_id, prompt_tokens,
-                                         exclude, wait_s, affine)]))[0]
+                                         exclude, wait_s, affine, saved_tokens)]))[0]
 
     async def apply(self, ops: list) -> list:
         """A batch applied in order: operations or their wire forms (capacity/operations.py).

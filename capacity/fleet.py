@@ -189,7 +189,7 @@ class Fleet:
             box = self._node_load.get(rep.node_id, {}) if rep else {}
             solo = (telemetry.batch_size <= 1 and telemetry.max_batch_size is not None
                     and telemetry.max_batch_size <= 1 and sum(box.values()) <= 1)
-            self.rates.record_request(key, RequestSample(telemetry.prompt_tokens, telemetry.batch_size,
+            self.rates.record_request(key, RequestSample(computed_prompt(telemetry), telemetry.batch_size,
                                                          telemetry.ttft_s, telemetry.tpot_s), solo)
             if res.predicted_ttft_s and (rep is None or key == rep.key):
                 self.rates.record_ttft_ratio(key, res.predicted_ttft_s, telemetry.ttft_s)
@@ -276,3 +276,12 @@ class Fleet:
         if not state or state.get("version") != SNAPSHOT_VERSION:
             return cls(cfg)
         return cls(cfg, RateRegistry.from_dict(state.get("rates", {}), cfg.rates))
+
+
+def computed_prompt(t: RequestTelemetry) -> int:
+    """The prompt tokens a request's TTFT paid to compute: a prefix-cache hit computes only its
+    tail, so its prompt/TTFT would price prefill several times too fast (the forecasts and the
+    affine wait, capacity/affine_bound.py). A request that found half its prompt or more cached
+    prices nothing (0: rates.prefill_tps skips it); its TTFT is mostly queueing and decode steps."""
+    cached = min(t.cached_tokens, t.prompt_tokens)
+    return 0 if 2 * cached >= t.prompt_tokens and cached else t.prompt_tokens - cached

@@ -6,7 +6,8 @@ at their defaults are left off, so an op that uses no newer field reads as its o
 an older client's shorter form decodes with the defaults:
 
     ["hold", model_id, raw_tokens, request_id, prompt_tokens=None, exclude=(), wait_s=0.0,
-     affine=False]     # affine: wait beside the FIFO for the non-excluded replicas only
+     affine=False,     # affine: wait beside the FIFO for the non-excluded replicas only
+     saved_tokens=0]   # affine: prompt tokens they cache (the wait: capacity/affine_bound.py)
     ["commit", request_id, replica_id, raw_tokens=None, model_id=None]
     ["release", request_id, telemetry=None]      # RequestTelemetry as its field dict
     ["cancel", request_id]
@@ -41,6 +42,9 @@ class HoldOp:
     # on its own list, never ahead of the FIFO's head, refused when wait_s runs out. An actor
     # older than this field rejects such an op as malformed (the router then routes by headroom).
     affine: bool = False
+    # Affine only: the prompt tokens the non-excluded replicas cache. The actor bounds the wait by
+    # the prefill they save (capacity/affine_bound.py), wait_s capping it; 0 = wait_s as given.
+    saved_tokens: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "exclude", tuple(self.exclude))   # msgpack sends a list

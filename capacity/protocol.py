@@ -116,6 +116,7 @@ class RequestTelemetry(_Wire):
     """Sent with release, after retirement."""
     prompt_tokens: int = Field(0, ge=0)
     completion_tokens: int = Field(0, ge=0)
+    cached_tokens: int = Field(0, ge=0)       # of prompt_tokens, found in the prefix cache
     batch_size: int = Field(1, ge=1)          # batch at admission, this request included
     max_batch_size: int | None = Field(None, ge=1)
     ttft_s: float | None = Field(None, gt=0)

@@ -27,6 +27,7 @@ import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from capacity.affine_bound import affine_wait_s
 from capacity.errors import CapacityRefused
 from capacity.fleet import Fleet
 from capacity.ledger import RELEASED
@@ -149,8 +150,11 @@ class WaitQueues:
             return early
         if not self._holders(model, exclude):
             return refusal("no_capacity", 0.0, f"{model}: no holder left")
+        bound = affine_wait_s(self.fleet, op)       # about the prefill a hit there saves
+        if bound <= 0:
+            return refusal("no_capacity", 0.0, f"{model}: holders full, no wait pays")
         return self._park(model, raw_tokens, request_id, op.prompt_tokens, exclude,
-                          float(op.wait_s), owner, affine=True)
+                          bound, owner, affine=True)
 
     def cancel(self, request_id: str, known: bool) -> bool:
         """Remove a waiter (True). `known`: the ledger had it; otherwise leave a tombstone."""

@@ -175,15 +175,17 @@ class CapacityClient:
 
     async def hold(self, model_id: str, raw_tokens: int, request_id: str,
                    prompt_tokens: int | None = None, exclude=(), wait_s: float = 0.0,
-                   affine: bool = False) -> Hold:
+                   affine: bool = False, saved_tokens: int = 0) -> Hold:
         """Debit the best replica; raises CapacityRefused (nothing debited) when none fits.
 
         wait_s > 0: when no replica fits, wait up to wait_s in the model's FIFO at the actor and
         be granted in arrival order as capacity frees up; the same "no_capacity" refusal when the
         wait runs out. Cancelling the awaiting task cancels the wait at the actor (never granted
         later). affine (with wait_s): wait for the replicas not in `exclude` only, beside the
-        FIFO rather than in it (capacity/waiting.py)."""
-        op = HoldOp(model_id, raw_tokens, request_id, prompt_tokens, tuple(exclude), 0.0, affine)
+        FIFO rather than in it (capacity/waiting.py), for about the prefill of `saved_tokens`
+        (the prefix they cache) at most (capacity/affine_bound.py)."""
+        op = HoldOp(model_id, raw_tokens, request_id, prompt_tokens, tuple(exclude), 0.0, affine,
+                    saved_tokens)
         try:
             if wait_s and wait_s > 0:
                 out = await self._waiting_hold(op, float(wait_s))

@@ -199,10 +199,10 @@ class CapacitySettings(_Strict):
     prefix_routing: bool = Field(
         True, description="route a request to the replica caching the longest prefix of its "
         "prompt (its tenant's pages) when that replica has room; false = headroom only")
-    # 2 s: on SmolLM2/CPU a later turn's full re-prefill costs 4-5x a hit's TTFT (~1.3 s).
-    prefix_wait_s: float = Field(2.0, ge=0, description="how long a request may wait for a full "
-                                 "replica caching its prefix before headroom routes it "
-                                 "(within queue_timeout_s and its deadline); 0 = never wait")
+    prefix_wait_s: float | None = Field(None, ge=0, description="cap on a request's wait for a "
+        "full replica caching its prefix (otherwise about the prefill that prefix saves at the "
+        "learned rate, 2 s while unlearned: capacity/affine_bound.py; always within "
+        "queue_timeout_s and its deadline); null = no cap of its own; 0 = never wait")
     handoff: bool = Field(
         True, description="a replica with prefix caching that drains (redeploy, scale-down) "
         "hands its cached pages to another replica of the same model and format, which imports "

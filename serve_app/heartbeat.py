@@ -193,7 +193,7 @@ class RequestMeter:
                 if completion > 1 else None)
         return RequestTelemetry(
             prompt_tokens=u.prompt_tokens if u else self.prompt_tokens,
-            completion_tokens=completion,
+            completion_tokens=completion, cached_tokens=getattr(u, "cached_tokens", 0) or 0,
             batch_size=max(1, self.running_at_admission + 1),
             # Seen at admission and at finish: a request is a solo sample only if both are 1
             # (the actor takes solo decode rates only from such requests).

@@ -11,9 +11,10 @@ cool-down period, so an actor outage degrades routing quality, not availability.
 Prefix affinity (`prefix_routing`, on by default): before the ordinary hold, a request whose
 prompt's leading pages some replica already caches (for the request's tenant) holds on the
 replicas holding the longest such prefix only (the others excluded), so the actor still enforces
-every cap and never ranks a dead replica. When none of them has room it waits for them up to
-`prefix_wait_s` on the actor's affine list (beside the FIFO, never blocking it:
-capacity/waiting.py), because a cached prefill saves several times that wait; then the ordinary
+every cap and never ranks a dead replica. When none of them has room it waits for them on the
+actor's affine list (beside the FIFO, never blocking it: capacity/waiting.py) for about the
+prefill time the cached prefix saves at their learned rate (capacity/affine_bound.py; 2 s while
+unlearned), within queue_timeout_s, the deadline and `prefix_wait_s` when set; then the ordinary
 hold routes by headroom. serve_app/prefix_affinity.py keeps the view of the caches.
 """
 from __future__ import annotations
@@ -68,7 +69,9 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         self.stats = {"holds": 0, "refusals": 0, "faults": 0, "fallback_routes": 0,
                       "queue_full": 0}
         self.prefix_routing = settings.prefix_routing
-        self.prefix_wait_s = settings.prefix_wait_s
+        # None: no cap of its own (the actor's saved-prefill bound, within queue_timeout_s).
+        self.prefix_wait_s = (float("inf") if settings.prefix_wait_s is None
+                              else settings.prefix_wait_s)
         self.prefix = PrefixIndex()
         if self.prefix_routing:
             # lookups: requests routed through the actor; hits: sent to a replica caching a
@@ -150,7 +153,8 @@ class CapacityRouter(LocalityMixin, RequestRouter):
             hold = await self.client.hold(call.model, call.raw_tokens, req.request_id,
                                           prompt_tokens=len(req.prompt_ids), exclude=exclude)
         except CapacityRefused as e:
-            hold = await self._affine_wait(call, exclude) if e.reason == "no_capacity" else None
+            hold = (await self._affine_wait(call, exclude, best) if e.reason == "no_capacity"
+                    else None)
             self.stats["prefix_full"] += e.reason == "no_capacity" and hold is None
             if hold is None:
                 return None
@@ -174,10 +178,13 @@ class CapacityRouter(LocalityMixin, RequestRouter):
             return None
         return hold
 
-    async def _affine_wait(self, call: GenerateCall, exclude: list[str]) -> Any | None:
+    async def _affine_wait(self, call: GenerateCall, exclude: list[str],
+                           cached: int) -> Any | None:
         """The caching replicas are full: wait for one of them (a hold), or None when the wait
         runs out, is not allowed (0 s, no time left before the deadline, this router's queue
-        full) or fails. Bounded by prefix_wait_s, queue_timeout_s and the deadline."""
+        full) or fails. The actor bounds the wait by the prefill of the `cached` tokens a hit
+        saves (capacity/affine_bound.py); this caps it by queue_timeout_s, the deadline and
+        prefix_wait_s when set."""
         req, budget = call.request, min(self.prefix_wait_s, self.queue_timeout_s)
         if call.first_token_deadline_unix is not None:
             budget = min(budget, call.deadline_monotonic() - time.monotonic())
@@ -188,7 +195,7 @@ class CapacityRouter(LocalityMixin, RequestRouter):
         try:
             hold = await self.client.hold(call.model, call.raw_tokens, req.request_id,
                                           prompt_tokens=len(req.prompt_ids), exclude=exclude,
-                                          wait_s=budget, affine=True)
+                                          wait_s=budget, affine=True, saved_tokens=cached)
         except CapacityRefused:
             return None
         except Exception:  # noqa: BLE001 - e.g. an actor older than affine waits: headroom

@@ -164,6 +164,8 @@ LOOK_ALIKES = {
     ("serve_app.protocol", "_Sampling"): "the OpenAI HTTP body (pydantic): OpenAI names and "
                                          "OpenAI-only rules; builds SamplingParams once",
     ("capacity.rates", "RequestSample"): "one point of a rate history, derived from telemetry",
+    ("engine.request", "Usage"): "the engine's token counts of one request (the usage block "
+                                 "it streams); the telemetry carries them on with its timings",
 }
 
 

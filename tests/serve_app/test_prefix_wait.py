@@ -1,6 +1,7 @@
 """The router's affine wait (serve_app/routing.py), built in this process against the actor's own
 batch path (capacity/ops.py, no Ray): a request whose caching replica is full waits for it, up to
-prefix_wait_s, and is held there when it frees; when the wait runs out the ordinary hold routes it
+prefix_wait_s (or, by default, about the prefill its cached prefix saves: capacity/affine_bound.py),
+and is held there when it frees; when the wait runs out the ordinary hold routes it
 by headroom; with no wait allowed it never waits. The client is the real CapacityClient, its
 transport replaced by the batch path (both transports carry the same encoded ops)."""
 import asyncio
@@ -12,6 +13,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from capacity.fleet import Fleet, FleetConfig
 from capacity.operations import encode_op
 from capacity.ops import BatchOps
+from capacity.rates import RequestSample
 from engine.request import GenerationRequest
 from engine.sampling.params import SamplingParams
 from serve_app.calls import GenerateCall
@@ -105,5 +107,29 @@ def test_when_the_wait_runs_out_headroom_routes_it_and_no_wait_means_none():
         assert await eager._affine_hold(call("turn3")) is None
         assert eager.stats["prefix_waited"] == 0 and eager.stats["prefix_full"] == 1
         assert ops.waits.stats.affine_parked == 1
+
+    asyncio.run(scenario())
+
+
+def test_the_wait_follows_the_prefill_the_cached_prefix_saves():
+    # Default settings (no prefix_wait_s): the router sends its 640 cached tokens and the
+    # queue_timeout_s cap; at a learned 80 tok/s the actor bounds the wait at 8 s (not 2 s).
+    async def scenario():
+        ops = service()
+        key = ops.fleet.ledger.replica("m", "r0").key
+        for _ in range(5):
+            ops.fleet.rates.record_request(key, RequestSample(800, 1, 10.0, None))
+        fill_r0(ops)
+        router = make_router(ops)
+        task = asyncio.create_task(router._affine_hold(call("turn2")))
+
+        async def parked():
+            return ops.waits.affine_waiting("m") == ["turn2"]
+
+        await until(parked, what="the request waiting for r0")
+        left = ops.waits._by_id["turn2"].timer.when() - asyncio.get_running_loop().time()
+        assert 7.0 < left <= 8.0
+        ops.apply([("release", "fill", None)])
+        assert (await asyncio.wait_for(task, 10)).replica_id == "r0"
 
     asyncio.run(scenario())
