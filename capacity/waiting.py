@@ -109,6 +109,11 @@ class WaitQueues:
         waiting = wait_s > 0
         if waiting and request_id in self._tombstones:
             return refusal("cancelled", 0.0, request_id)
+        early = self._by_id.get(request_id)
+        if early is not None and early.affine and not op.affine:
+            # The router stopped waiting for the holders and holds by headroom now: that wait
+            # is over (left parked, it could be granted beside this hold's own reservation).
+            self._finish(early, refusal("cancelled", 0.0, f"{request_id}: held by headroom"))
         if waiting and op.affine:
             return self._affine_hold(op, owner)
         queued = self._queues.get(model)

@@ -61,6 +61,22 @@ def test_an_affine_waiter_does_not_block_the_fifo_head():
     run(scenario())
 
 
+def test_a_hold_by_headroom_ends_the_same_requests_affine_wait():
+    """The router's fallback after its affine wait: the same request id, held by headroom. Left
+    parked, the affine waiter could later be granted beside that hold (two reservations)."""
+    async def scenario():
+        ops = service()
+        assert on(hold(ops, "b", 1000, exclude=("r0",))) == "r1"           # the holder full
+        x = hold(ops, "x", 500, exclude=("r0",), wait_s=10, affine=True)   # waits for r1
+        assert ops.waits.affine_waiting("m") == ["x"]
+        assert on(hold(ops, "x", 500, wait_s=10)) == "r0"                  # headroom: r0
+        assert (await x)["reason"] == "cancelled" and len(ops.waits) == 0
+        ops.apply([("release", "b", None)])         # the holder frees: nothing left to grant
+        assert outstanding(ops) == 500
+
+    run(scenario())
+
+
 def test_arrival_order_decides_between_an_affine_waiter_and_the_fifo_head():
     async def scenario():
         ops = service()
@@ -167,7 +183,8 @@ def test_affine_and_fifo_waiters_keep_the_ledger_invariants(steps):
                 others = tuple(r for r in REPLICAS if r != holder)
                 out = hold(ops, rid, raw, exclude=others if kind == "affine" else (),
                            wait_s=0 if kind == "hold" else 30, affine=kind == "affine")
-                if isinstance(out, asyncio.Future):
+                # A repeated id is a resend: its waiter (and holders) are the first op's.
+                if isinstance(out, asyncio.Future) and all(out is not f for f, _ in futures):
                     futures.append((out, holder if kind == "affine" else None))
             elif kind == "release":
                 ops.apply([("release", rid, None)])
