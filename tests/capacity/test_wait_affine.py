@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from capacity.fleet import Fleet, FleetConfig
 from capacity.operations import HoldOp, decode_op, encode_op
 from capacity.ops import BatchOps
-from tests.capacity.test_wait import (RETRY, FakeClock, beat, capped_service, outstanding,
-                                      run)
+from tests.capacity.test_wait import (RETRY, FakeClock, beat, capped_service, other_step,
+                                      outstanding, run)
 
 
 REPLICAS = ("r0", "r1")
@@ -186,14 +186,8 @@ def test_affine_and_fifo_waiters_keep_the_ledger_invariants(steps):
                 # A repeated id is a resend: its waiter (and holders) are the first op's.
                 if isinstance(out, asyncio.Future) and all(out is not f for f, _ in futures):
                     futures.append((out, holder if kind == "affine" else None))
-            elif kind == "release":
-                ops.apply([("release", rid, None)])
-            elif kind == "cancel":
-                ops.apply([("cancel", rid)])
-                assert rid not in ops.waits.waiting()
             else:
-                seq += 1
-                ops.apply([("heartbeat", beat(seq, max_=raw * 2, replica=holder))])
+                seq = other_step(ops, kind, rid, seq, raw, replica=holder)
             outstanding(ops)                  # conserved, never above a replica's budget
             for rep in ops.fleet.ledger.replicas("m"):
                 assert ops.fleet.ledger.headroom(rep, ops.clock()).max_request >= 0
