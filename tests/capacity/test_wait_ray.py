@@ -21,6 +21,18 @@ def beat(seq, model, replica, max_=1000):
                                   "kv_bytes_per_token": 1}]}
 
 
+async def connected(name, transport, beats) -> CapacityClient:
+    """A client of actor `name` that has sent `beats`, over `transport` ("auto": its direct
+    connection up before anything is held)."""
+    client = CapacityClient(namespace=NS, name=name, snapshot_path="", call_timeout_s=30,
+                            transport=transport)
+    for b in beats:
+        await client.heartbeat(b)
+    if transport == "auto":
+        await until(lambda: asyncio.sleep(0, bool(client.fast_link.conns)))
+    return client
+
+
 @pytest.mark.parametrize("transport", ["auto", "ray"])
 def test_client_waits_in_fifo_and_gives_up_cleanly(ray_session, transport):
     ray = ray_session
@@ -33,12 +45,7 @@ def test_client_waits_in_fifo_and_gives_up_cleanly(ray_session, transport):
         return (await actor.info.remote())["waiting"]
 
     async def scenario():
-        client = CapacityClient(namespace=NS, name=name, snapshot_path="", call_timeout_s=30,
-                                transport=transport)
-        await client.heartbeat(beat(1, "m", "r0"))
-        await client.heartbeat(beat(1, "m2", "r2"))
-        if transport == "auto":
-            await until(lambda: asyncio.sleep(0, bool(client.fast_link.conns)))
+        client = await connected(name, transport, [beat(1, "m", "r0"), beat(1, "m2", "r2")])
         assert (await client.hold("m", 1000, "a")).replica_id == "r0"
         b = asyncio.ensure_future(client.hold("m", 600, "b", wait_s=20))
         c = asyncio.ensure_future(client.hold("m", 600, "c", wait_s=20))
@@ -96,12 +103,7 @@ def test_an_affine_wait_crosses_both_transports(ray_session, transport):
         return (await actor.info.remote())["waits"]["affine_parked"] == 1
 
     async def scenario():
-        client = CapacityClient(namespace=NS, name=name, snapshot_path="", call_timeout_s=30,
-                                transport=transport)
-        await client.heartbeat(beat(1, "m", "r0"))
-        await client.heartbeat(beat(1, "m", "r1"))
-        if transport == "auto":
-            await until(lambda: asyncio.sleep(0, bool(client.fast_link.conns)))
+        client = await connected(name, transport, [beat(1, "m", "r0"), beat(1, "m", "r1")])
         assert (await client.hold("m", 1000, "a", exclude=["r1"])).replica_id == "r0"
         b = asyncio.ensure_future(client.hold("m", 600, "b", exclude=["r1"], wait_s=20,
                                               affine=True))
