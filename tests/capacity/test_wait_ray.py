@@ -29,7 +29,7 @@ async def connected(name, transport, beats) -> CapacityClient:
     for b in beats:
         await client.heartbeat(b)
     if transport == "auto":
-        await until(lambda: asyncio.sleep(0, bool(client.fast_link.conns)))
+        await until(lambda: bool(client.fast_link.conns), what="the direct connection up")
     return client
 
 
