@@ -46,7 +46,8 @@ def direct_ingress_env(port: int, span: int = 0) -> dict[str, str]:
 # replicas (seen on a shared box: "The actor was restarted", the app never became ready).
 # Killing the server does not give the other program memory it can keep, so it is off.
 # A cluster started with `ray start` gets the same through RAY_worker_niceness=0 and
-# RAY_memory_monitor_refresh_ms=0 (cluster.yaml).
+# RAY_memory_monitor_refresh_ms=0 (cluster.yaml), and the agent wait below through
+# RAY_agent_register_timeout_ms.
 # The raylet exits when its runtime-env agent (a Python process it starts) does not accept a
 # connection within agent_register_timeout_ms (30 s): with every core busy, and the agent
 # ports no longer waited for (with_agent_ports below), that became the next wait to run out

@@ -46,3 +46,29 @@ def test_worker_start_advertises_mac_resources(tmp_path):
     [arg] = [a for a in out if a.startswith("--resources=")]
     resources = json.loads(arg.split("=", 1)[1])
     assert resources["mac"] == 1 and resources["mac_mem_gb"] > 0
+
+
+def _ray_start_env(role: str, tmp_path: Path) -> dict[str, str]:
+    """The environment `ray start` gets from a start command, with `ray` stubbed to print it."""
+    cmd = _config()[f"{role}_start_ray_commands"][-1]
+    stub = tmp_path / "ray"
+    stub.write_text("#!/bin/sh\nenv\n")
+    stub.chmod(0o755)
+    cmd = cmd.replace("~/orchard/.venv/bin/ray", str(stub))
+    out = subprocess.run(["bash", "-c", cmd], env={"RAY_HEAD_IP": "10.0.0.1", "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    return dict(line.split("=", 1) for line in out if "=" in line)
+
+
+def test_every_node_waits_for_its_agents_as_a_local_ray_does(tmp_path):
+    """A node whose cores are all busy starts its runtime-env agent slower than Ray's 30 s wait
+    for its connection, and the raylet exits: both start commands raise it, to the value
+    `orchard serve`'s local Ray uses, in the environment `ray start` runs with."""
+    from serve_app.launch import LOCAL_RAY_SYSTEM_CONFIG
+
+    want = LOCAL_RAY_SYSTEM_CONFIG["agent_register_timeout_ms"]
+    assert want > 30_000
+    for role in ("head", "worker"):
+        env = _ray_start_env(role, tmp_path)
+        assert int(env.get("RAY_agent_register_timeout_ms", 0)) == want, role
+        assert env["RAY_worker_niceness"] == "0" and env["RAY_memory_monitor_refresh_ms"] == "0"
