@@ -33,6 +33,10 @@ class KernelChoices:
     # Pad a compiled step's rows to a bucket (compiled_decode.bucket_rows) so a served batch
     # whose size wanders costs a few traces, not one per size; off: one trace per row count.
     compiled_row_buckets: bool = True
+    # Compile every native decode kernel variant at start-up (cuda/paged_decode.precompile)
+    # instead of at the first step that launches it: a variant first launched in traffic
+    # stalled an 8B stream 2.8 s on the H200. Off: compiled on first use (benches compare).
+    precompile_decode: bool = True
     # Blocks per layer the decode kernels aim for when they split a row's history
     # (None: cuda/paged_decode.TARGET_BLOCKS).
     decode_split_target: int | None = None

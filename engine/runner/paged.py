@@ -30,6 +30,7 @@ import numpy as np
 
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.attention.cuda import paged_decode as cuda_paged_decode
+from engine.attention.cuda.decode_precompile import precompile
 from engine.attention.layers import cache_class_for
 from engine.attention.paged import PagedLayerCache, StepBatch, install_sdpa_hook
 from engine.kv.store import KVStore
@@ -154,6 +155,10 @@ class ModelRunner:
             install_swiglu_hook(loaded.model)
         self.direct = self._hook_reaches_every_layer()
         self.kernel_decode = kernels.decode_kernel and self._kernel_decode_fits()
+        # Native decode kernel variants compiled now, not in traffic (KernelChoices.
+        # precompile_decode): how many launches that took (0: none).
+        self.precompiled = (self._precompile_decode_kernels()
+                            if self.kernel_decode and kernels.precompile_decode else 0)
         # Multi-token calls attend through MLX ops instead of mx.fast's SDPA (KernelChoices.
         # prefill_attention; "auto": on CUDA, where SDPA builds a cuDNN plan per shape).
         self.prefill_ops = (kernels.prefill_attention == "ops"
@@ -167,6 +172,22 @@ class ModelRunner:
                   else kernels.compiled_decode)
         self.compiled = (CompiledDecode(self) if wanted and CompiledDecode.fits(self)
                          else None)
+
+    def _precompile_decode_kernels(self) -> int:
+        """Compile the native decode kernel's variants for each native paged layer's
+        (group, head dim) once (cuda/paged_decode.precompile). The query heads come from the
+        model's config (num_attention_heads); a config without them compiles on first use."""
+        config = self.loaded.config.get("text_config", self.loaded.config)
+        heads = config.get("num_attention_heads")
+        own = self.kernels.decode_writes_own
+        shapes = {(heads // g.kv_heads, g.head_dim,
+                   own and self.kvstore.layer(g.index).decode_writes_own)
+                  for g in self.loaded.geometry.layers
+                  if g.paged and self.cache_class(g.index) is PagedLayerCache
+                  and isinstance(heads, int) and g.kv_heads and heads % g.kv_heads == 0}
+        return sum(precompile(group, dim, self.page_tokens, self.loaded.dtype,
+                              self.kvstore.dtype, writes, self.kernels.decode_warps)
+                   for group, dim, writes in sorted(shapes))
 
     def _kernel_decode_fits(self) -> bool:
         """The kernels serve pages read in direct mode, on CUDA: native pages of their head
