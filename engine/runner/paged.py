@@ -185,9 +185,13 @@ class ModelRunner:
                   for g in self.loaded.geometry.layers
                   if g.paged and self.cache_class(g.index) is PagedLayerCache
                   and isinstance(heads, int) and g.kv_heads and heads % g.kv_heads == 0}
-        return sum(precompile(group, dim, self.page_tokens, self.loaded.dtype,
-                              self.kvstore.dtype, writes, self.kernels.decode_warps)
-                   for group, dim, writes in sorted(shapes))
+        try:
+            return sum(precompile(group, dim, self.page_tokens, self.loaded.dtype,
+                                  self.kvstore.dtype, writes, self.kernels.decode_warps)
+                       for group, dim, writes in sorted(shapes))
+        except Exception as e:  # noqa: BLE001 - the first step would compile them anyway
+            log.warning("decode kernels not precompiled (compiled on first use): %s", e)
+            return 0
 
     def _kernel_decode_fits(self) -> bool:
         """The kernels serve pages read in direct mode, on CUDA: native pages of their head
