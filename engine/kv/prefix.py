@@ -11,8 +11,10 @@ scheduler at reclaim) continue its prompt's chain, so a chat's next turn that re
 hits them; a template that re-tokenizes the reply differently only misses, it never mismatches.
 
 The cache holds one pool reference per cached page; a hit adds the request's own reference, so
-a shared page is allocated (and charged) once. Eviction frees least recently used leaves (pages
-no longer held by any request and with no cached continuation), keeping every chain walkable.
+a shared page is allocated (and charged) once. Eviction frees leaves (pages no longer held by any
+request and with no cached continuation), keeping every chain walkable, the one expected back last
+first (engine/kv/reuse.py: each page learns its chain's reuse interval from the lookups that hit
+it; LRU would evict the conversation due back next).
 
 Each entry keeps its page's token ids and its chain's root, so the cache can be handed to another
 replica (`entries()`, engine/checkpoint/prefix_pages.py): the receiver recomputes every hash from
@@ -22,9 +24,13 @@ computed (the root is a one-way hash; the export names its tenants).
 from __future__ import annotations
 
 import hashlib
+import heapq
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 from engine.kv.pages import PagePool
+from engine.kv.reuse import Candidate, ReuseIntervals, eviction_key, smoothed
 
 _TENANTS: dict[bytes, str] = {}   # chain root -> tenant, for roots this process computed
 
@@ -62,9 +68,12 @@ def page_hashes(root: bytes, token_ids: list[int], page_tokens: int) -> list[byt
 class _Entry:
     page: int
     parent: bytes | None
-    last_used: int
+    last_used: int              # the cache's use counter: orders uses
     root: bytes
     tokens: tuple[int, ...]
+    used_s: float = 0.0         # clock time of the last use: measures reuse intervals
+    gap_s: float | None = None  # this page's smoothed reuse interval (engine/kv/reuse.py)
+    fresh: bool = True          # published and not looked up since: the next hit is a reuse
     children: int = 0
 
 
@@ -82,10 +91,12 @@ class CachedPage:
 class PrefixCache:
     """Content-addressed full pages over one PagePool."""
 
-    def __init__(self, pool: PagePool):
+    def __init__(self, pool: PagePool, clock: Callable[[], float] = time.monotonic):
         self.pool = pool
         self._entries: dict[bytes, _Entry] = {}
         self._clock = 0
+        self._now = clock          # seconds; injectable so a model or a test runs its own time
+        self._intervals = ReuseIntervals()
         self.queries = 0
         self.hits = 0
         self.hit_tokens = 0
@@ -95,6 +106,11 @@ class PrefixCache:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
+
+    @property
+    def typical_reuse_s(self) -> float | None:
+        """The median of the recent reuse intervals (None before the first reuse)."""
+        return self._intervals.typical()
 
     def entries(self) -> list[CachedPage]:
         """Every cached page, each after its parent (a parent outlives its children and is
@@ -113,8 +129,16 @@ class PrefixCache:
                 break
             pages.append(entry)
         self._clock += 1
+        now = self._now()
+        # A reuse interval runs from a page's publication to the first lookup that finds it
+        # again: a request waiting for room looks its prefix up once per admission attempt,
+        # and those retries are one reuse, not many of a few milliseconds each.
+        if pages and pages[-1].fresh:   # the deepest page hit: how long its chain sat idle
+            self._intervals.observe(now - pages[-1].used_s)
         for entry in pages:
-            entry.last_used = self._clock
+            if entry.fresh:
+                entry.gap_s = smoothed(entry.gap_s, now - entry.used_s)
+            entry.last_used, entry.used_s, entry.fresh = self._clock, now, False
         found = [e.page for e in pages]
         self.pool.share(found)
         if found:
@@ -131,35 +155,52 @@ class PrefixCache:
         added = 0
         parent = None
         self._clock += 1
+        now = self._now()
         t = self.pool.page_tokens
         for i, h in enumerate(page_hashes(root, token_ids, t)):
             entry = self._entries.get(h)
             if entry is None:
                 self.pool.share([page_table[i]])
+                # a new page continues its chain, at its chain's pace (a reply, its conversation's)
+                gap = None if parent is None else self._entries[parent].gap_s
                 entry = self._entries[h] = _Entry(page_table[i], parent, self._clock, root,
-                                                  tuple(token_ids[i * t:(i + 1) * t]))
+                                                  tuple(token_ids[i * t:(i + 1) * t]), now, gap)
                 if parent is not None:
                     self._entries[parent].children += 1
                 added += 1
-            entry.last_used = self._clock
+            entry.last_used, entry.used_s, entry.fresh = self._clock, now, True
             parent = h
         return added
 
     def evict(self, pages_wanted: int) -> int:
-        """Free up to `pages_wanted` pages held only by the cache, oldest leaves first."""
+        """Free up to `pages_wanted` pages held only by the cache, leaves expected back last
+        first (engine/kv/reuse.py). Keys are taken once per call (one clock reading), so a heap
+        orders them; a parent left childless joins it."""
+        now, typical = self._now(), self._intervals.typical()
+        heap = [(eviction_key(self._candidate(e), now, typical), h)
+                for h, e in self._entries.items() if self._evictable(e)]
+        heapq.heapify(heap)
         freed = 0
-        while freed < pages_wanted:
-            leaves = [(e.last_used, h) for h, e in self._entries.items()
-                      if e.children == 0 and self.pool.refcount(e.page) == 1]
-            if not leaves:
-                break
-            _, h = min(leaves)
+        while freed < pages_wanted and heap:
+            _, h = heapq.heappop(heap)
             entry = self._entries.pop(h)
             if entry.parent is not None:
-                self._entries[entry.parent].children -= 1
+                parent = self._entries[entry.parent]
+                parent.children -= 1
+                if self._evictable(parent):
+                    heapq.heappush(heap, (eviction_key(self._candidate(parent), now, typical),
+                                          entry.parent))
             self.pool.free([entry.page])
             freed += 1
         return freed
+
+    def _evictable(self, e: _Entry) -> bool:
+        return e.children == 0 and self.pool.refcount(e.page) == 1
+
+    def _candidate(self, e: _Entry) -> Candidate:
+        parent = None if e.parent is None else self._entries[e.parent]
+        return Candidate(e.last_used, e.used_s, e.gap_s,
+                         superseded=parent is not None and parent.last_used > e.last_used)
 
     def clear(self) -> None:
         """Drop every cache reference (engine shutdown or format change)."""

@@ -316,11 +316,12 @@ class Scheduler:
             s = self.waiting[0]
             shared = self._lookup(s)
             if not self.ledger.fits(s.raw_tokens, len(shared)):
-                self.pool.free(shared)
                 short = (self.ledger.charge_for(s.raw_tokens, len(shared))
                          - self.ledger.cost_model.free_bytes(self.ledger.used_bytes))
-                if short > 0 and self.evict_cache(-(-short // self.ledger.page_charge)):
-                    continue   # look up again: eviction may have taken some of its pages
+                evicted = short > 0 and self.evict_cache(-(-short // self.ledger.page_charge))
+                self.pool.free(shared)   # only now: held by `s`, its own pages were not evicted
+                if evicted:
+                    continue   # look up again
                 return admitted
             if not self._backed(s, len(shared)):
                 self.pool.free(shared)
@@ -376,11 +377,10 @@ class Scheduler:
         return self.prefix.lookup(self.root_of(s), s.prompt_ids)
 
     def _publish_output_pages(self, s: Seq) -> None:
-        """Cache the full pages of a finished request's prompt + output (called at reclaim: every
-        step that wrote its K/V has retired). Tokens below `num_computed` are exactly those whose
-        K/V were written by retired steps (a pipelined step that wrote the last sampled token of
-        a finished row is not counted), so only those pages are published. Prompt pages were
-        published as prefill retired; a request finished mid-prefill has nothing more to add."""
+        """Cache the full pages of a finished request's prompt + output (at reclaim: every step
+        that wrote its K/V has retired). Only tokens below `num_computed` had K/V written by
+        retired steps (a pipelined step's last sampled token of a finished row is not), so only
+        their pages are published; prompt pages were as prefill retired."""
         if self.prefix is None or s.prefilling or s.table is None:
             return
         n = min(s.num_computed, s.num_tokens - 1)
