@@ -52,10 +52,14 @@ def direct_ingress_env(port: int, span: int = 0) -> dict[str, str]:
 # connection within agent_register_timeout_ms (30 s): with every core busy, and the agent
 # ports no longer waited for (with_agent_ports below), that became the next wait to run out
 # (seen under `make test-loaded`: the agent had not yet logged a line 33 s after its start, the
-# raylet exited, the driver died). An agent that crashes ends the raylet at once; the longer
-# wait only matters for one that is alive and slow.
+# raylet exited, the driver died). 120 s was not enough either: with a second Ray starting
+# beside the busy loops (load average 40 on 2 cores) the agent had not written its first log
+# line 127 s after its start. An agent that crashes ends the raylet at once (its agents share
+# its fate), and with the ports chosen up front it cannot listen on a port the raylet does
+# not know, so this wait only ever ends a start whose agent is alive and slow: it is set
+# longer than the callers' own deadlines for a start, which decide how long one may take.
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "memory_monitor_refresh_ms": 0,
-                           "agent_register_timeout_ms": 120_000}
+                           "agent_register_timeout_ms": 600_000}
 # Serve's controller kills (ray.kill) a proxy not ready within 5 s of its start, and one whose
 # health check takes 10 s: on a box whose cores are all busy a proxy starts slower than that and
 # Serve never gets one (seen: ActorDiedError in set-up, 5 of 5 runs with a CPU hog per core).
