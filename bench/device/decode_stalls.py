@@ -1,5 +1,6 @@
-"""Decode stalls of one stream after a replica's warm-up: where a lone request's token gaps jump,
-with the native decode kernels compiled at start-up (KernelChoices.precompile_decode) and without.
+"""Stalls after a replica's warm-up: where token gaps jump, with the native decode kernels
+compiled at start-up (KernelChoices.precompile_decode) or not, and with the warm-up's joins
+(engine/warmup.py: steps mixing a prefill with 1-7 decode rows) or not.
 
     python -m bench.device.decode_stalls --model DIR [--model DIR ...] --out RESULT.json
 
@@ -9,8 +10,11 @@ reached. Each (model, variant) runs in a fresh child process with its own empty 
 (MLX_PTX_CACHE_DIR), as a replica on a new machine starts: the engine with the serving
 defaults, the replica's warm-up (engine/warmup.py, batch 8), then lone requests one after
 another whose prompts cross the compiled decode step's page buckets (100 to 2,100 tokens), 48
-greedy tokens each. Per request: time to first token, the median and the longest gap between
-tokens, and how many compiled decode shapes were traced during it. Prints and writes JSON.
+greedy tokens each; then requests joining one at a time while the earlier ones decode (prompts
+of 184-510 tokens, as the load generator's warm-up sent them when run 8's 8B replica stalled
+3.7-3.9 s in such steps). Per request: time to first token, the median and the longest gap
+between tokens, and how many compiled decode shapes were traced during it. Prints and writes
+JSON.
 """
 from __future__ import annotations
 
@@ -27,10 +31,13 @@ from pathlib import Path
 
 PROMPTS = (100, 300, 600, 1100, 2100)
 DECODE_TOKENS = 48
-VARIANTS = {"first-use": False, "precompiled": True}
+JOIN_PROMPTS = (184, 510, 507, 300, 420, 250)
+# name: (KernelChoices.precompile_decode, warm_up's joins_first)
+VARIANTS = {"first-use": (False, False), "precompiled": (True, False),
+            "precompiled+joins": (True, True)}
 
 
-def child(model: str, precompile: bool) -> dict:
+def child(model: str, precompile: bool, joins_first: bool) -> dict:
     from dataclasses import replace
 
     from engine import Engine, GenerationRequest, SamplingParams
@@ -45,7 +52,7 @@ def child(model: str, precompile: bool) -> dict:
     runner = eng.runner
     compiled = runner.compiled
 
-    async def lone(i: int, n: int) -> dict:
+    async def lone(i: int, n: int, started: asyncio.Event | None = None) -> dict:
         prompt = [3 + (7 * i + 13 * k) % 200 for k in range(n)]   # never a cached prefix
         req = GenerationRequest(f"lone-{i}", prompt, SamplingParams(
             temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True))
@@ -56,6 +63,8 @@ def child(model: str, precompile: bool) -> dict:
             now = time.perf_counter()
             if first is None:
                 first = now - start
+                if started is not None:
+                    started.set()
             else:
                 gaps.append(now - last)
             last = now
@@ -66,14 +75,23 @@ def child(model: str, precompile: bool) -> dict:
 
     async def go() -> dict:
         t = time.perf_counter()
-        await warm_up(eng, batch=8)
+        await warm_up(eng, batch=8, joins_first=joins_first)
         warm = time.perf_counter() - t
         rows = [await lone(i, n) for i, n in enumerate(PROMPTS)]
-        return {"warmup_s": round(warm, 2), "requests": rows}
+        tasks = []
+        for k, n in enumerate(JOIN_PROMPTS):   # each joins once the one before has a token
+            started = asyncio.Event()
+            tasks.append(asyncio.create_task(lone(100 + k, n, started)))
+            await started.wait()
+        joined = await asyncio.gather(*tasks)
+        return {"warmup_s": round(warm, 2), "requests": rows, "joins": joined,
+                "joins_longest_gap_ms": max(r["gap_max_ms"] for r in joined),
+                "joins_longest_ttft_ms": max(r["ttft_ms"] for r in joined)}
 
     out = asyncio.run(go())
     eng.shutdown()
     return {"model": Path(model).name, "precompile_decode": precompile,
+            "warmup_joins_first": joins_first,
             "engine_built_s": round(built, 2), "precompiled_launches": runner.precompiled,
             "compiled_decode": compiled is not None, **out}
 
@@ -86,7 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.model[0], VARIANTS[args.child])))
+        print(json.dumps(child(args.model[0], *VARIANTS[args.child])))
         return 0
     results = []
     for model in args.model:
