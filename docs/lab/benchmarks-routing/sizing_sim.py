@@ -12,7 +12,8 @@ fits, fewest running first, ties to the lower id); "prefix" = the replicas holdi
 cached prefix among those that fit, else as capacity. A request that fits nowhere waits for the
 next finish. TTFT = wait + uncached prompt tokens / prefill rate (slowed by each running request)
 + one step; a turn lasts TTFT + max_tokens steps. Each turn's prompt and reply are cached at its
-end, as the engine does.
+end, as the engine does. The caches run on the model's clock; `--eviction lru` gives them the
+engine's eviction order before the reuse-interval one (engine/kv/reuse.py), for comparison.
 """
 from __future__ import annotations
 
@@ -28,9 +29,22 @@ sys.path.insert(0, str(REPO))
 
 from engine.kv.pages import PagePool  # noqa: E402 - after the repo is importable
 from engine.kv.prefix import PrefixCache, page_hashes  # noqa: E402
+from engine.kv.reuse import Candidate  # noqa: E402
 from loadtest import chat_plan  # noqa: E402
 
 PAGE = 64
+
+
+class LRUCache(PrefixCache):
+    """The engine's cache with its eviction order before engine/kv/reuse.py: least recently used
+    leaf first (no interval learned, nothing superseded)."""
+
+    def __init__(self, pool, clock):
+        super().__init__(pool, clock)
+        self._intervals.observe = lambda seconds: None   # typical() stays None: plain LRU
+
+    def _candidate(self, e):
+        return Candidate(e.last_used, e.used_s, None, False)
 
 
 def headroom(rep: dict, pages: int, ceiling: int) -> int:
@@ -41,10 +55,13 @@ def headroom(rep: dict, pages: int, ceiling: int) -> int:
 
 
 def simulate(params: chat_plan.ChatParams, pages: int, router: str, tokenize, ceiling: int = 32,
-             prefill_tps: float = 500.0, step0_s: float = 0.06, step1_s: float = 0.015) -> dict:
+             prefill_tps: float = 500.0, step0_s: float = 0.06, step1_s: float = 0.015,
+             eviction: str = "reuse") -> dict:
     rng = random.Random(params.seed)
-    reps = [{"id": i, "cache": PrefixCache(PagePool(pages, PAGE)), "running": 0, "pinned": 0}
-            for i in range(2)]
+    now = [0.0]
+    cache_type = LRUCache if eviction == "lru" else PrefixCache
+    reps = [{"id": i, "cache": cache_type(PagePool(pages, PAGE), lambda: now[0]), "running": 0,
+             "pinned": 0} for i in range(2)]
     convs = [{"c": c, "ids": [1, *tokenize(c.system), 2], "turn": 0, "last": None}
              for c in chat_plan.build(params)]
     events = [(c["c"].start_s, i, "send") for i, c in enumerate(convs)]
@@ -52,6 +69,7 @@ def simulate(params: chat_plan.ChatParams, pages: int, router: str, tokenize, ce
     waiting, rows = [], []
     while events:
         t, i, kind = heapq.heappop(events)
+        now[0] = t
         cv = convs[i]
         if kind == "send":
             cv.setdefault("asked", t)
@@ -124,6 +142,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--max-num-seqs", type=int, default=32, help="each replica's ceiling")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--eviction", choices=("reuse", "lru"), default="reuse",
+                    help="the prefix cache's eviction order (lru: before engine/kv/reuse.py)")
     args = ap.parse_args()
     from tokenizers import Tokenizer
 
@@ -135,14 +155,14 @@ def main() -> None:
             p = chat_plan.ChatParams(conversations=args.conversations, think_s=args.think_s,
                                      system_words=tuple(args.system_words), seed=seed,
                                      max_tokens=args.max_tokens)
-            a, b = (simulate(p, pages, r, tokenize, args.max_num_seqs)
+            a, b = (simulate(p, pages, r, tokenize, args.max_num_seqs, eviction=args.eviction)
                     for r in ("prefix", "capacity"))
             ratios.append(a["ttft_p50"] / b["ttft_p50"])
             shares.append(a["cached_share"])
             cap.append(b)
         print(f"pages {pages}: TTFT p50 ratio per seed {[round(r, 2) for r in ratios]} "
               f"({sum(r <= 0.5 for r in ratios)}/{len(ratios)} <= 0.5); prefix cached share "
-              f"min {min(shares):.2f}; capacity-only: switched "
+              f"min {min(shares):.2f} mean {statistics.fmean(shares):.2f}; capacity-only: switched "
               f"{statistics.fmean(c['switched'] for c in cap):.2f}, under half cached "
               f"{statistics.fmean(c['missed_half'] for c in cap):.2f} of later turns")
 
