@@ -114,9 +114,11 @@ for S in $SHAPES; do
   nvidia-smi --query-gpu=memory.used --format=csv,noheader > $W/$S/gpu_mem_after_orchard.txt
   if [ "$PEER" = 1 ]; then
     # The in-process engine right after Orchard's runs (the one-stream yardstick is a ratio of
-    # the two, and this host's speed drifts over minutes), then the peer.
+    # the two, and this host's speed drifts over minutes), then the peer. Five runs: quote
+    # their median (`samples`), not the best (run 8's SmolLM2 shape: 316 tok/s once, 214-217
+    # the other times).
     step $S-engine $ENGINE_LIMIT $PY -m bench.engine --model $m --prefill 512 --batches 1 \
-      --decode-tokens 64 --repeats 3
+      --decode-tokens 64 --repeats 5
     setsid $PY -m mlx_lm server --model $m --host 127.0.0.1 --port 8200 --log-level WARNING \
       > $W/$S/mlx_lm_server.log 2>&1 &
     pid=$!
