@@ -58,15 +58,21 @@ def main(model_dir: str) -> dict:
     from engine.platform import openblas_env
     from serve_app.app import build_app, deployment_name
     from serve_app.config import parse_config
+    from serve_app.launch import LOCAL_RAY_SYSTEM_CONFIG, with_agent_ports
     from tests.fixtures.serve import TEST_API_KEY, free_port, make_config, wait_http_ok
 
     facts: dict = {}
-    cluster = Cluster(initialize_head=True, head_node_args={
+    # Both nodes as `orchard serve`'s local Ray starts its one (serve_app/launch.py): the
+    # system config (workers at normal priority, the raylet's 600 s wait for its runtime-env
+    # agent) is the head's, which the worker's raylet reads from the GCS; every agent port
+    # chosen up front (with_agent_ports), so neither raylet aborts after Ray's fixed 15 s wait
+    # for an agent's port file. Left at Ray's defaults, a busy machine decided whether the two
+    # nodes came up (the same waits ended `orchard serve` starts under `make test-loaded`).
+    cluster = with_agent_ports(lambda: Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"mac": 1, "head": 1},
         "gcs_server_port": free_port(), "include_dashboard": False,
-        "dashboard_agent_listen_port": free_port(), "runtime_env_agent_port": free_port(),
-        "metrics_export_port": free_port()})
-    worker = cluster.add_node(num_cpus=1, resources={"mac": 1})
+        "_system_config": LOCAL_RAY_SYSTEM_CONFIG}))()
+    worker = with_agent_ports(lambda: cluster.add_node(num_cpus=1, resources={"mac": 1}))()
     try:
         ray.init(address=cluster.address, namespace="orchard-two-node", log_to_driver=False,
                  runtime_env={"env_vars": {**openblas_env(), "PYTHONPATH": os.getcwd()}})
