@@ -33,15 +33,20 @@ def test_start_commands_enable_macos_cluster_and_consistent_auth():
     assert all("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1" in c for c in starts)
 
 
-def test_worker_start_advertises_mac_resources(tmp_path):
-    """Run the worker start command with `ray` stubbed: --resources must be JSON with mac=1."""
-    cmd = _config()["worker_start_ray_commands"][-1]
+def _run_start(role: str, stub_body: str, tmp_path: Path) -> list[str]:
+    """The output lines of a node's `ray start` command with `ray` replaced by a stub script."""
+    cmd = _config()[f"{role}_start_ray_commands"][-1]
     stub = tmp_path / "ray"
-    stub.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    stub.write_text("#!/bin/sh\n" + stub_body + "\n")
     stub.chmod(0o755)
     cmd = cmd.replace("~/orchard/.venv/bin/ray", str(stub))
-    out = subprocess.run(["bash", "-c", cmd], env={"RAY_HEAD_IP": "10.0.0.1", "PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    return subprocess.run(["bash", "-c", cmd], env={"RAY_HEAD_IP": "10.0.0.1", "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def test_worker_start_advertises_mac_resources(tmp_path):
+    """Run the worker start command with `ray` stubbed: --resources must be JSON with mac=1."""
+    out = _run_start("worker", 'for a in "$@"; do echo "$a"; done', tmp_path)
     assert "--address=10.0.0.1:6379" in out
     [arg] = [a for a in out if a.startswith("--resources=")]
     resources = json.loads(arg.split("=", 1)[1])
@@ -50,13 +55,7 @@ def test_worker_start_advertises_mac_resources(tmp_path):
 
 def _ray_start_env(role: str, tmp_path: Path) -> dict[str, str]:
     """The environment `ray start` gets from a start command, with `ray` stubbed to print it."""
-    cmd = _config()[f"{role}_start_ray_commands"][-1]
-    stub = tmp_path / "ray"
-    stub.write_text("#!/bin/sh\nenv\n")
-    stub.chmod(0o755)
-    cmd = cmd.replace("~/orchard/.venv/bin/ray", str(stub))
-    out = subprocess.run(["bash", "-c", cmd], env={"RAY_HEAD_IP": "10.0.0.1", "PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    out = _run_start(role, "env", tmp_path)
     return dict(line.split("=", 1) for line in out if "=" in line)
 
 
