@@ -175,16 +175,18 @@ class ModelRunner:
 
     def _precompile_decode_kernels(self) -> int:
         """Compile the native decode kernel's variants for each native paged layer's
-        (group, head dim) once (cuda/paged_decode.precompile). The query heads come from the
+        (group, head dim) once (cuda/decode_precompile.py). The query heads come from the
         model's config (num_attention_heads); a config without them compiles on first use."""
         config = self.loaded.config.get("text_config", self.loaded.config)
         heads = config.get("num_attention_heads")
+        if not isinstance(heads, int):
+            return 0
         own = self.kernels.decode_writes_own
         shapes = {(heads // g.kv_heads, g.head_dim,
                    own and self.kvstore.layer(g.index).decode_writes_own)
                   for g in self.loaded.geometry.layers
                   if g.paged and self.cache_class(g.index) is PagedLayerCache
-                  and isinstance(heads, int) and g.kv_heads and heads % g.kv_heads == 0}
+                  and g.kv_heads and heads % g.kv_heads == 0}
         try:
             return sum(precompile(group, dim, self.page_tokens, self.loaded.dtype,
                                   self.kvstore.dtype, writes, self.kernels.decode_warps)

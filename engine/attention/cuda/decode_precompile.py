@@ -13,7 +13,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from engine.attention.cuda.paged_decode import (SMALL_GRID_BLOCKS, _dims, _native_kernel,
-                                                _scale, launch_split, launch_warps)
+                                                _scale, launch_split, launch_warps,
+                                                native_template)
 
 
 def launch_variants(group: int, head_dim: int, asked: int | None) -> list[tuple[int, bool]]:
@@ -35,8 +36,7 @@ def precompile(group: int, head_dim: int, page_tokens: int, q_dtype: mx.Dtype,
     v_pages = mx.zeros((1, 1, page_tokens, head_dim), kv_dtype)
     pages, ends = mx.zeros((1, 1), mx.int32), mx.array([1], mx.int32)
     extra = [mx.zeros((1, 1, 1, head_dim), kv_dtype) for _ in range(2)] if own else []
-    template = [("D", head_dim), ("G", group), ("PT", page_tokens), ("TQ", q_dtype),
-                ("TK", kv_dtype), ("OWN", own)]
+    template = native_template(head_dim, group, page_tokens, q_dtype, kv_dtype, own)
     outs = [launch_split(_native_kernel(own, warps),
                          [q, k_pages, v_pages, pages, ends, _dims(group, 1, 1, 1), _scale(1.0),
                           *extra],

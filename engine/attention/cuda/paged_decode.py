@@ -315,6 +315,14 @@ def launch_split(kernel, inputs: list, template: list, rows: int, kv_heads: int,
     return merged
 
 
+def native_template(head_dim: int, group: int, page_tokens: int, q_dtype: mx.Dtype,
+                    kv_dtype: mx.Dtype, own: bool) -> list:
+    """The native kernel's template arguments (besides SPLIT and TO, which launch_split adds):
+    what a compiled variant is keyed by (decode_precompile compiles the same ones)."""
+    return [("D", head_dim), ("G", group), ("PT", page_tokens), ("TQ", q_dtype),
+            ("TK", kv_dtype), ("OWN", own)]
+
+
 @lru_cache(maxsize=1024)
 def _launch_args(template: tuple, rows: int, kv_heads: int, hq: int, head_dim: int,
                  splits: int, dtype: mx.Dtype, threads: int = THREADS) -> dict:
@@ -369,6 +377,5 @@ def paged_decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, pa
         _native_kernel(own is not None, nw),
         [q, k_pages, v_pages, pages, ends, _dims(hq, kvh, num_pages, pages.shape[1]),
          _scale(float(scale)), *extra],
-        [("D", d), ("G", hq // kvh), ("PT", page_tokens), ("TQ", q.dtype),
-         ("TK", k_pages.dtype), ("OWN", own is not None)],
+        native_template(d, hq // kvh, page_tokens, q.dtype, k_pages.dtype, own is not None),
         b, kvh, hq, d, splits, q.dtype, 32 * nw)
