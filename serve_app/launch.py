@@ -58,8 +58,20 @@ def direct_ingress_env(port: int, span: int = 0) -> dict[str, str]:
 # its fate), and with the ports chosen up front it cannot listen on a port the raylet does
 # not know, so this wait only ever ends a start whose agent is alive and slow: it is set
 # longer than the callers' own deadlines for a start, which decide how long one may take.
+# The raylet starts one idle worker per CPU when the first driver connects (ray::IDLE). They are
+# started with no runtime env, and every job here has one (PYTHONPATH, OpenBLAS), so no actor or
+# task of ours can use them: they only import Ray beside the start that needs the CPU, then poll
+# (seen under `make test-loaded`: both of orchard serve's took 54 s to import, and the session's
+# two stayed idle through the suite). Off.
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "memory_monitor_refresh_ms": 0,
-                           "agent_register_timeout_ms": 600_000}
+                           "agent_register_timeout_ms": 600_000,
+                           "prestart_worker_first_driver": False}
+# Head daemons a local Ray starts that orchard does not use, each a Python process that imports
+# Ray during the start and then polls: the autoscaler monitor (a local node has nothing to
+# scale) and, when no driver prints its workers' logs (log_to_driver=False), the log monitor
+# that would publish them. The dashboard head and both agents stay (the Jobs API, metrics,
+# runtime envs). Passed to the RayParams a start builds (with_agent_ports).
+LOCAL_RAY_PARAMS = {"no_monitor": True, "include_log_monitor": False}
 # Serve's controller kills (ray.kill) a proxy not ready within 5 s of its start, and one whose
 # health check takes 10 s: on a box whose cores are all busy a proxy starts slower than that and
 # Serve never gets one (seen: ActorDiedError in set-up, 5 of 5 runs with a CPU hog per core).
@@ -114,9 +126,13 @@ AGENT_PORTS = ("metrics_agent_port", "metrics_export_port", "dashboard_agent_lis
                "runtime_env_agent_port")
 
 
-def with_agent_ports(start: Callable[[], T]) -> Callable[[], T]:
+def with_agent_ports(start: Callable[[], T], log_monitor: bool = False) -> Callable[[], T]:
     """`start` (a local ray.init) run with the agent ports chosen up front, fresh on each call
-    (a retry after a port was taken meanwhile gets others); ports the call sets itself stay."""
+    (a retry after a port was taken meanwhile gets others), and without LOCAL_RAY_PARAMS's
+    daemons (`log_monitor`: keep the log monitor, for a driver that prints workers' logs);
+    what the call sets itself stays."""
+    lean = {**LOCAL_RAY_PARAMS, **({"include_log_monitor": True} if log_monitor else {})}
+
     def run() -> T:
         from ray._private import parameter, ray_constants, services
 
@@ -128,6 +144,9 @@ def with_agent_ports(start: Callable[[], T]) -> Callable[[], T]:
                 for name, port in ports.items():
                     if not kwargs.get(name):
                         kwargs[name] = port
+                for name, value in lean.items():
+                    if kwargs.get(name) is None:
+                        kwargs[name] = value
                 super().__init__(*args, **kwargs)
                 ports["dashboard_agent_listen_port"] = self.dashboard_agent_listen_port
 

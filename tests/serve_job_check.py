@@ -25,7 +25,7 @@ import yaml
 def main(model_dir: str, config_dir: str) -> dict:
     from ray.cluster_utils import Cluster
 
-    from serve_app.launch import LOCAL_RAY_SYSTEM_CONFIG, start_with_retry
+    from serve_app.launch import LOCAL_RAY_SYSTEM_CONFIG, start_with_retry, with_agent_ports
     from tests.fixtures.serve import free_port, make_config, wait_http_ok
 
     facts: dict = {}
@@ -43,8 +43,9 @@ def main(model_dir: str, config_dir: str) -> dict:
         "_system_config": LOCAL_RAY_SYSTEM_CONFIG}
     cluster = Cluster()
     t0 = time.monotonic()
-    # The head's raylet may miss Ray's fixed 30 s registration wait on a busy machine.
-    start_with_retry(lambda: cluster.add_node(**head_args))
+    # The head's raylet may miss Ray's fixed 30 s registration wait on a busy machine. Without
+    # the daemons orchard does not use (launch.LOCAL_RAY_PARAMS), as orchard serve's Ray.
+    start_with_retry(with_agent_ports(lambda: cluster.add_node(**head_args)))
     facts["head_start_s"] = round(time.monotonic() - t0, 1)
     try:
         http_port = free_port()
