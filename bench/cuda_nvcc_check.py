@@ -135,10 +135,32 @@ def dequant_variants():
                 [*pq.template(kernel_layout(16, 4, d, kb, vb), kb, vb), ("TO", "bfloat16")])
 
 
+def page_key_variants():
+    """The page-key decode kernel (cuda/page_key_decode_source.py): both key widths, head dims,
+    page sizes, GQA groups, split modes."""
+    from engine.attention.cuda import page_key_decode_source as src
+    types = {"q": "bfloat16", "kf": "bfloat16", "vf": "bfloat16", "pool": "uint32",
+             "kt": "bfloat16", "vt": "bfloat16", "pages": "int32", "ends": "int32",
+             "tslot": "int32", "dims": "int32", "scale": "float32"}
+    outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
+    for d in (64, 128):
+        for kb in (4, 6):
+            for pt in (16, 32, 64):
+                for g in (1, 4, 7, 8):
+                    for split in (False, True):
+                        template = [("D", d), ("G", g), ("PT", pt), ("HK", 2), ("KB", kb),
+                                    ("TQ", "bfloat16"), ("TK", "bfloat16"), ("TT", "bfloat16"),
+                                    ("SPLIT", split), ("TO", "bfloat16")]
+                        yield (f"page-key d{d} k{kb} pt{pt} g{g} split={split}",
+                               wrap("orchard_page_key_decode", [(n, types[n]) for n in src.INPUTS],
+                                    outputs, src._SOURCE, src._HEADER, template))
+
+
 def variants():
     """(label, wrapped source) for every kernel variant the engine launches."""
     yield from native_variants()
     yield from decode_variants()
+    yield from page_key_variants()
     yield from write_variants()
     yield from dequant_variants()
     from engine.attention.cuda import packed_prefill as pf

@@ -1,0 +1,198 @@
+"""The page-key decode kernel (engine/attention/cuda/page_key_decode_source.py) on the CPU
+emulator (bench/cuda_emulate.py: one fiber per GPU thread), and the check case it and the
+device bench share: history written through a real PageKeyStore (quantize-on-fill, native
+tail), the reference its own dequantized `gather` (page_quant.dequantize_pages for full pages,
+the native tail for the partial one) and a plain float64 softmax.
+
+    python -m bench.cuda_emulate_page_keys     # the check cases, exit 1 if one fails
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench import cuda_emulate as ce
+
+TOLERANCE = 0.02   # bf16 output of float32 math against float64 on the same (dequantized) keys
+
+
+def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
+                    scale, target_blocks=None, workdir: Path | None = None) -> np.ndarray:
+    """page_key_decode_attention's contract run here (numpy tables, ends, tail_slots; mx
+    arrays otherwise, bf16 q, fresh rows and tail), with the host side's split plan and, with
+    several splits, the merge kernel. Returns [B, Hq, 1, D] float32 (from the bf16 output)."""
+    from engine.attention.cuda import page_key_decode as pk
+    from engine.attention.cuda import page_key_decode_source as src
+    from engine.attention.cuda import paged_decode as pd
+    from engine.attention.cuda import tile_helpers
+    from engine.attention.cuda.packed_decode_v2 import TARGET_BLOCKS
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
+    rows, hq, _, d = q.shape
+    kvh = k_new.shape[1]
+    if not pk.supports(k_bits, 4, d, hq // kvh, layout.page_tokens):
+        raise ValueError("page-key kernel: unsupported shape")
+    pk.check_layout(pool, layout, d, k_bits, kvh)
+    tables, ends = np.asarray(tables, np.int32), np.asarray(ends, np.int32)
+    types = {"q": "bfloat16", "kf": "bfloat16", "vf": "bfloat16", "pool": "uint32",
+             "kt": "bfloat16", "vt": "bfloat16", "pages": "int32", "ends": "int32",
+             "tslot": "int32", "dims": "int32", "scale": "float32"}
+    arrays = [ce._bits16(q), ce._bits16(k_new), ce._bits16(v_new), np.array(pool),
+              ce._bits16(tail[0]), ce._bits16(tail[1]), tables, ends,
+              np.asarray(tail_slots, np.int32), np.array([hq, kvh, tables.shape[1]], np.int32),
+              np.array([scale], np.float32)]
+    splits = pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS)
+    parts = rows * hq * (splits if splits > 1 else 1)
+    template = [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", kvh),
+                ("KB", k_bits), ("TQ", "bfloat16"), ("TK", "bfloat16"), ("TT", "bfloat16"),
+                ("SPLIT", splits > 1), ("TO", "bfloat16")]
+    outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
+    out, part, ml = ce.run(
+        "orchard_page_key_decode", [(n, types[n]) for n in src.INPUTS], outputs, src._SOURCE,
+        tile_helpers.HELPERS + src.PAGE_KEY_HELPERS, template, arrays,
+        [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits), pd.THREADS, workdir)
+    if splits == 1:
+        return out
+    (merged,) = ce.run("orchard_decode_merge", [("part", "float32"), ("ml", "float32"),
+                                                ("dims", "int32")], [("out", "bfloat16")],
+                       pd._MERGE, "", [("D", d), ("TO", "bfloat16")],
+                       [part, ml, np.array([splits], np.int32)], [(rows, hq, 1, d)],
+                       (rows * hq, 1), d, workdir)
+    return merged
+
+
+def page_key_store(rng, fmt_name: str, hist, kvh: int, d: int, page_tokens: int):
+    """A PageKeyStore holding history of hist[b] tokens per row, each row written by one write
+    (so its full pages are key-quantized on fill, its partial page kept in the native tail), on
+    shuffled page ids. Keys get a few wide channels (what per-channel page scales are for).
+    Returns (store, tables [B, P] int32, tail slots [B] int32: -1 where no partial page)."""
+    import mlx.core as mx
+
+    from capacity.formats import KVFormat
+    from engine.kv.page_key_store import PageKeyStore
+    from engine.kv.store import Slots
+    from engine.kv.tails import TailMap
+    from engine.model.loader import LayerGeometry
+    t = page_tokens
+    hist = np.asarray(hist)
+    need = [int(h) // t + 1 for h in hist]          # pages covering history + the own key
+    ids = rng.permutation(sum(need) + 3).astype(np.int32)
+    fmt = KVFormat(fmt_name, d, "bfloat16", page_tokens=t)
+    store = PageKeyStore(LayerGeometry(0, "full", kvh, d, d), fmt, len(ids), t,
+                         tails=TailMap(len(hist), t))
+    tables = np.empty((len(hist), max(need)), np.int32)
+    at = 0
+    wide = np.ones(d, np.float32)
+    wide[rng.choice(d, 3, replace=False)] = 8.0
+    for b, h in enumerate(hist):
+        row = ids[at:at + need[b]]
+        at += need[b]
+        tables[b, :len(row)] = row
+        tables[b, len(row):] = row[0]
+        if h:
+            pos = np.arange(h)
+            k = rng.standard_normal((h, kvh, d)).astype(np.float32) * wide
+            v = rng.standard_normal((h, kvh, d)).astype(np.float32)
+            store.write(Slots(row[pos // t], pos % t), mx.array(k).astype(mx.bfloat16),
+                        mx.array(v).astype(mx.bfloat16))
+            store.flush_tail()
+    slots = np.array([store.tails.slot_of.get(int(tables[b, h // t]), -1) if h % t else -1
+                      for b, h in enumerate(hist)], np.int32)
+    return store, tables, slots
+
+
+def reference(q, k_new, v_new, store, tables, hist, scale) -> np.ndarray:
+    """[B, Hq, 1, D] float64: each row's history as the store's `gather` dequantizes it (full
+    pages from their codes, the partial page from its native tail), then its own key; one
+    softmax per query head."""
+    import mlx.core as mx
+    k_hist, v_hist = (np.array(a.astype(mx.float32), np.float64)
+                      for a in store.gather(mx.array(tables)))
+    qf, kf, vf = (np.array(a.astype(mx.float32), np.float64) for a in (q, k_new, v_new))
+    rows, hq, _, d = qf.shape
+    group = hq // kf.shape[1]
+    out = np.zeros((rows, hq, 1, d))
+    for b, h in enumerate(hist):
+        for head in range(hq):
+            kv = head // group
+            keys = np.concatenate([k_hist[b, kv, :h], kf[b, kv]], axis=0)
+            vals = np.concatenate([v_hist[b, kv, :h], vf[b, kv]], axis=0)
+            s = keys @ qf[b, head, 0] * scale
+            p = np.exp(s - s.max())
+            out[b, head, 0] = p @ vals / p.sum()
+    return out
+
+
+def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_tokens: int = 16,
+                  kernel=None, target_blocks=None) -> dict:
+    """One check: rows of hist[b] history tokens (ragged; partial tails where hist % pages),
+    `kernel` with page_key_decode_attention's signature (None: the CUDA kernel itself) against
+    `reference`. Returns a JSON-able dict with max_abs_err and ok."""
+    import mlx.core as mx
+
+    from engine.attention.cuda import page_key_decode as pk
+    from engine.attention.cuda import paged_decode as pd
+    from engine.attention.cuda.packed_decode_v2 import TARGET_BLOCKS
+    hist = np.asarray(hist, np.int64)
+    bits = 6 if fmt_name.startswith("k6") else 4
+    store, tables, slots = page_key_store(rng, fmt_name, hist, kvh, d, page_tokens)
+    rows = len(hist)
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+
+    q, k_new, v_new = normal(rows, hq, 1, d), normal(rows, kvh, 1, d), normal(rows, kvh, 1, d)
+    scale = d ** -0.5
+    ends = (hist + 1).astype(np.int32)
+    args = (q, k_new, v_new, store.pool, store.layout, bits, store.tail)
+    if kernel is None:
+        got = pk.page_key_decode_attention(*args, mx.array(tables), mx.array(ends),
+                                           mx.array(slots), int(ends.max()), scale,
+                                           target_blocks)
+        got = np.array(got.astype(mx.float32))
+    else:
+        got = kernel(*args, tables, ends, slots, scale, target_blocks)
+    ref = reference(q, k_new, v_new, store, tables, hist, scale)
+    err = float(np.nanmax(np.abs(got - ref))) if np.isfinite(got).all() else float("inf")
+    return {"kernel": f"page-key-{fmt_name}", "rows": rows, "hq": hq, "kvh": kvh,
+            "head_dim": d, "page_tokens": page_tokens, "history": hist.tolist(),
+            "splits": pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS),
+            "max_abs_err": round(err, 5), "ok": bool(err < TOLERANCE)}
+
+
+# (format, history per row, hq, kvh, head dim, page tokens, split target)
+CASES = [
+    ("k6v4-kivi", (37,), 8, 2, 64, 16, None),
+    ("int4-kivi", (200, 0, 77), 12, 4, 128, 16, None),
+    ("k6v4-kivi", (300, 64, 129), 16, 2, 128, 32, 8),
+    ("int4-kivi", (130, 15), 6, 2, 64, 64, None),
+    ("k6v4-kivi", (700, 47, 192), 9, 3, 64, 16, 16),
+]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=len(CASES), help="run the first N cases")
+    args = ap.parse_args(argv)
+    if shutil.which("g++") is None:
+        print("no g++ on PATH", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(0)
+    work = Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
+    failed = 0
+    for fmt, hist, hq, kvh, d, pt, target in CASES[:args.limit]:
+        def kernel(*a, work=work):
+            return page_key_decode(*a, workdir=work)
+        case = page_key_case(rng, fmt, hist, hq, kvh, d, pt, kernel, target)
+        print(("ok  " if case["ok"] else "FAIL"), case, flush=True)
+        failed += not case["ok"]
+    shutil.rmtree(work)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""Decode attention straight from page-key pages (k6v4-kivi, int4-kivi; CUDA backend only).
+
+Checked by the CPU emulator (bench/cuda_emulate.py's `page_key_decode`, tests/engine/
+attention/test_cuda_page_key_decode.py) and a local nvcc (`python -m bench.cuda_nvcc_check
+--only page-key`); timed against native by `python -m bench.device.page_key_qmm --only-kernel`.
+Off by default (KernelChoices.page_key_kernel) until that device run measured it.
+
+Why: on CUDA, page-key history took the generic tiled path, which dequantizes every key of
+the history each step (0.08-0.17x native on the H200: docs/lab/benchmarks-kv-page-keys.md).
+This kernel reads the codes where they lie, in the packed v2 kernel's structure
+(cuda/packed_decode_v2.py: one block per (row, KV head, split), tiles of 64 keys copied by
+cp.async into shared memory while the previous one is used, one online-softmax step per tile,
+the split plan and merge kernel of cuda/paged_decode.py), with what page keys change:
+
+- keys are quantized per channel over each full page (engine/kv/page_quant.py): a tile is whole
+  pages (splits start on multiples of 64 keys; pages of 16, 32 or 64 tokens), and its per-page
+  channel scales and offsets (stored spread over the page's token rows: page_quant.meta_rows)
+  land beside the codes. The score pass dequantizes a key in registers with one FMA per
+  (key, channel), c' * (2^KB s) + (o - 2^KB s) for c' = 1 + c / 2^KB (a code put into the
+  mantissa of 1.0f), shared by the G query heads of the block, so no copy of the history is
+  ever made. 6-bit codes (4 to 3 bytes) are read from the word stream, two words where one
+  straddles;
+- keys are stored unrotated: queries are not rotated;
+- values are token-local int4 (64-channel groups): v2's PV pass and group terms as they are;
+- the row's partial last page is not in the codes (they are written when a page fills) but in
+  the layer's native tail pool (engine/kv/tails.py: slot per row as the step began), and the
+  step's own key and value come as inputs: those at most page_tokens keys join the same online
+  softmax in full precision after the code tiles, in the split whose range holds them.
+
+The step's own rows are written by the store before attention (values) or into the tail after
+it (keys), as on the MLX path: page-key stores keep host-side tail plans, so their decode steps
+are never compiled (PackedLayerStore.can_trace) and this kernel does not store rows itself.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+from engine.attention.cuda.packed_decode_v2 import TARGET_BLOCKS
+from engine.attention.cuda.page_key_decode_source import kernel as _kernel
+from engine.attention.cuda.paged_decode import _dims, _scale, launch_split, split_count
+from engine.kv.page_layout import PageLayout
+
+HEAD_DIMS = (64, 128)
+KEY_BITS = (4, 6)
+PAGE_TOKENS = (16, 32, 64)   # whole pages per 64-key tile, and at least 16 (cp.async pieces)
+MAX_GROUP = 8
+
+
+def supports(k_bits: int | None, v_bits: int | None, head_dim: int, group: int,
+             page_tokens: int) -> bool:
+    """Whether a page-key layer of these bits, head size, GQA group and page size can use this
+    kernel (the source's static_asserts)."""
+    return (k_bits in KEY_BITS and v_bits == 4 and head_dim in HEAD_DIMS
+            and 1 <= group <= MAX_GROUP and page_tokens in PAGE_TOKENS
+            and head_dim % page_tokens == 0)
+
+
+def kernel_layout(page_tokens: int, heads: int, head_dim: int, k_bits: int) -> PageLayout:
+    """The page layout the source computes from its template ints: key metadata in rows of
+    group page_tokens (capacity.formats KVFormat.k_row_group), values in 64-channel groups."""
+    return PageLayout.for_format(page_tokens, heads, head_dim, k_bits, 4, page_tokens, 64)
+
+
+def check_layout(pool: mx.array, layout: PageLayout, head_dim: int, k_bits: int,
+                 kv_heads: int) -> None:
+    """Raise ValueError unless `pool` and `layout` are what the source addresses (its
+    constants from D, PT, HK, KB) for a layer of `kv_heads` heads."""
+    want = kernel_layout(layout.page_tokens, kv_heads, head_dim, k_bits)
+    if layout != want:
+        raise ValueError(f"page-key kernel: layout {layout} is not the one the kernel computes "
+                         f"({want})")
+    if layout.page_words % 4:
+        raise ValueError(f"page-key kernel: pages of {layout.page_words} words break the "
+                         "16-byte alignment of its cp.async pieces")
+    if pool.ndim != 2 or pool.shape[1] != layout.page_words or pool.dtype != mx.uint32:
+        raise ValueError(f"page-key kernel: pool {pool.dtype} {tuple(pool.shape)} is not "
+                         f"uint32 [pages, {layout.page_words}]")
+
+
+def template(head_dim: int, group: int, layout: PageLayout, k_bits: int, q_dtype: mx.Dtype,
+             kv_dtype: mx.Dtype, tail_dtype: mx.Dtype) -> list:
+    """The kernel's template arguments besides SPLIT and TO (launch_split adds them)."""
+    return [("D", head_dim), ("G", group), ("PT", layout.page_tokens), ("HK", layout.heads),
+            ("KB", k_bits), ("TQ", q_dtype), ("TK", kv_dtype), ("TT", tail_dtype)]
+
+
+def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool: mx.array,
+                              layout: PageLayout, k_bits: int, tail: tuple[mx.array, mx.array],
+                              pages: mx.array, ends: mx.array, tail_slots: mx.array,
+                              longest: int, scale: float, target_blocks: int | None = None,
+                              min_keys: int | None = None) -> mx.array:
+    """Attention of one query per row, q [B, Hq, 1, D], over page-key history and the step's own
+    key: row b attends ends[b] - 1 history keys (whole pages from `pool` through page table
+    `pages[b]`, the partial last page from the native tail pool `tail` (K, V: [slots,
+    page_tokens, Hkv, D]) at slot tail_slots[b], as the step began) and then k_new / v_new
+    [B, Hkv, 1, D]. `longest`: max(ends) on the host (the split plan). Returns [B, Hq, 1, D]
+    in q's dtype."""
+    b, hq, _, d = q.shape
+    kvh = k_new.shape[1]
+    if hq % kvh or not supports(k_bits, 4, d, hq // kvh, layout.page_tokens):
+        raise ValueError(f"page-key decode: unsupported key bits {k_bits}, head dim {d}, heads "
+                         f"{hq}/{kvh} or pages of {layout.page_tokens}")
+    check_layout(pool, layout, d, k_bits, kvh)
+    kt, vt = tail
+    splits = split_count(b, kvh, longest, target_blocks or TARGET_BLOCKS, min_keys)
+    return launch_split(
+        _kernel(), [q, k_new, v_new, pool, kt, vt, pages, ends, tail_slots,
+                    _dims(hq, kvh, pages.shape[1]), _scale(float(scale))],
+        template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype, kt.dtype),
+        b, kvh, hq, d, splits, q.dtype)

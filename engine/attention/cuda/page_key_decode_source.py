@@ -1,0 +1,394 @@
+"""The page-key decode kernel's CUDA source (its design and host side: page_key_decode.py).
+
+It reads the layer's one pool (engine/kv/page_layout.py) with page-key widths: key codes of KB
+bits (4, or 6 packed 4 codes to 3 bytes), key metadata D/PT words per row (token j of a page
+carries channels j*D/PT.. of the page's per-channel scales and offsets: page_quant.meta_rows),
+4-bit values in 64-channel groups. The CPU emulator (bench/cuda_emulate.py, `page_key_decode`)
+runs it and `python -m bench.cuda_nvcc_check --only page-key` compiles it.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from engine.attention.cuda.paged_decode import HEADER
+from engine.attention.cuda.tile_helpers import ASYNC, HELPERS
+
+# A code of KB bits at channel cc of a run of words (little-end first, as page_quant packs
+# 6-bit codes: 4 codes to 3 bytes is the same bit stream), as the float 1 + c / 2^KB (see
+# orch_code1). A 6-bit code may straddle two words; with cc a compile-time constant after
+# unrolling, the branch and indices fold away.
+PAGE_KEY_HELPERS = """
+template <int KB>
+__device__ __forceinline__ float orch_code_at(const unsigned int* w, int cc) {
+  constexpr int TOP = 23 - KB;
+  const int bit = cc * KB, wi = bit / 32, sh = bit % 32;
+  const unsigned int x = sh + KB <= 32 ? (w[wi] >> sh) : ((w[wi] >> sh) | (w[wi + 1] << (32 - sh)));
+  return __uint_as_float(((x & ((1u << KB) - 1u)) << TOP) | 0x3f800000u);
+}
+"""
+
+_HEADER = HEADER + ASYNC + HELPERS + PAGE_KEY_HELPERS
+
+_SOURCE = """
+constexpr int VB = 4;                        // values: token-local int4, 64-channel groups
+// The pool's page: k_codes | v_codes | k_scales | k_offsets | v_scales | v_offsets, each
+// token-major [PT][HK][width] words (page_layout.PageLayout; page_key_decode.check_layout).
+constexpr int RPP = PT * HK;
+constexpr int LW = D * KB / 32;              // key code words per row
+constexpr int VW = D * VB / 32;              // value code words per row
+constexpr int NGK = D / PT;                  // key metadata words per row (of its page's D)
+constexpr int NG = D / 64;                   // value groups per row
+constexpr int KC_OFF = 0, VC_OFF = RPP * LW, KS_OFF = VC_OFF + RPP * VW;
+constexpr int KO_OFF = KS_OFF + RPP * NGK, VS_OFF = KO_OFF + RPP * NGK;
+constexpr int VO_OFF = VS_OFF + RPP * NG, PGW = VO_OFF + RPP * NG;
+auto sec = [](size_t r, int off, int w) -> size_t {  // first word of row r in a section
+  return (r / RPP) * (size_t)PGW + off + (r % RPP) * (size_t)w;
+};
+constexpr int NT = 128, NW = 4;              // launch_split's block: 4 warps
+constexpr int KT = 64;                       // keys per tile: whole pages (PT divides it)
+constexpr int KPT = KT / 32;                 // keys per lane in the score pass
+constexpr int CPW = 32 / VB;                 // value channels per word
+constexpr int SW = LW / NW, SC = D / NW;     // score pass: warp w owns channel slice w
+constexpr int KCB = SW % 4 == 0 ? 16 : SW % 2 == 0 ? 8 : 4;   // bytes per cp.async of key codes
+constexpr int KS = LW + KCB / 4;             // padded key row stride (odd in KCB units)
+constexpr int KCH = LW * 4 / KCB;            // cp.async pieces per key row
+constexpr int MCW = NGK < 4 ? NGK : 4;       // words per cp.async piece of key metadata
+constexpr int MCH = NGK / MCW;
+constexpr int NSUB = NT / VW;                // PV pass: thread = (word of the row, key subset)
+constexpr int VPT = D / 32;                  // channels per lane (queries, native keys)
+constexpr int GP = (G + 3) / 4 * 4;
+constexpr float TWO_KB = (float)(1 << KB), TWO_VB = (float)(1 << VB);
+// Shared memory, in 32-bit words. A stage = one tile: key codes [KT][KS], value codes [KT][VW],
+// key metadata [2][KT/PT][D] (scale, offset of every channel of each page: row r of the tile
+// lands at r * NGK, which is channel j*NGK.. of page r / PT), value metadata [2][KT][NG].
+constexpr int V_OFF = KT * KS, KM_OFF = V_OFF + KT * VW, VM_OFF = KM_OFF + 2 * KT * NGK;
+constexpr int STAGE = (VM_OFF + 2 * KT * NG + 3) / 4 * 4;
+constexpr int QS_OFF = 2 * STAGE;            // scaled queries [G][D]
+constexpr int SP_OFF = QS_OFF + G * D;       // slice partial scores [NW][G][KT]
+constexpr int PW_OFF = SP_OFF + NW * G * KT; // PV weights [KT][NG][GP]
+constexpr int ST_OFF = PW_OFF + KT * NG * GP;   // m, l, cf [GP] each; ao [NG][GP]
+constexpr int TOTAL = ST_OFF + 3 * GP + NG * GP;
+static_assert(G >= 1 && G <= 8, "page-key decode: 1..8 query heads per KV head");
+static_assert(KB == 4 || KB == 6, "page-key decode: 4- or 6-bit keys");
+static_assert(KT % PT == 0 && D % PT == 0 && PT >= 16, "pages of 16..64 tokens dividing D");
+static_assert(SC % 4 == 0 && SW * 32 == SC * KB, "a channel slice is whole words");
+static_assert(NW * G * D <= 2 * STAGE, "the final reduction reuses the stage buffers");
+static_assert(PGW % 4 == 0 && VC_OFF % 4 == 0 && KS_OFF % 4 == 0 && VS_OFF % NG == 0,
+              "cp.async: pieces aligned in every page (page_key_decode.check_layout)");
+__shared__ __align__(16) float smem[TOTAL];
+float* const qs = smem + QS_OFF;
+float* const sp = smem + SP_OFF;
+float* const pw = smem + PW_OFF;
+float* const st_m = smem + ST_OFF;
+float* const st_l = st_m + GP;
+float* const cf = st_l + GP;
+float* const st_ao = cf + GP;
+
+const int HQ = dims[0], HKV = dims[1], P = dims[2];
+const int hk = blockIdx.x % HKV;
+const int b = blockIdx.x / HKV;
+const int split = blockIdx.y, NS = gridDim.y;
+const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+const int n = ends[b];                       // keys of this row, the step's own key last
+const int nh = n - 1;                        // history before it
+const int nfull = nh / PT * PT;              // of which in full pages (codes); the rest: tail
+// Splits start on tile boundaries (so on page boundaries), so only the last code tile of a
+// row is partial and it still ends on a page boundary.
+const int per = (((n + NS - 1) / NS) + KT - 1) / KT * KT;
+const int j0 = split * per, j1 = min(n, j0 + per);
+const int hend = min(j1, nfull);
+const int ntile = hend > j0 ? (hend - j0 + KT - 1) / KT : 0;
+const float NEG_INF = -__int_as_float(0x7f800000);
+const size_t fresh = ((size_t)b * HKV + hk) * D;
+
+auto row_of = [&](int j) -> size_t {         // pool row of key j: [page, slot, head]
+  return ((size_t)pages[(size_t)b * P + j / PT] * PT + j % PT) * HKV + hk;
+};
+auto issue = [&](int t) {                    // cp.async of tile t into stage t & 1
+  const int base = j0 + t * KT, cnt = min(KT, hend - base);
+  unsigned int* sk = reinterpret_cast<unsigned int*>(smem + (t & 1) * STAGE);
+  float* st = smem + (t & 1) * STAGE;
+  for (int e = tid; e < KT * KCH; e += NT) {
+    const int r = e / KCH, c = e % KCH;
+    if (r < cnt)
+      orch_cp_async<KCB>(sk + r * KS + c * (KCB / 4), pool + sec(row_of(base + r), KC_OFF, LW) + c * (KCB / 4));
+  }
+  for (int e = tid; e < KT * (VW / 4); e += NT) {
+    const int r = e / (VW / 4), c = e % (VW / 4);
+    if (r < cnt) orch_cp_async<16>(sk + V_OFF + r * VW + c * 4, pool + sec(row_of(base + r), VC_OFF, VW) + c * 4);
+  }
+  for (int e = tid; e < 2 * KT * MCH; e += NT) {
+    const int a = e / (KT * MCH), r = (e / MCH) % KT, c = e % MCH;
+    if (r < cnt)
+      orch_cp_async<4 * MCW>(st + KM_OFF + a * KT * NGK + r * NGK + c * MCW,
+                             pool + sec(row_of(base + r), a ? KO_OFF : KS_OFF, NGK) + c * MCW);
+  }
+  for (int e = tid; e < 2 * KT; e += NT) {
+    const int a = e / KT, r = e % KT;
+    if (r < cnt)
+      orch_cp_async<4 * NG>(st + VM_OFF + (a * KT + r) * NG, pool + sec(row_of(base + r), a ? VO_OFF : VS_OFF, NG));
+  }
+  orch_cp_commit();
+};
+if (ntile > 0) issue(0);                     // the first tile lands while the queries load
+
+// Queries scaled by the softmax scale, unrotated (page-key formats store keys unrotated).
+for (int e = tid; e < G * D; e += NT)
+  qs[e] = to_f(q[((size_t)(b * HQ + hk * G)) * D + e]) * scale[0];
+if (tid < GP) { st_m[tid] = NEG_INF; st_l[tid] = 0.0f; }
+if (tid < NG * GP) st_ao[tid] = 0.0f;
+
+// PV ownership: word pk of a value row (CPW channels from c0, group pg) for keys sub, sub +
+// NSUB, ... of a tile.
+const int pk = tid % VW, sub = tid / VW, c0 = pk * CPW, pg = c0 / 64;
+float acc[G][CPW];
+#pragma unroll
+for (int h = 0; h < G; ++h) {
+  #pragma unroll
+  for (int i = 0; i < CPW; ++i) acc[h][i] = 0.0f;
+}
+
+// One online-softmax step per head (warp h) over scores s[h][r] = sp[h * KT + r] summed over
+// `slices` slices, r < cnt: tile max, rescale factor cf, p. `quantized`: PV weights p * vs *
+// 2^VB per (key, group, head) and each group's constant term into ao (packed values);
+// otherwise p per (key, head) in pw[r * GP + h] (native values).
+auto softmax_step = [&](int cnt, int slices, bool quantized, const float* vmeta) {
+  for (int h = warp; h < G; h += NW) {
+    float s[KPT];
+    float tmax = NEG_INF;
+    #pragma unroll
+    for (int i = 0; i < KPT; ++i) {
+      const int r = lane + 32 * i;
+      s[i] = NEG_INF;
+      if (r < cnt) {
+        float v = 0.0f;
+        for (int w = 0; w < slices; ++w) v += sp[(w * G + h) * KT + r];
+        s[i] = v;
+        tmax = fmaxf(tmax, v);
+      }
+    }
+    tmax = orch_warp_max(tmax);
+    const float m_old = st_m[h], m_new = fmaxf(m_old, tmax);   // finite: cnt >= 1
+    const float c = __expf(m_old - m_new);
+    float psum = 0.0f, pvo[NG];
+    #pragma unroll
+    for (int g = 0; g < NG; ++g) pvo[g] = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < KPT; ++i) {
+      const int r = lane + 32 * i;
+      const bool valid = r < cnt;
+      const float p = valid ? __expf(s[i] - m_new) : 0.0f;
+      psum += p;
+      if (quantized) {
+        #pragma unroll
+        for (int g = 0; g < NG; ++g) {
+          const float vsg = vmeta[r * NG + g] * TWO_VB;
+          pw[(r * NG + g) * GP + h] = valid ? p * vsg : 0.0f;   // never stale data times 0
+          if (valid) pvo[g] += p * (vmeta[(KT + r) * NG + g] - vsg);
+        }
+      } else {
+        pw[r * GP + h] = p;
+      }
+    }
+    psum = orch_warp_sum(psum);
+    #pragma unroll
+    for (int g = 0; g < NG; ++g) pvo[g] = orch_warp_sum(pvo[g]);
+    if (lane == 0) {
+      st_l[h] = st_l[h] * c + psum;
+      st_m[h] = m_new;
+      cf[h] = c;
+      #pragma unroll
+      for (int g = 0; g < NG; ++g) st_ao[g * GP + h] = st_ao[g * GP + h] * c + pvo[g];
+    }
+  }
+};
+auto rescale = [&]() {
+  #pragma unroll
+  for (int h = 0; h < G; ++h) {
+    const float ch = cf[h];
+    #pragma unroll
+    for (int i = 0; i < CPW; ++i) acc[h][i] *= ch;
+  }
+};
+
+for (int t = 0; t < ntile; ++t) {
+  orch_cp_wait_all();
+  __syncthreads();                           // tile t landed; tile t - 1's PV pass is done
+  if (t + 1 < ntile) issue(t + 1);           // prefetch into the stage tile t - 1 used
+  const int cnt = min(KT, hend - (j0 + t * KT));
+  float* const stage = smem + (t & 1) * STAGE;
+  float* const km = stage + KM_OFF;          // [2][KT / PT][D]
+  // Key metadata as the score pass wants it: with c' = 1 + c / 2^KB, a key channel is
+  // c * s + o = c' * (2^KB s) + (o - 2^KB s): one FMA per (key, channel), shared by all heads.
+  for (int e = tid; e < cnt * NGK; e += NT) {
+    const float S = km[e] * TWO_KB;
+    km[e] = S;
+    km[KT * NGK + e] -= S;
+  }
+  __syncthreads();
+
+  // 1. Scores: warp w = channel slice w, lane = key (KPT of them), every query head; the keys
+  // are dequantized in registers by their page's channel scales (broadcast-free reads: the 8
+  // lanes of a float4 phase share a page), queries read as broadcasts.
+  {
+    const unsigned int* sk = reinterpret_cast<const unsigned int*>(stage);
+    const int sl = warp;
+    unsigned int wd[KPT][SW + 1];
+    float dot[KPT][G];
+    #pragma unroll
+    for (int i = 0; i < KPT; ++i) {
+      orch_load_words<SW>(sk + (lane + 32 * i) * KS + sl * SW, wd[i]);
+      wd[i][SW] = 0u;
+      #pragma unroll
+      for (int h = 0; h < G; ++h) dot[i][h] = 0.0f;
+    }
+    #pragma unroll
+    for (int u = 0; u < SC / 4; ++u) {
+      const int ch = sl * SC + 4 * u;
+      float4 qv[G];
+      #pragma unroll
+      for (int h = 0; h < G; ++h) qv[h] = *reinterpret_cast<const float4*>(qs + h * D + ch);
+      #pragma unroll
+      for (int i = 0; i < KPT; ++i) {
+        const int pg_ = (lane + 32 * i) / PT;
+        const float4 S = *reinterpret_cast<const float4*>(km + pg_ * D + ch);
+        const float4 O = *reinterpret_cast<const float4*>(km + KT * NGK + pg_ * D + ch);
+        const float x0 = fmaf(orch_code_at<KB>(wd[i], 4 * u), S.x, O.x);
+        const float x1 = fmaf(orch_code_at<KB>(wd[i], 4 * u + 1), S.y, O.y);
+        const float x2 = fmaf(orch_code_at<KB>(wd[i], 4 * u + 2), S.z, O.z);
+        const float x3 = fmaf(orch_code_at<KB>(wd[i], 4 * u + 3), S.w, O.w);
+        #pragma unroll
+        for (int h = 0; h < G; ++h) {
+          dot[i][h] = fmaf(qv[h].x, x0, dot[i][h]);
+          dot[i][h] = fmaf(qv[h].y, x1, dot[i][h]);
+          dot[i][h] = fmaf(qv[h].z, x2, dot[i][h]);
+          dot[i][h] = fmaf(qv[h].w, x3, dot[i][h]);
+        }
+      }
+    }
+    #pragma unroll
+    for (int i = 0; i < KPT; ++i) {
+      #pragma unroll
+      for (int h = 0; h < G; ++h) sp[(sl * G + h) * KT + lane + 32 * i] = dot[i][h];
+    }
+  }
+  __syncthreads();
+
+  // 2. The tile's softmax step (values packed: v2's group terms).
+  softmax_step(cnt, NW, true, stage + VM_OFF);
+  __syncthreads();
+
+  // 3. PV, as in v2: lanes over a row's words, each thread every head for its CPW channels
+  // over the keys of its subset (pw is 0 past cnt).
+  rescale();
+  const unsigned int* sv = reinterpret_cast<const unsigned int*>(stage) + V_OFF;
+  #pragma unroll
+  for (int u = 0; u < KT / NSUB; ++u) {
+    const int r = sub + u * NSUB;
+    const unsigned int wv = sv[r * VW + pk];
+    float ph[GP];
+    #pragma unroll
+    for (int v = 0; v < GP / 4; ++v) {
+      const float4 x = *reinterpret_cast<const float4*>(pw + (r * NG + pg) * GP + 4 * v);
+      ph[4 * v] = x.x; ph[4 * v + 1] = x.y; ph[4 * v + 2] = x.z; ph[4 * v + 3] = x.w;
+    }
+    #pragma unroll
+    for (int i = 0; i < CPW; ++i) {
+      const float x = orch_code1<VB>(wv, i);
+      #pragma unroll
+      for (int h = 0; h < G; ++h) acc[h][i] = fmaf(ph[h], x, acc[h][i]);
+    }
+  }
+}
+__syncthreads();                             // stages, pw and state free / final
+
+// Native keys in this split's range: the row's partial last page (native tail slot tslot[b],
+// as the step began) and the step's own key (kf, vf), in full precision. At most PT of them,
+// all in one split (no tile boundary falls inside a page).
+const int a0 = max(j0, nfull), a1 = min(j1, n), ncnt = a1 - a0;
+if (ncnt > 0) {
+  const size_t tbase = (size_t)max(tslot[b], 0) * PT;
+  auto native_row = [&](int pos) -> size_t {   // element offset of (key pos, head hk)
+    return (pos < nh ? ((tbase + pos - nfull) * HKV + hk) * D : fresh);
+  };
+  for (int r = warp; r < ncnt; r += NW) {
+    const int pos = a0 + r;
+    const size_t at = native_row(pos) + lane * VPT;
+    float k[VPT];
+    #pragma unroll
+    for (int i = 0; i < VPT; ++i) k[i] = pos < nh ? to_f(kt[at + i]) : to_f(kf[at + i]);
+    #pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float d_ = 0.0f;
+      #pragma unroll
+      for (int i = 0; i < VPT; ++i) d_ = fmaf(qs[h * D + lane * VPT + i], k[i], d_);
+      d_ = orch_warp_sum(d_);
+      if (lane == 0) sp[h * KT + r] = d_;
+    }
+  }
+  __syncthreads();
+  softmax_step(ncnt, 1, false, nullptr);
+  __syncthreads();
+  rescale();
+  for (int r = sub; r < ncnt; r += NSUB) {
+    const int pos = a0 + r;
+    const size_t at = native_row(pos) + c0;
+    float ph[G];
+    #pragma unroll
+    for (int h = 0; h < G; ++h) ph[h] = pw[r * GP + h];
+    #pragma unroll
+    for (int i = 0; i < CPW; ++i) {
+      const float x = pos < nh ? to_f(vt[at + i]) : to_f(vf[at + i]);
+      #pragma unroll
+      for (int h = 0; h < G; ++h) acc[h][i] = fmaf(ph[h], x, acc[h][i]);
+    }
+  }
+  __syncthreads();
+}
+
+// Sum the key subsets (shuffles inside a warp, then the warps through shared memory), add each
+// group's constant term, and write the output (one split) or the partial for the merge.
+#pragma unroll
+for (int o = VW; o < 32; o <<= 1) {
+  #pragma unroll
+  for (int h = 0; h < G; ++h) {
+    #pragma unroll
+    for (int i = 0; i < CPW; ++i) acc[h][i] += __shfl_xor_sync(0xffffffff, acc[h][i], o);
+  }
+}
+float* const red = smem;                     // [NW][G][D]
+if (lane < VW) {
+  #pragma unroll
+  for (int h = 0; h < G; ++h) {
+    #pragma unroll
+    for (int i = 0; i < CPW; ++i) red[(warp * G + h) * D + c0 + i] = acc[h][i];
+  }
+}
+__syncthreads();
+for (int e = tid; e < G * D; e += NT) {
+  const int h = e / D, d = e % D;
+  float num = st_ao[(d / 64) * GP + h];
+  #pragma unroll
+  for (int w = 0; w < NW; ++w) num += red[(w * G + h) * D + d];
+  const size_t rh = (size_t)(b * HQ + hk * G + h);
+  if (SPLIT) {
+    part[(rh * NS + split) * D + d] = num;
+    if (d == 0) { ml[(rh * NS + split) * 2] = st_m[h]; ml[(rh * NS + split) * 2 + 1] = st_l[h]; }
+  } else {
+    put(out + rh * D + d, num / st_l[h]);
+  }
+}
+"""
+
+INPUTS = ["q", "kf", "vf", "pool", "kt", "vt", "pages", "ends", "tslot", "dims", "scale"]
+OUTPUTS = ["out", "part", "ml"]
+
+
+@lru_cache(maxsize=None)
+def kernel():
+    """The kernel (template: D, G, PT, HK, KB, TQ, TK, TT; SPLIT and TO from launch_split)."""
+    return mx.fast.cuda_kernel(
+        name="orchard_page_key_decode", input_names=INPUTS, output_names=OUTPUTS,
+        source=_SOURCE, header=_HEADER, ensure_row_contiguous=True)
