@@ -25,7 +25,10 @@ def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, t
                     scale, target_blocks=None, workdir: Path | None = None) -> np.ndarray:
     """page_key_decode_attention's contract run here (numpy tables, ends, tail_slots; mx
     arrays otherwise, bf16 q, fresh rows and tail), with the host side's split plan and, with
-    several splits, the merge kernel. Returns [B, Hq, 1, D] float32 (from the bf16 output)."""
+    several splits, the merge kernel. Returns [B, Hq, 1, D] float32 (from the bf16 output
+    unless q is float32)."""
+    import mlx.core as mx
+
     from engine.attention.cuda import page_key_decode as pk
     from engine.attention.cuda import page_key_decode_source as src
     from engine.attention.cuda import paged_decode as pd
@@ -38,19 +41,24 @@ def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, t
         raise ValueError("page-key kernel: unsupported shape")
     pk.check_layout(pool, layout, d, k_bits, kvh)
     tables, ends = np.asarray(tables, np.int32), np.asarray(ends, np.int32)
-    types = {"q": "bfloat16", "kf": "bfloat16", "vf": "bfloat16", "pool": "uint32",
-             "kt": "bfloat16", "vt": "bfloat16", "pages": "int32", "ends": "int32",
-             "tslot": "int32", "dims": "int32", "scale": "float32"}
-    arrays = [ce._bits16(q), ce._bits16(k_new), ce._bits16(v_new), np.array(pool),
-              ce._bits16(tail[0]), ce._bits16(tail[1]), tables, ends,
-              np.asarray(tail_slots, np.int32), np.array([hq, kvh, tables.shape[1]], np.int32),
-              np.array([scale], np.float32)]
+    # Activations and the tail as the engine holds them: float32 stores (the CPU) run the
+    # kernel in float32 types, anything else is rounded to bfloat16.
+    types = {"pool": "uint32", "pages": "int32", "ends": "int32", "tslot": "int32",
+             "dims": "int32", "scale": "float32"}
+    data = {}
+    for name, a in zip(("q", "kf", "vf", "kt", "vt"), (q, k_new, v_new, *tail)):
+        wide = a.dtype == mx.float32
+        types[name] = "float32" if wide else "bfloat16"
+        data[name] = np.array(a) if wide else ce._bits16(a)
+    arrays = [data["q"], data["kf"], data["vf"], np.array(pool), data["kt"], data["vt"],
+              tables, ends, np.asarray(tail_slots, np.int32),
+              np.array([hq, kvh, tables.shape[1]], np.int32), np.array([scale], np.float32)]
     splits = pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS)
     parts = rows * hq * (splits if splits > 1 else 1)
     template = [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", kvh),
-                ("KB", k_bits), ("TQ", "bfloat16"), ("TK", "bfloat16"), ("TT", "bfloat16"),
-                ("SPLIT", splits > 1), ("TO", "bfloat16")]
-    outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
+                ("KB", k_bits), ("TQ", types["q"]), ("TK", types["kf"]), ("TT", types["kt"]),
+                ("SPLIT", splits > 1), ("TO", types["q"])]
+    outputs = [("out", types["q"]), ("part", "float32"), ("ml", "float32")]
     out, part, ml = ce.run(
         "orchard_page_key_decode", [(n, types[n]) for n in src.INPUTS], outputs, src._SOURCE,
         tile_helpers.HELPERS + src.PAGE_KEY_HELPERS, template, arrays,
@@ -58,8 +66,8 @@ def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, t
     if splits == 1:
         return out
     (merged,) = ce.run("orchard_decode_merge", [("part", "float32"), ("ml", "float32"),
-                                                ("dims", "int32")], [("out", "bfloat16")],
-                       pd._MERGE, "", [("D", d), ("TO", "bfloat16")],
+                                                ("dims", "int32")], [("out", types["q"])],
+                       pd._MERGE, "", [("D", d), ("TO", types["q"])],
                        [part, ml, np.array([splits], np.int32)], [(rows, hq, 1, d)],
                        (rows * hq, 1), d, workdir)
     return merged

@@ -98,6 +98,13 @@ class KernelChoices:
     # each page's channel scales folded into the queries (engine/attention/page_scores.py), where
     # the values take quantized_matmul; off: the tiled path dequantizes every key each step.
     page_key_scores: bool = sys.byteorder == "little"
+    # Decode steps over page-key history (k6v4-kivi, int4-kivi) through the CUDA kernel that
+    # reads the codes, per-page key scales and the native tail straight from the pool
+    # (engine/attention/cuda/page_key_decode.py); it takes precedence over page_key_qmm there.
+    # None: on for CUDA (where the runner runs decode kernels at all); False: the MLX paths.
+    # Off by default until `python -m bench.device.page_key_qmm --only-kernel` has checked and
+    # timed it on a GPU (it has run on the CPU emulator and through a local nvcc only).
+    page_key_kernel: bool | None = False
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is

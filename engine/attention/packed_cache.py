@@ -13,7 +13,9 @@ import mlx.core as mx
 import numpy as np
 
 from capacity.formats import KVFormatError
+from engine.attention.choices import DEFAULT_KERNELS
 from engine.attention.cuda import packed_decode as cuda_packed_decode
+from engine.attention.cuda import page_key_decode as cuda_page_key_decode
 from engine.attention.cuda import packed_dequant as cuda_packed_dequant
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 from engine.attention.packed import attention_of
@@ -40,10 +42,16 @@ class PackedLayerCache(PagedLayerCache):
                 and self.step.kernels.decode_writes_own and self.store.decode_writes_own)
 
     @staticmethod
-    def kernel_decode_fits(store) -> bool:
-        """Whether decode steps of this layer may attend through the CUDA packed-decode kernel
-        (the runner asks; it also requires CUDA and one query token per row)."""
-        # The kernel reads the v1 layout only (64-channel groups, no native rows).
+    def kernel_decode_fits(store, kernels=DEFAULT_KERNELS) -> bool:
+        """Whether decode steps of this layer may attend through a CUDA decode kernel (the
+        runner asks; it also requires CUDA and one query token per row)."""
+        if store.whole_pages:   # page keys: their own kernel, where KernelChoices allows it
+            fmt = store.fmt
+            return (kernels.page_key_kernel is not False
+                    and cuda_page_key_decode.supports(fmt.k_bits, fmt.v_bits,
+                                                      store.geometry.head_dim, 1,
+                                                      store.page_tokens))
+        # The packed kernels read the v1 layout only (64-channel groups, no native rows).
         return (store.fmt.codes_only
                 and cuda_packed_decode.supports(store.fmt.k_bits, store.fmt.v_bits,
                                                 store.geometry.head_dim))
@@ -80,7 +88,13 @@ class PackedLayerCache(PagedLayerCache):
                 self.store.fmt.v_bits, self.view.pages, bounds, longest, scale,
                 target_blocks=kernels.prefill_split_target)
         if sinks is None and self._kernel_decode():
-            return self._kernel_attend(queries, keys, values, scale)
+            if not self.store.whole_pages:
+                return self._kernel_attend(queries, keys, values, scale)
+            if cuda_page_key_decode.supports(self.store.fmt.k_bits, self.store.fmt.v_bits,
+                                             keys.shape[-1], queries.shape[1] // keys.shape[1],
+                                             self.store.page_tokens):
+                return self._page_key_attend(queries, keys, values, scale)
+            # A GQA group past the kernel's: the MLX path below (it builds its own masks).
         ctx = self._context()
         hist, hist_mask, new_mask = ctx.history(self.store), ctx.hist_mask, ctx.new_mask
         rows = self.store.sink_rows
@@ -114,6 +128,23 @@ class PackedLayerCache(PagedLayerCache):
             self.view.pages, self.step.ends, self.step.longest, scale,
             kernels.decode_split_target, version=kernels.packed_decode,
             min_keys=kernels.decode_split_min_keys, own=own)
+
+    def _page_key_attend(self, queries, keys, values, scale) -> mx.array:
+        """A decode step over page-key history through its CUDA kernel: full pages from the
+        codes, each row's partial last page from the native tail slot it had as the step began
+        (the store wrote this step's values already; its keys go to the tail after attention,
+        as on the MLX path)."""
+        store, kernels = self.store, self.step.kernels
+        slots = self.view.masks.get("page_key_tails")
+        if slots is None:
+            slots = self.view.masks["page_key_tails"] = mx.array(
+                store.tails.tails_before(self.view.pages_np, self.step.starts))
+        out = cuda_page_key_decode.page_key_decode_attention(
+            queries, keys, values, store.pool, store.layout, store.fmt.k_bits, store.tail,
+            self.view.pages, self.step.ends, slots, self.step.longest, scale,
+            kernels.decode_split_target, kernels.decode_split_min_keys)
+        store.flush_tail()   # this step's new tail rows, after the old tails were read
+        return out
 
     def _context(self) -> "_StepContext":
         """Index work for packed history, built once per step and shared by layers."""

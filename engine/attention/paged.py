@@ -268,7 +268,7 @@ class PagedLayerCache:
                 and self.store.decode_writes_own)
 
     @staticmethod
-    def kernel_decode_fits(store: LayerStore) -> bool:
+    def kernel_decode_fits(store: LayerStore, kernels=DEFAULT_KERNELS) -> bool:
         """Whether decode steps of a layer read through this cache class may attend through a
         CUDA decode kernel (the runner asks for classes other than this one; it also requires
         CUDA and one query token per row). Subclasses that attend otherwise say no."""

@@ -208,7 +208,7 @@ class ModelRunner:
         cls = self.cache_class(g.index)
         if cls is PagedLayerCache:
             return g.head_dim == g.v_head_dim and g.head_dim in cuda_paged_decode.HEAD_DIMS
-        return cls.kernel_decode_fits(self.kvstore.layer(g.index))
+        return cls.kernel_decode_fits(self.kvstore.layer(g.index), self.kernels)
 
     def cache_class(self, layer: int) -> type[PagedLayerCache]:
         """The cache class attention reads this layer's store through (packed stores: codes)."""
