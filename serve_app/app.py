@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, AsyncIterator
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -17,7 +17,9 @@ from serve_app.capacity_link import make_client, negotiate_format
 from serve_app.config import CapacitySettings, ModelConfig, OrchardConfig, load_config, parse_config
 from serve_app.ingress import IngressCore, build_fastapi_app
 from serve_app.memory_plan import plan_memory, with_kv_budgets
+from serve_app.calls import GenerateCall
 from serve_app.server import ModelServer
+from serve_app.wire import encode
 
 INGRESS_NAME = "ingress"
 ROUTER_CLASS = "serve_app.routing.CapacityRouter"
@@ -44,6 +46,17 @@ class ModelDeployment(ModelServer):
         ModelServer.__init__(self, model, kv_format, capacity, drain_timeout_s)
         # Warm-up before the first heartbeat: the actor learns this box's batch slowdown from it.
         await self.prepare(model.warmup)
+
+    async def generate_wire(self, call: GenerateCall) -> AsyncIterator[bytes]:
+        """`generate`'s items as bytes: what RayBackend streams (serve_app/wire.py says why)."""
+        items = self.generate(call)
+        try:
+            async for item in items:
+                yield encode(item)
+        finally:
+            # Closed at once when the ingress cancels (not at garbage collection): `generate`'s
+            # own finally cancels the engine request and releases its hold.
+            await items.aclose()
 
 
 @serve.ingress()

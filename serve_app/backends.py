@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from serve_app.calls import GenerateCall
+from serve_app.wire import decode
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -27,15 +28,16 @@ class RayBackend:
 
     def __init__(self, handle: Any):
         self._handle = handle
-        self._stream = handle.options(stream=True, method_name="generate")
+        # Items cross Ray as bytes (ModelDeployment.generate_wire; serve_app/wire.py says why).
+        self._stream = handle.options(stream=True, method_name="generate_wire")
         self._info = handle.options(method_name="info")
 
     async def stream(self, call: GenerateCall) -> AsyncIterator[dict]:
         gen = self._stream.remote(call)
         finished = False
         try:
-            async for item in gen:
-                yield item
+            async for data in gen:
+                yield decode(data)
             finished = True
         finally:
             if not finished:

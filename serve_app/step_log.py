@@ -15,6 +15,7 @@ from typing import Callable
 
 STEP_LOG_ENV = "ORCHARD_STEP_LOG"
 LOGGED_EVENTS = frozenset({"step", "arrival", "admit", "refund"})
+FLUSH_S = 0.5
 
 
 def step_log_from_env() -> Callable[..., None] | None:
@@ -22,10 +23,18 @@ def step_log_from_env() -> Callable[..., None] | None:
     prefix = os.environ.get(STEP_LOG_ENV)
     if not prefix:
         return None
-    out = open(f"{prefix}.{os.getpid()}.jsonl", "a", buffering=1)   # a line survives a kill
+    # Buffered, not line-buffered: a write per step cost the engine thread a system call per
+    # token (~1.5 % of an 8B batch-1 step on the H200, serve_profile run 9). Lines are flushed
+    # at every per-request event (arrival, admission, refund) and at least every FLUSH_S, so a
+    # kill loses at most that much of the step record.
+    out = open(f"{prefix}.{os.getpid()}.jsonl", "a", buffering=1 << 16)
+    last = [time.monotonic()]
 
     def trace(event: str, **fields) -> None:
         if event in LOGGED_EVENTS:
-            out.write(json.dumps({"t": time.monotonic(), "event": event, **fields},
-                                 default=str) + "\n")
+            now = time.monotonic()
+            out.write(json.dumps({"t": now, "event": event, **fields}, default=str) + "\n")
+            if event != "step" or now - last[0] >= FLUSH_S:
+                out.flush()
+                last[0] = now
     return trace

@@ -3,11 +3,18 @@
 `ModelServer.generate` (serve_app/server.py) yields a `ReplicaDelta` per coalesced engine delta:
 the engine's own `Delta` (engine/request.py, pure Python: the ingress never imports MLX) plus
 the facts only the first carries; or a single `ReplicaError` when the request fails before its
-first delta. The ingress (serve_app/streaming.py) reads them. Plain frozen dataclasses: Ray
-pickles them as they are.
+first delta. The ingress (serve_app/streaming.py) reads them. Plain frozen dataclasses.
+
+Across Ray they travel as bytes (`encode` on the replica, `decode` in RayBackend): Ray serializes
+a yielded object with cloudpickle on a worker thread of the replica's process, which holds the
+GIL the engine thread needs every step; bytes skip that (Ray passes them through msgpack) and
+the standard library's C pickler is about 3x cheaper than cloudpickle for these items. At batch
+1 on the H200 that serialization was ~3 % of the replica's wall time under the GIL, one item
+per token (serve_profile run 9, docs/lab/benchmarks-serve-gpu.md).
 """
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Union
 
@@ -28,3 +35,13 @@ class ReplicaError:
 
 
 ReplicaItem = Union[ReplicaDelta, ReplicaError]
+
+
+def encode(item: ReplicaItem) -> bytes:
+    """A replica item as the bytes it crosses Ray as (both ends run this project's code)."""
+    return pickle.dumps(item, protocol=5)
+
+
+def decode(data: bytes) -> ReplicaItem:
+    """The item `encode` made: only ever bytes from this project's own replicas."""
+    return pickle.loads(data)
