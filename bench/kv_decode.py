@@ -51,14 +51,16 @@ def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
 # scores page keys by dequantizing them tile by tile (KernelChoices.page_key_scores and
 # page_key_qmm off), "k6v4-kivi:qmm" through MLX's quantized matmuls (page_key_qmm on:
 # engine/attention/page_qmm.py; ":qmm-bf16" with bf16 activations), "k6v4-kivi:scores"
-# through page_scores (page_key_qmm off).
+# through page_scores (page_key_qmm off), "k6v4-kivi:kernel" through the CUDA page-key kernel
+# (KernelChoices.page_key_kernel: engine/attention/cuda/page_key_decode.py; CUDA only).
 DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   "split": dict(decode_tiles=False, packed_decode="v1"),
                   "v2": dict(decode_tiles=False, packed_decode="v2"),
                   "tiled-keys": dict(page_key_scores=False, page_key_qmm=False),
                   "qmm": dict(page_key_qmm=True),
                   "qmm-bf16": dict(page_key_qmm=True, page_key_qmm_bf16=True),
-                  "scores": dict(page_key_qmm=False)}
+                  "scores": dict(page_key_qmm=False),
+                  "kernel": dict(page_key_kernel=True)}
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:

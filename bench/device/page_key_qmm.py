@@ -1,8 +1,18 @@
-"""Page-key decode through MLX's quantized matmuls (engine/attention/page_qmm.py) against native
-and the path it replaces on GPUs (tiled: every key dequantized each step), in one process.
+"""Page-key decode through MLX's quantized matmuls (engine/attention/page_qmm.py) or the CUDA
+page-key kernel (engine/attention/cuda/page_key_decode.py) against native and the path they
+replace on GPUs (tiled: every key dequantized each step), in one process.
 
     python -m bench.device.page_key_qmm --out RESULT.json          # the H200 run, <= 150 s
     python -m bench.device.page_key_qmm --tiny --out RESULT.json   # CPU smoke run, seconds
+    # the CUDA kernel only (no qmm variant, no qmm check), ~4-5 minutes on the H200:
+    python -m bench.device.page_key_qmm --kernel-only --budget-s 280 --out OUT/page-key-kernel.json
+
+--kernel-only: variants k6v4-kivi:kernel and int4-kivi:kernel (KernelChoices.page_key_kernel
+on); the correctness child runs bench/device/page_key_kernel_check.py instead of the qmm checks
+(kernel and tiled decode attention through PackedLayerCache vs the store's dequantized
+reference, max abs diffs, and one engine step's logits, kernel vs tiled); no attention-only
+timing. Without CUDA (--tiny on the CPU) the kernel variants are left out and the JSON says
+so (`kernel_left_out`: no CUDA device).
 
 Steps, each progress line on stderr, the JSON rewritten after every row (a run cut short keeps
 what it measured):
@@ -48,6 +58,7 @@ GEOMETRIES = {
 ROWS = [("gpu", 4096, 1), ("gpu", 32768, 8), ("llama8b-2l", 4096, 8), ("gpu", 4096, 8)]
 TINY_ROWS = [("tiny", 128, 1), ("tiny", 96, 2)]
 VARIANTS = ["k6v4-kivi:tiled-keys", "k6v4-kivi:qmm", "k6v4-kivi:qmm-bf16", "int4-kivi:qmm"]
+KERNEL_VARIANTS = ["k6v4-kivi:kernel", "int4-kivi:kernel"]
 FORMAT_BITS = {"k6v4-kivi": (6, 4), "int4-kivi": (4, 4)}
 TOLERANCE = 2e-3        # float32 throughout: a broken path is off by O(0.1-1)
 BF16_TOLERANCE = 0.1    # bf16 activations (KernelChoices.page_key_qmm_bf16): 0.03-0.05 on the
@@ -61,8 +72,11 @@ def parse_args(argv=None):
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run)")
     ap.add_argument("--rows", default=None,
                     help="GEOMETRY:CONTEXT:BATCH,... instead of the default rows")
-    ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help="decode format specs beside native (bench/kv_decode.py's FORMAT:KERNEL)")
+    ap.add_argument("--variants", default=None,
+                    help="decode format specs beside native (bench/kv_decode.py's FORMAT:KERNEL;"
+                         " default: the qmm variants, or the kernel ones with --kernel-only)")
+    ap.add_argument("--kernel-only", action="store_true",
+                    help="the CUDA page-key kernel's variants and check only (no qmm)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per round")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per variant")
     ap.add_argument("--budget-s", type=float, default=135.0,
@@ -76,7 +90,8 @@ def parse_args(argv=None):
         args.rows = [_row(r) for r in args.rows.split(",") if r]
     else:
         args.rows = TINY_ROWS if args.tiny else ROWS
-    args.variants = [v for v in args.variants.split(",") if v]
+    default = KERNEL_VARIANTS if args.kernel_only else VARIANTS
+    args.variants = [v for v in (args.variants or ",".join(default)).split(",") if v]
     args.steps = args.steps or (2 if args.tiny else 8)
     args.repeats = args.repeats or (2 if args.tiny else 3)
     return args
@@ -189,10 +204,17 @@ def logits_check(loaded, fmt: str, context: int, batch: int) -> dict:
 
 
 def check(args) -> dict:
-    from bench.kv_runners import progress
+    """The qmm checks where a qmm variant is asked for; the kernel's (under "kernel") where a
+    kernel variant is."""
+    from bench.kv_runners import PAGE_TOKENS, progress
     out = {}
     models = _models([g for g, _, _ in args.rows], args.check_only, build=False)
-    for g, n, b in args.rows:
+    if any(v.endswith(":kernel") for v in args.variants):
+        from bench.device import page_key_kernel_check
+        out["kernel"] = page_key_kernel_check.check(
+            args.rows, models, {g: _geometry(g) for g, _, _ in args.rows}, FORMAT_BITS,
+            PAGE_TOKENS, lambda m: progress(m, "page_key_qmm"))
+    for g, n, b in args.rows if any(":qmm" in v for v in args.variants) else ():
         for fmt in FORMAT_BITS:
             row = attention_check(_geometry(g), n, b, fmt)
             row.update(logits_check(models[g], fmt, min(n, 512), b))
@@ -207,7 +229,8 @@ def run_check_child(args, model_root: Path, budget_s: float) -> dict:
         path = Path(tmp) / "check.json"
         cmd = [sys.executable, "-m", "bench.device.page_key_qmm", "--check-only",
                str(model_root), "--out", str(path),
-               "--rows", ",".join(f"{g}:{n}:{b}" for g, n, b in args.rows)]
+               "--rows", ",".join(f"{g}:{n}:{b}" for g, n, b in args.rows),
+               "--variants", ",".join(args.variants)]
         try:
             proc = subprocess.run(cmd, timeout=budget_s, stdout=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
@@ -260,6 +283,19 @@ def in_place_timing(geometry: dict, context: int, batch: int, iters: int) -> dic
 
 # ---- 2. decode timing and the run ------------------------------------------------------------
 
+def _left_out(checks: dict, flag: str, kernel: bool) -> str | None:
+    """Why a variant's correctness step does not let it be timed (None: it does)."""
+    if "error" in checks:
+        return "correctness step failed: see 'correctness'"
+    rows = checks.get("kernel", {}) if kernel else {k: v for k, v in checks.items()
+                                                    if k != "kernel"}
+    if "unavailable" in rows:
+        return rows["unavailable"]
+    if not rows or not all(r.get(flag) for r in rows.values()):
+        return "correctness step failed or disagreed: see 'correctness'"
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -284,13 +320,14 @@ def main(argv=None) -> int:
         doc["correctness"] = run_check_child(args, Path(tmp), budget_s=max(20.0, 0.6 * left))
         save()
         variants, checks = args.variants, doc["correctness"]
-        for flag, suffix in (("ok", ":qmm"), ("ok_bf16", ":qmm-bf16")):
-            if "error" in checks or not all(r.get(flag) for r in checks.values()):
+        for flag, suffix in (("ok", ":qmm"), ("ok_bf16", ":qmm-bf16"), ("ok", ":kernel")):
+            if not any(v.endswith(suffix) for v in variants):
+                continue
+            why = _left_out(checks, flag, suffix == ":kernel")
+            if why:
                 variants = [v for v in variants if not v.endswith(suffix)]
-                doc[f"{suffix[1:]}_left_out"] = ("correctness step failed or disagreed: see "
-                                                 "'correctness'")
-                progress(f"{suffix[1:]} left out: {doc[f'{suffix[1:]}_left_out']}",
-                         "page_key_qmm")
+                doc[f"{suffix[1:]}_left_out"] = why
+                progress(f"{suffix[1:]} left out: {why}", "page_key_qmm")
         last_row_s = 0.0   # a row that would not end within the budget is not started
         for g, n, b in args.rows:
             row_started = time.perf_counter()

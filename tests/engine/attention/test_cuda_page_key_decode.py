@@ -109,6 +109,29 @@ def test_runner_decode_steps_through_the_kernel_match_the_mlx_path(llama, fmt, m
     assert calls[4 * layers][0] == -1                     # row 0's page filled: no tail yet
 
 
+def test_device_check_runs_on_cpu_fibers(llama, monkeypatch, tmp_path):
+    """bench/device/page_key_kernel_check.py (the device bench's kernel check) with the kernel
+    emulated: its engine-path calls (PackedLayerCache.attend, kernel and tiled) agree with the
+    reference, and its engine step routes to the kernel."""
+    from bench.device import page_key_kernel_check
+
+    def emulated(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots,
+                 longest, scale, target_blocks=None, min_keys=None):
+        out = emu.page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail,
+                                  np.array(pages), np.array(ends), np.array(tail_slots),
+                                  scale, target_blocks, workdir=tmp_path)
+        return mx.array(out).astype(q.dtype)
+
+    monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
+    monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", emulated)
+    geometry = dict(num_attention_heads=6, num_key_value_heads=2, head_dim=64)
+    got = page_key_kernel_check.attention_check(geometry, 100, 3, "k6v4-kivi", T)
+    assert got["ok"] and got["tiled_vs_reference"] < 1e-2, got
+    assert got["history"][0] == 99 and any(h % T for h in got["history"])
+    logits = page_key_kernel_check.logits_check(llama, "int4-kivi", 40, 2)
+    assert logits["kernel_routed"] and logits["kernel_vs_tiled_logits"] < 1e-3, logits
+
+
 def test_nvcc_compiles_the_largest_variant():
     """The variant with the most shared memory (6-bit keys, head dim 128, pages of 16, group 8)
     compiles with nvcc where one is installed; without it the check says so (exit 2)."""

@@ -29,3 +29,21 @@ def test_tiny_cpu_run_writes_the_json(tmp_path):
     assert {"native", *bench.VARIANTS} <= set(row)
     assert all("tok_s" in row[v] and "ratio_paired_median" in row[v] for v in bench.VARIANTS)
     assert row["attention_only_k6v4"]["in_place_ms"] > 0 and not doc["skipped"]
+
+
+def test_kernel_only_run_says_the_kernel_is_unavailable_on_the_cpu(tmp_path):
+    """--kernel-only asks for the CUDA page-key kernel's variants and check only; on the CPU
+    the check reports the kernel unavailable, the variants are left out saying why, and the
+    timing still runs native (no qmm variant, no attention-only timing)."""
+    args = bench.parse_args(["--out", "x.json", "--kernel-only"])
+    assert args.variants == bench.KERNEL_VARIANTS and args.rows == bench.ROWS
+    out = tmp_path / "k.json"
+    assert bench.main(["--tiny", "--kernel-only", "--rows", "tiny:64:2", "--steps", "1",
+                       "--repeats", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["correctness"] == {"kernel": {
+        "unavailable": "no CUDA device: the page-key kernel runs on CUDA only"}}
+    assert "no CUDA device" in doc["kernel_left_out"]
+    row = doc["rows"]["tiny-ctx64-b2"]
+    assert "tok_s" in row["native"] and not any(":" in k for k in row if k != "native")
+    assert "attention_only_k6v4" not in row
