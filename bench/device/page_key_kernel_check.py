@@ -86,17 +86,24 @@ def logits_check(loaded, fmt: str, context: int, batch: int) -> dict:
             "kernel_vs_tiled_logits": float(mx.abs(logits[0] - logits[1]).max().item())}
 
 
-def check(rows, models: dict, geometries: dict, formats, page_tokens: int, progress) -> dict:
-    """Every (row, format): attention_check and logits_check; {'unavailable': why} without
-    CUDA (the kernel runs there only)."""
+def check(rows, models: dict, geometries: dict, formats, page_tokens: int, progress,
+          save=None) -> dict:
+    """Every (row, format): attention_check, and logits_check on each geometry's first row
+    (two engines per check: the time goes there); {'unavailable': why} without CUDA (the
+    kernel runs there only). `save(results so far)` after every check, so a child cut short
+    by its time share still reports what it checked."""
     if not available():
         return {"unavailable": "no CUDA device: the page-key kernel runs on CUDA only"}
-    out = {}
+    out, engines = {}, set()
     for g, n, b in rows:
         for fmt in formats:
             row = attention_check(geometries[g], n, b, fmt, page_tokens)
-            row.update(logits_check(models[g], fmt, min(n, 512), b))
-            row["ok"] = row["ok"] and row["kernel_routed"]
+            if (g, fmt) not in engines:
+                engines.add((g, fmt))
+                row.update(logits_check(models[g], fmt, min(n, 512), b))
+                row["ok"] = row["ok"] and row["kernel_routed"]
             out[f"{g}-ctx{n}-b{b}-{fmt}"] = row
             progress(f"kernel check {g} ctx {n} batch {b} {fmt}: {row}")
+            if save is not None:
+                save(out)
     return out

@@ -213,7 +213,8 @@ def check(args) -> dict:
         from bench.device import page_key_kernel_check
         out["kernel"] = page_key_kernel_check.check(
             args.rows, models, {g: _geometry(g) for g, _, _ in args.rows}, FORMAT_BITS,
-            PAGE_TOKENS, lambda m: progress(m, "page_key_qmm"))
+            PAGE_TOKENS, lambda m: progress(m, "page_key_qmm"),
+            save=lambda rows: args.out.write_text(json.dumps({"kernel": rows}, indent=1)))
     for g, n, b in args.rows if any(":qmm" in v for v in args.variants) else ():
         for fmt in FORMAT_BITS:
             row = attention_check(_geometry(g), n, b, fmt)
@@ -234,6 +235,11 @@ def run_check_child(args, model_root: Path, budget_s: float) -> dict:
         try:
             proc = subprocess.run(cmd, timeout=budget_s, stdout=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
+            # The kernel check saves as it goes: the rows it finished still count.
+            done = json.loads(path.read_text()) if path.exists() else {}
+            if done.get("kernel"):
+                return {"kernel": done["kernel"],
+                        "timed_out": f"correctness child ran past {budget_s:.0f} s"}
             return {"error": f"correctness child ran past {budget_s:.0f} s"}
         if proc.returncode != 0 or not path.exists():
             return {"error": f"correctness child exited {proc.returncode} (stderr above)"}
@@ -291,6 +297,7 @@ def _left_out(checks: dict, flag: str, kernel: bool) -> str | None:
                                                     if k != "kernel"}
     if "unavailable" in rows:
         return rows["unavailable"]
+    rows = {k: v for k, v in rows.items() if isinstance(v, dict)}   # not notes
     if not rows or not all(r.get(flag) for r in rows.values()):
         return "correctness step failed or disagreed: see 'correctness'"
     return None
