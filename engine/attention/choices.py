@@ -102,9 +102,15 @@ class KernelChoices:
     # reads the codes, per-page key scales and the native tail straight from the pool
     # (engine/attention/cuda/page_key_decode.py); it takes precedence over page_key_qmm there.
     # None: on for CUDA (where the runner runs decode kernels at all); False: the MLX paths.
-    # Off by default until `python -m bench.device.page_key_qmm --only-kernel` has checked and
+    # Off by default until `python -m bench.device.page_key_qmm --kernel-only` has checked and
     # timed it on a GPU (it has run on the CPU emulator and through a local nvcc only).
     page_key_kernel: bool | None = False
+    # Prefill chunks over page-key history through a CUDA kernel that dequantizes it (full
+    # pages from codes, the partial page from its native tail) into a copy for MLX's SDPA, as
+    # native prefill copies its gathered pages (engine/attention/cuda/page_key_dequant.py);
+    # off: the MLX direct path unpacks tiles in MLX ops. None: on for CUDA. Off by default:
+    # checked on the CPU emulator and by nvcc only, never run on a GPU.
+    page_key_prefill: bool | None = False
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is
@@ -133,6 +139,11 @@ class KernelChoices:
     # "fast"), or "auto": "ops" on CUDA, "fast" elsewhere (Metal's SDPA has no per-shape plan;
     # the CPU takes cpu_softmax). `bench.device.prefill_shapes` measures them.
     prefill_attention: str = "auto"
+    # Compiled decode steps of Llama-family models run their layers on [rows, hidden]
+    # (engine/model/flat_decode.py): 12 fewer view nodes per layer for MLX to replay and
+    # evaluate each step, where a batch-1 GPU step is host-bound. Same logits. Off: the model's
+    # own forward on [rows, 1, hidden].
+    flat_decode: bool = True
 
     def __post_init__(self):
         if self.prefill_path not in PREFILL_PATHS:

@@ -55,6 +55,7 @@ from engine.attention.choices import KernelChoices
 from engine.attention.cuda.paged_decode import asked_warps
 from engine.attention.paged import PagedLayerCache, View
 from engine.kv.store import KVStore
+from engine.model.flat_decode import flat_decode_body
 from engine.runner.row_pages import RowPages
 from engine.runner.tokens import input_tokens
 from engine.sched.seq import Chunk
@@ -183,6 +184,11 @@ class CompiledDecode:
         # the compute-dtype logits' argmax inside the compiled function; None otherwise.
         self.greedy: mx.array | None = None
         self._greedy = runner.kernels.compiled_greedy
+        # `KernelChoices.flat_decode`: Llama-family layers on [rows, hidden] inside the trace
+        # (engine/model/flat_decode.py: fewer view nodes per step); None: the model's forward.
+        loaded = runner.loaded
+        self._flat = (flat_decode_body(loaded.model)
+                      if runner.kernels.flat_decode and loaded.body is not None else None)
         self._fn = mx.compile(self._step)
 
     @staticmethod
@@ -277,7 +283,10 @@ class CompiledDecode:
         # The native decode kernel's warps per block (KernelChoices.decode_warps) reach it
         # through a context variable: the attention call site passes split choices only.
         with asked_warps(runner.kernels.decode_warps):
-            raw = runner.call_model(inputs, caches, step, last_only=True)
+            if self._flat is not None:
+                raw = runner.loaded.head(self._flat(inputs[:, 0], caches))
+            else:
+                raw = runner.call_model(inputs, caches, step, last_only=True)
         logits = raw.astype(mx.float32)
         # Greedy tokens from the compute-dtype logits: the float32 cast is exact and monotone,
         # so the index (first maximum on ties) is the one `sample` takes from float32 logits,
