@@ -73,6 +73,35 @@ def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, t
     return merged
 
 
+def page_key_dequant(k_fresh, v_fresh, pool, layout, k_bits, tail, pages, bounds, tail_slots,
+                     span, workdir: Path | None = None):
+    """The prefill history-dequant kernel (cuda/page_key_dequant.py) run here with
+    `dequantized_history`'s signature and launch; keys and values [B, Hkv, span + W, D] as mx
+    arrays in k_fresh's dtype (float32 or bfloat16, as the kernel's outputs are)."""
+    import mlx.core as mx
+
+    from engine.attention.cuda import page_key_dequant as pq
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
+    b, hkv, w, d = k_fresh.shape
+    pages, bounds = np.asarray(pages, np.int32), np.asarray(bounds, np.int32)
+    units = b * hkv * (span + w) * (d // 8)
+    wide = k_fresh.dtype == mx.float32
+    to = "float32" if wide else "bfloat16"
+    tt = "float32" if tail[0].dtype == mx.float32 else "bfloat16"
+    cast = lambda a, kind: np.array(a) if kind == "float32" else ce._bits16(a)
+    types = {"kf": to, "vf": to, "pool": "uint32", "kt": tt, "vt": tt, "pages": "int32",
+             "bounds": "int32", "tslot": "int32", "dims": "int32"}
+    out = ce.run(
+        "orchard_page_key_dequant", [(n, types[n]) for n in pq.INPUTS],
+        [(n, to) for n in pq.OUTPUTS], pq._SOURCE, "",
+        [*pq.template(d, layout.page_tokens, hkv, k_bits), ("TO", to), ("TT", tt)],
+        [cast(k_fresh, to), cast(v_fresh.astype(k_fresh.dtype), to), np.array(pool),
+         cast(tail[0], tt), cast(tail[1], tt), pages, bounds, np.asarray(tail_slots, np.int32),
+         np.array([b, hkv, span, w, pages.shape[1]], np.int32)],
+        [(b, hkv, span + w, d)] * 2, (-(-units // pq.THREADS), 1), pq.THREADS, workdir)
+    return tuple(mx.array(a).astype(k_fresh.dtype) for a in out)
+
+
 def page_key_store(rng, fmt_name: str, hist, kvh: int, d: int, page_tokens: int):
     """A PageKeyStore holding history of hist[b] tokens per row, each row written by one write
     (so its full pages are key-quantized on fill, its partial page kept in the native tail), on

@@ -156,11 +156,29 @@ def page_key_variants():
                                     outputs, src._SOURCE, src._HEADER, template))
 
 
+def page_key_dequant_variants():
+    """The page-key prefill dequant kernel (cuda/page_key_dequant.py): both key widths and
+    head dims, pages of 16 and 64."""
+    from engine.attention.cuda import page_key_dequant as pq
+    from engine.attention.cuda.paged_decode import HEADER
+    types = {"kf": "bfloat16", "vf": "bfloat16", "pool": "uint32", "kt": "bfloat16",
+             "vt": "bfloat16", "pages": "int32", "bounds": "int32", "tslot": "int32",
+             "dims": "int32"}
+    for d in pq.HEAD_DIMS:
+        for kb in pq.KEY_BITS:
+            for pt in (16, 64):
+                yield f"page-key-dequant d{d} k{kb} pt{pt}", wrap(
+                    "orchard_page_key_dequant", [(n, types[n]) for n in pq.INPUTS],
+                    [(n, "bfloat16") for n in pq.OUTPUTS], pq._SOURCE, HEADER,
+                    [*pq.template(d, pt, 2, kb), ("TO", "bfloat16"), ("TT", "bfloat16")])
+
+
 def variants():
     """(label, wrapped source) for every kernel variant the engine launches."""
     yield from native_variants()
     yield from decode_variants()
     yield from page_key_variants()
+    yield from page_key_dequant_variants()
     yield from write_variants()
     yield from dequant_variants()
     from engine.attention.cuda import packed_prefill as pf

@@ -16,6 +16,8 @@ from capacity.formats import KVFormatError
 from engine.attention.choices import DEFAULT_KERNELS
 from engine.attention.cuda import packed_decode as cuda_packed_decode
 from engine.attention.cuda import page_key_decode as cuda_page_key_decode
+from engine.attention.cuda import page_key_dequant as cuda_page_key_dequant
+from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.attention.cuda import packed_dequant as cuda_packed_dequant
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 from engine.attention.packed import attention_of
@@ -87,6 +89,8 @@ class PackedLayerCache(PagedLayerCache):
                 queries, keys, values, self.store.pool, self.store.layout, self.store.fmt.k_bits,
                 self.store.fmt.v_bits, self.view.pages, bounds, longest, scale,
                 target_blocks=kernels.prefill_split_target)
+        if sinks is None and self._page_key_prefill(queries):
+            return self._page_key_prefill_attend(queries, keys, values, scale)
         if sinks is None and self._kernel_decode():
             if not self.store.whole_pages:
                 return self._kernel_attend(queries, keys, values, scale)
@@ -129,19 +133,47 @@ class PackedLayerCache(PagedLayerCache):
             kernels.decode_split_target, version=kernels.packed_decode,
             min_keys=kernels.decode_split_min_keys, own=own)
 
+    def _page_key_prefill(self, queries) -> bool:
+        """Whether this call is a page-key prefill chunk over history that the CUDA dequant
+        kernel serves (KernelChoices.page_key_prefill; None: on CUDA)."""
+        store, choice = self.store, self.step.kernels.page_key_prefill
+        return (store.whole_pages and queries.shape[2] > 1 and choice is not False
+                and bool(self.step.starts.max() > 0) and cuda_paged_decode.available()
+                and attention_of(store).prefill_mode == "direct"
+                and cuda_page_key_dequant.supports(store.fmt.k_bits, store.fmt.v_bits,
+                                                   store.geometry.head_dim, store.page_tokens))
+
+    def _tail_slots(self) -> mx.array:
+        """Each row's native tail slot as the step began (-1: none), once per step."""
+        slots = self.view.masks.get("page_key_tails")
+        if slots is None:
+            slots = self.view.masks["page_key_tails"] = mx.array(
+                self.store.tails.tails_before(self.view.pages_np, self.step.starts))
+        return slots
+
+    def _page_key_prefill_attend(self, queries, keys, values, scale) -> mx.array:
+        """A prefill chunk over page-key history as native prefill: the history (full pages
+        from codes, the partial page from its tail as the step began) dequantized by one
+        kernel into a copy, then SDPA (cuda/page_key_dequant.py)."""
+        store = self.store
+        attention_of(store).counters.direct += 1   # it is the direct path there
+        bounds, longest = cuda_packed_prefill.step_bounds(self.step, self.view)
+        out = cuda_page_key_dequant.dequant_prefill_attention(
+            queries, keys, values, store.pool, store.layout, store.fmt.k_bits, store.tail,
+            self.view.pages, bounds, self._tail_slots(), longest, scale,
+            cuda_packed_dequant.step_mask(self.step, self.view))
+        store.flush_tail()   # this step's new tail rows, after the old tails were read
+        return out
+
     def _page_key_attend(self, queries, keys, values, scale) -> mx.array:
         """A decode step over page-key history through its CUDA kernel: full pages from the
         codes, each row's partial last page from the native tail slot it had as the step began
         (the store wrote this step's values already; its keys go to the tail after attention,
         as on the MLX path)."""
         store, kernels = self.store, self.step.kernels
-        slots = self.view.masks.get("page_key_tails")
-        if slots is None:
-            slots = self.view.masks["page_key_tails"] = mx.array(
-                store.tails.tails_before(self.view.pages_np, self.step.starts))
         out = cuda_page_key_decode.page_key_decode_attention(
             queries, keys, values, store.pool, store.layout, store.fmt.k_bits, store.tail,
-            self.view.pages, self.step.ends, slots, self.step.longest, scale,
+            self.view.pages, self.step.ends, self._tail_slots(), self.step.longest, scale,
             kernels.decode_split_target, kernels.decode_split_min_keys)
         store.flush_tail()   # this step's new tail rows, after the old tails were read
         return out

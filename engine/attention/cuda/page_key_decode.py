@@ -1,8 +1,8 @@
 """Decode attention straight from page-key pages (k6v4-kivi, int4-kivi; CUDA backend only).
 
-Checked by the CPU emulator (bench/cuda_emulate.py's `page_key_decode`, tests/engine/
-attention/test_cuda_page_key_decode.py) and a local nvcc (`python -m bench.cuda_nvcc_check
---only page-key`); timed against native by `python -m bench.device.page_key_qmm --only-kernel`.
+Checked by the CPU emulator (bench/cuda_emulate_page_keys.py, tests/engine/attention/
+test_cuda_page_key_decode.py) and a local nvcc (`python -m bench.cuda_nvcc_check --only
+page-key`); timed against native by `python -m bench.device.page_key_qmm --kernel-only`.
 Off by default (KernelChoices.page_key_kernel) until that device run measured it.
 
 Why: on CUDA, page-key history took the generic tiled path, which dequantizes every key of
