@@ -102,6 +102,20 @@ def prefill_once(runner, tokens, chunk) -> float:
     return time.perf_counter() - t0
 
 
+# Prefill format variants: "k6v4-kivi:kernel" prefills page-key history through the CUDA
+# dequant kernel (KernelChoices.page_key_prefill: engine/attention/cuda/page_key_dequant.py).
+PREFILL_KERNELS = {"kernel": dict(page_key_prefill=True)}
+
+
+def prefill_spec(spec: str, kernels: KernelChoices, mode: str) -> tuple:
+    """(format, mode, kernel choices) of a prefill format spec FORMAT[:kernel]."""
+    fmt, _, kernel = spec.partition(":")
+    if kernel and kernel not in PREFILL_KERNELS:
+        raise ValueError(f"prefill format {spec!r}: kernel must be one of "
+                         f"{sorted(PREFILL_KERNELS)}")
+    return fmt, mode, replace(kernels, **PREFILL_KERNELS[kernel]) if kernel else kernels
+
+
 def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save,
                     kernels: KernelChoices = DEFAULT_KERNELS, paths: tuple = ()) -> dict:
     """Prefill time per variant: native, each format's direct and fused modes, and for each of
@@ -112,7 +126,8 @@ def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save,
     for n in contexts:
         tokens = rng.integers(3, vocab, n).tolist()
         variants = [("native", "native", "direct", kernels)] + [
-            (f"{f}-{m}", f, m, kernels) for f in formats for m in ("direct", "fused")] + [
+            (f"{f}-{m}", *prefill_spec(f, kernels, m)) for f in formats
+            for m in ("direct", "fused")] + [
             (f"{f}-{path}", f, "direct", replace(kernels, prefill_path=path))
             for path in paths for f in formats]
         runners = {name: make_runner(loaded, f, -(-n // PAGE_TOKENS), m, k)

@@ -46,3 +46,20 @@ def test_every_registered_format_builds_prefills_and_decodes(tmp_path):
     decode = result["decode"]["ctx40-b2"]
     assert set(packed) <= set(decode)
     assert all("error" not in decode[n] and decode[n]["tok_s"] > 0 for n in packed), decode
+
+
+def test_page_key_prefill_kernel_spec_is_its_own_variant(tmp_path):
+    """--prefill-formats k6v4-kivi:kernel times page-key prefill with
+    KernelChoices.page_key_prefill on (on the CPU the kernel does not route, so the row times
+    the direct path; the name is what is checked); an unknown kernel is refused."""
+    out = tmp_path / "kv.json"
+    bench_kv.main(["--sections", "prefill", "--prefill", "48", "--chunk", "24",
+                   "--prefill-formats", "k6v4-kivi,k6v4-kivi:kernel", "--repeats", "1",
+                   "--out", str(out)])
+    row = json.loads(out.read_text())["prefill"]["48"]
+    assert {"k6v4-kivi-direct", "k6v4-kivi:kernel-direct"} <= set(row)
+    assert all("error" not in v and v["ttft_s"] > 0 for v in row.values()), row
+    assert bench_kv.prefill_spec("k6v4-kivi:kernel", bench_kv.DEFAULT_KERNELS,
+                                 "direct")[2].page_key_prefill
+    with pytest.raises(ValueError, match="magic"):
+        bench_kv.prefill_spec("int4:magic", bench_kv.DEFAULT_KERNELS, "direct")
