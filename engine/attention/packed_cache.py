@@ -144,8 +144,11 @@ class PackedLayerCache(PagedLayerCache):
                                                    store.geometry.head_dim, store.page_tokens))
 
     def _tail_slots(self) -> mx.array:
-        """Each row's native tail slot as the step began (-1: none), once per step."""
-        slots = self.view.masks.get("page_key_tails")
+        """Each row's native tail slot as the step began (-1: none), once per step (a compiled
+        step has it in its table: engine/runner/compiled_decode.py)."""
+        slots = getattr(self.step, "tail_before", None)
+        if slots is None:
+            slots = self.view.masks.get("page_key_tails")
         if slots is None:
             slots = self.view.masks["page_key_tails"] = mx.array(
                 self.store.tails.tails_before(self.view.pages_np, self.step.starts))

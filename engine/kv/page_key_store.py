@@ -15,7 +15,15 @@ written whole by one prefill chunk (no earlier rows, so no tail). The step's att
 that page native (it was the tail when the step began) or as fresh rows; later steps read codes.
 
 Keys are stored unrotated (capacity.formats: `-h0-s0`); attention scores page-key history
-through engine.attention.packed's direct path, which unpacks whole pages tile by tile.
+through engine.attention.packed's direct path, or on CUDA the page-key kernels
+(engine/attention/cuda/page_key_decode.py, page_key_dequant.py).
+
+Compiled decode steps (engine/runner/compiled_decode.py, where the CUDA kernel attends) cannot
+plan tails inside their trace: the step plans the shared TailMap on the host and hands each
+row's tail slots in as device arrays (`DeviceSlots.tail_before`, `tail_write`), and the write
+(`_write_planned`) keys each row's page from its tail rows and the new row every step, so the
+page whose last row this is gets its final codes without a host-side fill plan; the codes a
+still-partial page gets meanwhile are never read (attention and `read_packed` read its tail).
 """
 from __future__ import annotations
 
@@ -70,6 +78,48 @@ class PageKeyStore(PackedLayerStore):
         if plan.rows is not None:
             idx = mx.array(plan.rows)
             self._pending = (mx.array(plan.slots), slots.offset[idx], k[idx], v[idx])
+
+    def write_decode(self, slots, keys: mx.array, values: mx.array) -> None:
+        """One token per row ([N, heads, 1, dim]): `write`, or inside a compiled step (slots
+        carrying the step's tail slots) `_write_planned`."""
+        n, h, _, d = keys.shape
+        k, v = keys.reshape(n, h, d), values.reshape(n, h, values.shape[-1])
+        if getattr(slots, "tail_write", None) is None:
+            self.write(slots, k, v)
+        else:
+            self._write_planned(slots, k, v)
+
+    def _write_planned(self, slots, k: mx.array, v: mx.array) -> None:
+        """A decode write from device arrays only: values quantized per row; every row's page
+        keyed from its tail rows (slot as the step began) with the new row at its offset, all
+        of its rows when this one is the page's last; the new rows to their tail slots after
+        attention (`flush_tail`)."""
+        self.flush_tail()
+        self.layout.write_rows(self.pool, self._row_index(slots, V_SECTIONS),
+                               record(list(quantize(v, self.fmt.v_bits)), V_SECTIONS))
+        n, t = k.shape[0], self.page_tokens
+        page = self.tail[0][mx.maximum(slots.tail_before, 0)].astype(mx.float32)
+        page[mx.arange(n), slots.offset] = k.astype(mx.float32)
+        codes, scales, offsets = quantize_pages(page.transpose(0, 2, 1, 3), self.fmt.k_bits)
+        for name, values in zip(K_SECTIONS, (codes.transpose(0, 2, 1, 3), meta_rows(scales, t),
+                                             meta_rows(offsets, t))):
+            self.layout.write_pages(self.pool, slots.page, name, values)
+        self._pending = (slots.tail_write, slots.offset, k, v)
+
+    @property
+    def can_trace(self) -> bool:
+        """A compiled decode step may stand in for this store: it plans the tails on the host
+        and the write takes them as device arrays (`write_decode`)."""
+        return not self.sink_rows
+
+    @property
+    def decode_writes_own(self) -> bool:
+        return False   # no kernel stores page-key rows itself
+
+    def adopt(self, arrays: list[mx.array]) -> None:
+        """Hold `arrays` (a compiled step's written pool and tail pool) from now on."""
+        self.pool, *tail = arrays
+        self.tail = tuple(tail)
 
     def _fill_plan(self, slots: Slots) -> FillPlan | None:
         key = ("page_key_fill", id(self.tails))

@@ -72,6 +72,28 @@ class TailMap:
         return TailPlan(keep.astype(np.int32),
                         np.array([self.slot_of[int(p)] for p in page[keep]], dtype=np.int32))
 
+    def decode_slots(self, page: np.ndarray, offset: np.ndarray) -> np.ndarray:
+        """`plan` for a decode step (one row per sequence, at (page, offset)) whose stores cannot
+        plan inside it (a compiled step): [2, rows] int32, each row's slot as the step began
+        (-1: none, at a page's first offset; attention reads it) and the slot its new row is
+        written to (for a page this row fills: the slot it just gave back, never read again)."""
+        self.plan(page, offset)
+        out = np.empty((2, len(page)), dtype=np.int32)
+        for i, (p, o) in enumerate(zip(page.tolist(), offset.tolist())):
+            if o and p not in self.before:
+                raise KVFormatError(f"page {p} holds a partial tail with no native copy")
+            out[0, i] = self.before[p] if o else -1
+            out[1, i] = self.slot_of.get(p, self.before.get(p, -1))
+        return out
+
+    def state(self) -> tuple:
+        """The map's bookkeeping, for `restore` when a planned step does not run."""
+        return dict(self.slot_of), dict(self.before), list(self._free)
+
+    def restore(self, state: tuple) -> None:
+        slot_of, before, free = state
+        self.slot_of, self.before, self._free = dict(slot_of), dict(before), list(free)
+
     def claim(self, page: int) -> int:
         """The slot of `page`, taking a free one if it has none (checkpoint restore)."""
         if page not in self.slot_of:

@@ -16,7 +16,10 @@ varies enters as arrays:
   two (`bucket_pages`), so a growing row re-traces only when it crosses a bucket, and the whole
   step costs one host-to-device upload. Every part is a contiguous slice of it, so the step
   reads them as views: no arithmetic, gather or copy of its own before the model (the key mask
-  is derived from the ends on the device where a step needs one).
+  is derived from the ends on the device where a step needs one). With a native-tail store
+  (page keys: engine/kv/page_key_store.py) two more rows follow those four: each row's tail
+  slot as the step began (-1: none) and the slot its new row goes to, planned on the host per
+  step (`TailMap.decode_slots`, outside the trace) and read by the store and the kernel inside.
 The page arrays are inputs and outputs of the compiled function (it cannot keep state): each
 store gets its arrays back after the call (`adopt`). Where the CUDA kernels write the step's
 keys themselves (`KernelChoices.decode_writes_own`: the native and the v2 packed decode
@@ -104,6 +107,10 @@ class DeviceSlots:
         self.page = page        # [B] int32
         self.offset = offset    # [B] int32
         self._by_heads: dict = {}   # per-step index forms stores derive (as `Slots` keeps them)
+        # Native-tail stores: each row's tail slot as the step began (-1: none) and the slot
+        # its new row goes to, [B] int32 (None without such a store; see the module docstring).
+        self.tail_before: mx.array | None = None
+        self.tail_write: mx.array | None = None
 
     def only_slot(self) -> None:
         return None   # the store must scatter by array, never slice at host coordinates
@@ -127,17 +134,21 @@ class DeviceDecodeStep:
     prefill_ops = False   # one query per row: never the prefill attention paths
 
     def __init__(self, table: mx.array, rows: int, page_tokens: int, kernel_decode: bool,
-                 kernels):
+                 kernels, tails: bool = False):
         # `table`: the flat layout of the module docstring. Each part is a contiguous slice
         # (a view): the page rows are what a kernel that wants row-contiguous inputs takes as
         # they are, and no part needs a kernel to be derived.
         b = rows
-        pages = table[4 * b:].reshape(b, -1)
+        pages = table[head_rows(tails) * b:].reshape(b, -1)
         self.size = b
         self.page_tokens = page_tokens
         self.offset = table[:b]                   # RoPE position of each row's token
         self.ends = table[b:2 * b]                # keys each row attends to after the write
         self.slots = DeviceSlots(table[2 * b:3 * b], table[3 * b:4 * b])
+        self.tail_before = None   # read by page-key attention (PackedLayerCache._tail_slots)
+        if tails:
+            self.tail_before = self.slots.tail_before = table[4 * b:5 * b]
+            self.slots.tail_write = table[5 * b:6 * b]
         self.longest = pages.shape[1] * page_tokens   # the bucket's capacity: fixes the split plan
         self.kernel_decode = kernel_decode
         self.kernels = kernels
@@ -159,6 +170,12 @@ class DeviceDecodeStep:
         return self._mask
 
     page_mask = sdpa_mask
+
+
+def head_rows(tails: bool) -> int:
+    """Rows of the table before the page tables: starts, ends, write pages, offsets, and with
+    a native-tail store the two tail-slot rows."""
+    return 6 if tails else 4
 
 
 class TraceFailed(Exception):
@@ -189,6 +206,9 @@ class CompiledDecode:
         loaded = runner.loaded
         self._flat = (flat_decode_body(loaded.model)
                       if runner.kernels.flat_decode and loaded.body is not None else None)
+        # The native tail map the page-key stores share (at most one: `fits`), planned per
+        # step on the host by `inputs`; None without such stores.
+        self.tail_map = next(iter(_tail_maps(runner)), None)
         self._fn = mx.compile(self._step)
 
     @staticmethod
@@ -202,6 +222,8 @@ class CompiledDecode:
                 and all(g.paged and g.window is None for g in geometry.layers)):
             return False
         kernel_only = runner.kernel_decode and not runner.kernels.decode_tiles
+        if len(_tail_maps(runner)) > 1:
+            return False
         return all(runner.kvstore.layer(g.index).can_trace
                    and (runner.cache_class(g.index) is PagedLayerCache or kernel_only)
                    for g in geometry.layers)
@@ -210,12 +232,16 @@ class CompiledDecode:
         """Float32 logits [B, vocab] of one-token rows (lazy), as `ModelRunner.forward`; None
         when this shape's trace failed (`TraceFailed`: the caller runs the step uncompiled)."""
         self.greedy = None   # a step that falls back uncompiled leaves none
+        planned = self.tail_map.state() if self.tail_map is not None else None
         tokens, table = self.inputs(chunks, tokens)
         arrays = [a for _, store in self.layers for a in store.arrays()]
         try:
             out = self._fn(tokens, table, *arrays)
         except TraceFailed:
-            # Only the stand-ins saw the trace: the stores still hold their arrays, unwritten.
+            # Only the stand-ins saw the trace: the stores still hold their arrays, unwritten;
+            # the tail map goes back to before this step's plan (the uncompiled step plans it).
+            if planned is not None:
+                self.tail_map.restore(planned)
             return None
         del arrays   # the stores' old arrays must be the graph's only references (in place)
         rows = len(chunks)
@@ -235,17 +261,20 @@ class CompiledDecode:
         padded = bucket_rows(rows) if self.runner.kernels.compiled_row_buckets else rows
         # One host buffer per shape (mx.array copies it): a fresh 8 x 4K table cost more to
         # allocate and fault in than to fill. `head` and `pages` are views of the flat `table`.
+        h = head_rows(self.tail_map is not None)
         bufs = self._tables.get((padded, width))
         if bufs is None:
-            table = np.empty(padded * (4 + width), dtype=np.int32)
+            table = np.empty(padded * (h + width), dtype=np.int32)
             bufs = self._tables[padded, width] = (
-                table, table[:4 * padded].reshape(4, padded),
-                table[4 * padded:].reshape(padded, width))
+                table, table[:h * padded].reshape(h, padded),
+                table[h * padded:].reshape(padded, width))
         table, head, pages = bufs
         for i, (c, n, ids) in enumerate(zip(chunks, need, self.row_pages.arrays(chunks, need))):
-            head[:, i] = (c.start, c.start + 1, ids[n - 1], c.start % t)
+            head[:4, i] = (c.start, c.start + 1, ids[n - 1], c.start % t)
             pages[i, :n] = ids
             pages[i, n:] = ids[0]   # any live page: the row's end bounds its keys
+        if self.tail_map is not None:   # the real rows only: padding repeats the last one
+            head[4:, :rows] = self.tail_map.decode_slots(head[2, :rows], head[3, :rows])
         head[:, rows:] = head[:, rows - 1:rows]   # padding repeats the last row (docstring)
         pages[rows:] = pages[rows - 1]
         if tokens is None:
@@ -275,7 +304,7 @@ class CompiledDecode:
     def _trace(self, tokens: mx.array, table: mx.array, arrays) -> list[mx.array]:
         runner = self.runner
         step = DeviceDecodeStep(table, tokens.shape[0], self.page_tokens, runner.kernel_decode,
-                                runner.kernels)
+                                runner.kernels, tails=self.tail_map is not None)
         stores = {i: store.traced(given) for (i, store), given in self._per_store(arrays)}
         caches = [cache_class(stores[i], step, None, True)
                   for i, (cache_class, _, _) in enumerate(runner.layer_caches)]
@@ -293,3 +322,13 @@ class CompiledDecode:
         # and a caller that reads only these leaves the cast unevaluated.
         greedy = [mx.argmax(raw, axis=-1).astype(mx.int32)] if self._greedy else []
         return greedy + [logits] + [a for i, _ in self.layers for a in stores[i].arrays()]
+
+
+def _tail_maps(runner: DecodeRunner) -> list:
+    """The distinct native tail maps (engine/kv/tails.py) of the runner's paged stores."""
+    maps = {}
+    for g in runner.loaded.geometry.layers:
+        tails = getattr(runner.kvstore.layer(g.index), "tails", None) if g.paged else None
+        if tails is not None:
+            maps[id(tails)] = tails
+    return list(maps.values())

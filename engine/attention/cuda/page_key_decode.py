@@ -27,9 +27,11 @@ the split plan and merge kernel of cuda/paged_decode.py), with what page keys ch
   step's own key and value come as inputs: those at most page_tokens keys join the same online
   softmax in full precision after the code tiles, in the split whose range holds them.
 
-The step's own rows are written by the store before attention (values) or into the tail after
-it (keys), as on the MLX path: page-key stores keep host-side tail plans, so their decode steps
-are never compiled (PackedLayerStore.can_trace) and this kernel does not store rows itself.
+The step's own rows are written by the store before attention (values, and the page's codes
+when the row fills it) or into the tail after it, as on the MLX path; this kernel does not store
+rows itself. Where it attends, decode steps compile (engine/runner/compiled_decode.py): the step
+plans the tail slots on the host and passes them in its table (`tail_slots` is then a view of
+it), so a step is one replayed graph as for native and int4.
 """
 from __future__ import annotations
 

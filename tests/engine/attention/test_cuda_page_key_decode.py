@@ -87,11 +87,13 @@ def test_runner_decode_steps_through_the_kernel_match_the_mlx_path(llama, fmt, m
 
     monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
     monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", emulated)
+    # Uncompiled steps: the emulator runs the kernel out of process, which a trace cannot
+    # (compiled steps: test_compiled_decode_steps_over_page_keys_match_uncompiled_ones).
     kernel = PackedModelRunner(llama, tail_store(llama, fmt),
-                               kernels=KernelChoices(page_key_kernel=True))
+                               kernels=KernelChoices(page_key_kernel=True, compiled_decode=False))
     plain = PackedModelRunner(llama, tail_store(llama, fmt))
-    assert kernel.kernel_decode and kernel.compiled is None   # page keys: never compiled
-    assert not plain.kernel_decode
+    assert kernel.kernel_decode and kernel.compiled is None
+    assert not plain.kernel_decode and plain.compiled is None
     assert PackedLayerCache.kernel_decode_fits(kernel.kvstore.layers[0],
                                                KernelChoices(page_key_kernel=None))
     tables = [[5, 1, 3], [7, 2, 9]]
@@ -130,6 +132,74 @@ def test_device_check_runs_on_cpu_fibers(llama, monkeypatch, tmp_path):
     assert got["history"][0] == 99 and any(h % T for h in got["history"])
     logits = page_key_kernel_check.logits_check(llama, "int4-kivi", 40, 2)
     assert logits["kernel_routed"] and logits["kernel_vs_tiled_logits"] < 1e-3, logits
+
+
+def _mlx_kernel(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots, longest,
+                scale, target_blocks=None, min_keys=None):
+    """page_key_decode_attention's contract in MLX ops (traceable, so a compiled step can run
+    it on the CPU): full pages from the pool's codes, positions of the row's partial page from
+    its tail slot, the own key last, one float32 softmax."""
+    from engine.kv.page_layout import K_SECTIONS, V_SECTIONS
+    from engine.kv.page_quant import PagePacked, dequantize_pages, meta_pages
+    from engine.kv.quant import Packed, dequantize
+    b, hq, _, d = q.shape
+    kvh, t, n = k_new.shape[1], layout.page_tokens, pages.shape[1] * layout.page_tokens
+    keys = PagePacked(layout.gather(pool, pages, "k_codes"),
+                      *(meta_pages(layout.gather_pages(pool, pages, s)) for s in K_SECTIONS[1:]))
+    hist = (dequantize_pages(keys, k_bits),
+            dequantize(Packed(*(layout.gather(pool, pages, s) for s in V_SECTIONS)), 4))
+    pos = mx.arange(n)[None, :]
+    nh = (ends - 1)[:, None]
+    in_tail = ((pos >= nh // t * t) & (pos < nh))[:, None, :, None]
+    own = (pos == nh)[:, None, :, None]
+    at = mx.broadcast_to((pos % t)[:, None, :, None], (b, kvh, n, d))
+    picked = []
+    for h, pool_t, new in zip(hist, tail, (k_new, v_new)):
+        rows = pool_t[mx.maximum(tail_slots, 0)].transpose(0, 2, 1, 3).astype(mx.float32)
+        rows = mx.take_along_axis(rows, at % t, axis=2)
+        picked.append(mx.where(own, new.astype(mx.float32),
+                               mx.where(in_tail, rows, h.astype(mx.float32))))
+    qg = q.astype(mx.float32).reshape(b, kvh, hq // kvh, d) * scale
+    s = mx.where((pos <= nh)[:, None, None, :], qg @ picked[0].swapaxes(-1, -2), -1e30)
+    out = mx.softmax(s, axis=-1, precise=True) @ picked[1]
+    return out.reshape(b, hq, 1, d).astype(q.dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_decode_steps_over_page_keys_match_uncompiled_ones(llama, fmt, monkeypatch):
+    """With the kernel on, page-key decode steps compile (engine/runner/compiled_decode.py):
+    the tail slots planned on the host per step and the page keyed on device every step give
+    the uncompiled steps' logits and stores, across page fills, a new page, a padded row
+    bucket (3 rows -> 4) and a row leaving; the kernel here is its contract in MLX ops."""
+    monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
+    monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", _mlx_kernel)
+    compiled = PackedModelRunner(llama, tail_store(llama, fmt),
+                                 kernels=KernelChoices(page_key_kernel=True))
+    plain = PackedModelRunner(llama, tail_store(llama, fmt),
+                              kernels=KernelChoices(page_key_kernel=True, compiled_decode=False))
+    mlx_path = PackedModelRunner(llama, tail_store(llama, fmt))
+    assert compiled.compiled is not None and plain.compiled is None
+    tables = [[5, 1, 3], [7, 2, 9], [11, 12, 13]]
+    seqs = [list(range(3, 3 + T - 2)), list(range(40, 40 + T + 5)), list(range(60, 60 + 2))]
+    runners = (compiled, plain, mlx_path)
+    for runner in runners:
+        runner.forward([Chunk(i, s, 0, t) for i, (s, t) in enumerate(zip(seqs, tables))])
+    for step in range(12):   # row 0 fills page 0 at step 1 and starts page 1 at step 2;
+        rows = 3 if step < 8 else 2   # row 1 fills its page at step 10, after row 2 left
+        chunks = [Chunk(i, [7 + step], len(s) + step, t)
+                  for i, (s, t) in enumerate(zip(seqs[:rows], tables[:rows]))]
+        got, want, ref = (r.forward(chunks) for r in runners)
+        assert mx.abs(got - want).max().item() < 1e-5, step
+        assert mx.abs(got - ref).max().item() < 1e-3, step
+    assert compiled.compiled is not None and compiled.compiled.failure is None
+    assert compiled.compiled.traces >= 2   # the 4-row bucket and the 2-row one
+    a, b = compiled.kvstore.layers[0], plain.kvstore.layers[0]
+    assert a.tails.slot_of == b.tails.slot_of
+    mx.eval(a.pool, b.pool, *a.tail, *b.tail)
+    for table, seq in zip(tables[:2], seqs[:2]):   # full pages' codes agree exactly
+        full = (len(seq) + 12) // T
+        pages = mx.array([table[:full]])
+        assert mx.array_equal(a.gather_packed(pages).k.codes, b.gather_packed(pages).k.codes)
 
 
 def test_nvcc_compiles_the_largest_variant():
