@@ -71,7 +71,8 @@ def test_runner_prefill_chunks_through_the_kernel_match_the_mlx_path(llama, fmt,
     seqs = [list(range(3, 3 + 3 * T + 2)), list(range(40, 40 + 2 * T + 5))]
     cuts = [(0, 20), (0, 13)], [(20, 3 * T + 2), (13, 2 * T + 5)]
     for part in cuts:
-        chunks = [Chunk(i, s[a:b], a, t) for i, (s, t, (a, b)) in enumerate(zip(seqs, tables, part))]
+        chunks = [Chunk(i, s[a:b], a, t)
+                  for i, (s, t, (a, b)) in enumerate(zip(seqs, tables, part))]
         got, want = kernel.forward(chunks), plain.forward(chunks)
         assert mx.abs(got - want).max().item() < 1e-4
     assert calls == [2] * len(kernel.kvstore.layers)   # the second chunks only
