@@ -26,16 +26,17 @@ FORMATS = ["k6v4-kivi", "int4-kivi"]
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_source_matches_the_dequantized_reference_on_cpu_fibers(fmt, tmp_path):
     """Ragged rows (one without history, partial tails, one ending on a page boundary), GQA
-    groups 3 and 4, head dims 64 and 128, pages of 16, 32 and 64 tokens, and several splits
-    (the merge kernel) where a split starts at the first key of a native tail."""
+    groups 4, 8 (the most) and 3, head dims 64 and 128, pages of 16, 32 and 64 tokens, and
+    several splits (the merge kernel) where a split starts at the first key of a native
+    tail."""
     assert shutil.which("g++"), "the CPU emulation of the CUDA kernel compiles with g++"
     rng = np.random.default_rng(7)
 
     def kernel(*args):
         return emu.page_key_decode(*args, workdir=tmp_path)
 
-    cases = [((300, 0, 77), 12, 4, 128, 16, None),      # one split, a row with no history
-             ((600, 64, 129), 6, 2, 64, 32, 16),         # 3 splits; 64: no tail at all
+    cases = [((300, 0, 77), 16, 4, 128, 16, None),      # one split, a row with no history
+             ((600, 64, 129), 16, 2, 64, 32, 16),        # 3 splits; 64: no tail at all
              ((512, 45), 9, 3, 64, 64, 64)]              # 3 splits; the tail starts a split
     for hist, hq, kvh, d, pt, target in cases:
         case = emu.page_key_case(rng, fmt, hist, hq, kvh, d, pt, kernel, target)
