@@ -35,6 +35,7 @@ from engine.attention.layers import cache_class_for
 from engine.attention.paged import PagedLayerCache, StepBatch, install_sdpa_hook
 from engine.kv.store import KVStore
 from engine.model.cpu_swiglu import install_swiglu_hook, numpy_swiglu
+from engine.model.flat_decode import flat_decode_body
 from engine.model.loader import LoadedModel, ModelLoadError
 from engine.runner.compiled_decode import CompiledDecode
 from engine.runner.tokens import input_tokens
@@ -168,6 +169,10 @@ class ModelRunner:
         # once instead of per layer and step; None for layers whose state is not paged.
         self.layer_caches = [(self.cache_class(i), kvstore.layer(i), w) if i in self._paged
                              else None for i, w in enumerate(self._windows)]
+        # KernelChoices.flat_decode: one-token calls of Llama-family models on [rows, hidden]
+        # (engine/model/flat_decode.py); None: the model's own forward.
+        self.flat = (flat_decode_body(loaded.model)
+                     if kernels.flat_decode and loaded.body is not None else None)
         wanted = (self.kernel_decode if kernels.compiled_decode is None
                   else kernels.compiled_decode)
         self.compiled = (CompiledDecode(self) if wanted and CompiledDecode.fits(self)
@@ -360,6 +365,8 @@ class ModelRunner:
         if not last_only:
             return loaded.model(inputs, cache=caches)
         if step.width == 1:   # one position per row: a slice, no index arrays
+            if self.flat is not None:
+                return loaded.head(self.flat(inputs[:, 0], caches))
             if loaded.body is not None:
                 return loaded.head(loaded.body(inputs, caches)[:, 0])
             return loaded.model(inputs, cache=caches)[:, 0]

@@ -22,6 +22,9 @@ pytestmark = pytest.mark.unit
 
 FLAT = KernelChoices(compiled_decode=True, flat_decode=True)
 MODEL_FORWARD = KernelChoices(compiled_decode=True, flat_decode=False)
+# Uncompiled steps (the CPU's default) take the flat forward too (ModelRunner.call_model).
+FLAT_UNCOMPILED = KernelChoices(compiled_decode=False, flat_decode=True)
+MODEL_UNCOMPILED = KernelChoices(compiled_decode=False, flat_decode=False)
 
 
 def _steps(lm, kernels, steps=12):
@@ -47,6 +50,17 @@ def test_flat_steps_equal_the_models_own_forward(tiny_llama, fuse):
     flat, a, pages_a = _steps(lm, FLAT)
     plain, b, pages_b = _steps(lm, MODEL_FORWARD)
     assert flat.compiled._flat is not None and plain.compiled._flat is None
+    for step, (x, y) in enumerate(zip(a, b)):
+        assert np.array_equal(x, y), step
+    for x, y in zip(pages_a, pages_b):
+        assert np.array_equal(x, y)
+
+
+def test_uncompiled_flat_steps_equal_the_models_own_forward(tiny_llama):
+    lm = load_model(tiny_llama)
+    flat, a, pages_a = _steps(lm, FLAT_UNCOMPILED)
+    plain, b, pages_b = _steps(lm, MODEL_UNCOMPILED)
+    assert flat.compiled is None and flat.flat is not None and plain.flat is None
     for step, (x, y) in enumerate(zip(a, b)):
         assert np.array_equal(x, y), step
     for x, y in zip(pages_a, pages_b):
