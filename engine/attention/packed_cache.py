@@ -146,7 +146,7 @@ class PackedLayerCache(PagedLayerCache):
     def _tail_slots(self) -> mx.array:
         """Each row's native tail slot as the step began (-1: none), once per step (a compiled
         step has it in its table: engine/runner/compiled_decode.py)."""
-        slots = getattr(self.step, "tail_before", None)
+        slots = self.step.tail_before
         if slots is None:
             slots = self.view.masks.get("page_key_tails")
         if slots is None:

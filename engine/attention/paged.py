@@ -49,6 +49,10 @@ class View:
 class StepBatch:
     """Per-forward indices shared by all layers: slots to write, pages to read, masks."""
 
+    # Each row's native tail slot as the step began, where a compiled step carries it
+    # (engine/runner/compiled_decode.DeviceDecodeStep); here page-key attention derives it.
+    tail_before = None
+
     def __init__(self, rows: list, page_tokens: int, width_bucket: int | None = None):
         """`rows`: the call's rows (engine.sched.seq.Chunk, the one row shape from the scheduler);
         read here: `start` (tokens already in KV), `length` (new tokens), `page_table` (covers

@@ -84,7 +84,7 @@ class PageKeyStore(PackedLayerStore):
         carrying the step's tail slots) `_write_planned`."""
         n, h, _, d = keys.shape
         k, v = keys.reshape(n, h, d), values.reshape(n, h, values.shape[-1])
-        if getattr(slots, "tail_write", None) is None:
+        if slots.tail_write is None:
             self.write(slots, k, v)
         else:
             self._write_planned(slots, k, v)

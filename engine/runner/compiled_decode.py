@@ -328,7 +328,7 @@ def _tail_maps(runner: DecodeRunner) -> list:
     """The distinct native tail maps (engine/kv/tails.py) of the runner's paged stores."""
     maps = {}
     for g in runner.loaded.geometry.layers:
-        tails = getattr(runner.kvstore.layer(g.index), "tails", None) if g.paged else None
+        tails = runner.kvstore.layer(g.index).tails if g.paged else None
         if tails is not None:
             maps[id(tails)] = tails
     return list(maps.values())
