@@ -44,9 +44,7 @@ from bench.step_graph import WARM_STEPS
 # (fused, one-token calls through engine/attention/cuda/gemv.py; the default elsewhere).
 VARIANTS = {
     "default": ("fused", {}, False),
-    # mlx-lm's layer forward on [B, 1, hidden] inside the compiled step (the default before
-    # KernelChoices.flat_decode: 12 more view nodes per layer).
-    "model_forward": ("fused", {"flat_decode": False}, False),
+    "model_forward": ("fused", {"flat_decode": False}, False),   # mlx-lm's [B, 1, hidden] layers
     "min_keys_32": ("fused", {"decode_split_min_keys": 32}, False),
     "warps_16": ("fused", {"decode_warps": 16}, False),
     "warps_16_min_keys_64": ("fused", {"decode_warps": 16, "decode_split_min_keys": 64}, False),
