@@ -56,10 +56,14 @@ def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
 DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   "split": dict(decode_tiles=False, packed_decode="v1"),
                   "v2": dict(decode_tiles=False, packed_decode="v2"),
-                  "tiled-keys": dict(page_key_scores=False, page_key_qmm=False),
-                  "qmm": dict(page_key_qmm=True),
-                  "qmm-bf16": dict(page_key_qmm=True, page_key_qmm_bf16=True),
-                  "scores": dict(page_key_qmm=False),
+                  # The CUDA page-key kernel is the default there and takes precedence, so the
+                  # MLX-path specs turn it off.
+                  "tiled-keys": dict(page_key_scores=False, page_key_qmm=False,
+                                     page_key_kernel=False),
+                  "qmm": dict(page_key_qmm=True, page_key_kernel=False),
+                  "qmm-bf16": dict(page_key_qmm=True, page_key_qmm_bf16=True,
+                                   page_key_kernel=False),
+                  "scores": dict(page_key_qmm=False, page_key_kernel=False),
                   "kernel": dict(page_key_kernel=True)}
 
 

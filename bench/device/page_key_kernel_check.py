@@ -36,7 +36,7 @@ def _attend(store, q, k_new, v_new, tables, hist, kernel: bool):
             for i, h in enumerate(hist)]
     step = StepBatch(rows, t)
     step.kernel_decode = kernel
-    step.kernels = KernelChoices(page_key_kernel=True) if kernel else KernelChoices()
+    step.kernels = KernelChoices(page_key_kernel=bool(kernel))   # off: the tiled path
     # The tails as this step began: what the step's own write (not made here) would record.
     store.tails.before = dict(store.tails.slot_of)
     cache = PackedLayerCache(store, step, None, direct=True)

@@ -102,15 +102,17 @@ class KernelChoices:
     # reads the codes, per-page key scales and the native tail straight from the pool
     # (engine/attention/cuda/page_key_decode.py); it takes precedence over page_key_qmm there.
     # None: on for CUDA (where the runner runs decode kernels at all); False: the MLX paths.
-    # Off by default until `python -m bench.device.page_key_qmm --kernel-only` has checked and
-    # timed it on a GPU (it has run on the CPU emulator and through a local nvcc only).
-    page_key_kernel: bool | None = False
+    # On the H200 (docs/lab/benchmarks-kv-page-keys.md, device runs 4-5) it matched the
+    # dequantized reference as closely as the tiled path does and ran 2.7-3.3x its speed
+    # (0.36-0.91x native, compiled steps), so it is the CUDA default.
+    page_key_kernel: bool | None = None
     # Prefill chunks over page-key history through a CUDA kernel that dequantizes it (full
     # pages from codes, the partial page from its native tail) into a copy for MLX's SDPA, as
     # native prefill copies its gathered pages (engine/attention/cuda/page_key_dequant.py);
-    # off: the MLX direct path unpacks tiles in MLX ops. None: on for CUDA. Off by default:
-    # checked on the CPU emulator and by nvcc only, never run on a GPU.
-    page_key_prefill: bool | None = False
+    # off: the MLX direct path unpacks tiles in MLX ops. None: on for CUDA, the default: on the
+    # H200 4K / 16K prefill took 1.25x / 1.33x native's time (k6v4-kivi) against 3.0x / 7.7x
+    # for the MLX path (docs/lab/benchmarks-kv-page-keys.md, device run 5).
+    page_key_prefill: bool | None = None
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is

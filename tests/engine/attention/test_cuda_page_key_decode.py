@@ -66,7 +66,7 @@ def test_formats_and_choice():
     assert not cuda_page_key_decode.supports(6, 4, 64, 4, 8)      # pages below 16 tokens
     assert not cuda_page_key_decode.supports(6, 4, 128, 4, 128)   # a page wider than a tile
     assert not cuda_page_key_decode.supports(8, 8, 64, 4, 16)     # token-local formats: v2
-    assert KernelChoices().page_key_kernel is False   # off until measured on a GPU
+    assert KernelChoices().page_key_kernel is None    # on for CUDA (measured on the H200)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -92,7 +92,8 @@ def test_runner_decode_steps_through_the_kernel_match_the_mlx_path(llama, fmt, m
     # (compiled steps: test_compiled_decode_steps_over_page_keys_match_uncompiled_ones).
     kernel = PackedModelRunner(llama, tail_store(llama, fmt),
                                kernels=KernelChoices(page_key_kernel=True, compiled_decode=False))
-    plain = PackedModelRunner(llama, tail_store(llama, fmt))
+    plain = PackedModelRunner(llama, tail_store(llama, fmt),
+                              kernels=KernelChoices(page_key_kernel=False))   # the MLX path
     assert kernel.kernel_decode and kernel.compiled is None
     assert not plain.kernel_decode and plain.compiled is None
     assert PackedLayerCache.kernel_decode_fits(kernel.kvstore.layers[0],

@@ -64,9 +64,12 @@ def test_runner_prefill_chunks_through_the_kernel_match_the_mlx_path(llama, fmt,
 
     monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
     monkeypatch.setattr(cuda_page_key_dequant, "dequantized_history", emulated)
+    # Decode on the MLX path: only the prefill kernel is emulated here.
     kernel = PackedModelRunner(llama, tail_store(llama, fmt),
-                               kernels=KernelChoices(page_key_prefill=True))
-    plain = PackedModelRunner(llama, tail_store(llama, fmt))
+                               kernels=KernelChoices(page_key_prefill=True, page_key_kernel=False))
+    plain = PackedModelRunner(llama, tail_store(llama, fmt),
+                              kernels=KernelChoices(page_key_prefill=False,
+                                                    page_key_kernel=False))   # the MLX path
     tables = [[5, 1, 3, 8], [7, 2, 9, 10]]
     seqs = [list(range(3, 3 + 3 * T + 2)), list(range(40, 40 + 2 * T + 5))]
     cuts = [(0, 20), (0, 13)], [(20, 3 * T + 2), (13, 2 * T + 5)]
@@ -84,6 +87,6 @@ def test_formats_choice_and_nvcc():
     assert cuda_page_key_dequant.supports(6, 4, 128, 16)
     assert cuda_page_key_dequant.supports(4, 4, 64, 4)
     assert not cuda_page_key_dequant.supports(8, 8, 64, 16)
-    assert KernelChoices().page_key_prefill is False   # off until measured on a GPU
+    assert KernelChoices().page_key_prefill is None   # on for CUDA (measured on the H200)
     code = cuda_nvcc_check.main(["--only", "page-key-dequant d128 k6"])
     assert code == (2 if shutil.which("nvcc") is None else 0)

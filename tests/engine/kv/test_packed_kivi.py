@@ -11,6 +11,8 @@ import pytest
 
 from capacity.format_names import format_from_identity, parse_identity, with_page_size
 from capacity.formats import KVFormat, KVFormatError
+from engine.attention.choices import KernelChoices
+from engine.attention.cuda import page_key_decode as cuda_page_key_decode
 from engine.attention.packed_cache import PackedLayerCache
 from engine.attention.layers import packed_layer_factory
 from engine.kv.identity import layer_report
@@ -121,7 +123,12 @@ def test_quantize_on_fill_happens_exactly_when_a_page_fills(name):
     assert store.tail_bytes_per_sequence == 2 * fmt.tail_bytes_per_request(2, T)
     assert store.nbytes == 4 * store.page_bytes + 3 * store.tail_bytes_per_sequence
     assert layer_report(store)[0]["storage"] == fmt.identity
-    assert not PackedLayerCache.kernel_decode_fits(store.layers[0])   # never the CUDA kernels
+    # The CUDA page-key kernel where KernelChoices allows it (the default) and it serves the
+    # geometry; never the token-local packed kernels.
+    assert PackedLayerCache.kernel_decode_fits(store.layers[0]) == \
+        cuda_page_key_decode.supports(bits, fmt.v_bits, 64, 1, T)
+    assert not PackedLayerCache.kernel_decode_fits(store.layers[0],
+                                                   KernelChoices(page_key_kernel=False))
     rng = np.random.default_rng(0)
     k = mx.array(rng.standard_normal((2 * T, 2, 64)).astype(np.float32))
     v = mx.array(rng.standard_normal((2 * T, 2, 64)).astype(np.float32))
