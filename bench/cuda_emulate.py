@@ -26,164 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.cuda_emulate_runtime import ASYNC_CPU, MAIN, PRELUDE
 from bench.cuda_nvcc_check import template_constants
 
 CPP_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "uint32": "uint32_t",
              "int32": "int32_t"}
 NP_TYPES = {"float32": np.float32, "bfloat16": np.uint16, "uint32": np.uint32,
             "int32": np.int32}
-
-PRELUDE = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <vector>
-#include <ucontext.h>
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-#define __align__(n) __attribute__((aligned(n)))
-struct Dim { unsigned int x = 0, y = 0, z = 0; };
-static Dim threadIdx, blockIdx, blockDim, gridDim;
-struct __nv_bfloat16 { uint16_t x; };
-struct alignas(16) uint4 { unsigned int x, y, z, w; };
-struct alignas(8) uint2 { unsigned int x, y; };
-struct alignas(16) float4 { float x, y, z, w; };
-inline int min(int a, int b) { return a < b ? a : b; }
-inline int max(int a, int b) { return a > b ? a : b; }
-inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline float __expf(float x) { return std::exp(x); }
-inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-inline float to_f(float x) { return x; }
-inline float to_f(__nv_bfloat16 v) { return __uint_as_float((unsigned int)v.x << 16); }
-inline void put(float* p, float v) { *p = v; }
-inline void put(__nv_bfloat16* p, float v) {
-  unsigned int u; std::memcpy(&u, &v, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);           // round to nearest even
-  p->x = (uint16_t)(u >> 16);
-}
-
-// Fibers: one per GPU thread of the running block; sync points switch back to the scheduler.
-static int g_threads = 0, g_current = 0;
-static std::vector<ucontext_t> g_ctx;
-static ucontext_t g_main;
-static std::vector<int> g_wait;              // 0 runnable, 1 waiting at a barrier, 2 done
-static int g_block_arrived = 0;
-static int g_warp_arrived[32];
-static void block_barrier() {
-  const int me = g_current;
-  if (++g_block_arrived == g_threads) {
-    g_block_arrived = 0;
-    for (int t = 0; t < g_threads; ++t) if (g_wait[t] == 1) g_wait[t] = 0;
-    return;
-  }
-  g_wait[me] = 1;
-  swapcontext(&g_ctx[me], &g_main);
-}
-static void warp_barrier() {
-  const int me = g_current, w = me / 32;
-  if (++g_warp_arrived[w] == 32) {
-    g_warp_arrived[w] = 0;
-    for (int t = w * 32; t < w * 32 + 32; ++t) if (g_wait[t] == 3) g_wait[t] = 0;
-    return;
-  }
-  g_wait[me] = 3;
-  swapcontext(&g_ctx[me], &g_main);
-}
-inline void __syncthreads() { block_barrier(); }
-inline void __syncwarp() { warp_barrier(); }
-static unsigned int g_slot[32][32];
-template <typename T>
-inline T __shfl_xor_sync(unsigned int, T v, int o) {
-  const int me = g_current, w = me / 32, lane = me % 32;
-  std::memcpy(&g_slot[w][lane], &v, 4);
-  warp_barrier();
-  T r; std::memcpy(&r, &g_slot[w][lane ^ o], 4);
-  warp_barrier();
-  return r;
-}
-struct Copy { void* dst; const void* src; int n; };
-static std::vector<std::vector<Copy>> g_pending;
-"""
-
-ASYNC_CPU = r"""
-template <int N> inline void orch_cp_async(void* dst, const void* src) {
-  // The GPU faults on a misaligned cp.async; buffers here are 16-byte aligned as MLX's are.
-  if (((uintptr_t)dst | (uintptr_t)src) % N) {
-    std::fprintf(stderr, "misaligned cp.async of %d bytes\n", N);
-    std::exit(5);
-  }
-  g_pending[g_current].push_back({dst, src, N});
-}
-inline void orch_cp_commit() {}
-inline void orch_cp_wait_all() {
-  for (const Copy& c : g_pending[g_current]) std::memcpy(c.dst, c.src, c.n);
-  g_pending[g_current].clear();
-}
-"""
-
-MAIN = r"""
-static void (*g_body)() = nullptr;
-static void fiber_entry() {
-  threadIdx.x = g_current;
-  g_body();
-  g_wait[g_current] = 2;
-  swapcontext(&g_ctx[g_current], &g_main);
-}
-static std::vector<char> read_file(const char* dir, const char* name) {
-  char path[4096]; std::snprintf(path, sizeof path, "%s/%s", dir, name);
-  FILE* f = std::fopen(path, "rb");
-  if (!f) { std::fprintf(stderr, "missing %s\n", path); std::exit(3); }
-  std::fseek(f, 0, SEEK_END); long n = std::ftell(f); std::fseek(f, 0, SEEK_SET);
-  std::vector<char> buf(n + 16);
-  if (std::fread(buf.data(), 1, n, f) != (size_t)n) std::exit(3);
-  std::fclose(f);
-  return buf;
-}
-int main(int argc, char** argv) {
-  const char* dir = argv[1];
-  const int gx = std::atoi(argv[2]), gy = std::atoi(argv[3]), nt = std::atoi(argv[4]);
-  LOAD
-  g_threads = nt; blockDim.x = nt; gridDim.x = gx; gridDim.y = gy; gridDim.z = 1;
-  blockDim.y = blockDim.z = 1;
-  g_ctx.resize(nt); g_wait.assign(nt, 0); g_pending.assign(nt, {});
-  const size_t stack = 1 << 18;
-  std::vector<char> stacks((size_t)nt * stack);
-  g_body = [] { CALL };
-  for (int by = 0; by < gy; ++by) {
-    for (int bx = 0; bx < gx; ++bx) {
-      blockIdx.x = bx; blockIdx.y = by;
-      for (int t = 0; t < nt; ++t) {
-        getcontext(&g_ctx[t]);
-        g_ctx[t].uc_stack.ss_sp = stacks.data() + (size_t)t * stack;
-        g_ctx[t].uc_stack.ss_size = stack;
-        g_ctx[t].uc_link = nullptr;
-        makecontext(&g_ctx[t], fiber_entry, 0);
-        g_wait[t] = 0;
-      }
-      int done = 0;
-      while (done < nt) {
-        bool ran = false;
-        for (int t = 0; t < nt; ++t) {
-          if (g_wait[t] != 0) continue;
-          g_current = t; threadIdx.x = t;
-          swapcontext(&g_main, &g_ctx[t]);
-          ran = true;
-          if (g_wait[t] == 2) ++done;
-        }
-        if (!ran && done < nt) { std::fprintf(stderr, "deadlock in block %d,%d\n", bx, by); return 4; }
-      }
-    }
-  }
-  SAVE
-  return 0;
-}
-"""
 
 
 def build(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]], source: str,
@@ -309,12 +158,20 @@ def packed_decode(q, k_new, v_new, pool, layout, bits, tables, ends, scale,
         writes=(3,) if own else ())   # the pool: after q, kf, vf
     if splits == 1:
         return (out, *written) if own else out
-    (merged,) = run("orchard_decode_merge", [("part", "float32"), ("ml", "float32"),
-                                             ("dims", "int32")], [("out", "bfloat16")],
-                    pd._MERGE, "", [("D", d), ("TO", "bfloat16")],
-                    [part, ml, np.array([splits], np.int32)], [(rows, hq, 1, d)],
-                    (rows * hq, 1), d, workdir)
+    merged = merge(part, ml, splits, (rows, hq, 1, d), "bfloat16", workdir)
     return (merged, *written) if own else merged
+
+
+def merge(part, ml, splits, shape, out_type, workdir: Path) -> np.ndarray:
+    """The split decode kernels' merge kernel (cuda/paged_decode.py) run here: their partials
+    `part` and `ml` over `splits` splits to the output `shape` [B, Hq, 1, D] (of `out_type`)."""
+    from engine.attention.cuda import paged_decode as pd
+    rows, hq, _, d = shape
+    (merged,) = run("orchard_decode_merge", [("part", "float32"), ("ml", "float32"),
+                                             ("dims", "int32")], [("out", out_type)],
+                    pd._MERGE, "", [("D", d), ("TO", out_type)],
+                    [part, ml, np.array([splits], np.int32)], [shape], (rows * hq, 1), d, workdir)
+    return merged
 
 
 def packed_write(k, v, k_bits, v_bits, layout, workdir: Path | None = None):
@@ -371,6 +228,23 @@ CASES = [(f, *c) for f in ("int8", "int4") for c in (
     (1, 16, 4, 128, 1200, 64, 4096))]
 
 
+def run_cases(cases, check) -> int:
+    """Each case's `check(rng, work, *case)` (a dict with "ok"), printed as it lands; one rng and
+    work folder for all. Exit status: 1 if a case failed, 2 without g++."""
+    if shutil.which("g++") is None:
+        print("no g++ on PATH", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(0)
+    work = Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
+    failed = 0
+    for args in cases:
+        case = check(rng, work, *args)
+        print(("ok  " if case["ok"] else "FAIL"), case, flush=True)
+        failed += not case["ok"]
+    shutil.rmtree(work)
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     from bench import cuda_check
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -378,22 +252,13 @@ def main(argv=None) -> int:
     ap.add_argument("--version", choices=("v1", "v2"), default="v2",
                     help="packed decode kernel to run (default: the tiled v2)")
     args = ap.parse_args(argv)
-    if shutil.which("g++") is None:
-        print("no g++ on PATH", file=sys.stderr)
-        return 2
-    rng = np.random.default_rng(0)
-    work = Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
-    failed = 0
-    for fmt, rows, hq, kvh, d, longest, pt, target in CASES[:args.limit]:
-        def kernel(*a, target=target):
+
+    def check(rng, work, fmt, rows, hq, kvh, d, longest, pt, target):
+        def kernel(*a):
             return packed_decode(*a, target_blocks=target, workdir=work, version=args.version)
-        case = cuda_check.packed_case(rng, fmt, rows, hq, kvh, d, longest, page_tokens=pt,
-                                      kernel=kernel, version=args.version,
-                                      target_blocks=target)
-        print(("ok  " if case["ok"] else "FAIL"), case, flush=True)
-        failed += not case["ok"]
-    shutil.rmtree(work)
-    return 1 if failed else 0
+        return cuda_check.packed_case(rng, fmt, rows, hq, kvh, d, longest, page_tokens=pt,
+                                      kernel=kernel, version=args.version, target_blocks=target)
+    return run_cases(CASES[:args.limit], check)
 
 
 if __name__ == "__main__":

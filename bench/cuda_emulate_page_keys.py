@@ -9,8 +9,6 @@ the native tail for the partial one) and a plain float64 softmax.
 from __future__ import annotations
 
 import argparse
-import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -65,12 +63,7 @@ def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, t
         [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits), pd.THREADS, workdir)
     if splits == 1:
         return out
-    (merged,) = ce.run("orchard_decode_merge", [("part", "float32"), ("ml", "float32"),
-                                                ("dims", "int32")], [("out", types["q"])],
-                       pd._MERGE, "", [("D", d), ("TO", types["q"])],
-                       [part, ml, np.array([splits], np.int32)], [(rows, hq, 1, d)],
-                       (rows * hq, 1), d, workdir)
-    return merged
+    return ce.merge(part, ml, splits, (rows, hq, 1, d), types["q"], workdir)
 
 
 def page_key_dequant(k_fresh, v_fresh, pool, layout, k_bits, tail, pages, bounds, tail_slots,
@@ -215,20 +208,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=len(CASES), help="run the first N cases")
     args = ap.parse_args(argv)
-    if shutil.which("g++") is None:
-        print("no g++ on PATH", file=sys.stderr)
-        return 2
-    rng = np.random.default_rng(0)
-    work = Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
-    failed = 0
-    for fmt, hist, hq, kvh, d, pt, target in CASES[:args.limit]:
-        def kernel(*a, work=work):
+
+    def check(rng, work, fmt, hist, hq, kvh, d, pt, target):
+        def kernel(*a):
             return page_key_decode(*a, workdir=work)
-        case = page_key_case(rng, fmt, hist, hq, kvh, d, pt, kernel, target)
-        print(("ok  " if case["ok"] else "FAIL"), case, flush=True)
-        failed += not case["ok"]
-    shutil.rmtree(work)
-    return 1 if failed else 0
+        return page_key_case(rng, fmt, hist, hq, kvh, d, pt, kernel, target)
+    return ce.run_cases(CASES[:args.limit], check)
 
 
 if __name__ == "__main__":

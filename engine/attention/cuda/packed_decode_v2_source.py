@@ -12,7 +12,9 @@ import mlx.core as mx
 
 from engine.attention.cuda.packed_write import QUANTIZE
 from engine.attention.cuda.paged_decode import HEADER
-from engine.attention.cuda.tile_helpers import ASYNC, HELPERS
+from engine.attention.cuda.tile_helpers import (ACCUMULATORS, ASYNC, BLOCK_INDEX, DOT4,
+                                                HELPERS, RESCALE, online_softmax, packed_pv,
+                                                split_output)
 from engine.kv.page_layout import CUDA_SECTIONS
 
 _HEADER = HEADER + ASYNC + HELPERS + QUANTIZE
@@ -60,13 +62,7 @@ float* const st_l = st_m + GP;
 float* const cf = st_l + GP;
 float* const pown = cf + GP;
 float* const st_ao = pown + GP;
-
-const int HQ = dims[0], HKV = dims[1], P = dims[2];
-const int hk = blockIdx.x % HKV;
-const int b = blockIdx.x / HKV;
-const int split = blockIdx.y, NS = gridDim.y;
-const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-const int n = ends[b];                       // keys of this row, the step's own key last
+""" + BLOCK_INDEX + """\
 const int nh = n - 1;                        // of which packed history
 // Splits start on tile boundaries, so only the row's last tile is partial.
 const int per = (((n + NS - 1) / NS) + KT - 1) / KT * KT;
@@ -147,12 +143,7 @@ if (tid < NG * GP) st_ao[tid] = 0.0f;
 
 // PV ownership: word pk of a row (CPW channels from c0, group pg) for keys sub, sub + NSUB, ...
 const int pk = tid % LW, sub = tid / LW, c0 = pk * CPW, pg = c0 / 64;
-float acc[G][CPW];
-#pragma unroll
-for (int h = 0; h < G; ++h) {
-  #pragma unroll
-  for (int i = 0; i < CPW; ++i) acc[h][i] = 0.0f;
-}
+""" + ACCUMULATORS + """\
 
 for (int t = 0; t < ntile; ++t) {
   orch_cp_wait_all();
@@ -189,13 +180,7 @@ for (int t = 0; t < ntile; ++t) {
         for (int i = 0; i < KPT; ++i) {
           const float x0 = orch_code1<KB>(wd[i][k], e), x1 = orch_code1<KB>(wd[i][k], e + 1);
           const float x2 = orch_code1<KB>(wd[i][k], e + 2), x3 = orch_code1<KB>(wd[i][k], e + 3);
-          #pragma unroll
-          for (int h = 0; h < G; ++h) {
-            dot[i][h] = fmaf(qv[h].x, x0, dot[i][h]);
-            dot[i][h] = fmaf(qv[h].y, x1, dot[i][h]);
-            dot[i][h] = fmaf(qv[h].z, x2, dot[i][h]);
-            dot[i][h] = fmaf(qv[h].w, x3, dot[i][h]);
-          }
+""" + DOT4 + """\
         }
       }
     }
@@ -213,79 +198,20 @@ for (int t = 0; t < ntile; ++t) {
   // 2. One online-softmax step per tile and head (warp h): tile max, rescale factor, p.
   // PV weights pw = p * vs * 2^KB per (key, group, head); the constant part of every value of a
   // group, sum_j p_j (vo_j - 2^KB vs_j), goes into the head's group term ao.
-  for (int h = warp; h < G; h += NW) {
-    float s[KPT];
-    float tmax = NEG_INF;
+""" + online_softmax("NW", """\
     #pragma unroll
-    for (int i = 0; i < KPT; ++i) {
-      const int r = lane + 32 * i;
-      s[i] = NEG_INF;
-      if (r < cnt) {
-        float v = 0.0f;
-        #pragma unroll
-        for (int w = 0; w < NW; ++w) v += sp[(w * G + h) * KT + r];
-        s[i] = v;
-        tmax = fmaxf(tmax, v);
-      }
+    for (int g = 0; g < NG; ++g) {
+      const float vsg = meta[(2 * KT + r) * NG + g] * TWO_KB;
+      pw[(r * NG + g) * GP + h] = valid ? p * vsg : 0.0f;   // never stale data times 0
+      if (valid) pvo[g] += p * (meta[(3 * KT + r) * NG + g] - vsg);
     }
-    tmax = orch_warp_max(tmax);
-    const float m_old = st_m[h], m_new = fmaxf(m_old, tmax);   // finite: cnt >= 1
-    const float c = __expf(m_old - m_new);
-    float psum = 0.0f, pvo[NG];
-    #pragma unroll
-    for (int g = 0; g < NG; ++g) pvo[g] = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < KPT; ++i) {
-      const int r = lane + 32 * i;
-      const bool valid = r < cnt;
-      const float p = valid ? __expf(s[i] - m_new) : 0.0f;
-      psum += p;
-      #pragma unroll
-      for (int g = 0; g < NG; ++g) {
-        const float vsg = meta[(2 * KT + r) * NG + g] * TWO_KB;
-        pw[(r * NG + g) * GP + h] = valid ? p * vsg : 0.0f;   // never stale data times 0
-        if (valid) pvo[g] += p * (meta[(3 * KT + r) * NG + g] - vsg);
-      }
-    }
-    psum = orch_warp_sum(psum);
-    #pragma unroll
-    for (int g = 0; g < NG; ++g) pvo[g] = orch_warp_sum(pvo[g]);
-    if (lane == 0) {
-      st_l[h] = st_l[h] * c + psum;
-      st_m[h] = m_new;
-      cf[h] = c;
-      #pragma unroll
-      for (int g = 0; g < NG; ++g) st_ao[g * GP + h] = st_ao[g * GP + h] * c + pvo[g];
-    }
-  }
+""") + """
   __syncthreads();
 
   // 3. PV: lanes over a row's words (a warp reads whole rows: no bank conflicts), each thread
   // every head for its CPW channels over the keys of its subset; all subsets share the block's
   // running max, so they are simply summed at the end.
-  #pragma unroll
-  for (int h = 0; h < G; ++h) {
-    const float ch = cf[h];
-    #pragma unroll
-    for (int i = 0; i < CPW; ++i) acc[h][i] *= ch;
-  }
-  #pragma unroll
-  for (int u = 0; u < KT / NSUB; ++u) {      // whole tile: pw is 0 past cnt
-    const int r = sub + u * NSUB;
-    const unsigned int wv = sv[r * LW + pk];
-    float ph[GP];
-    #pragma unroll
-    for (int u = 0; u < GP / 4; ++u) {
-      const float4 x = *reinterpret_cast<const float4*>(pw + (r * NG + pg) * GP + 4 * u);
-      ph[4 * u] = x.x; ph[4 * u + 1] = x.y; ph[4 * u + 2] = x.z; ph[4 * u + 3] = x.w;
-    }
-    #pragma unroll
-    for (int i = 0; i < CPW; ++i) {
-      const float x = orch_code1<KB>(wv, i);
-      #pragma unroll
-      for (int h = 0; h < G; ++h) acc[h][i] = fmaf(ph[h], x, acc[h][i]);
-    }
-  }
+""" + RESCALE + packed_pv("LW", "KB") + """\
 }
 __syncthreads();                             // stages, pw and state free / final
 
@@ -320,40 +246,8 @@ if (j0 <= nh && nh < j1) {
   }
 }
 
-// Sum the key subsets: inside a warp by shuffles (lanes pk + LW * s), then the warps through
-// shared memory (the stage buffers, free now); add each group's constant term; write the
-// block's output (one split) or its partial for the merge kernel (BLOCK_MERGE's format).
-#pragma unroll
-for (int o = LW; o < 32; o <<= 1) {
-  #pragma unroll
-  for (int h = 0; h < G; ++h) {
-    #pragma unroll
-    for (int i = 0; i < CPW; ++i) acc[h][i] += __shfl_xor_sync(0xffffffff, acc[h][i], o);
-  }
-}
-float* const red = smem;                     // [NW][G][D]
-if (lane < LW) {
-  #pragma unroll
-  for (int h = 0; h < G; ++h) {
-    #pragma unroll
-    for (int i = 0; i < CPW; ++i) red[(warp * G + h) * D + c0 + i] = acc[h][i];
-  }
-}
-__syncthreads();
-for (int e = tid; e < G * D; e += NT) {
-  const int h = e / D, d = e % D;
-  float num = st_ao[(d / 64) * GP + h];
-  #pragma unroll
-  for (int w = 0; w < NW; ++w) num += red[(w * G + h) * D + d];
-  const size_t rh = (size_t)(b * HQ + hk * G + h);
-  if (SPLIT) {
-    part[(rh * NS + split) * D + d] = num;
-    if (d == 0) { ml[(rh * NS + split) * 2] = st_m[h]; ml[(rh * NS + split) * 2 + 1] = st_l[h]; }
-  } else {
-    put(out + rh * D + d, num / st_l[h]);
-  }
-}
-
+// The block's output or partial (tile_helpers.split_output: one text with the page-key kernel).
+""" + split_output("LW") + """
 // OWN: the step's own key and value (the row's last, position nh) are quantized and stored
 // into the pool, word for word as the write kernel (cuda/packed_write.py) would: split 0's
 // warp 0 takes this head's key, warp 1 its value. The pool is an MLX input, written behind

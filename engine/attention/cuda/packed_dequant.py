@@ -39,8 +39,10 @@ HEAD_DIMS = (64, 128)
 BITS = (4, 8)
 THREADS = 256
 
-_SOURCE = CUDA_SECTIONS + """
-constexpr int C8 = D / 8;                      // 8-channel units per key
+# This thread's unit of the copy (row b, KV head hk, key t, channels c0..c0+7; C8: 8-channel
+# units per key) and, for t past the history span S, the call's own rows: word for word the
+# same in cuda/page_key_dequant.py, which differs only in how it unpacks history.
+UNIT = """
 const float* const poolf = reinterpret_cast<const float*>(pool);
 const int B = dims[0], HKV = dims[1], S = dims[2], W = dims[3], P = dims[4];
 const int T = S + W;
@@ -61,6 +63,11 @@ if (t >= S) {                                  // the call's own rows, as given
   }
   return;
 }
+"""
+
+_SOURCE = CUDA_SECTIONS + """
+constexpr int C8 = D / 8;                      // 8-channel units per key
+""" + UNIT + """\
 if (t >= bounds[2 * b]) {                      // past this row's history: masked, kept finite
   #pragma unroll
   for (int j = 0; j < 8; ++j) { put(ko + j, 0.0f); put(vo + j, 0.0f); }
@@ -128,13 +135,21 @@ def dequantized_history(k_fresh: mx.array, v_fresh: mx.array, pool: mx.array,
     if not supports(k_bits, v_bits, d) or hkv != layout.heads:
         raise ValueError(f"packed dequant kernel: unsupported head dim {d}, bits {k_bits}/"
                          f"{v_bits} or heads {hkv} (layout has {layout.heads})")
-    units = b * hkv * (span + w) * (d // 8)
-    return tuple(_kernel()(
-        inputs=[k_fresh, v_fresh.astype(k_fresh.dtype), pool, pages, bounds,
-                mx.array([b, hkv, span, w, pages.shape[1]], dtype=mx.int32)],
-        template=[*template(layout, k_bits, v_bits), ("TO", k_fresh.dtype)],
+    return launch(_kernel(), [k_fresh, v_fresh.astype(k_fresh.dtype), pool, pages, bounds,
+                              mx.array([b, hkv, span, w, pages.shape[1]], dtype=mx.int32)],
+                  [*template(layout, k_bits, v_bits), ("TO", k_fresh.dtype)],
+                  (b, hkv, span + w, d), k_fresh.dtype)
+
+
+def launch(kernel, inputs: list, template: list, shape: tuple, dtype) -> tuple[mx.array, mx.array]:
+    """A history-dequant kernel (this one or cuda/page_key_dequant.py) over the copy's `shape`
+    [B, Hkv, span + W, D], one thread per UNIT: its keys and values in `dtype`."""
+    b, hkv, t, d = shape
+    units = b * hkv * t * (d // 8)
+    return tuple(kernel(
+        inputs=inputs, template=template,
         grid=(-(-units // THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(b, hkv, span + w, d)] * 2, output_dtypes=[k_fresh.dtype] * 2))
+        output_shapes=[shape] * 2, output_dtypes=[dtype] * 2))
 
 
 def joint_mask(history: np.ndarray, own: np.ndarray, width: int):

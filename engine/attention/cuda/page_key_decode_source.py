@@ -13,7 +13,9 @@ from functools import lru_cache
 import mlx.core as mx
 
 from engine.attention.cuda.paged_decode import HEADER
-from engine.attention.cuda.tile_helpers import ASYNC, HELPERS
+from engine.attention.cuda.tile_helpers import (ACCUMULATORS, ASYNC, BLOCK_INDEX, DOT4,
+                                                HELPERS, RESCALE, online_softmax, packed_pv,
+                                                split_output)
 
 # A code of KB bits at channel cc of a run of words (little-end first, as page_quant packs
 # 6-bit codes: 4 codes to 3 bytes is the same bit stream), as the float 1 + c / 2^KB (see
@@ -85,13 +87,7 @@ float* const st_m = smem + ST_OFF;
 float* const st_l = st_m + GP;
 float* const cf = st_l + GP;
 float* const st_ao = cf + GP;
-
-const int HQ = dims[0], HKV = dims[1], P = dims[2];
-const int hk = blockIdx.x % HKV;
-const int b = blockIdx.x / HKV;
-const int split = blockIdx.y, NS = gridDim.y;
-const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-const int n = ends[b];                       // keys of this row, the step's own key last
+""" + BLOCK_INDEX + """\
 const int nh = n - 1;                        // history before it
 const int nfull = nh / PT * PT;              // of which in full pages (codes); the rest: tail
 // Splits start on tile boundaries (so on page boundaries), so only the last code tile of a
@@ -143,74 +139,28 @@ if (tid < NG * GP) st_ao[tid] = 0.0f;
 // PV ownership: word pk of a value row (CPW channels from c0, group pg) for keys sub, sub +
 // NSUB, ... of a tile.
 const int pk = tid % VW, sub = tid / VW, c0 = pk * CPW, pg = c0 / 64;
-float acc[G][CPW];
-#pragma unroll
-for (int h = 0; h < G; ++h) {
-  #pragma unroll
-  for (int i = 0; i < CPW; ++i) acc[h][i] = 0.0f;
-}
+""" + ACCUMULATORS + """\
 
-// One online-softmax step per head (warp h) over scores s[h][r] = sp[h * KT + r] summed over
-// `slices` slices, r < cnt: tile max, rescale factor cf, p. `quantized`: PV weights p * vs *
-// 2^VB per (key, group, head) and each group's constant term into ao (packed values);
-// otherwise p per (key, head) in pw[r * GP + h] (native values).
+// One online-softmax step (tile_helpers.online_softmax) over `slices` slices of scores, keys
+// r < cnt. `quantized`: PV weights p * vs * 2^VB per (key, group, head) and each group's
+// constant term into ao (packed values); otherwise p per (key, head) in pw[r * GP + h] (native
+// values). v2's step is the same text with its packed weights.
 auto softmax_step = [&](int cnt, int slices, bool quantized, const float* vmeta) {
-  for (int h = warp; h < G; h += NW) {
-    float s[KPT];
-    float tmax = NEG_INF;
-    #pragma unroll
-    for (int i = 0; i < KPT; ++i) {
-      const int r = lane + 32 * i;
-      s[i] = NEG_INF;
-      if (r < cnt) {
-        float v = 0.0f;
-        for (int w = 0; w < slices; ++w) v += sp[(w * G + h) * KT + r];
-        s[i] = v;
-        tmax = fmaxf(tmax, v);
-      }
-    }
-    tmax = orch_warp_max(tmax);
-    const float m_old = st_m[h], m_new = fmaxf(m_old, tmax);   // finite: cnt >= 1
-    const float c = __expf(m_old - m_new);
-    float psum = 0.0f, pvo[NG];
-    #pragma unroll
-    for (int g = 0; g < NG; ++g) pvo[g] = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < KPT; ++i) {
-      const int r = lane + 32 * i;
-      const bool valid = r < cnt;
-      const float p = valid ? __expf(s[i] - m_new) : 0.0f;
-      psum += p;
-      if (quantized) {
-        #pragma unroll
-        for (int g = 0; g < NG; ++g) {
-          const float vsg = vmeta[r * NG + g] * TWO_VB;
-          pw[(r * NG + g) * GP + h] = valid ? p * vsg : 0.0f;   // never stale data times 0
-          if (valid) pvo[g] += p * (vmeta[(KT + r) * NG + g] - vsg);
-        }
-      } else {
-        pw[r * GP + h] = p;
-      }
-    }
-    psum = orch_warp_sum(psum);
-    #pragma unroll
-    for (int g = 0; g < NG; ++g) pvo[g] = orch_warp_sum(pvo[g]);
-    if (lane == 0) {
-      st_l[h] = st_l[h] * c + psum;
-      st_m[h] = m_new;
-      cf[h] = c;
+""" + online_softmax("slices", """\
+    if (quantized) {
       #pragma unroll
-      for (int g = 0; g < NG; ++g) st_ao[g * GP + h] = st_ao[g * GP + h] * c + pvo[g];
+      for (int g = 0; g < NG; ++g) {
+        const float vsg = vmeta[r * NG + g] * TWO_VB;
+        pw[(r * NG + g) * GP + h] = valid ? p * vsg : 0.0f;   // never stale data times 0
+        if (valid) pvo[g] += p * (vmeta[(KT + r) * NG + g] - vsg);
+      }
+    } else {
+      pw[r * GP + h] = p;
     }
-  }
+""") + """
 };
 auto rescale = [&]() {
-  #pragma unroll
-  for (int h = 0; h < G; ++h) {
-    const float ch = cf[h];
-    #pragma unroll
-    for (int i = 0; i < CPW; ++i) acc[h][i] *= ch;
-  }
+""" + RESCALE + """\
 };
 
 for (int t = 0; t < ntile; ++t) {
@@ -259,13 +209,7 @@ for (int t = 0; t < ntile; ++t) {
         const float x1 = fmaf(orch_code_at<KB>(wd[i], 4 * u + 1), S.y, O.y);
         const float x2 = fmaf(orch_code_at<KB>(wd[i], 4 * u + 2), S.z, O.z);
         const float x3 = fmaf(orch_code_at<KB>(wd[i], 4 * u + 3), S.w, O.w);
-        #pragma unroll
-        for (int h = 0; h < G; ++h) {
-          dot[i][h] = fmaf(qv[h].x, x0, dot[i][h]);
-          dot[i][h] = fmaf(qv[h].y, x1, dot[i][h]);
-          dot[i][h] = fmaf(qv[h].z, x2, dot[i][h]);
-          dot[i][h] = fmaf(qv[h].w, x3, dot[i][h]);
-        }
+""" + DOT4 + """\
       }
     }
     #pragma unroll
@@ -284,23 +228,7 @@ for (int t = 0; t < ntile; ++t) {
   // over the keys of its subset (pw is 0 past cnt).
   rescale();
   const unsigned int* sv = reinterpret_cast<const unsigned int*>(stage) + V_OFF;
-  #pragma unroll
-  for (int u = 0; u < KT / NSUB; ++u) {
-    const int r = sub + u * NSUB;
-    const unsigned int wv = sv[r * VW + pk];
-    float ph[GP];
-    #pragma unroll
-    for (int v = 0; v < GP / 4; ++v) {
-      const float4 x = *reinterpret_cast<const float4*>(pw + (r * NG + pg) * GP + 4 * v);
-      ph[4 * v] = x.x; ph[4 * v + 1] = x.y; ph[4 * v + 2] = x.z; ph[4 * v + 3] = x.w;
-    }
-    #pragma unroll
-    for (int i = 0; i < CPW; ++i) {
-      const float x = orch_code1<VB>(wv, i);
-      #pragma unroll
-      for (int h = 0; h < G; ++h) acc[h][i] = fmaf(ph[h], x, acc[h][i]);
-    }
-  }
+""" + packed_pv("VW", "VB") + """\
 }
 __syncthreads();                             // stages, pw and state free / final
 
@@ -348,39 +276,8 @@ if (ncnt > 0) {
   __syncthreads();
 }
 
-// Sum the key subsets (shuffles inside a warp, then the warps through shared memory), add each
-// group's constant term, and write the output (one split) or the partial for the merge.
-#pragma unroll
-for (int o = VW; o < 32; o <<= 1) {
-  #pragma unroll
-  for (int h = 0; h < G; ++h) {
-    #pragma unroll
-    for (int i = 0; i < CPW; ++i) acc[h][i] += __shfl_xor_sync(0xffffffff, acc[h][i], o);
-  }
-}
-float* const red = smem;                     // [NW][G][D]
-if (lane < VW) {
-  #pragma unroll
-  for (int h = 0; h < G; ++h) {
-    #pragma unroll
-    for (int i = 0; i < CPW; ++i) red[(warp * G + h) * D + c0 + i] = acc[h][i];
-  }
-}
-__syncthreads();
-for (int e = tid; e < G * D; e += NT) {
-  const int h = e / D, d = e % D;
-  float num = st_ao[(d / 64) * GP + h];
-  #pragma unroll
-  for (int w = 0; w < NW; ++w) num += red[(w * G + h) * D + d];
-  const size_t rh = (size_t)(b * HQ + hk * G + h);
-  if (SPLIT) {
-    part[(rh * NS + split) * D + d] = num;
-    if (d == 0) { ml[(rh * NS + split) * 2] = st_m[h]; ml[(rh * NS + split) * 2 + 1] = st_l[h]; }
-  } else {
-    put(out + rh * D + d, num / st_l[h]);
-  }
-}
-"""
+// The block's output or partial (tile_helpers.split_output: one text with v2).
+""" + split_output("VW")
 
 INPUTS = ["q", "kf", "vf", "pool", "kt", "vt", "pages", "ends", "tslot", "dims", "scale"]
 OUTPUTS = ["out", "part", "ml"]

@@ -25,12 +25,12 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from engine.attention.cuda.packed_dequant import THREADS, UNIT, launch
 from engine.attention.cuda.page_key_decode import check_layout
 from engine.attention.cuda.paged_decode import HEADER
 
 HEAD_DIMS = (64, 128)
 KEY_BITS = (4, 6)
-THREADS = 256
 
 _SOURCE = """
 constexpr int VB = 4;
@@ -42,27 +42,8 @@ constexpr int VO_OFF = VS_OFF + RPP * NG, PGW = VO_OFF + RPP * NG;
 auto sec = [](size_t r, int off, int w) -> size_t {  // first word of row r in a section
   return (r / RPP) * (size_t)PGW + off + (r % RPP) * (size_t)w;
 };
-const float* const poolf = reinterpret_cast<const float*>(pool);
-const int B = dims[0], HKV = dims[1], S = dims[2], W = dims[3], P = dims[4];
-const int T = S + W;
-const size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-if (e >= (size_t)B * HKV * T * C8) return;
-const int c0 = (int)(e % C8) * 8;
-const size_t r = e / C8;                       // (b, hk, t)
-const int t = (int)(r % T), hk = (int)((r / T) % HKV), b = (int)(r / ((size_t)T * HKV));
-TO* const ko = kout + r * D + c0;
-TO* const vo = vout + r * D + c0;
+""" + UNIT + """\
 const int hist = bounds[2 * b], nfull = hist / PT * PT;
-if (t >= S) {                                  // the call's own rows, as given
-  const size_t src = (((size_t)b * HKV + hk) * W + (t - S)) * D + c0;
-  const bool live = t - S < bounds[2 * b + 1];   // padding may hold anything: 0 * NaN poisons PV
-  #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    put(ko + j, live ? to_f(kf[src + j]) : 0.0f);
-    put(vo + j, live ? to_f(vf[src + j]) : 0.0f);
-  }
-  return;
-}
 if (t >= hist) {                               // past this row's history: masked, kept finite
   #pragma unroll
   for (int j = 0; j < 8; ++j) { put(ko + j, 0.0f); put(vo + j, 0.0f); }
@@ -131,14 +112,11 @@ def dequantized_history(k_fresh: mx.array, v_fresh: mx.array, pool: mx.array, la
         raise ValueError(f"page-key dequant kernel: unsupported head dim {d}, key bits {k_bits} "
                          f"or pages of {layout.page_tokens}")
     check_layout(pool, layout, d, k_bits, hkv)
-    units = b * hkv * (span + w) * (d // 8)
-    return tuple(_kernel()(
-        inputs=[k_fresh, v_fresh.astype(k_fresh.dtype), pool, *tail, pages, bounds, tail_slots,
-                mx.array([b, hkv, span, w, pages.shape[1]], dtype=mx.int32)],
-        template=[*template(d, layout.page_tokens, hkv, k_bits), ("TO", k_fresh.dtype),
-                  ("TT", tail[0].dtype)],
-        grid=(-(-units // THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(b, hkv, span + w, d)] * 2, output_dtypes=[k_fresh.dtype] * 2))
+    return launch(_kernel(),
+                  [k_fresh, v_fresh.astype(k_fresh.dtype), pool, *tail, pages, bounds, tail_slots,
+                   mx.array([b, hkv, span, w, pages.shape[1]], dtype=mx.int32)],
+                  [*template(d, layout.page_tokens, hkv, k_bits), ("TO", k_fresh.dtype),
+                   ("TT", tail[0].dtype)], (b, hkv, span + w, d), k_fresh.dtype)
 
 
 def dequant_prefill_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool: mx.array,

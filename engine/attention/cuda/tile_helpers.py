@@ -6,7 +6,9 @@ without conversion instructions, shared-memory word loads, warp reductions. Kept
 kernels so the CPU emulation (bench/cuda_emulate.py) can swap ASYNC for CPU twins and run the
 rest as written. Names carry an `orch_` prefix: the kernels live in namespace mlx::core::cu,
 where an MLX helper of the same plain name (MLX's default header comes first) would win
-unqualified lookup.
+unqualified lookup. Then the kernel-body text the split decode kernels (v2 and
+cuda/page_key_decode_source.py) share, one text so a fix reaches both: BLOCK_INDEX,
+ACCUMULATORS, DOT4, online_softmax, RESCALE, packed_pv, split_output.
 """
 from __future__ import annotations
 
@@ -85,6 +87,174 @@ __device__ __forceinline__ float orch_warp_max(float v) {
   return v;
 }
 """
+
+# Kernel-body text the split decode kernels (cuda/packed_decode_v2_source.py and
+# cuda/page_key_decode_source.py: launch_split's grid and block) share word for word, so a fix
+# to one reaches both. BLOCK_INDEX: which (row, KV head, split) this block is and its thread.
+BLOCK_INDEX = """
+const int HQ = dims[0], HKV = dims[1], P = dims[2];
+const int hk = blockIdx.x % HKV;
+const int b = blockIdx.x / HKV;
+const int split = blockIdx.y, NS = gridDim.y;
+const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+const int n = ends[b];                       // keys of this row, the step's own key last
+"""
+
+# A thread's PV accumulators: every head for its CPW channels.
+ACCUMULATORS = """
+float acc[G][CPW];
+#pragma unroll
+for (int h = 0; h < G; ++h) {
+  #pragma unroll
+  for (int i = 0; i < CPW; ++i) acc[h][i] = 0.0f;
+}
+"""
+
+# A thread's accumulators times each head's rescale factor cf (before a tile's PV pass).
+RESCALE = """
+#pragma unroll
+for (int h = 0; h < G; ++h) {
+  const float ch = cf[h];
+  #pragma unroll
+  for (int i = 0; i < CPW; ++i) acc[h][i] *= ch;
+}
+"""
+
+# The score pass's inner step: key i's four channels x0..x3 (dequantized or not) into every
+# head's running dot product, against qv[h], the head's four query channels.
+DOT4 = """
+        #pragma unroll
+        for (int h = 0; h < G; ++h) {
+          dot[i][h] = fmaf(qv[h].x, x0, dot[i][h]);
+          dot[i][h] = fmaf(qv[h].y, x1, dot[i][h]);
+          dot[i][h] = fmaf(qv[h].z, x2, dot[i][h]);
+          dot[i][h] = fmaf(qv[h].w, x3, dot[i][h]);
+        }
+"""
+
+# One online-softmax step per head (warp h) over the scores s[h][r] = sp[h * KT + r] summed
+# over SLICES slices, r < cnt: tile max, rescale factor cf, p; WEIGHTS stores each key's PV
+# weights from p (and its `valid`) and adds the group terms pvo (online_softmax).
+_ONLINE_SOFTMAX = """
+for (int h = warp; h < G; h += NW) {
+  float s[KPT];
+  float tmax = NEG_INF;
+  #pragma unroll
+  for (int i = 0; i < KPT; ++i) {
+    const int r = lane + 32 * i;
+    s[i] = NEG_INF;
+    if (r < cnt) {
+      float v = 0.0f;
+      #pragma unroll
+      for (int w = 0; w < SLICES; ++w) v += sp[(w * G + h) * KT + r];
+      s[i] = v;
+      tmax = fmaxf(tmax, v);
+    }
+  }
+  tmax = orch_warp_max(tmax);
+  const float m_old = st_m[h], m_new = fmaxf(m_old, tmax);   // finite: cnt >= 1
+  const float c = __expf(m_old - m_new);
+  float psum = 0.0f, pvo[NG];
+  #pragma unroll
+  for (int g = 0; g < NG; ++g) pvo[g] = 0.0f;
+  #pragma unroll
+  for (int i = 0; i < KPT; ++i) {
+    const int r = lane + 32 * i;
+    const bool valid = r < cnt;
+    const float p = valid ? __expf(s[i] - m_new) : 0.0f;
+    psum += p;
+WEIGHTS
+  }
+  psum = orch_warp_sum(psum);
+  #pragma unroll
+  for (int g = 0; g < NG; ++g) pvo[g] = orch_warp_sum(pvo[g]);
+  if (lane == 0) {
+    st_l[h] = st_l[h] * c + psum;
+    st_m[h] = m_new;
+    cf[h] = c;
+    #pragma unroll
+    for (int g = 0; g < NG; ++g) st_ao[g * GP + h] = st_ao[g * GP + h] * c + pvo[g];
+  }
+}
+"""
+
+
+def online_softmax(slices: str, weights: str) -> str:
+    """_ONLINE_SOFTMAX summing `slices` (an expression) slices, with `weights` (lines)."""
+    return _ONLINE_SOFTMAX.replace("SLICES", slices).replace("WEIGHTS\n", weights)
+
+
+# A tile's PV pass over packed values (inside the tile loop, sv: the stage's value codes):
+# thread (pk, sub) takes word pk of the rows of keys sub, sub + NSUB, ..., every head for its
+# CPW channels, weights pw per (key, group, head) (0 past the tile's keys, so the whole tile
+# is read). WORDS, BITS: the kernel's value code words per row and value bits (packed_pv).
+_PACKED_PV = """
+  #pragma unroll
+  for (int u = 0; u < KT / NSUB; ++u) {
+    const int r = sub + u * NSUB;
+    const unsigned int wv = sv[r * WORDS + pk];
+    float ph[GP];
+    #pragma unroll
+    for (int v = 0; v < GP / 4; ++v) {
+      const float4 x = *reinterpret_cast<const float4*>(pw + (r * NG + pg) * GP + 4 * v);
+      ph[4 * v] = x.x; ph[4 * v + 1] = x.y; ph[4 * v + 2] = x.z; ph[4 * v + 3] = x.w;
+    }
+    #pragma unroll
+    for (int i = 0; i < CPW; ++i) {
+      const float x = orch_code1<BITS>(wv, i);
+      #pragma unroll
+      for (int h = 0; h < G; ++h) acc[h][i] = fmaf(ph[h], x, acc[h][i]);
+    }
+  }
+"""
+
+
+def packed_pv(words: str, bits: str) -> str:
+    """_PACKED_PV for value rows of `words` code words of `bits` bits (constexprs' names)."""
+    return _PACKED_PV.replace("WORDS", words).replace("BITS", bits)
+
+
+# The end of a split decode block: sum the key subsets inside a warp by shuffles (lanes pk +
+# WORDS * s), then the warps through shared memory (the stage buffers, free now); add each
+# group's constant term; write the block's output (one split) or its partial for the merge
+# kernel (BLOCK_MERGE's format). WORDS: the kernel's value code words per row (split_output).
+_SPLIT_OUTPUT = """
+#pragma unroll
+for (int o = WORDS; o < 32; o <<= 1) {
+  #pragma unroll
+  for (int h = 0; h < G; ++h) {
+    #pragma unroll
+    for (int i = 0; i < CPW; ++i) acc[h][i] += __shfl_xor_sync(0xffffffff, acc[h][i], o);
+  }
+}
+float* const red = smem;                     // [NW][G][D]
+if (lane < WORDS) {
+  #pragma unroll
+  for (int h = 0; h < G; ++h) {
+    #pragma unroll
+    for (int i = 0; i < CPW; ++i) red[(warp * G + h) * D + c0 + i] = acc[h][i];
+  }
+}
+__syncthreads();
+for (int e = tid; e < G * D; e += NT) {
+  const int h = e / D, d = e % D;
+  float num = st_ao[(d / 64) * GP + h];
+  #pragma unroll
+  for (int w = 0; w < NW; ++w) num += red[(w * G + h) * D + d];
+  const size_t rh = (size_t)(b * HQ + hk * G + h);
+  if (SPLIT) {
+    part[(rh * NS + split) * D + d] = num;
+    if (d == 0) { ml[(rh * NS + split) * 2] = st_m[h]; ml[(rh * NS + split) * 2 + 1] = st_l[h]; }
+  } else {
+    put(out + rh * D + d, num / st_l[h]);
+  }
+}
+"""
+
+
+def split_output(words: str) -> str:
+    """_SPLIT_OUTPUT for a kernel whose value rows are `words` (a constexpr's name) code words."""
+    return _SPLIT_OUTPUT.replace("WORDS", words)
 
 
 def kernel_layout(page_tokens: int, heads: int, head_dim: int, k_bits: int,

@@ -69,6 +69,23 @@ def test_formats_and_choice():
     assert KernelChoices().page_key_kernel is None    # on for CUDA (measured on the H200)
 
 
+def _emulate_the_kernel(monkeypatch, workdir, calls=None):
+    """Route page_key_decode_attention to the kernel source on the CPU emulator (float32, as
+    the store holds it), with CUDA reported available; `calls` collects each call's tail
+    slots."""
+    def emulated(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots,
+                 longest, scale, target_blocks=None, min_keys=None):
+        if calls is not None:
+            calls.append(np.array(tail_slots).tolist())
+        out = emu.page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail,
+                                  np.array(pages), np.array(ends), np.array(tail_slots),
+                                  scale, target_blocks, workdir=workdir)
+        return mx.array(out).astype(q.dtype)
+
+    monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
+    monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", emulated)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_runner_decode_steps_through_the_kernel_match_the_mlx_path(llama, fmt, monkeypatch,
                                                                     tmp_path):
@@ -77,17 +94,7 @@ def test_runner_decode_steps_through_the_kernel_match_the_mlx_path(llama, fmt, m
     page-key layer to the kernel with the right pages, ends and tail slots (as each step began),
     across a page fill, and its logits equal the MLX path's."""
     calls = []
-
-    def emulated(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots,
-                 longest, scale, target_blocks=None, min_keys=None):
-        calls.append(np.array(tail_slots).tolist())
-        out = emu.page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail,
-                                  np.array(pages), np.array(ends), np.array(tail_slots),
-                                  scale, target_blocks, workdir=tmp_path)
-        return mx.array(out).astype(q.dtype)
-
-    monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
-    monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", emulated)
+    _emulate_the_kernel(monkeypatch, tmp_path, calls)
     # Uncompiled steps: the emulator runs the kernel out of process, which a trace cannot
     # (compiled steps: test_compiled_decode_steps_over_page_keys_match_uncompiled_ones).
     kernel = PackedModelRunner(llama, tail_store(llama, fmt),
@@ -118,16 +125,7 @@ def test_device_check_runs_on_cpu_fibers(llama, monkeypatch, tmp_path):
     emulated: its engine-path calls (PackedLayerCache.attend, kernel and tiled) agree with the
     reference, and its engine step routes to the kernel."""
     from bench.device import page_key_kernel_check
-
-    def emulated(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots,
-                 longest, scale, target_blocks=None, min_keys=None):
-        out = emu.page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail,
-                                  np.array(pages), np.array(ends), np.array(tail_slots),
-                                  scale, target_blocks, workdir=tmp_path)
-        return mx.array(out).astype(q.dtype)
-
-    monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
-    monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", emulated)
+    _emulate_the_kernel(monkeypatch, tmp_path)
     geometry = dict(num_attention_heads=6, num_key_value_heads=2, head_dim=64)
     got = page_key_kernel_check.attention_check(geometry, 100, 3, "k6v4-kivi", T)
     assert got["ok"] and got["tiled_vs_reference"] < 1e-2, got
