@@ -29,27 +29,16 @@ import argparse
 import glob
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
 
-
-def wait_http(url: str, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if urllib.request.urlopen(url, timeout=2).status == 200:
-                return True
-        except Exception:   # noqa: BLE001 - not up yet
-            pass
-        time.sleep(0.5)
-    return False
+from loadtest import orchard_proc, probe
+from loadtest.sse import parse_event
 
 
 def stream(base: str, model: str, prompt: str, tokens: int) -> dict:
@@ -63,11 +52,15 @@ def stream(base: str, model: str, prompt: str, tokens: int) -> dict:
     with urllib.request.urlopen(req, timeout=600) as resp:
         for raw in resp:
             line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
+            if not line.startswith("data:"):
                 continue
+            chunk = parse_event(line[5:])
+            if chunk.error:
+                raise RuntimeError(f"stream error: {chunk.error}")
+            if chunk.done:
+                break
             times.append(time.perf_counter() - t0)
-            chunk = json.loads(line[5:])
-            text.append("".join(c.get("text", "") for c in chunk.get("choices", [])))
+            text.append(chunk.text)
     gaps = [b - a for a, b in zip(times, times[1:])]
     return {"chunks": len(times), "ttft_s": times[0] if times else None,
             "tpot_p50_ms": 1e3 * statistics.median(gaps) if gaps else None,
@@ -92,21 +85,15 @@ def profile(py_spy: str, pid: int, out: Path, seconds: float, extra: list[str]) 
 def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    home = tempfile.mkdtemp(prefix="orc-", dir="/tmp")
+    # A fresh orchard serve (own Ray, fresh HOME: loadtest.orchard_proc) whose replica logs its
+    # steps (serve_app/step_log.py), which also names the replica's pid.
     steps = str(out / "steps")
-    env = dict(os.environ, HOME=home, RAY_TMPDIR=home, ORCHARD_STEP_LOG=steps,
-               RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
-    base = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "serve_app.cli", "serve", "--model", args.model,
-                               "--host", "127.0.0.1", "--port", str(args.port)], env=env,
-                              stdout=open(out / "serve.log", "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    os.environ.update(ORCHARD_STEP_LOG=steps, PYTHONUNBUFFERED="1")
+    server = orchard_proc.start(args.model, str(out / "serve.log"), ready_timeout=args.start_s)
+    base = server.url
     summary: dict = {"model": args.model, "tokens": args.tokens, "streams": {}}
     try:
-        if not wait_http(base + "/health", args.start_s):
-            summary["error"] = "server not healthy"
-            return summary
-        model = json.load(urllib.request.urlopen(base + "/v1/models"))["data"][0]["id"]
+        model = probe.list_models(base)[0]["id"]
         words = "the quick brown fox jumps over a lazy dog while rain falls on the old town".split()
         n = 0
 
@@ -136,12 +123,10 @@ def run(args) -> dict:
         for name, s in summary["streams"].items():
             print(f"[serve_profile] {name}: {s}", file=sys.stderr)
     finally:
-        try:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=30)
-        except Exception:   # noqa: BLE001 - best effort, then the hard way
-            os.killpg(server.pid, signal.SIGKILL)
-        subprocess.run(["pkill", "-KILL", "-f", home], check=False)
+        server.stop()
+        # Ray's daemons leave the process group; only this server's (their command lines name
+        # its scratch folder) are killed, never another Ray on the machine.
+        subprocess.run(["pkill", "-KILL", "-f", server.scratch], check=False)
     summary["top"] = {f.stem: top_frames(f) for f in sorted(out.glob("*.txt"))}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -163,11 +148,9 @@ def top_frames(path: Path, n: int = 25) -> dict:
         thread, c, frames = frames[at], int(count), frames[at:]
         totals[thread] += c
         leaves.setdefault(thread, Counter())[frames[-1]] += c
-        seen = set()
-        for f in frames[1:]:
-            if f not in seen:
-                threads.setdefault(thread, Counter())[f] += c
-                seen.add(f)
+        inclusive = threads.setdefault(thread, Counter())   # a bare thread line has no frames
+        for f in set(frames[1:]):
+            inclusive[f] += c
     return {t: {"samples": totals[t],
                 "frames": [(f, round(c / totals[t], 3)) for f, c in threads[t].most_common(n)],
                 "leaves": [(f, round(c / totals[t], 3)) for f, c in leaves[t].most_common(15)]}
@@ -181,7 +164,6 @@ def main() -> None:
     p.add_argument("--out", required=True, help="output folder (summary.json, profiles)")
     p.add_argument("--tokens", type=int, default=1500, help="tokens per lone stream")
     p.add_argument("--profile-s", type=float, default=5.0, help="seconds per profile")
-    p.add_argument("--port", type=int, default=8150)
     p.add_argument("--start-s", type=float, default=300.0, help="wait this long for /health")
     p.add_argument("--summarise", action="store_true",
                    help="only fold the profiles already in --out into top frames per thread")

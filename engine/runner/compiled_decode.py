@@ -58,7 +58,6 @@ from engine.attention.choices import KernelChoices
 from engine.attention.cuda.paged_decode import asked_warps
 from engine.attention.paged import PagedLayerCache, View
 from engine.kv.store import KVStore
-from engine.model.flat_decode import flat_decode_body
 from engine.runner.row_pages import RowPages
 from engine.runner.tokens import input_tokens
 from engine.sched.seq import Chunk
@@ -201,11 +200,6 @@ class CompiledDecode:
         # the compute-dtype logits' argmax inside the compiled function; None otherwise.
         self.greedy: mx.array | None = None
         self._greedy = runner.kernels.compiled_greedy
-        # `KernelChoices.flat_decode`: Llama-family layers on [rows, hidden] inside the trace
-        # (engine/model/flat_decode.py: fewer view nodes per step); None: the model's forward.
-        loaded = runner.loaded
-        self._flat = (flat_decode_body(loaded.model)
-                      if runner.kernels.flat_decode and loaded.body is not None else None)
         # The native tail map the page-key stores share (at most one: `fits`), planned per
         # step on the host by `inputs`; None without such stores.
         self.tail_map = next(iter(_tail_maps(runner)), None)
@@ -311,11 +305,10 @@ class CompiledDecode:
         inputs = tokens.astype(mx.int32)[:, None]
         # The native decode kernel's warps per block (KernelChoices.decode_warps) reach it
         # through a context variable: the attention call site passes split choices only.
+        # `call_model` takes the runner's flat Llama forward where it has one
+        # (KernelChoices.flat_decode, engine/model/flat_decode.py): fewer nodes to replay.
         with asked_warps(runner.kernels.decode_warps):
-            if self._flat is not None:
-                raw = runner.loaded.head(self._flat(inputs[:, 0], caches))
-            else:
-                raw = runner.call_model(inputs, caches, step, last_only=True)
+            raw = runner.call_model(inputs, caches, step, last_only=True)
         logits = raw.astype(mx.float32)
         # Greedy tokens from the compute-dtype logits: the float32 cast is exact and monotone,
         # so the index (first maximum on ties) is the one `sample` takes from float32 logits,

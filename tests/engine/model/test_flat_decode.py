@@ -49,7 +49,8 @@ def test_flat_steps_equal_the_models_own_forward(tiny_llama, fuse):
     lm = load_model(tiny_llama, fuse=fuse)
     flat, a, pages_a = _steps(lm, FLAT)
     plain, b, pages_b = _steps(lm, MODEL_FORWARD)
-    assert flat.compiled._flat is not None and plain.compiled._flat is None
+    assert flat.compiled is not None and plain.compiled is not None
+    assert flat.flat is not None and plain.flat is None
     for step, (x, y) in enumerate(zip(a, b)):
         assert np.array_equal(x, y), step
     for x, y in zip(pages_a, pages_b):
