@@ -13,7 +13,9 @@ rounds (round 1 also pays the process's first-use kernel compilation, in whichev
 first; later rounds show what a trace costs once MLX's kernels exist):
 - plain: uncompiled decode steps;
 - exact: compiled steps, one trace per row count (`KernelChoices(compiled_row_buckets=False)`);
-- buckets: compiled steps with rows padded to buckets (production's compiled path).
+- buckets: compiled steps with rows padded to buckets (production's compiled path);
+- unmerged: plain, but a mixed step runs one model call per row group instead of one pass over
+  the weights for all of them (`KernelChoices(merged_steps=False)`: engine/runner/merged.py).
 Prints JSON per variant and round: wall time and generated tokens per second, traces, time to
 first token and the gap between a request's successive tokens (median, p99, max; a trace shows
 as a long gap), and wall time as a ratio to plain's in the same round.
@@ -30,7 +32,7 @@ from bench.decode_host import add_model_args
 from bench.output import emit, run_bench
 from loadtest.report import pct
 
-VARIANTS = ("plain", "exact", "buckets")
+VARIANTS = ("plain", "exact", "buckets", "unmerged")
 
 
 def parse_args(argv=None):
@@ -59,7 +61,8 @@ def kernels_for(variant: str):
     from engine.attention.choices import KernelChoices
     return {"plain": KernelChoices(compiled_decode=False),
             "exact": KernelChoices(compiled_decode=True, compiled_row_buckets=False),
-            "buckets": KernelChoices(compiled_decode=True)}[variant]
+            "buckets": KernelChoices(compiled_decode=True),
+            "unmerged": KernelChoices(compiled_decode=False, merged_steps=False)}[variant]
 
 
 def quantiles(xs: list[float]) -> dict:

@@ -105,8 +105,10 @@ def prefill_once(runner, tokens, chunk) -> float:
 # Prefill format variants: "k6v4-kivi:kernel" prefills page-key history through the CUDA
 # dequant kernel (KernelChoices.page_key_prefill: engine/attention/cuda/page_key_dequant.py;
 # the CUDA default, so a plain "k6v4-kivi" takes it there too), "k6v4-kivi:mlx" through the
-# MLX direct path (the kernel off).
-PREFILL_KERNELS = {"kernel": dict(page_key_prefill=True), "mlx": dict(page_key_prefill=False)}
+# MLX direct path (the kernel off), "k6v4-kivi:mx-softmax" on the CPU with mx.fast's SDPA and
+# mx.softmax where packed attention takes NumPy's softmax (KernelChoices.cpu_softmax off).
+PREFILL_KERNELS = {"kernel": dict(page_key_prefill=True), "mlx": dict(page_key_prefill=False),
+                   "mx-softmax": dict(cpu_softmax=False)}
 
 
 def prefill_spec(spec: str, kernels: KernelChoices, mode: str) -> tuple:

@@ -52,7 +52,8 @@ def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
 # page_key_qmm off), "k6v4-kivi:qmm" through MLX's quantized matmuls (page_key_qmm on:
 # engine/attention/page_qmm.py; ":qmm-bf16" with bf16 activations), "k6v4-kivi:scores"
 # through page_scores (page_key_qmm off), "k6v4-kivi:kernel" through the CUDA page-key kernel
-# (KernelChoices.page_key_kernel: engine/attention/cuda/page_key_decode.py; CUDA only).
+# (KernelChoices.page_key_kernel: engine/attention/cuda/page_key_decode.py; CUDA only),
+# "int8:mx-softmax" with mx.softmax where the CPU takes NumPy's (KernelChoices.cpu_softmax).
 DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   "split": dict(decode_tiles=False, packed_decode="v1"),
                   "v2": dict(decode_tiles=False, packed_decode="v2"),
@@ -64,7 +65,11 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   "qmm-bf16": dict(page_key_qmm=True, page_key_qmm_bf16=True,
                                    page_key_kernel=False),
                   "scores": dict(page_key_qmm=False, page_key_kernel=False),
-                  "kernel": dict(page_key_kernel=True)}
+                  "kernel": dict(page_key_kernel=True),
+                  # On the CPU: the softmax by mx.softmax, not NumPy (KernelChoices.cpu_softmax
+                  # off; native keeps it on), to measure what the NumPy softmax gives packed
+                  # decode.
+                  "mx-softmax": dict(cpu_softmax=False)}
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:

@@ -146,6 +146,12 @@ class KernelChoices:
     # evaluate each step, where a batch-1 GPU step is host-bound. Same logits. Off: the model's
     # own forward on [rows, 1, hidden].
     flat_decode: bool = True
+    # A mixed step's row groups (a prompt's chunk, the decode rows) through one pass over the
+    # weights (engine/model/flat_step.py): the decode rows ride along the prefill chunk's GEMMs
+    # instead of streaming every weight again in a call of their own. Llama-family models,
+    # native pages. None: where no CUDA decode kernel runs (that kernel writes a decode row's
+    # keys itself, inside attention); True / False: always where it fits / never.
+    merged_steps: bool | None = None
 
     def __post_init__(self):
         if self.prefill_path not in PREFILL_PATHS:

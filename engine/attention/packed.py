@@ -30,6 +30,8 @@ import mlx.core as mx
 
 from capacity.formats import GROUP_SIZE, KVFormat
 from engine.attention import cpu_gemm as cpu_packed_gemm
+from engine.attention.cpu_softmax import prefill_attention as cpu_softmax_attention
+from engine.attention.cpu_softmax import softmax_in_place
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.attention import page_qmm
 from engine.attention.page_scores import page_scores
@@ -120,7 +122,7 @@ def _bool_mask(mask, shape_lq, n_keys):
 def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat, scale: float,
                      new_mask="causal", hist_mask=None, sinks=None, tile: int | None = None,
                      qmm_max_queries: int | None = None, causal_block: int | None = None,
-                     kernels: KernelChoices = DEFAULT_KERNELS):
+                     kernels: KernelChoices = DEFAULT_KERNELS, cpu_softmax: bool = False):
     """Packed-history attention with FP32 accumulation; see the module docstring.
 
     new_mask: "causal", None or a bool array broadcastable to (B, Hq, L, L) over the fresh keys.
@@ -130,11 +132,17 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     exercise every path): history rows unpacked per tile, the longest step scored with
     quantized_matmul, queries per block of the chunk's own causal keys (0 = one block).
     kernels: whether quantized_matmul may run on a GPU, and the CPU's code GEMM for scores.
+    cpu_softmax: the step runs on the CPU in float32 (the runner's flag, KernelChoices.cpu_softmax):
+    softmaxes go through NumPy as native attention's do (engine/attention/cpu_softmax.py).
     """
     B, Hq, L, D = q.shape
     if hist is None or hist.length == 0:
         if isinstance(new_mask, str) and L == 1:
             new_mask = None
+        if cpu_softmax and sinks is None and L > 1:
+            # A prompt's first chunk (every served prompt that fits one step) is native
+            # attention: on the CPU it takes native's NumPy softmax, not mx.fast's scalar exp.
+            return cpu_softmax_attention(q, k_new, v_new, scale, new_mask)
         return mx.fast.scaled_dot_product_attention(q, k_new, v_new, scale=scale, mask=new_mask,
                                                     sinks=sinks)
     Hkv = k_new.shape[1]
@@ -190,7 +198,9 @@ def direct_attention(q, hist: Optional[PackedKV], k_new, v_new, *, fmt: KVFormat
     if sinks is not None:
         parts.append(mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1),
                                      (B, Hkv, rep, L, 1)))
-    p = mx.softmax(mx.concatenate(parts, axis=-1), axis=-1, precise=True)
+    scores = mx.concatenate(parts, axis=-1)   # a fresh array only this call holds
+    p = (softmax_in_place(scores) if cpu_softmax
+         else mx.softmax(scores, axis=-1, precise=True))
     if key_qmm:
         out = page_qmm.values(p[..., :S].reshape(B, Hkv, rep * L, S), hist.v, fmt.v_bits,
                               act_v)
@@ -286,7 +296,7 @@ class PackedAttention:
             raise ValueError(f"prefill mode must be direct or fused, got {self.prefill_mode!r}")
 
     def __call__(self, q, hist, k_new, v_new, *, scale, new_mask="causal", hist_mask=None,
-                 sinks=None):
+                 sinks=None, cpu_softmax: bool = False):
         kw = dict(fmt=self.fmt, scale=scale, new_mask=new_mask, hist_mask=hist_mask, sinks=sinks)
         # Decode steps (one query token) are never fused candidates, so they are not fallbacks.
         if self.prefill_mode == "fused" and q.shape[2] > 1:
@@ -298,7 +308,8 @@ class PackedAttention:
                 self.counters.fused += 1
                 return fused_attention(q, hist, k_new, v_new, **kw)
         self.counters.direct += 1
-        return direct_attention(q, hist, k_new, v_new, kernels=self.kernels, **kw)
+        return direct_attention(q, hist, k_new, v_new, kernels=self.kernels,
+                                cpu_softmax=cpu_softmax, **kw)
 
 
 # Which PackedAttention reads each packed layer store: attention's side of the pairing, so a

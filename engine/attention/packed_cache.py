@@ -119,7 +119,8 @@ class PackedLayerCache(PagedLayerCache):
             values = mx.concatenate([tv.astype(values.dtype), values], axis=2)
             hist_mask, new_mask = ctx.tail_masks(self.store.whole_pages)
         out = attention_of(self.store)(queries, hist, keys, values, scale=scale, new_mask=new_mask,
-                                   hist_mask=hist_mask, sinks=sinks)
+                                   hist_mask=hist_mask, sinks=sinks,
+                                   cpu_softmax=self.step.cpu_softmax)
         if tails is not None:
             self.store.flush_tail()   # this step's new tail rows, after the old tails were read
         return out

@@ -34,9 +34,10 @@ def _llama_classes():
     return llama
 
 
-def flat_decode_body(model) -> Optional[Callable[[mx.array, list], mx.array]]:
-    """`body(tokens [B] int32, caches) -> hidden [B, hidden]` for one-token rows, or None when
-    `model` is not a plain mlx-lm Llama (then the caller runs the model's own forward)."""
+def plain_llama(model):
+    """`model`'s mlx-lm LlamaModel when every layer is exactly mlx-lm's llama TransformerBlock
+    with full attention (so a forward written against those modules computes what the model's
+    own does), else None."""
     llama = _llama_classes()
     inner = getattr(model, "model", None)
     if llama is None or type(inner) is not llama.LlamaModel:
@@ -44,6 +45,15 @@ def flat_decode_body(model) -> Optional[Callable[[mx.array, list], mx.array]]:
     if any(type(layer) is not llama.TransformerBlock or layer.use_sliding
            or type(layer.self_attn) is not llama.Attention or type(layer.mlp) is not llama.MLP
            for layer in inner.layers):
+        return None
+    return inner
+
+
+def flat_decode_body(model) -> Optional[Callable[[mx.array, list], mx.array]]:
+    """`body(tokens [B] int32, caches) -> hidden [B, hidden]` for one-token rows, or None when
+    `model` is not a plain mlx-lm Llama (then the caller runs the model's own forward)."""
+    inner = plain_llama(model)
+    if inner is None:
         return None
 
     def body(tokens: mx.array, caches: list) -> mx.array:

@@ -38,6 +38,7 @@ from engine.model.cpu_swiglu import install_swiglu_hook, numpy_swiglu
 from engine.model.flat_decode import flat_decode_body
 from engine.model.loader import LoadedModel, ModelLoadError
 from engine.runner.compiled_decode import CompiledDecode
+from engine.runner.merged import MergedSteps
 from engine.runner.tokens import input_tokens
 from engine.sched.seq import Chunk
 
@@ -177,6 +178,9 @@ class ModelRunner:
                   else kernels.compiled_decode)
         self.compiled = (CompiledDecode(self) if wanted and CompiledDecode.fits(self)
                          else None)
+        # KernelChoices.merged_steps: a mixed step's groups in one pass over the weights
+        # (engine/runner/merged.py); None where it does not fit.
+        self.merged = MergedSteps.for_runner(self)
 
     def _precompile_decode_kernels(self) -> int:
         """Compile the native decode kernel's variants for each native paged layer's
@@ -256,6 +260,8 @@ class ModelRunner:
         if len(groups) == 1 and groups[0] == list(range(len(chunks))):
             # One call in chunk order (e.g. every decode step): its rows are the result.
             return self._run(chunks, last_only=True, tokens=decode_tokens).astype(mx.float32)
+        if self.merged is not None:
+            return self.merged.forward(chunks, groups)
         out: list[mx.array | None] = [None] * len(chunks)
         for n, group in enumerate(groups):
             logits = self._run_group([chunks[i] for i in group])
@@ -336,22 +342,31 @@ class ModelRunner:
                 width, padding = n, 0
         return groups
 
-    def _run(self, chunks: list[Chunk], last_only: bool,
-             tokens: mx.array | None = None) -> mx.array:
-        self.model_calls += 1
+    def step_batch(self, chunks: list[Chunk]) -> StepBatch:
+        """One call's StepBatch, with this runner's attention choices."""
         step = StepBatch(chunks, self.page_tokens, self.prefill_width_bucket)
         step.kernel_decode = self.kernel_decode and step.width == 1
         step.kernels = self.kernels
         step.cpu_softmax = self.cpu_softmax
         step.prefill_ops = self.prefill_ops
+        return step
+
+    def step_caches(self, step: StepBatch, native: dict) -> list:
+        """One call's per-layer caches (`native`: recurrent layers' states, by layer)."""
+        direct, in_place = self.direct, self.in_place_decode
+        return [native[i] if lc is None else lc[0](lc[1], step, lc[2], direct, in_place)
+                for i, lc in enumerate(self.layer_caches)]
+
+    def _run(self, chunks: list[Chunk], last_only: bool,
+             tokens: mx.array | None = None) -> mx.array:
+        self.model_calls += 1
+        step = self.step_batch(chunks)
         if tokens is not None and step.width == 1:
             inputs = tokens.reshape(-1, 1).astype(mx.int32)
         else:
             inputs = input_tokens(chunks, step.width)
         native = self.recurrent.batch(chunks, step.lengths) if self.recurrent else {}
-        direct, in_place = self.direct, self.in_place_decode
-        caches = [native[i] if lc is None else lc[0](lc[1], step, lc[2], direct, in_place)
-                  for i, lc in enumerate(self.layer_caches)]
+        caches = self.step_caches(step, native)
         with numpy_swiglu(self.cpu_swiglu):
             out = self.call_model(inputs, caches, step, last_only)
         if native:

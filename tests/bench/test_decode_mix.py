@@ -12,7 +12,7 @@ def test_variants_serve_the_same_tokens_and_buckets_trace_less(tiny_llama, tmp_p
                      "--prompt", "4,30", "--tokens", "4,24", "--spread-s", "0",
                      "--rounds", "1", "--out", str(out)])
     row = json.loads(out.read_text())["rounds"][0]
-    assert set(row) == {"plain", "exact", "buckets"}
+    assert set(row) == {"plain", "exact", "buckets", "unmerged"}
     assert len({v["tokens"] for v in row.values()}) == 1
     assert row["plain"]["traces"] == 0 and row["plain"]["wall_to_plain"] == 1.0
     # The batch shrinks 7 -> 1 at the end: exact traces each size, buckets 8, 4, 2, 1.

@@ -52,3 +52,37 @@ def test_decode_through_page_scores_equals_the_tiled_path(tiny_model_dirs, fmt):
         assert mx.abs(a - b).max().item() < 1e-4
         token = int(mx.argmax(b[0]).item())
     assert counters_of(fast.kvstore)["direct"] > 0
+
+
+@pytest.mark.parametrize("fmt", ["k6v4-kivi", "int8"])
+def test_packed_steps_take_the_numpy_softmax_on_the_cpu(tiny_model_dirs, fmt, monkeypatch):
+    """A packed runner's first prefill chunk and its decode steps softmax in NumPy on the CPU,
+    as native's do (MLX's CPU exp is scalar), with the logits of the mx.softmax path."""
+    from engine.attention import packed
+
+    loaded = load_model(tiny_model_dirs["llama"])
+    pages = list(range(8))
+    calls = {"prefill": 0, "decode": 0}
+    real_prefill, real_softmax = packed.cpu_softmax_attention, packed.softmax_in_place
+    monkeypatch.setattr(packed, "cpu_softmax_attention", lambda *a: calls.__setitem__(
+        "prefill", calls["prefill"] + 1) or real_prefill(*a))
+    monkeypatch.setattr(packed, "softmax_in_place", lambda s: calls.__setitem__(
+        "decode", calls["decode"] + 1) or real_softmax(s))
+
+    def runner(kernels):
+        store = KVStore(loaded.geometry, len(pages), 16, loaded.dtype,
+                        layer_factory=packed_layer_factory(fmt, kernels=kernels, tail_slots=2))
+        return PackedModelRunner(loaded, store, kernels=kernels)
+
+    fast, plain = runner(DEFAULT_KERNELS), runner(replace(DEFAULT_KERNELS, cpu_softmax=False))
+    assert fast.cpu_softmax and not plain.cpu_softmax   # the CPU suite, float32
+    prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)[:40]
+    a, b = (r.forward([Chunk(0, prompt, 0, pages)]) for r in (fast, plain))
+    assert calls["prefill"] > 0 and mx.abs(a - b).max().item() < 1e-4
+    token = 5
+    for pos in range(len(prompt), len(prompt) + 4):
+        a = fast.forward([Chunk(0, [token], pos, pages)])
+        b = plain.forward([Chunk(0, [token], pos, pages)])
+        assert mx.abs(a - b).max().item() < 1e-4
+        token = int(mx.argmax(b[0]).item())
+    assert calls["decode"] > 0

@@ -18,6 +18,7 @@ import pytest
 from capacity.formats import KVFormat
 from engine.attention.packed import (
     PackedAttention, PackedKV, direct_attention, fused_attention, fused_workspace_bytes)
+from engine.attention import cpu_softmax
 from engine.kv.quant import dequantize, quantize
 from engine.kv.rotation import rotate
 
@@ -73,6 +74,9 @@ def test_direct_fused_native_agree(name, D, Hq, Hkv, S, L):
     # ...and the chunk's own causal keys scored 4 queries at a time (uneven last block at 9).
     blocks = direct_attention(q, hist, kn, vn, fmt=fmt, scale=scale, new_mask=mask,
                               qmm_max_queries=0, tile=32, causal_block=4)
+    # ...and the CPU's NumPy softmax (the runner's flag on the CPU in float32).
+    numpy_softmax = direct_attention(q, hist, kn, vn, fmt=fmt, scale=scale, new_mask=mask,
+                                     cpu_softmax=True)
     fused = fused_attention(q, hist, kn, vn, fmt=fmt, scale=scale, new_mask=mask)
     # Exact reference: rotated q against the dequantized rotated keys = what was stored.
     k_deq = mx.concatenate([dequantize(hist.k, fmt.k_bits), rotate(kn)], axis=2)
@@ -80,7 +84,7 @@ def test_direct_fused_native_agree(name, D, Hq, Hkv, S, L):
     exact = _reference(rotate(q), k_deq, v_deq, scale, _causal(L, S))
     native = mx.fast.scaled_dot_product_attention(
         q, mx.concatenate([kh, kn], 2), mx.concatenate([vh, vn], 2), scale=scale, mask=mask)
-    for out in (direct, qmm, tiled, blocks):
+    for out in (direct, qmm, tiled, blocks, numpy_softmax):
         assert mx.abs(out - exact).max().item() < EXACT_TOL
     assert mx.abs(fused - direct).max().item() < EXACT_TOL
     err = mx.abs(direct - native)
@@ -105,6 +109,9 @@ def test_no_history_is_native_sdpa_bit_for_bit():
     out = direct_attention(q, None, kn, vn, fmt=fmt, scale=0.1)
     ref = mx.fast.scaled_dot_product_attention(q, kn, vn, scale=0.1, mask="causal")
     assert mx.array_equal(out, ref).item()
+    # On the CPU in float32 it is native's CPU prefill attention (NumPy softmax), bit for bit.
+    out = direct_attention(q, None, kn, vn, fmt=fmt, scale=0.1, cpu_softmax=True)
+    assert mx.array_equal(out, cpu_softmax.prefill_attention(q, kn, vn, 0.1, "causal")).item()
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
@@ -121,13 +128,15 @@ def test_sinks_and_ragged_history_masks(name):
     qmm = direct_attention(q, hist, kn, vn, **kw, qmm_max_queries=10**6)
     tiled = direct_attention(q, hist, kn, vn, **kw, qmm_max_queries=0, tile=16)
     blocks = direct_attention(q, hist, kn, vn, **kw, qmm_max_queries=0, tile=16, causal_block=4)
+    numpy_softmax = direct_attention(q, hist, kn, vn, **kw, qmm_max_queries=10**6,
+                                     cpu_softmax=True)
     fused = fused_attention(q, hist, kn, vn, **kw)
     mask = mx.concatenate([mx.broadcast_to(hist_mask, (2, 1, L, S)),
                            mx.broadcast_to(_causal(L, 0)[None, None], (2, 1, L, L))], -1)
     k_deq = mx.concatenate([dequantize(hist.k, fmt.k_bits), rotate(kn)], axis=2)
     v_deq = mx.concatenate([dequantize(hist.v, fmt.v_bits), vn], axis=2)
     exact = _reference(rotate(q), k_deq, v_deq, D ** -0.5, mask, sinks)
-    for out in (direct, qmm, tiled, blocks):
+    for out in (direct, qmm, tiled, blocks, numpy_softmax):
         assert mx.abs(out - exact).max().item() < EXACT_TOL
     assert mx.abs(fused - direct).max().item() < EXACT_TOL
     # Masked-out history really is ignored: changing it does not move row 1.
