@@ -148,10 +148,11 @@ class KernelChoices:
     flat_decode: bool = True
     # A mixed step's row groups (a prompt's chunk, the decode rows) through one pass over the
     # weights (engine/model/flat_step.py): the decode rows ride along the prefill chunk's GEMMs
-    # instead of streaming every weight again in a call of their own. Llama-family models,
-    # native pages. None: where no CUDA decode kernel runs (that kernel writes a decode row's
-    # keys itself, inside attention); True / False: always where it fits / never.
-    merged_steps: bool | None = None
+    # instead of streaming every weight again in a call of their own. Where it fits:
+    # Llama-family models, native pages, no CUDA decode kernel (that kernel writes a decode
+    # row's keys itself, inside attention, after the other groups' reads). Off: one call per
+    # group (benches compare).
+    merged_steps: bool = True
 
     def __post_init__(self):
         if self.prefill_path not in PREFILL_PATHS:

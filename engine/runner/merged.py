@@ -29,9 +29,12 @@ class MergedSteps:
     def for_runner(cls, runner) -> "MergedSteps | None":
         """The merged path for `runner`, or None where it does not fit: KernelChoices.merged_steps
         off; a CUDA decode kernel in use (it writes a decode row's keys inside attention, after
-        the other groups' reads, which would copy the page arrays); packed or recurrent layers
-        (their caches keep per-call state: tails, sinks); a model other than a plain Llama."""
-        if not runner.kernels.merged_steps or runner.kernel_decode or runner.recurrent:
+        the other groups' reads, which would copy the page arrays); compiled decode steps (they
+        take a mixed step's decode rows: one traced call, where steps are host-bound); packed or
+        recurrent layers (their caches keep per-call state: tails, sinks); a model other than a
+        plain Llama."""
+        if (not runner.kernels.merged_steps or runner.kernel_decode or runner.recurrent
+                or runner.compiled is not None):
             return None
         if runner.loaded.body is None or any(
                 lc is None or lc[0] is not PagedLayerCache for lc in runner.layer_caches):

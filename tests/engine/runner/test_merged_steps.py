@@ -70,3 +70,10 @@ def test_merged_only_where_it_fits(tiny_model_dirs, case):
     else:
         runner = _runner(load_model(tiny_model_dirs["llama"]), False)
     assert runner.merged is None
+
+
+def test_production_choices_merge_on_the_cpu(tiny_llama):
+    """The default KernelChoices take the merged path wherever it fits (here: the CPU)."""
+    loaded = load_model(tiny_llama)
+    runner = ModelRunner(loaded, KVStore(loaded.geometry, 8, 16, loaded.dtype))
+    assert runner.merged is not None
