@@ -8,16 +8,30 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("orchard.ingress")
 
 
+# transformers' lazy top-level module is not safe to import from two threads at once: the
+# loser gets "cannot import name 'AutoTokenizer' from 'transformers'" (reproduced: two threads
+# importing it together fail every time). The ingress loads each model's tokenizer in a worker
+# thread (several models at start-up, a retry beside a first load), so the first imports go one
+# at a time; once loaded, the lock costs nothing that matters next to a tokenizer load.
+_IMPORTS = threading.Lock()
+
+
 def load_tokenizer(files: dict[str, bytes]) -> tuple[Any, Any]:
     """(Hugging Face tokenizer, serve_app.tools.ModelTextFormat) from a replica's files; the
     format (tool-call parser, think markers) is what mlx-lm infers for the same files."""
-    from transformers import AutoTokenizer
+    with _IMPORTS:
+        from transformers import AutoTokenizer
+        try:   # it imports transformers too; _text_format copes without it
+            import mlx_lm.tokenizer_utils  # noqa: F401
+        except ImportError:
+            pass
 
     with tempfile.TemporaryDirectory(prefix="orchard-tok-") as d:
         for name, data in files.items():
