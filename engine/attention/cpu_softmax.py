@@ -9,7 +9,8 @@ the evaluated score array (MLX arrays expose their buffer to NumPy without a cop
 this function's own fresh result, so no other array sees the write).
 
 `prefill_attention` serves multi-token rows; paged decode (engine/attention/paged.py) calls
-`softmax_in_place` on its page-wise scores. Prefill queries are taken in blocks of rows: a causal
+`softmax_in_place` on its page-wise scores. Packed formats take both where the runner's step
+says so (engine/attention/packed.py: a prompt's first chunk, decode rows' scores). Prefill queries are taken in blocks of rows: a causal
 block reads keys only up to its last query, so the masked upper triangle is neither multiplied
 nor exponentiated, and the scores never exceed SCORE_ELEMENTS per block.
 

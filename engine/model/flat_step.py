@@ -48,10 +48,9 @@ def flat_step_body(model) -> Optional[Callable[[list[RowGroup], mx.array], mx.ar
         spans, start = [], 0
         for g in groups:
             rows, width = g.tokens.shape
-            # As LlamaModel: one mask per call from its first full-attention layer's cache.
-            first = g.caches[inner.fa_idx]
-            mask = first.make_mask(width, return_array=False, window_size=None) \
-                if hasattr(first, "make_mask") else ("causal" if width > 1 else None)
+            # As LlamaModel: one mask per call from its first full-attention layer's cache
+            # (every layer's cache is a paged one here: engine/runner/merged.py).
+            mask = g.caches[inner.fa_idx].make_mask(width, return_array=False, window_size=None)
             spans.append((start, rows, width, mask))
             start += rows * width
         for i, layer in enumerate(inner.layers):

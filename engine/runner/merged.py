@@ -19,7 +19,7 @@ from engine.sched.seq import Chunk
 
 
 class MergedSteps:
-    """Runs a runner's multi-group steps in one call; `fits(runner)` says whether it may."""
+    """Runs a runner's multi-group steps in one call; `for_runner` builds it where it fits."""
 
     def __init__(self, runner, body):
         self.runner = runner

@@ -63,11 +63,16 @@ def test_packed_steps_take_the_numpy_softmax_on_the_cpu(tiny_model_dirs, fmt, mo
     loaded = load_model(tiny_model_dirs["llama"])
     pages = list(range(8))
     calls = {"prefill": 0, "decode": 0}
-    real_prefill, real_softmax = packed.cpu_softmax_attention, packed.softmax_in_place
-    monkeypatch.setattr(packed, "cpu_softmax_attention", lambda *a: calls.__setitem__(
-        "prefill", calls["prefill"] + 1) or real_prefill(*a))
-    monkeypatch.setattr(packed, "softmax_in_place", lambda s: calls.__setitem__(
-        "decode", calls["decode"] + 1) or real_softmax(s))
+
+    def counted(name, real):
+        def call(*args):
+            calls[name] += 1
+            return real(*args)
+        return call
+
+    monkeypatch.setattr(packed, "cpu_softmax_attention",
+                        counted("prefill", packed.cpu_softmax_attention))
+    monkeypatch.setattr(packed, "softmax_in_place", counted("decode", packed.softmax_in_place))
 
     def runner(kernels):
         store = KVStore(loaded.geometry, len(pages), 16, loaded.dtype,
