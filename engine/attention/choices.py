@@ -131,6 +131,10 @@ class KernelChoices:
     # (engine/attention/cpu_softmax.py): MLX's CPU exp is scalar. Off: mx.fast's SDPA for
     # prefill, mx.softmax in paged decode.
     cpu_softmax: bool = True
+    # Decode rows on the CPU (float32 pages, no attention sinks) attend through one Numba
+    # kernel that walks each row's page table (engine/attention/cpu_decode.py): 3-4x faster
+    # than MLX's page-wise gather_mm path at 16-32 rows. Off: that path.
+    cpu_decode: bool = True
     # The same for mlx-lm's SwiGLU activation (engine/model/cpu_swiglu.py): MLX's CPU sigmoid
     # is scalar too. Off: mlx-lm's compiled swiglu.
     cpu_swiglu: bool = True

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from engine.attention import cpu_softmax, ops_prefill
+from engine.attention import cpu_decode, cpu_softmax, ops_prefill
 from engine.attention.choices import DEFAULT_KERNELS
 from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.kv.store import LayerStore, Slots
@@ -96,6 +96,9 @@ class StepBatch:
         # Set by the runner: attention's softmax runs in NumPy (engine/attention/cpu_softmax.py;
         # CPU backend, float32 pages, KernelChoices.cpu_softmax).
         self.cpu_softmax = False
+        # Set by the runner: one-token rows attend through the Numba kernel over float32 pages
+        # (engine/attention/cpu_decode.py; CPU backend, KernelChoices.cpu_decode).
+        self.cpu_decode = False
         # Set by the runner: multi-token calls attend through MLX ops (ops_prefill.py) where
         # their scores fit, instead of mx.fast's SDPA (KernelChoices.prefill_attention).
         self.prefill_ops = False
@@ -307,6 +310,10 @@ class PagedLayerCache:
         if own is not None:   # sinks: the kernel does not serve this call, so write them now
             self.store.write_decode(self.step.slots, *own)
         pages = self.store.head_major_pages()
+        if self.step.cpu_decode and sinks is None and queries.shape[2] == 1 and pages is not None:
+            lo, hi = cpu_decode.row_bounds(self.view.base, self.step.starts, self.step.lengths,
+                                           self.view.window)
+            return cpu_decode.decode_attention(queries, *pages, self.view.pages_np, lo, hi, scale)
         group = queries.shape[1] // keys.shape[1]
         # Page-wise PV partials (group*n rows per page) stay no larger than a gathered V copy.
         if (self.in_place_decode and pages is not None

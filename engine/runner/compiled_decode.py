@@ -130,6 +130,7 @@ class DeviceDecodeStep:
     width = 1
     valid = None
     cpu_softmax = False   # one query per row: mx.softmax inside the trace, never NumPy
+    cpu_decode = False    # nor the Numba kernel: a trace holds MLX ops only
     prefill_ops = False   # one query per row: never the prefill attention paths
 
     def __init__(self, table: mx.array, rows: int, page_tokens: int, kernel_decode: bool,

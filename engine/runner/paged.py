@@ -151,6 +151,7 @@ class ModelRunner:
         # gathering a copy of the context.
         self.in_place_decode = mx.default_device() == mx.cpu and kvstore.dtype == mx.float32
         self.cpu_softmax = self.in_place_decode and kernels.cpu_softmax
+        self.cpu_decode = self.in_place_decode and kernels.cpu_decode
         self.cpu_swiglu = self.in_place_decode and kernels.cpu_swiglu
         install_sdpa_hook(loaded.model)
         if self.cpu_swiglu:
@@ -348,6 +349,7 @@ class ModelRunner:
         step.kernel_decode = self.kernel_decode and step.width == 1
         step.kernels = self.kernels
         step.cpu_softmax = self.cpu_softmax
+        step.cpu_decode = self.cpu_decode
         step.prefill_ops = self.prefill_ops
         return step
 

@@ -1,0 +1,122 @@
+"""Decode attention through the Numba kernel over float32 pages (engine/attention/cpu_decode.py)
+gives MLX's page-wise result, and the runner takes it for CPU decode rows."""
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.attention import cpu_decode
+from engine.attention.choices import KernelChoices
+from engine.attention.paged import StepBatch, paged_decode_attention
+from engine.kv.store import KVStore
+from engine.model.loader import load_model
+from engine.runner.paged import ModelRunner
+from engine.sched.seq import Chunk
+
+ARCHS = ["llama", "qwen3", "gemma3_text", "gpt_oss"]
+
+
+def _decode_case(kv_heads, group, contexts, page_tokens=16, seed=0):
+    """Pages holding rows of the given contexts, each on shuffled (non-adjacent) pages, and one
+    decode query per row; returns the step and its arrays."""
+    rng = np.random.default_rng(seed)
+    need = [-(-c // page_tokens) for c in contexts]
+    ids = rng.permutation(sum(need) + 5)
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at:at + n].tolist())
+        at += n
+    k = mx.array(rng.standard_normal((kv_heads, len(ids), page_tokens, 32)).astype(np.float32))
+    v = mx.array(rng.standard_normal((kv_heads, len(ids), page_tokens, 32)).astype(np.float32))
+    q = mx.array(rng.standard_normal((len(contexts), kv_heads * group, 1, 32)).astype(np.float32))
+    rows = [Chunk(i, [1], c - 1, t) for i, (c, t) in enumerate(zip(contexts, tables))]
+    return StepBatch(rows, page_tokens), q, k, v
+
+
+@pytest.mark.parametrize("kv_heads,group", [(3, 3), (2, 1), (1, 8)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_kernel_matches_mlx_page_attention(kv_heads, group, window):
+    contexts = [1, 15, 16, 17, 70, 203]
+    step, q, k, v = _decode_case(kv_heads, group, contexts)
+    view = step.view(window)
+    ref = paged_decode_attention(q, k, v, step, view, 0.3, None)
+    lo, hi = cpu_decode.row_bounds(view.base, step.starts, step.lengths, window)
+    got = cpu_decode.decode_attention(q, k, v, view.pages_np, lo, hi, 0.3)
+    assert got.shape == ref.shape and got.dtype == mx.float32
+    assert mx.abs(got - ref).max().item() <= 1e-5
+
+
+def test_row_bounds_follow_the_window():
+    # Row at position 99 (100 keys) whose view starts at page 3 of 16-token pages (key 48):
+    # a 20-key window sees keys 80..99, i.e. 32..51 of its view.
+    lo, hi = cpu_decode.row_bounds(np.array([48]), np.array([99]), np.array([1]), 20)
+    assert (lo.tolist(), hi.tolist()) == ([32], [52])
+    lo, hi = cpu_decode.row_bounds(np.array([0]), np.array([5]), np.array([1]), None)
+    assert (lo.tolist(), hi.tolist()) == ([0], [6])
+
+
+def test_engines_on_several_threads_may_call_it_at_once():
+    # The kernel holds no pool or state: one engine thread per replica, several per process.
+    step, q, k, v = _decode_case(3, 3, [40, 90, 130], seed=3)
+    view = step.view(None)
+    lo, hi = cpu_decode.row_bounds(view.base, step.starts, step.lengths, None)
+    ref = np.asarray(cpu_decode.decode_attention(q, k, v, view.pages_np, lo, hi, 0.2))
+    results, errors = [], []
+
+    def call():
+        try:
+            for _ in range(20):
+                results.append(np.asarray(
+                    cpu_decode.decode_attention(q, k, v, view.pages_np, lo, hi, 0.2)))
+        except Exception as e:   # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 80
+    assert all(np.array_equal(r, ref) for r in results)
+
+
+def _decode_steps(runner, prompts, steps=3):
+    """Prefill each prompt in one call, then `steps` decode steps of every row together; the
+    decode steps' logits."""
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(prompts))]
+    for i, t in enumerate(prompts):
+        runner.forward([Chunk(i, t, 0, tables[i])])
+    out = []
+    for s in range(steps):
+        out.append(runner.forward([Chunk(i, [5 + s], len(t) + s, tables[i])
+                                   for i, t in enumerate(prompts)]))
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_runner_decode_takes_the_kernel(tiny_model_dirs, arch, monkeypatch):
+    lm = load_model(tiny_model_dirs[arch])
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, lm.geometry.vocab_size, n).tolist() for n in (45, 12, 30)]
+    new = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype))
+    old = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype),
+                      kernels=KernelChoices(cpu_decode=False))
+    assert new.cpu_decode and not old.cpu_decode   # the CPU suite, float32 pages
+    calls = []
+    real = cpu_decode.decode_attention
+    monkeypatch.setattr(cpu_decode, "decode_attention",
+                        lambda q, *a: calls.append(q.shape) or real(q, *a))
+    got = _decode_steps(new, prompts)
+    # Decode rows of paged layers without sinks took it (gemma3's sliding layers too);
+    # gpt_oss's sinks never; prompts (many tokens per row) never.
+    if arch == "gpt_oss":
+        assert not calls
+    else:
+        assert calls and all(s[0] == 3 and s[2] == 1 for s in calls)
+    ref = _decode_steps(old, prompts)
+    for a, b in zip(got, ref):
+        assert mx.abs(a - b).max().item() <= 1e-4
+        assert mx.array_equal(mx.argmax(a, axis=-1), mx.argmax(b, axis=-1))
