@@ -135,6 +135,11 @@ class KernelChoices:
     # kernel that walks each row's page table (engine/attention/cpu_decode.py): 3-4x faster
     # than MLX's page-wise gather_mm path at 16-32 rows. Off: that path.
     cpu_decode: bool = True
+    # CPU steps of Llama-family models (the flat decode and merged step bodies) rotate q and k
+    # by a per-position table read once from the model's own rope module
+    # (engine/model/rope_table.py) instead of MLX's CPU rope, which computes a sine and a cosine
+    # per element per call. Off: the modules' own rope.
+    cpu_rope_table: bool = True
     # The same for mlx-lm's SwiGLU activation (engine/model/cpu_swiglu.py): MLX's CPU sigmoid
     # is scalar too. Off: mlx-lm's compiled swiglu.
     cpu_swiglu: bool = True

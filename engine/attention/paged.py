@@ -99,6 +99,10 @@ class StepBatch:
         # Set by the runner: one-token rows attend through the Numba kernel over float32 pages
         # (engine/attention/cpu_decode.py; CPU backend, KernelChoices.cpu_decode).
         self.cpu_decode = False
+        # Set by the runner on the CPU: RoPE by a per-position table (engine/model/rope_table.py)
+        # instead of MLX's per-element sine and cosine; `rotation` gathers this step's angles.
+        self.rope_table = None
+        self._rotation = None
         # Set by the runner: multi-token calls attend through MLX ops (ops_prefill.py) where
         # their scores fit, instead of mx.fast's SDPA (KernelChoices.prefill_attention).
         self.prefill_ops = False
@@ -119,6 +123,16 @@ class StepBatch:
             pos = np.arange(r.start, r.start + r.length)
             out.append(np.asarray(r.page_table, dtype=np.int64)[pos // t] * t + pos % t)
         return np.concatenate(out)
+
+    def rotation(self):
+        """This step's RoPE angles from the runner's table (one gather for every layer), or
+        None where the layers' own rope modules rotate."""
+        if self.rope_table is None:
+            return None
+        if self._rotation is None:
+            positions = self.starts[:, None] + np.arange(self.width)[None, :]
+            self._rotation = self.rope_table.rotation(positions)
+        return self._rotation
 
     def view(self, window: int | None) -> View:
         if window not in self._views:
@@ -238,6 +252,11 @@ class PagedLayerCache:
         self.direct = direct
         self.in_place_decode = in_place_decode
         self._own: tuple[mx.array, mx.array] | None = None   # written by the decode kernel
+
+    def rotate(self, rope, x: mx.array) -> mx.array:
+        """`rope(x, offset=self.offset)`, by the step's angle table where it has one."""
+        rotation = self.step.rotation()
+        return rope(x, offset=self.offset) if rotation is None else rotation.apply(x)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b, h, n, d = keys.shape

@@ -76,6 +76,13 @@ def _layer(layer, x: mx.array, mask, cache) -> mx.array:
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+def rotate(attn, x: mx.array, cache) -> mx.array:
+    """RoPE at the cache's offset: through the cache where it rotates (PagedLayerCache.rotate:
+    a CPU step's angle table), else the layer's own module."""
+    by_cache = getattr(cache, "rotate", None)
+    return attn.rope(x, offset=cache.offset) if by_cache is None else by_cache(attn.rope, x)
+
+
 def _attention(attn, x: mx.array, mask, cache) -> mx.array:
     """mlx-lm's llama Attention.__call__ for one token per row, with the engine's cache."""
     b = x.shape[0]
@@ -83,8 +90,7 @@ def _attention(attn, x: mx.array, mask, cache) -> mx.array:
     q = q.reshape(b, attn.n_heads, 1, -1)
     k = k.reshape(b, attn.n_kv_heads, 1, -1)
     v = v.reshape(b, attn.n_kv_heads, 1, -1)
-    q = attn.rope(q, offset=cache.offset)
-    k = attn.rope(k, offset=cache.offset)
+    q, k = rotate(attn, q, cache), rotate(attn, k, cache)
     k, v = cache.update_and_fetch(k, v)
     # What mlx-lm's scaled_dot_product_attention does with the engine's hook installed
     # (engine/attention/paged.py): a cache that attends over its own pages does so.

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
 
-from engine.model.flat_decode import plain_llama
+from engine.model.flat_decode import plain_llama, rotate
 
 
 class RowGroup(NamedTuple):
@@ -71,8 +71,7 @@ def _layer(layer, h: mx.array, spans: list, caches: list) -> mx.array:
         qg = _heads(q[start:end], rows, width, attn.n_heads)
         kg = _heads(k[start:end], rows, width, attn.n_kv_heads)
         vg = _heads(v[start:end], rows, width, attn.n_kv_heads)
-        qg = attn.rope(qg, offset=cache.offset)
-        kg = attn.rope(kg, offset=cache.offset)
+        qg, kg = rotate(attn, qg, cache), rotate(attn, kg, cache)
         kg, vg = cache.update_and_fetch(kg, vg)
         fresh.append((qg, kg, vg))
     outs = []

@@ -131,6 +131,9 @@ class DeviceDecodeStep:
     valid = None
     cpu_softmax = False   # one query per row: mx.softmax inside the trace, never NumPy
     cpu_decode = False    # nor the Numba kernel: a trace holds MLX ops only
+
+    def rotation(self):
+        return None           # RoPE by the layers' own modules, inside the trace
     prefill_ops = False   # one query per row: never the prefill attention paths
 
     def __init__(self, table: mx.array, rows: int, page_tokens: int, kernel_decode: bool,

@@ -36,6 +36,7 @@ from engine.attention.paged import PagedLayerCache, StepBatch, install_sdpa_hook
 from engine.kv.store import KVStore
 from engine.model.cpu_swiglu import install_swiglu_hook, numpy_swiglu
 from engine.model.flat_decode import flat_decode_body
+from engine.model.rope_table import RopeTable
 from engine.model.loader import LoadedModel, ModelLoadError
 from engine.runner.compiled_decode import CompiledDecode
 from engine.runner.merged import MergedSteps
@@ -152,6 +153,8 @@ class ModelRunner:
         self.in_place_decode = mx.default_device() == mx.cpu and kvstore.dtype == mx.float32
         self.cpu_softmax = self.in_place_decode and kernels.cpu_softmax
         self.cpu_decode = self.in_place_decode and kernels.cpu_decode
+        self.rope_table = (RopeTable.for_model(loaded.model)
+                           if self.in_place_decode and kernels.cpu_rope_table else None)
         self.cpu_swiglu = self.in_place_decode and kernels.cpu_swiglu
         install_sdpa_hook(loaded.model)
         if self.cpu_swiglu:
@@ -258,8 +261,9 @@ class ModelRunner:
             groups = [list(range(len(chunks)))]   # one-token rows: always one call, in order
         else:
             groups = self._groups(chunks)
-        if len(groups) == 1 and groups[0] == list(range(len(chunks))):
-            # One call in chunk order (e.g. every decode step): its rows are the result.
+        if (len(groups) == 1 and groups[0] == list(range(len(chunks)))
+                and (one_token or self.merged is None)):
+            # One call in chunk order (every decode step; prompts merge where that fits).
             return self._run(chunks, last_only=True, tokens=decode_tokens).astype(mx.float32)
         if self.merged is not None:
             return self.merged.forward(chunks, groups)
@@ -350,6 +354,7 @@ class ModelRunner:
         step.kernels = self.kernels
         step.cpu_softmax = self.cpu_softmax
         step.cpu_decode = self.cpu_decode
+        step.rope_table = self.rope_table
         step.prefill_ops = self.prefill_ops
         return step
 
