@@ -16,6 +16,9 @@ first; later rounds show what a trace costs once MLX's kernels exist):
 - buckets: compiled steps with rows padded to buckets (production's compiled path);
 - unmerged: plain, but a mixed step runs one model call per row group instead of one pass over
   the weights for all of them (`KernelChoices(merged_steps=False)`: engine/runner/merged.py).
+`--max-step-tokens 512,256` runs every variant at each prompt-token budget per step (labels
+`plain@256`...): a smaller budget gives the decode rows riding along prefill chunks a token more
+often, at the price of more steps.
 Prints JSON per variant and round: wall time and generated tokens per second, traces, time to
 first token and the gap between a request's successive tokens (median, p99, max; a trace shows
 as a long gap), and wall time as a ratio to plain's in the same round.
@@ -48,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {VARIANTS}")
     p.add_argument("--spread-s", type=float, default=2.0,
                    help="requests arrive evenly over this many seconds (0: all at once)")
+    p.add_argument("--max-step-tokens", type=step_budgets, default=None,
+                   help="comma-separated EngineConfig.max_step_tokens values (default: the "
+                        "engine's); each variant runs at each")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the JSON here as well as to stdout")
@@ -69,6 +75,18 @@ def quantiles(xs: list[float]) -> dict:
     """Median, p99 and max of seconds, in ms (the load test's percentile)."""
     return {"median_ms": round(1000 * pct(xs, 50), 2), "p99_ms": round(1000 * pct(xs, 99), 2),
             "max_ms": round(1000 * max(xs), 2)}
+
+
+def step_budgets(text: str) -> list[int]:
+    """Comma-separated positive token budgets (argparse type)."""
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
+            from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive token budgets, got {text!r}")
+    return out
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -133,23 +151,28 @@ def run(args) -> dict:
     for rnd in range(args.rounds):
         row = {}
         result["rounds"].append(row)
-        for v in variants:
+        budgets = args.max_step_tokens or [None]
+        for v, budget in [(v, b) for v in variants for b in budgets]:
+            config = {} if budget is None else {"max_step_tokens": budget}
             engine = Engine(EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs,
-                                         max_model_len=phi + thi + 16), kernels=kernels_for(v))
+                                         max_model_len=phi + thi + 16, **config),
+                            kernels=kernels_for(v))
+            name = v if len(budgets) == 1 else f"{v}@{budget}"
             try:
                 reqs = [GenerationRequest(f"mix-{rnd}-{i}", p, SamplingParams(
                     temperature=0.0, max_tokens=n, ignore_eos=True))
                     for i, (p, (_, n)) in enumerate(zip(prompts, shapes))]
-                row[v] = one_mix(engine, reqs, args.spread_s)
-                progress(f"round {rnd + 1}/{args.rounds} {v}: {row[v]['wall_s']} s, "
-                         f"{row[v]['tok_s']} tok/s, {row[v]['traces']} traces", bench="decode_mix")
+                row[name] = one_mix(engine, reqs, args.spread_s)
+                progress(f"round {rnd + 1}/{args.rounds} {name}: {row[name]['wall_s']} s, "
+                         f"{row[name]['tok_s']} tok/s, {row[name]['traces']} traces",
+                         bench="decode_mix")
             finally:
                 engine.shutdown()
             if args.out:   # after every variant, so a run cut short keeps what it measured
                 emit(result, args.out, quiet=True)
-        if "plain" in row:
-            for v in row:
-                row[v]["wall_to_plain"] = round(row[v]["wall_s"] / row["plain"]["wall_s"], 3)
+        first = next(iter(row))   # "plain" (or plain@N): the first variant run
+        for v in row:
+            row[v][f"wall_to_{first}"] = round(row[v]["wall_s"] / row[first]["wall_s"], 3)
     return result
 
 

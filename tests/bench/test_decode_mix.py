@@ -29,3 +29,22 @@ def test_bad_arguments_are_refused_naming_them(capsys):
         with pytest.raises(SystemExit):
             decode_mix.parse_args(["--prompt", bad])
         assert "--prompt" in capsys.readouterr().err
+
+
+def test_step_budgets_run_each_variant_at_each(tiny_llama, tmp_path):
+    out = tmp_path / "mix.json"
+    decode_mix.main(["--model", tiny_llama, "--requests", "6", "--max-num-seqs", "4",
+                     "--prompt", "20,40", "--tokens", "3,6", "--spread-s", "0",
+                     "--variants", "plain", "--max-step-tokens", "64,16", "--rounds", "1",
+                     "--out", str(out)])
+    row = json.loads(out.read_text())["rounds"][0]
+    assert set(row) == {"plain@64", "plain@16"}
+    assert row["plain@64"]["tokens"] == row["plain@16"]["tokens"]
+    assert row["plain@16"]["wall_to_plain@64"] > 0
+    for bad in ("0", "16,x", ""):
+        with pytest.raises(SystemExit):
+            decode_mix.parse_args(["--max-step-tokens", bad])
+    # The budget reaches the engine's config: one below max_num_seqs is refused there.
+    with pytest.raises(Exception, match="max_step_tokens"):
+        decode_mix.main(["--model", tiny_llama, "--requests", "2", "--max-num-seqs", "4",
+                         "--variants", "plain", "--max-step-tokens", "2", "--rounds", "1"])
