@@ -19,6 +19,10 @@ first; later rounds show what a trace costs once MLX's kernels exist):
 `--max-step-tokens 512,256` runs every variant at each prompt-token budget per step (labels
 `plain@256`...): a smaller budget gives the decode rows riding along prefill chunks a token more
 often, at the price of more steps.
+`--schedule OUT/rate_4/orchard/schedule.json` replays a served run's schedule instead (the
+send times and prompt lengths `orchard bench serve` wrote; --requests, --prompt and --tokens
+are then ignored; max_tokens from the schedule): the same work in process, without the HTTP,
+Ray and client around it, so the served number's serving-path cost shows as the difference.
 Prints JSON per variant and round: wall time and generated tokens per second, traces, time to
 first token and the gap between a request's successive tokens (median, p99, max; a trace shows
 as a long gap), and wall time as a ratio to plain's in the same round.
@@ -54,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--max-step-tokens", type=step_budgets, default=None,
                    help="comma-separated EngineConfig.max_step_tokens values (default: the "
                         "engine's); each variant runs at each")
+    p.add_argument("--schedule", help="a bench-serve schedule.json to replay (send times, "
+                   "prompt lengths, max_tokens) instead of the even spread")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the JSON here as well as to stdout")
@@ -75,6 +81,17 @@ def quantiles(xs: list[float]) -> dict:
     """Median, p99 and max of seconds, in ms (the load test's percentile)."""
     return {"median_ms": round(1000 * pct(xs, 50), 2), "p99_ms": round(1000 * pct(xs, 99), 2),
             "max_ms": round(1000 * max(xs), 2)}
+
+
+def replayed(path: str) -> list[dict]:
+    """The arrivals of a bench-serve schedule.json (t, prompt_tokens, max_tokens each)."""
+    import json
+    with open(path) as f:
+        arrivals = json.load(f).get("arrivals")
+    if not arrivals or any(not {"t", "prompt_tokens", "max_tokens"} <= set(a) for a in arrivals):
+        raise SystemExit(f"--schedule {path}: not a bench-serve schedule.json "
+                         "(needs arrivals with t, prompt_tokens, max_tokens)")
+    return sorted(arrivals, key=lambda a: a["t"])
 
 
 def step_budgets(text: str) -> list[int]:
@@ -100,10 +117,12 @@ def length_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def one_mix(engine, requests, spread_s: float) -> dict:
-    """Submit the requests evenly over `spread_s`; time each one's first token and token gaps."""
+def one_mix(engine, requests, spread_s: float, send_at: list[float] | None = None) -> dict:
+    """Submit the requests evenly over `spread_s` (or at `send_at` seconds each); time each
+    one's first token and token gaps."""
     async def one(i, r):
-        await asyncio.sleep(spread_s * i / len(requests))   # the arrival schedule, not a wait
+        # The arrival schedule, not a wait.
+        await asyncio.sleep(send_at[i] if send_at else spread_s * i / len(requests))
         t0, stamps, n = time.perf_counter(), [], 0
         async for d in engine.generate(r):
             if d.token_ids:
@@ -142,11 +161,17 @@ def run(args) -> dict:
     rng = random.Random(args.seed)
     (plo, phi), (tlo, thi) = args.prompt, args.tokens
     shapes = [(rng.randint(plo, phi), rng.randint(tlo, thi)) for _ in range(args.requests)]
+    send_at = None
+    if args.schedule:
+        arrivals = replayed(args.schedule)
+        shapes = [(a["prompt_tokens"], a["max_tokens"]) for a in arrivals]
+        send_at = [a["t"] for a in arrivals]
+        phi, thi = max(n for n, _ in shapes), max(n for _, n in shapes)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n, _ in shapes]
     variants = args.variants.split(",")
     result = {"model": shown, "device": str(mx.default_device()), "requests": args.requests,
               "max_num_seqs": args.max_num_seqs, "prompt": args.prompt, "tokens": args.tokens,
-              "spread_s": args.spread_s,
+              "spread_s": args.spread_s, "schedule": args.schedule, "requests_run": len(shapes),
               "rounds": []}
     for rnd in range(args.rounds):
         row = {}
@@ -162,7 +187,7 @@ def run(args) -> dict:
                 reqs = [GenerationRequest(f"mix-{rnd}-{i}", p, SamplingParams(
                     temperature=0.0, max_tokens=n, ignore_eos=True))
                     for i, (p, (_, n)) in enumerate(zip(prompts, shapes))]
-                row[name] = one_mix(engine, reqs, args.spread_s)
+                row[name] = one_mix(engine, reqs, args.spread_s, send_at)
                 progress(f"round {rnd + 1}/{args.rounds} {name}: {row[name]['wall_s']} s, "
                          f"{row[name]['tok_s']} tok/s, {row[name]['traces']} traces",
                          bench="decode_mix")

@@ -48,3 +48,20 @@ def test_step_budgets_run_each_variant_at_each(tiny_llama, tmp_path):
     with pytest.raises(Exception, match="max_step_tokens"):
         decode_mix.main(["--model", tiny_llama, "--requests", "2", "--max-num-seqs", "4",
                          "--variants", "plain", "--max-step-tokens", "2", "--rounds", "1"])
+
+
+def test_a_served_schedule_is_replayed(tiny_llama, tmp_path):
+    sched = tmp_path / "schedule.json"
+    sched.write_text(json.dumps({"meta": {}, "arrivals": [
+        {"index": 1, "t": 0.05, "prompt_tokens": 12, "max_tokens": 5},
+        {"index": 0, "t": 0.0, "prompt_tokens": 30, "max_tokens": 3},
+        {"index": 2, "t": 0.1, "prompt_tokens": 7, "max_tokens": 4}]}))
+    out = tmp_path / "mix.json"
+    decode_mix.main(["--model", tiny_llama, "--schedule", str(sched), "--variants", "plain",
+                     "--rounds", "1", "--out", str(out)])
+    got = json.loads(out.read_text())
+    assert got["requests_run"] == 3 and got["rounds"][0]["plain"]["tokens"] == 5 + 3 + 4
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"arrivals": [{"t": 0}]}))
+    with pytest.raises(SystemExit, match="not a bench-serve schedule"):
+        decode_mix.main(["--model", tiny_llama, "--schedule", str(bad), "--rounds", "1"])
