@@ -53,7 +53,9 @@ def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
 # engine/attention/page_qmm.py; ":qmm-bf16" with bf16 activations), "k6v4-kivi:scores"
 # through page_scores (page_key_qmm off), "k6v4-kivi:kernel" through the CUDA page-key kernel
 # (KernelChoices.page_key_kernel: engine/attention/cuda/page_key_decode.py; CUDA only),
-# "int8:mx-softmax" with mx.softmax where the CPU takes NumPy's (KernelChoices.cpu_softmax).
+# "int8:mx-softmax" with mx.softmax where the CPU takes NumPy's (KernelChoices.cpu_softmax),
+# "k6v4-kivi:mlx-decode" through MLX ops where the CPU takes the Numba page-key kernel
+# (KernelChoices.cpu_decode off: engine/attention/cpu_page_key_decode.py's "before").
 DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   "split": dict(decode_tiles=False, packed_decode="v1"),
                   "v2": dict(decode_tiles=False, packed_decode="v2"),
@@ -69,7 +71,8 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   # On the CPU: the softmax by mx.softmax, not NumPy (KernelChoices.cpu_softmax
                   # off; native keeps it on), to measure what the NumPy softmax gives packed
                   # decode.
-                  "mx-softmax": dict(cpu_softmax=False)}
+                  "mx-softmax": dict(cpu_softmax=False),
+                  "mlx-decode": dict(cpu_decode=False)}
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:

@@ -133,7 +133,9 @@ class KernelChoices:
     cpu_softmax: bool = True
     # Decode rows on the CPU (float32 pages, no attention sinks) attend through one Numba
     # kernel that walks each row's page table (engine/attention/cpu_decode.py): 3-4x faster
-    # than MLX's page-wise gather_mm path at 16-32 rows. Off: that path.
+    # than MLX's page-wise gather_mm path at 16-32 rows. Page-key layers (k6v4-kivi,
+    # int4-kivi) through its page-key twin, which reads the codes and native tails where they
+    # lie (engine/attention/cpu_page_key_decode.py). Off: the MLX paths.
     cpu_decode: bool = True
     # CPU steps of Llama-family models (the flat decode and merged step bodies) rotate q and k
     # by a per-position table read once from the model's own rope module

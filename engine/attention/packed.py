@@ -16,7 +16,8 @@ Keys in history are stored rotated (engine.kv.rotation); queries are rotated her
 Page-key history (int4-kivi, k6v4-kivi: engine.kv.page_quant, metadata per channel per page) is
 stored unrotated, so its queries are not rotated; decode steps score it with each page's scales
 folded into the queries (page_scores on the CPU, engine.attention.page_qmm's quantized matmuls
-on GPUs), longer chunks by the tiled path.
+on GPUs), longer chunks by the tiled path. (The runner's CPU float32 decode rows of page-key
+layers skip this module: engine/attention/cpu_page_key_decode.py.)
 Shapes: q (B, Hq, L, D); fresh k/v (B, Hkv, L, D); history (B, Hkv, S, ...) packed.
 """
 from __future__ import annotations

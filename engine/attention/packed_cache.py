@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from capacity.formats import KVFormatError
+from engine.attention import cpu_page_key_decode
 from engine.attention.choices import DEFAULT_KERNELS
 from engine.attention.cuda import packed_decode as cuda_packed_decode
 from engine.attention.cuda import page_key_decode as cuda_page_key_decode
@@ -99,6 +100,12 @@ class PackedLayerCache(PagedLayerCache):
                                              self.store.page_tokens):
                 return self._page_key_attend(queries, keys, values, scale)
             # A GQA group past the kernel's: the MLX path below (it builds its own masks).
+        if cpu_page_key_decode.applies(self.store, self.step, self.view, queries, sinks):
+            # CPU, float32: page-key decode rows through one Numba kernel that reads codes and
+            # native tails where they lie (it flushes the step's tail rows after, as below).
+            attention_of(self.store).counters.direct += 1   # the direct path's work
+            return cpu_page_key_decode.decode_attention(self.store, self.step, self.view,
+                                                        queries, keys, values, scale)
         ctx = self._context()
         hist, hist_mask, new_mask = ctx.history(self.store), ctx.hist_mask, ctx.new_mask
         rows = self.store.sink_rows

@@ -97,7 +97,8 @@ class StepBatch:
         # CPU backend, float32 pages, KernelChoices.cpu_softmax).
         self.cpu_softmax = False
         # Set by the runner: one-token rows attend through the Numba kernel over float32 pages
-        # (engine/attention/cpu_decode.py; CPU backend, KernelChoices.cpu_decode).
+        # (engine/attention/cpu_decode.py; CPU backend, KernelChoices.cpu_decode), page-key
+        # layers' through engine/attention/cpu_page_key_decode.py.
         self.cpu_decode = False
         # Set by the runner on the CPU: RoPE by a per-position table (engine/model/rope_table.py)
         # instead of MLX's per-element sine and cosine; `rotation` gathers this step's angles.

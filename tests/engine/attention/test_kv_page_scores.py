@@ -41,7 +41,9 @@ def test_decode_through_page_scores_equals_the_tiled_path(tiny_model_dirs, fmt):
                         layer_factory=packed_layer_factory(fmt, kernels=kernels, tail_slots=2))
         return PackedModelRunner(loaded, store, kernels=kernels)
 
-    fast, tiled = runner(DEFAULT_KERNELS), runner(replace(DEFAULT_KERNELS, page_key_scores=False))
+    # The MLX decode paths both (on the CPU decode rows would take the Numba kernel).
+    mlx_path = replace(DEFAULT_KERNELS, cpu_decode=False)
+    fast, tiled = runner(mlx_path), runner(replace(mlx_path, page_key_scores=False))
     prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)[:40]
     for r in (fast, tiled):
         r.forward([Chunk(0, prompt, 0, pages)])
@@ -79,7 +81,9 @@ def test_packed_steps_take_the_numpy_softmax_on_the_cpu(tiny_model_dirs, fmt, mo
                         layer_factory=packed_layer_factory(fmt, kernels=kernels, tail_slots=2))
         return PackedModelRunner(loaded, store, kernels=kernels)
 
-    fast, plain = runner(DEFAULT_KERNELS), runner(replace(DEFAULT_KERNELS, cpu_softmax=False))
+    # Page-key decode rows would take the Numba kernel (its own softmax): the MLX path here.
+    mlx_path = replace(DEFAULT_KERNELS, cpu_decode=False)
+    fast, plain = runner(mlx_path), runner(replace(mlx_path, cpu_softmax=False))
     assert fast.cpu_softmax and not plain.cpu_softmax   # the CPU suite, float32
     prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)[:40]
     a, b = (r.forward([Chunk(0, prompt, 0, pages)]) for r in (fast, plain))

@@ -138,8 +138,10 @@ def test_decode_through_page_qmm_equals_the_tiled_path(tiny_model_dirs, fmt):
                         layer_factory=packed_layer_factory(fmt, kernels=kernels, tail_slots=2))
         return PackedModelRunner(loaded, store, kernels=kernels)
 
-    qmm = runner(replace(DEFAULT_KERNELS, page_key_qmm=True))
-    tiled = runner(replace(DEFAULT_KERNELS, page_key_qmm=False, page_key_scores=False))
+    # The MLX decode paths both (on the CPU decode rows would take the Numba kernel).
+    qmm = runner(replace(DEFAULT_KERNELS, page_key_qmm=True, cpu_decode=False))
+    tiled = runner(replace(DEFAULT_KERNELS, page_key_qmm=False, page_key_scores=False,
+                           cpu_decode=False))
     text = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
     prompts = [text[:40], text[:21]]
     for r in (qmm, tiled):
