@@ -28,16 +28,22 @@ import numpy as np
 _KERNEL = None
 
 
+def import_numba(kernel: str):
+    """Numba (a declared dependency, imported only where a CPU kernel runs), or an ImportError
+    naming `kernel` and what to do instead."""
+    try:
+        import numba
+    except ImportError as e:
+        raise ImportError(f"the {kernel} needs numba (pip install numba), or run with "
+                          "KernelChoices(cpu_decode=False)") from e
+    return numba
+
+
 def _kernel():
     """The compiled kernel, built (or loaded from Numba's cache) on first use."""
     global _KERNEL
     if _KERNEL is None:
-        try:
-            import numba
-        except ImportError as e:   # a declared dependency: say what to do instead
-            raise ImportError("the CPU decode kernel needs numba (pip install numba), or run "
-                              "with KernelChoices(cpu_decode=False)") from e
-        _KERNEL = numba.njit(fastmath=True, cache=True)(_attend)
+        _KERNEL = import_numba("CPU decode kernel").njit(fastmath=True, cache=True)(_attend)
     return _KERNEL
 
 

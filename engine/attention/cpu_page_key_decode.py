@@ -49,6 +49,7 @@ import mlx.core as mx
 import numpy as np
 
 from capacity.formats import GROUP_SIZE
+from engine.attention.cpu_decode import import_numba
 from engine.kv.page_layout import SECTIONS, PageLayout
 
 KEY_BITS = (4, 6, 8)
@@ -61,12 +62,8 @@ def _kernel():
     """The compiled kernel, built (or loaded from Numba's cache) on first use."""
     global _KERNEL
     if _KERNEL is None:
-        try:
-            import numba
-            from numba.extending import register_jitable
-        except ImportError as e:   # a declared dependency: say what to do instead
-            raise ImportError("the CPU page-key decode kernel needs numba (pip install numba), "
-                              "or run with KernelChoices(cpu_decode=False)") from e
+        numba = import_numba("CPU page-key decode kernel")
+        from numba.extending import register_jitable
         register_jitable(inline="always")(_split)   # stays a plain function; compiled inline
         _KERNEL = numba.njit(fastmath=True, cache=True)(_attend)
     return _KERNEL
