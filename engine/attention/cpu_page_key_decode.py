@@ -217,7 +217,7 @@ def _attend(q, k_new, v_new, codes, meta, tail_k, tail_v, pages, starts, slots, 
                     values[r, v_chans[1, g * vg + k]] += acc[r, g, vg + k]
             inv = np.float32(1.0) / totals[r]
             for c in range(dim):
-                out[b, h * group + r, c] = (values[r, c] + offs[r, c // 64]) * inv
+                out[b, h * group + r, c] = (values[r, c] + offs[r, c // GROUP_SIZE]) * inv
 
 
 def applies(store, step, view, queries, sinks) -> bool:
@@ -270,16 +270,6 @@ def _layout_words(layout: PageLayout, k_bits: int, dim: int) -> tuple[np.ndarray
     return k_word, at
 
 
-def _step_rows(store, step, view) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, tail slots as the step began), once per step: every layer of the step shares
-    them (one TailMap)."""
-    key = ("cpu_page_keys", id(store.tails))
-    if key not in view.masks:
-        view.masks[key] = (step.starts.astype(np.int64),
-                           store.tails.tails_before(view.pages_np, step.starts))
-    return view.masks[key]
-
-
 def _host(x: mx.array, shape=None) -> np.ndarray:
     """A float32 C-contiguous NumPy view of an evaluated array (a copy where it must be
     reshaped from strides or made contiguous)."""
@@ -288,22 +278,25 @@ def _host(x: mx.array, shape=None) -> np.ndarray:
 
 
 def decode_attention(store, step, view, queries: mx.array, keys: mx.array, values: mx.array,
-                     scale: float) -> mx.array:
+                     scale: float, tail_slots: mx.array) -> mx.array:
     """Attention of one query token per row, queries [B, Hq, 1, D], over a page-key store's
-    history (as the step began) and the step's own keys / values [B, Hkv, 1, D]; writes the
-    step's tail rows after (`store.flush_tail`). Returns [B, Hq, 1, D] in queries' dtype."""
+    history (as the step began) and the step's own keys / values [B, Hkv, 1, D]; `tail_slots`:
+    each row's native tail slot as the step began (PackedLayerCache._tail_slots, shared by the
+    step's layers). Writes the step's tail rows after (`store.flush_tail`). Returns
+    [B, Hq, 1, D] in queries' dtype."""
     b, hq, _, d = queries.shape
     fmt = store.fmt
     q, kn, vn, tk, tv = (x if x.dtype == mx.float32 else x.astype(mx.float32)
                          for x in (queries, keys, values, *store.tail))
-    mx.eval(q, kn, vn, store.pool, tk, tv)   # the pool's graph holds this step's writes
-    starts, slots = _step_rows(store, step, view)
+    # The pool's graph holds this step's writes.
+    mx.eval(q, kn, vn, store.pool, tk, tv, tail_slots)
+    slots = np.ascontiguousarray(np.asarray(tail_slots), dtype=np.int64)
     k_word, at = _layout_words(store.layout, fmt.k_bits, d)
     words = np.asarray(store.pool)
     out = np.empty((b, hq, d), np.float32)
     _kernel()(_host(q, (b, hq, d)), _host(kn, (b, -1, d)), _host(vn, (b, -1, d)),
               words.view(np.uint8), words.view(np.float32), _host(tk), _host(tv),
-              view.pages_np, starts, slots, *byte_parts(fmt.k_bits, d),
+              view.pages_np, step.starts.astype(np.int64), slots, *byte_parts(fmt.k_bits, d),
               *byte_parts(fmt.v_bits, d), k_word, at, store.page_tokens, np.float32(scale),
               out)
     del words   # no NumPy view may outlive the call: the next write updates the pool in place

@@ -10,9 +10,10 @@ this function's own fresh result, so no other array sees the write).
 
 `prefill_attention` serves multi-token rows; paged decode (engine/attention/paged.py) calls
 `softmax_in_place` on its page-wise scores. Packed formats take both where the runner's step
-says so (engine/attention/packed.py: a prompt's first chunk, decode rows' scores). Prefill queries are taken in blocks of rows: a causal
-block reads keys only up to its last query, so the masked upper triangle is neither multiplied
-nor exponentiated, and the scores never exceed SCORE_ELEMENTS per block.
+says so (engine/attention/packed.py: a prompt's first chunk, decode rows' scores). Prefill
+queries are taken in blocks of rows: a causal block reads keys only up to its last query, so
+the masked upper triangle is neither multiplied nor exponentiated, and the scores never exceed
+SCORE_ELEMENTS per block.
 
 The price: the graph is evaluated up to each layer's attention while the step is being built,
 so a pipelined decode step no longer builds while the previous one computes. On the CPU that

@@ -105,7 +105,8 @@ class PackedLayerCache(PagedLayerCache):
             # native tails where they lie (it flushes the step's tail rows after, as below).
             attention_of(self.store).counters.direct += 1   # the direct path's work
             return cpu_page_key_decode.decode_attention(self.store, self.step, self.view,
-                                                        queries, keys, values, scale)
+                                                        queries, keys, values, scale,
+                                                        self._tail_slots())
         ctx = self._context()
         hist, hist_mask, new_mask = ctx.history(self.store), ctx.hist_mask, ctx.new_mask
         rows = self.store.sink_rows

@@ -9,14 +9,11 @@ import numpy as np
 import pytest
 
 from engine.attention import cpu_decode
-from engine.attention.choices import KernelChoices
 from engine.attention.paged import StepBatch, paged_decode_attention
-from engine.kv.store import KVStore
-from engine.model.loader import load_model
-from engine.runner.paged import ModelRunner
 from engine.sched.seq import Chunk
 
-ARCHS = ["llama", "qwen3", "gemma3_text", "gpt_oss"]
+from tests.engine.attention.runner_pairs import (ARCHS, assert_same_logits, record_calls,
+                                               runner_pair)
 
 
 def _decode_case(kv_heads, group, contexts, page_tokens=16, seed=0):
@@ -98,17 +95,9 @@ def _decode_steps(runner, prompts, steps=3):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_runner_decode_takes_the_kernel(tiny_model_dirs, arch, monkeypatch):
-    lm = load_model(tiny_model_dirs[arch])
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, lm.geometry.vocab_size, n).tolist() for n in (45, 12, 30)]
-    new = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype))
-    old = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype),
-                      kernels=KernelChoices(cpu_decode=False))
+    _, prompts, new, old = runner_pair(tiny_model_dirs[arch], 4, (45, 12, 30), cpu_decode=False)
     assert new.cpu_decode and not old.cpu_decode   # the CPU suite, float32 pages
-    calls = []
-    real = cpu_decode.decode_attention
-    monkeypatch.setattr(cpu_decode, "decode_attention",
-                        lambda q, *a: calls.append(q.shape) or real(q, *a))
+    calls = record_calls(monkeypatch, cpu_decode, "decode_attention", lambda q: q.shape)
     got = _decode_steps(new, prompts)
     # Decode rows of paged layers without sinks took it (gemma3's sliding layers too);
     # gpt_oss's sinks never; prompts (many tokens per row) never.
@@ -116,7 +105,4 @@ def test_runner_decode_takes_the_kernel(tiny_model_dirs, arch, monkeypatch):
         assert not calls
     else:
         assert calls and all(s[0] == 3 and s[2] == 1 for s in calls)
-    ref = _decode_steps(old, prompts)
-    for a, b in zip(got, ref):
-        assert mx.abs(a - b).max().item() <= 1e-4
-        assert mx.array_equal(mx.argmax(a, axis=-1), mx.argmax(b, axis=-1))
+    assert_same_logits(got, _decode_steps(old, prompts))

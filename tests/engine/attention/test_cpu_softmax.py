@@ -7,13 +7,10 @@ import numpy as np
 import pytest
 
 from engine.attention import cpu_softmax
-from engine.attention.choices import KernelChoices
-from engine.kv.store import KVStore
-from engine.model.loader import load_model
-from engine.runner.paged import ModelRunner
 from engine.sched.seq import Chunk
 
-ARCHS = ["llama", "qwen3", "gemma3_text", "gpt_oss"]
+from tests.engine.attention.runner_pairs import (ARCHS, assert_same_logits, record_calls,
+                                               runner_pair)
 
 
 def _qkv(b, hq, hkv, n, s, seed=0):
@@ -72,24 +69,13 @@ def _chunked_prefill(runner, prompts):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_runner_prefill_matches_mlx_attention(tiny_model_dirs, arch, monkeypatch):
-    lm = load_model(tiny_model_dirs[arch])
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(0, lm.geometry.vocab_size, n).tolist() for n in (45, 12, 30)]
-    new = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype))
-    old = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype),
-                      kernels=KernelChoices(cpu_softmax=False))
+    _, prompts, new, old = runner_pair(tiny_model_dirs[arch], 2, (45, 12, 30), cpu_softmax=False)
     assert new.cpu_softmax and not old.cpu_softmax   # the CPU suite, float32 pages
-    calls = []
-    real = cpu_softmax.prefill_attention
-    monkeypatch.setattr(cpu_softmax, "prefill_attention",
-                        lambda q, *a: calls.append(q.shape[2]) or real(q, *a))
+    calls = record_calls(monkeypatch, cpu_softmax, "prefill_attention", lambda q: q.shape[2])
     got = _chunked_prefill(new, prompts)
     # Every multi-token call of a paged layer without sinks took it; gpt_oss's sinks never.
     assert (not calls) if arch == "gpt_oss" else calls and min(calls) > 1
-    ref = _chunked_prefill(old, prompts)
-    for a, b in zip(got, ref):
-        assert mx.abs(a - b).max().item() <= 1e-4
-        assert mx.array_equal(mx.argmax(a, axis=-1), mx.argmax(b, axis=-1))
+    assert_same_logits(got, _chunked_prefill(old, prompts))
 
 
 def test_numpy_swiglu_matches_mlx():
@@ -113,12 +99,7 @@ def test_runner_swiglu_in_numpy_only_inside_its_steps(tiny_llama, monkeypatch):
     real = cpu_swiglu.numpy_silu_mul
     monkeypatch.setattr(cpu_swiglu, "numpy_silu_mul",
                         lambda g, x: calls.append(g.shape) or real(g, x))
-    lm = load_model(tiny_llama)
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, lm.geometry.vocab_size, n).tolist() for n in (33, 8)]
-    new = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype))
-    old = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype),
-                      kernels=KernelChoices(cpu_swiglu=False))
+    lm, prompts, new, old = runner_pair(tiny_llama, 3, (33, 8), cpu_swiglu=False)
     assert new.cpu_swiglu and not old.cpu_swiglu
     ref = _chunked_prefill(old, prompts)
     assert not calls   # hook installed by `new`, but `old`'s steps keep mlx-lm's function

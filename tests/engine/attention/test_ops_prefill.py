@@ -14,7 +14,8 @@ from engine.config import EngineConfig
 from engine.kv.store import KVStore
 from engine.model.loader import load_model
 from engine.runner.paged import ModelRunner
-from tests.engine.attention.test_cpu_softmax import ARCHS, _chunked_prefill
+from tests.engine.attention.runner_pairs import ARCHS
+from tests.engine.attention.test_cpu_softmax import _chunked_prefill
 
 
 def _qkv(b, hq, hkv, n, s, dtype=mx.float32, seed=0):

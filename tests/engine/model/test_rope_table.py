@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE, Llama3RoPE
 
-from engine.attention.choices import KernelChoices
-from engine.kv.store import KVStore
 from engine.model import rope_table
 from engine.model.loader import load_model
 from engine.model.rope_table import RopeTable
-from engine.runner.paged import ModelRunner
 from engine.sched.seq import Chunk
+
+from tests.engine.attention.runner_pairs import assert_same_logits, runner_pair
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
@@ -67,12 +66,7 @@ def _steps(runner, prompts):
 
 
 def test_cpu_runner_rotates_by_the_table(tiny_llama, monkeypatch):
-    lm = load_model(tiny_llama)
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(0, lm.geometry.vocab_size, n).tolist() for n in (40, 40, 40)]
-    new = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype))
-    old = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype),
-                      kernels=KernelChoices(cpu_rope_table=False))
+    lm, prompts, new, old = runner_pair(tiny_llama, 5, (40, 40, 40), cpu_rope_table=False)
     assert new.rope_table is not None and old.rope_table is None   # CPU suite, float32 pages
     applied = []
     real = rope_table.Rotation.apply
@@ -82,7 +76,4 @@ def test_cpu_runner_rotates_by_the_table(tiny_llama, monkeypatch):
     # Prefill (width 40) and decode (width 1) calls, q and k of every layer.
     widths = {s[2] for s in applied}
     assert widths == {40, 1} and len(applied) == 4 * 2 * len(lm.model.model.layers)
-    ref = _steps(old, prompts)
-    for a, b in zip(got, ref):
-        assert mx.abs(a - b).max().item() <= 1e-4
-        assert mx.array_equal(mx.argmax(a, axis=-1), mx.argmax(b, axis=-1))
+    assert_same_logits(got, _steps(old, prompts))

@@ -1,0 +1,43 @@
+"""Two ModelRunners over one model for CPU path tests: production's choices beside one path
+turned off, fed the same seeded prompts, their logits compared."""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from engine.attention.choices import KernelChoices
+from engine.kv.store import KVStore
+from engine.model.loader import load_model
+from engine.runner.paged import ModelRunner
+
+# Architectures whose tiny models the CPU path tests run (tests/fixtures/models.py): plain
+# Llama, qwen3's q/k norms, gemma3's sliding layers, gpt_oss's attention sinks.
+ARCHS = ["llama", "qwen3", "gemma3_text", "gpt_oss"]
+
+
+def runner_pair(model_dir: str, seed: int, lengths, **off):
+    """(model, prompts of `lengths` seeded tokens, runner with production's choices, runner
+    with `KernelChoices(**off)`), each over fresh pages (24 pages of 16 tokens)."""
+    lm = load_model(model_dir)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, lm.geometry.vocab_size, n).tolist() for n in lengths]
+    new = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype))
+    old = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype), kernels=KernelChoices(**off))
+    return lm, prompts, new, old
+
+
+def assert_same_logits(got: list, ref: list) -> None:
+    """Every forward's logits within 1e-4 of the reference's, with the same argmax."""
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert mx.abs(a - b).max().item() <= 1e-4
+        assert mx.array_equal(mx.argmax(a, axis=-1), mx.argmax(b, axis=-1))
+
+
+def record_calls(monkeypatch, owner, name: str, what) -> list:
+    """Wrap `owner.name` (for this test) so every call appends `what(first argument)` to the
+    returned list, then runs the real function."""
+    calls = []
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda first, *a: calls.append(what(first)) or real(first, *a))
+    return calls
