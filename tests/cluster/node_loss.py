@@ -73,9 +73,12 @@ def bounds(spec: dict, cfg: dict) -> dict:
     gcs_dead_s = ray_cfg["health_check_failure_threshold"] * (timeout + period)
     stale_s = LedgerConfig().stale_after_s
     return {"ray": ray_cfg, "gcs_node_dead_s": gcs_dead_s, "seen_within_s": SEEN_WITHIN_S,
-            # The GCS's verdict reaches the ingress and Serve's routers by publication, within
-            # one more health-check period, or SEEN_WITHIN_S where that is longer.
-            "stream_ends_s": gcs_dead_s + max(period, SEEN_WITHIN_S),
+            # The cut lands up to one health-check period after the last check that passed, so
+            # the failing checks start within `period` of it; the GCS's verdict then reaches the
+            # ingress and Serve's routers by publication, within one more period, or
+            # SEEN_WITHIN_S where that is longer (CI once saw a stream end at 12.1 s against a
+            # bound without the first term's phase, 12.0 s).
+            "stream_ends_s": gcs_dead_s + period + max(period, SEEN_WITHIN_S),
             "feed_replicas_s": stale_s + cfg["capacity"]["heartbeat_interval_s"],
             "stale_after_s": stale_s}
 
