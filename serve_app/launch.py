@@ -63,9 +63,18 @@ def direct_ingress_env(port: int, span: int = 0) -> dict[str, str]:
 # task of ours can use them: they only import Ray beside the start that needs the CPU, then poll
 # (seen under `make test-loaded`: both of orchard serve's took 54 s to import, and the session's
 # two stayed idle through the suite). Off.
+# Ray's own bookkeeping that a local orchard never reads, off: its metrics (orchard's /metrics
+# is the ingress's own Prometheus registry), task state events (the dashboard's task table; a
+# local start has no dashboard) and the C++ event loops' per-handler stats. On a 2-core box Ray's
+# processes took 2.2 CPU-s per 20 s idle with them on and 1.1 with them off and Serve's control
+# loop at 2 Hz (SERVE_START_ENV), the CPU a saturated replica's GEMMs wait on (docs/lab/
+# benchmarks-serve-peers.md, "Ray's idle CPU").
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "memory_monitor_refresh_ms": 0,
                            "agent_register_timeout_ms": 600_000,
-                           "prestart_worker_first_driver": False}
+                           "prestart_worker_first_driver": False,
+                           "enable_metrics_collection": False,
+                           "task_events_report_interval_ms": 0,
+                           "event_stats": False}
 # Head daemons a local Ray starts that orchard does not use, each a Python process that imports
 # Ray during the start and then polls: the autoscaler monitor (a local node has nothing to
 # scale) and, when no driver prints its workers' logs (log_to_driver=False), the log monitor
@@ -75,9 +84,15 @@ LOCAL_RAY_PARAMS = {"no_monitor": True, "include_log_monitor": False}
 # Serve's controller kills (ray.kill) a proxy not ready within 5 s of its start, and one whose
 # health check takes 10 s: on a box whose cores are all busy a proxy starts slower than that and
 # Serve never gets one (seen: ActorDiedError in set-up, 5 of 5 runs with a CPU hog per core).
-# Read by the controller, so they go into the environment the local Ray starts with.
+# Serve's controller reconciles every deployment 10 times a second (RAY_SERVE_CONTROL_LOOP_
+# INTERVAL_S, 0.1 s): 0.65 CPU-s per 20 s on an idle box, the largest of Ray's idle costs. At
+# 2 Hz it is 0.22; what the loop drives (replica starts, health checks every 10 s, a dead
+# replica's replacement) waits at most 0.4 s more, against 25-54 s for a real model's replica
+# to come back. All read by the controller, so they go into the environment the local Ray
+# starts with.
 SERVE_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
-                   "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+                   "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+                   "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 
 
 def connect(address: str | None, namespace: str, start_local: bool,

@@ -18,7 +18,7 @@ def test_minimal_config_gets_defaults():
 
 def test_queue_and_serve_defaults():
     cfg = parse_config({"models": [{"id": "m", "path": "/x"}]})
-    assert (cfg.capacity.queue_timeout_s, cfg.capacity.max_queued) == (30.0, 1024)
+    assert (cfg.capacity.queue_timeout_s, cfg.capacity.max_queued) == (120.0, 1024)
     assert cfg.http.direct_ingress
     assert cfg.replica_env_vars()["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
     # replica_env wins over the fast-path defaults; hold_wait_s is the queue timeout's old name.
