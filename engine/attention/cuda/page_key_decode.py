@@ -90,13 +90,17 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
                               layout: PageLayout, k_bits: int, tail: tuple[mx.array, mx.array],
                               pages: mx.array, ends: mx.array, tail_slots: mx.array,
                               longest: int, scale: float, target_blocks: int | None = None,
-                              min_keys: int | None = None) -> mx.array:
+                              min_keys: int | None = None, splits: int | None = None) -> mx.array:
     """Attention of one query per row, q [B, Hq, 1, D], over page-key history and the step's own
     key: row b attends ends[b] - 1 history keys (whole pages from `pool` through page table
     `pages[b]`, the partial last page from the native tail pool `tail` (K, V: [slots,
     page_tokens, Hkv, D]) at slot tail_slots[b], as the step began) and then k_new / v_new
     [B, Hkv, 1, D]. `longest`: max(ends) on the host (the split plan). Returns [B, Hq, 1, D]
-    in q's dtype."""
+    in q's dtype.
+
+    `splits`: blocks per (row, KV head), overriding the plan (split_count, which caps at
+    MAX_SPLITS): the profile bench (bench/device/page_key_layer_profile.py) A/Bs plans past the
+    cap. A split's range is whole 64-key tiles, so past n / 64 splits the extra ones idle."""
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
     if hq % kvh or not supports(k_bits, 4, d, hq // kvh, layout.page_tokens):
@@ -104,7 +108,8 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
                          f"{hq}/{kvh} or pages of {layout.page_tokens}")
     check_layout(pool, layout, d, k_bits, kvh)
     kt, vt = tail
-    splits = split_count(b, kvh, longest, target_blocks or TARGET_BLOCKS, min_keys)
+    if splits is None:
+        splits = split_count(b, kvh, longest, target_blocks or TARGET_BLOCKS, min_keys)
     return launch_split(
         _kernel(), [q, k_new, v_new, pool, kt, vt, pages, ends, tail_slots,
                     _dims(hq, kvh, pages.shape[1]), _scale(float(scale))],
