@@ -144,6 +144,9 @@ class StepRunner:
         self.runner, self.kvstore, self.permits = runner, kvstore, permits
         self._emit, self.pipeline, self._logits_tap = emit, pipeline, logits_tap
         self.retired_step = -1
+        # CPU steps draw sampled tokens with NumPy (engine/sampling/sampler.py `_draw_host`):
+        # MLX's CPU Gumbel noise is scalar math over the whole vocabulary.
+        self.host_draw = runner.in_place_decode and runner.kernels.cpu_sampling
 
     def pipelines(self, step: Step) -> bool:
         """Whether `step` runs pipelined (`launch`/`collect`) rather than through `run`."""
@@ -188,7 +191,7 @@ class StepRunner:
             if rows:
                 specs = [row_spec(chunks[i].seq, 0) for i in rows]
                 picked = logits if len(rows) == len(chunks) else logits[mx.array(rows)]
-                drawn = sample(picked, specs)
+                drawn = sample(picked, specs, self.host_draw)
                 logprobs = StepLogprobs(picked, drawn, specs)
             # Retirement: the tokens and every KV page array are computed and the device is idle.
             mx.eval(drawn if drawn is not None else logits, self.kvstore.arrays(),
@@ -247,7 +250,7 @@ class StepRunner:
         try:
             chunks = step.chunks
             logits = self.runner.forward(chunks, decode_tokens=step.inputs)
-            drawn = sample(logits, [row_spec(c.seq, ahead) for c in chunks])
+            drawn = sample(logits, [row_spec(c.seq, ahead) for c in chunks], self.host_draw)
             mx.async_eval(drawn, self.kvstore.arrays())
         except Exception:  # noqa: BLE001 - collect retries the head row by row; drop the rest
             if ahead:

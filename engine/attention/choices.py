@@ -145,6 +145,11 @@ class KernelChoices:
     # The same for mlx-lm's SwiGLU activation (engine/model/cpu_swiglu.py): MLX's CPU sigmoid
     # is scalar too. Off: mlx-lm's compiled swiglu.
     cpu_swiglu: bool = True
+    # Sampled rows of CPU steps (temperature > 0, the API's default) draw with NumPy: softmax
+    # by vector exp and one cumulative sum per row (engine/sampling/sampler.py `_draw_host`),
+    # not MLX's Gumbel noise (a threefry draw and two scalar logs per vocabulary entry). Off:
+    # the MLX draw, as on GPUs.
+    cpu_sampling: bool = True
     # How multi-token (prefill) calls attend over gathered pages: "fast" (mx.fast's SDPA: cuDNN
     # on CUDA, which builds an execution plan per (queries, keys, mask) shape, a cost paid by
     # nearly every served prefill step), "ops" (engine/attention/ops_prefill.py: two matmuls and

@@ -21,6 +21,16 @@ def tokenizer(tmp_path_factory):
     return load(d)
 
 
+# Every sampling test runs both draws: MLX's Gumbel noise (GPUs) and the host draw CPU steps
+# take (engine/sampling/sampler.py `_draw_host`); they pick different tokens for a seed, from
+# the same distribution.
+HOSTS = pytest.mark.parametrize("host", [False, True], ids=["mlx_draw", "host_draw"])
+
+
+def draw(host: bool):
+    return lambda logits, rows: sample(logits, rows, host)
+
+
 def _logits(rows=4, vocab=64, seed=0):
     return mx.random.normal((rows, vocab), key=mx.random.key(seed))
 
@@ -31,29 +41,34 @@ def test_greedy_is_argmax():
     assert sample(logits, rows).tolist() == mx.argmax(logits, axis=-1).tolist()
 
 
-def test_seeded_row_is_independent_of_batch_composition():
+@HOSTS
+def test_seeded_row_is_independent_of_batch_composition(host):
     logits = _logits(rows=3)
     p = SamplingParams(temperature=1.0)
-    alone = [sample(logits[1:2], [RowSpec(p, 42, i)]).item() for i in range(20)]
-    batched = [sample(logits, [RowSpec(SamplingParams(temperature=0), 0, 0), RowSpec(p, 42, i),
-                               RowSpec(SamplingParams(temperature=0.5), 7, i)]).tolist()[1]
+    alone = [draw(host)(logits[1:2], [RowSpec(p, 42, i)]).item() for i in range(20)]
+    batched = [draw(host)(logits, [RowSpec(SamplingParams(temperature=0), 0, 0),
+                                   RowSpec(p, 42, i),
+                                   RowSpec(SamplingParams(temperature=0.5), 7, i)]).tolist()[1]
                for i in range(20)]
     assert alone == batched
-    other_seed = [sample(logits[1:2], [RowSpec(p, 43, i)]).item() for i in range(20)]
+    other_seed = [draw(host)(logits[1:2], [RowSpec(p, 43, i)]).item() for i in range(20)]
     assert other_seed != alone
 
 
-def test_top_k_and_top_p_restrict_the_support():
+@HOSTS
+def test_top_k_and_top_p_restrict_the_support(host):
     logits = _logits(rows=1, vocab=32)
     order = mx.argsort(-logits[0]).tolist()
-    k3 = {sample(logits, [RowSpec(SamplingParams(top_k=3), 5, i)]).item() for i in range(200)}
+    k3 = {draw(host)(logits, [RowSpec(SamplingParams(top_k=3), 5, i)]).item() for i in range(200)}
     assert k3 <= set(order[:3]) and len(k3) > 1
     probs = mx.softmax(logits[0]).tolist()
     sorted_p = sorted(probs, reverse=True)
     nucleus = next(i for i in range(32) if sum(sorted_p[:i + 1]) >= 0.5) + 1
-    p5 = {sample(logits, [RowSpec(SamplingParams(top_p=0.5), 5, i)]).item() for i in range(200)}
+    p5 = {draw(host)(logits, [RowSpec(SamplingParams(top_p=0.5), 5, i)]).item()
+          for i in range(200)}
     assert p5 <= set(order[:nucleus])
-    tiny = {sample(logits, [RowSpec(SamplingParams(top_p=1e-6), 5, i)]).item() for i in range(20)}
+    tiny = {draw(host)(logits, [RowSpec(SamplingParams(top_p=1e-6), 5, i)]).item()
+            for i in range(20)}
     assert tiny == {order[0]}
 
 
@@ -72,7 +87,8 @@ def _kept_reference(logits_row: np.ndarray, temperature: float, top_k: int, top_
 @pytest.mark.parametrize("params", [dict(temperature=0.8, top_k=50, top_p=0.95),
                                     dict(temperature=1.0, top_k=20),
                                     dict(temperature=1.5, top_k=200, top_p=0.3)])
-def test_top_k_rows_draw_the_same_tokens_without_sorting_the_vocabulary(params):
+@HOSTS
+def test_top_k_rows_draw_the_same_tokens_without_sorting_the_vocabulary(params, host):
     """A batch whose ranking rows all have a top_k ranks a partitioned candidate set; a top-p
     row without top_k in the batch makes it sort the whole vocabulary. A seeded row's token
     must not depend on which path its batch took, and must lie in the textbook support."""
@@ -81,9 +97,9 @@ def test_top_k_rows_draw_the_same_tokens_without_sorting_the_vocabulary(params):
     sorts_all = RowSpec(SamplingParams(temperature=0.7, top_p=0.9), 1, 0)
     for i in range(25):
         rows = [RowSpec(SamplingParams(**params), 100 + r, i) for r in range(8)]
-        fast = sample(logits, rows).tolist()
+        fast = draw(host)(logits, rows).tolist()
         for r in range(8):
-            full = sample(logits[r:r + 1], [rows[r]]), sample(
+            full = draw(host)(logits[r:r + 1], [rows[r]]), draw(host)(
                 mx.concatenate([logits[r:r + 1], logits[:1]]), [rows[r], sorts_all])
             assert full[1].tolist()[0] == fast[r], (params, i, r)
             kept = _kept_reference(np.array(logits[r]), params["temperature"],
@@ -91,28 +107,30 @@ def test_top_k_rows_draw_the_same_tokens_without_sorting_the_vocabulary(params):
             assert fast[r] in kept and full[0].item() == fast[r]
 
 
-def test_top_k_caps_a_long_nucleus_and_top_p_cuts_inside_top_k():
+@HOSTS
+def test_top_k_caps_a_long_nucleus_and_top_p_cuts_inside_top_k(host):
     logits = mx.random.normal((1, 2048), key=mx.random.key(9))   # flat: a long nucleus
     order = np.argsort(-np.array(logits[0]), kind="stable").tolist()
-    k10 = {sample(logits, [RowSpec(SamplingParams(top_k=10, top_p=0.99), 4, i)]).item()
+    k10 = {draw(host)(logits, [RowSpec(SamplingParams(top_k=10, top_p=0.99), 4, i)]).item()
            for i in range(300)}
     assert k10 == set(order[:10])      # top_k decides: every one of the 10 gets drawn
     # The same beside a row with a larger top_k (the candidate set is the batch's largest k).
     pair = mx.concatenate([logits, logits])
-    k10 = {sample(pair, [RowSpec(SamplingParams(top_k=10), 4, i),
+    k10 = {draw(host)(pair, [RowSpec(SamplingParams(top_k=10), 4, i),
                          RowSpec(SamplingParams(top_k=60), 5, i)]).tolist()[0]
            for i in range(300)}
     assert k10 == set(order[:10])
     peaked = logits * 40
-    cut = {sample(peaked, [RowSpec(SamplingParams(top_k=100, top_p=0.5), 4, i)]).item()
+    cut = {draw(host)(peaked, [RowSpec(SamplingParams(top_k=100, top_p=0.5), 4, i)]).item()
            for i in range(100)}
     assert cut <= _kept_reference(np.array(peaked[0]), 1.0, 100, 0.5) and len(cut) < 100
 
 
-def test_temperature_one_matches_softmax_frequencies():
+@HOSTS
+def test_temperature_one_matches_softmax_frequencies(host):
     logits = mx.array([[2.0, 1.0, 0.0, -1.0]])
     n = 3000
-    draws = [sample(logits, [RowSpec(SamplingParams(), 11, i)]).item() for i in range(n)]
+    draws = [draw(host)(logits, [RowSpec(SamplingParams(), 11, i)]).item() for i in range(n)]
     probs = mx.softmax(logits[0]).tolist()
     for tok, p in enumerate(probs):
         freq = draws.count(tok) / n
