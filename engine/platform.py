@@ -30,15 +30,29 @@ def openblas_path() -> str | None:
     return None
 
 
+# How long an OpenBLAS worker thread spins after its share of a GEMM before it sleeps: 2^n
+# cycles, OpenBLAS's default n = 28 (~0.1 s). A CPU engine step alternates GEMMs with work on
+# the engine thread alone (the Numba decode attention, NumPy softmax and sampling), and the
+# worker spun through all of it on the other core, taking it from the serving processes beside
+# the engine (Ray, the ingress, the client). At n = 4 it sleeps at once: a 16-row SmolLM2 decode
+# step took the same wall time with 24 % less CPU, a 224-token prefill 20 % less
+# (docs/lab/benchmarks-cpu-engine.md, "OpenBLAS's spinning workers"). A value already in the
+# environment wins.
+OPENBLAS_THREAD_TIMEOUT = "4"
+
+
 def openblas_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment variables that preload OpenBLAS into a child process (empty where N/A)."""
     path = openblas_path()
     if path is None:
         return {}
-    current = (base if base is not None else os.environ).get("LD_PRELOAD", "")
+    env = base if base is not None else os.environ
+    timeout = {"OPENBLAS_THREAD_TIMEOUT": env.get("OPENBLAS_THREAD_TIMEOUT",
+                                                  OPENBLAS_THREAD_TIMEOUT)}
+    current = env.get("LD_PRELOAD", "")
     if path in current.split(":"):
-        return {"LD_PRELOAD": current}
-    return {"LD_PRELOAD": f"{path}:{current}" if current else path}
+        return {"LD_PRELOAD": current, **timeout}
+    return {"LD_PRELOAD": f"{path}:{current}" if current else path, **timeout}
 
 
 def openblas_preloaded() -> bool:

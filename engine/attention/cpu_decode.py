@@ -11,10 +11,14 @@ reads the history near memory speed with no mask, padding or partial arrays buil
 
 Numba (a maintained JIT for NumPy loops) compiles the kernel on first use and caches the
 machine code beside this file (`cache=True`), so a process pays the ~3 s compile once per
-machine, in a replica's warm-up. It runs on the calling thread: with Numba's thread pool
-(`parallel=True`, 2 threads) its idle workers spun against OpenBLAS's between layers and the
-step's GEMMs slowed by more than the kernel gained (bench/cpu_profile.py, 16 rows). So the
-kernel keeps no state, holds no pool, and engines on several threads may call it at once.
+machine, in a replica's warm-up. The kernel keeps no state and releases the GIL (`nogil`), so
+engines on several threads may call it at once. With Numba's thread pool (`parallel=True`) its
+idle workers spun against OpenBLAS's between layers and the step's GEMMs slowed by more than the
+kernel gained (bench/cpu_profile.py, 16 rows). Instead a step of at least SPLIT_MIN_ROWS rows is
+cut in two halves of about equal keys: one runs on a single parked worker thread while the
+calling thread runs the other. That pays only since OpenBLAS's own workers sleep right after a
+GEMM (engine/platform.py OPENBLAS_THREAD_TIMEOUT): before, one of them spun on the second core
+through the attention (a split measured no gain then).
 
 The runner takes this path on the CPU with float32 pages where `KernelChoices.cpu_decode` is on
 (`StepBatch.cpu_decode`), for one-token rows without attention sinks; sliding-window layers
@@ -22,10 +26,25 @@ pass each row's first visible key.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import mlx.core as mx
 import numpy as np
 
 _KERNEL = None
+# Rows from which a call is split across the calling thread and the parked worker (below it,
+# the hand-off costs more than half the work saves). SPLIT = False keeps every call on the
+# calling thread (benches compare).
+SPLIT_MIN_ROWS = 4
+SPLIT = True
+_WORKER: ThreadPoolExecutor | None = None
+
+
+def _worker() -> ThreadPoolExecutor:
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-cpu-attention")
+    return _WORKER
 
 
 def import_numba(kernel: str):
@@ -43,7 +62,8 @@ def _kernel():
     """The compiled kernel, built (or loaded from Numba's cache) on first use."""
     global _KERNEL
     if _KERNEL is None:
-        _KERNEL = import_numba("CPU decode kernel").njit(fastmath=True, cache=True)(_attend)
+        _KERNEL = import_numba("CPU decode kernel").njit(fastmath=True, cache=True,
+                                                          nogil=True)(_attend)
     return _KERNEL
 
 
@@ -104,8 +124,18 @@ def decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, pages: n
     qn = np.ascontiguousarray(np.asarray(q).reshape(b, hq, d))
     out = np.empty((b, hq, v_pages.shape[-1]), np.float32)
     kernel = _kernel()
-    kernel(qn, np.asarray(k_pages), np.asarray(v_pages), pages, lo, hi, k_pages.shape[2],
-           np.float32(scale), out)
+    kp, vp, t, sc = np.asarray(k_pages), np.asarray(v_pages), k_pages.shape[2], np.float32(scale)
+    if SPLIT and b >= SPLIT_MIN_ROWS:
+        # Rows [0, m) here, [m, b) on the worker; m splits the keys read about in half. Each
+        # row's result is computed as it would be unsplit (bit-identical).
+        keys = np.cumsum(hi - lo)
+        m = int(np.clip(np.searchsorted(keys, keys[-1] / 2), 1, b - 1))
+        half = _worker().submit(kernel, qn[m:], kp, vp, pages[m:], lo[m:], hi[m:], t, sc,
+                                out[m:])
+        kernel(qn[:m], kp, vp, pages[:m], lo[:m], hi[:m], t, sc, out[:m])
+        half.result()
+    else:
+        kernel(qn, kp, vp, pages, lo, hi, t, sc, out)
     return mx.array(out)[:, :, None]
 
 

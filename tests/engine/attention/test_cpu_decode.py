@@ -55,9 +55,39 @@ def test_row_bounds_follow_the_window():
     assert (lo.tolist(), hi.tolist()) == ([0], [6])
 
 
+def test_a_split_step_equals_the_unsplit_one_and_the_worker_runs_half(monkeypatch):
+    """From SPLIT_MIN_ROWS rows a call runs about half its keys on the parked worker thread;
+    every row is computed as unsplit (bit-identical), whatever the split point."""
+    step, q, k, v = _decode_case(3, 3, [5, 300, 17, 40, 90, 130, 16, 64], seed=5)
+    view = step.view(None)
+    lo, hi = cpu_decode.row_bounds(view.base, step.starts, step.lengths, None)
+    monkeypatch.setattr(cpu_decode, "SPLIT", False)
+    whole = np.asarray(cpu_decode.decode_attention(q, k, v, view.pages_np, lo, hi, 0.25))
+    monkeypatch.setattr(cpu_decode, "SPLIT", True)
+    ran = []
+    real = cpu_decode._worker()
+
+    class Recording:
+        def submit(self, fn, qn, *args):
+            ran.append((threading.get_ident(), qn.shape[0]))
+            return real.submit(lambda *a: (ran.append(threading.get_ident()), fn(*a)), qn,
+                               *args)
+
+    monkeypatch.setattr(cpu_decode, "_worker", lambda: Recording())
+    split = np.asarray(cpu_decode.decode_attention(q, k, v, view.pages_np, lo, hi, 0.25))
+    assert np.array_equal(split, whole)
+    (caller, worker_rows), worker = ran
+    assert worker != caller and 0 < worker_rows < 8
+    # Three rows: below SPLIT_MIN_ROWS, nothing goes to the worker.
+    few = np.asarray(cpu_decode.decode_attention(q[:3], k, v, view.pages_np[:3], lo[:3], hi[:3],
+                                                 0.25))
+    assert np.array_equal(few, whole[:3]) and len(ran) == 2
+
+
 def test_engines_on_several_threads_may_call_it_at_once():
-    # The kernel holds no pool or state: one engine thread per replica, several per process.
-    step, q, k, v = _decode_case(3, 3, [40, 90, 130], seed=3)
+    # The kernel holds no pool or state: one engine thread per replica, several per process,
+    # all splitting onto the one parked worker (6 rows).
+    step, q, k, v = _decode_case(3, 3, [40, 90, 130, 7, 33, 64], seed=3)
     view = step.view(None)
     lo, hi = cpu_decode.row_bounds(view.base, step.starts, step.lengths, None)
     ref = np.asarray(cpu_decode.decode_attention(q, k, v, view.pages_np, lo, hi, 0.2))
