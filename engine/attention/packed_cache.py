@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from capacity.formats import KVFormatError
-from engine.attention import cpu_page_key_decode
+from engine.attention import cpu_page_key_decode, cpu_softmax
 from engine.attention.choices import DEFAULT_KERNELS
 from engine.attention.cuda import packed_decode as cuda_packed_decode
 from engine.attention.cuda import page_key_decode as cuda_page_key_decode
@@ -23,10 +23,22 @@ from engine.attention.cuda import packed_dequant as cuda_packed_dequant
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 from engine.attention.packed import attention_of
 from engine.attention.paged import PagedLayerCache, StepBatch
+from engine.kv.page_quant import dequantize_pages
+from engine.kv.quant import dequantize
+
+# Page-key prefill chunks over at most this many history keys attend on the CPU as native
+# prefill does, over a dequantized copy (`_cpu_page_key_prefill_attend`): the size of the tile
+# the direct path's tiled history unpacks on the CPU anyway (engine/attention/packed.py).
+CPU_PREFILL_COPY_KEYS = 512
 
 
 class PackedLayerCache(PagedLayerCache):
     """One packed full-attention layer over one forward call."""
+
+    # Set by `plan_ahead`: one row group of a merged mixed step (engine/runner/merged.py),
+    # whose write and attention are not adjacent; `_tail_rows`: its write's pending tail rows.
+    _merged = False
+    _tail_rows = None
 
     def __init__(self, store, step: StepBatch, window, direct: bool = False,
                  in_place_decode: bool = False):
@@ -59,7 +71,34 @@ class PackedLayerCache(PagedLayerCache):
                 and cuda_packed_decode.supports(store.fmt.k_bits, store.fmt.v_bits,
                                                 store.geometry.head_dim))
 
+    def plan_ahead(self) -> None:
+        """Make this call's per-step plans now: called by a merged mixed step for every row
+        group in turn before any group writes (engine/runner/merged.py). Each layer there
+        writes every group, then attends every group, so plans made lazily would be wrong: the
+        shared TailMap's `before` would be the last group's when an earlier group attends, and
+        a later group's write would flush an earlier group's tail rows before that group read
+        its tails. So: the tail plan, page-key fill plan and tail slots as this group began
+        (the same, group by group, as the per-group calls make them), and from now on this
+        cache keeps its write's tail rows aside until its own attention."""
+        self._merged = True
+        store = self.store
+        if store.tails is None:
+            return
+        store._tail_plan(self.step.slots)
+        if store.whole_pages:
+            store._fill_plan(self.step.slots)
+        self._tail_before()
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        out = super().update_and_fetch(keys, values)
+        if self._merged:   # held until this group attends (`plan_ahead`)
+            self._tail_rows = self.store.detach_tail_rows()
+        return out
+
     def attend(self, queries, keys, values, *, scale, mask=None, sinks=None):
+        if self._merged:   # this group's tail rows: its attention flushes them after reading
+            self.store.attach_tail_rows(self._tail_rows)
+            self._tail_rows = None
         self.step.attended += 1
         own, self._own = self._own, None
         kernels = self.step.kernels
@@ -100,6 +139,8 @@ class PackedLayerCache(PagedLayerCache):
                                              self.store.page_tokens):
                 return self._page_key_attend(queries, keys, values, scale)
             # A GQA group past the kernel's: the MLX path below (it builds its own masks).
+        if sinks is None and self._cpu_page_key_prefill(queries):
+            return self._cpu_page_key_prefill_attend(queries, keys, values, scale)
         if cpu_page_key_decode.applies(self.store, self.step, self.view, queries, sinks):
             # CPU, float32: page-key decode rows through one Numba kernel that reads codes and
             # native tails where they lie (it flushes the step's tail rows after, as below).
@@ -122,7 +163,7 @@ class PackedLayerCache(PagedLayerCache):
         if tails is not None and ctx.span:
             # Each row's partial last page (as the step began) is attended from its native copy,
             # as extra fresh-like keys; history hides that page's packed rows.
-            tk, tv = self.store.gather_tail(ctx.tail_slots(tails))
+            tk, tv = self.store.gather_tail(self._tail_before())
             keys = mx.concatenate([tk.astype(keys.dtype), keys], axis=2)
             values = mx.concatenate([tv.astype(values.dtype), values], axis=2)
             hist_mask, new_mask = ctx.tail_masks(self.store.whole_pages)
@@ -152,6 +193,44 @@ class PackedLayerCache(PagedLayerCache):
                 and cuda_page_key_dequant.supports(store.fmt.k_bits, store.fmt.v_bits,
                                                    store.geometry.head_dim, store.page_tokens))
 
+    def _cpu_page_key_prefill(self, queries) -> bool:
+        """Whether this call is a page-key prefill chunk over a short history on the CPU
+        (the runner's float32 NumPy-softmax flag, direct prefill mode, no window or sink rows,
+        at most CPU_PREFILL_COPY_KEYS keys of history pages)."""
+        store, step = self.store, self.step
+        if not (store.whole_pages and step.cpu_softmax and queries.shape[2] > 1
+                and not step.kernel_decode and self.view.window is None and not store.sink_rows
+                and attention_of(store).prefill_mode == "direct"):
+            return False
+        span = int(step.starts.max())
+        return 0 < -(-span // store.page_tokens) * store.page_tokens <= CPU_PREFILL_COPY_KEYS
+
+    def _cpu_page_key_prefill_attend(self, queries, keys, values, scale) -> mx.array:
+        """A prefill chunk over page-key history as native prefill on the CPU: the history
+        (full pages dequantized from their codes, the partial page from its native tail as the
+        step began, the step's own keys last) through native's NumPy-softmax attention.
+        Why: the direct path's tiled history scores such a chunk by blocks of MLX ops with an
+        online softmax (MLX's exp), which cost ~1.8x native's time per 312-token chunk over
+        200 tokens of SmolLM2 history (the served prompts' second chunks); the copy is no larger
+        than the one tile that path unpacks."""
+        store = self.store
+        attention_of(store).counters.direct += 1   # the direct path's work, as the kernels'
+        ctx = self._context()
+        hist = ctx.history(store)
+        tk, tv = store.gather_tail(self._tail_before())
+        f32 = mx.float32
+        k = mx.concatenate([dequantize_pages(hist.k, store.fmt.k_bits), tk.astype(f32),
+                            keys.astype(f32)], axis=2)
+        v = mx.concatenate([dequantize(hist.v, store.fmt.v_bits), tv.astype(f32),
+                            values.astype(f32)], axis=2)
+        hist_mask, new_mask = ctx.tail_masks(whole_pages=True)
+        b, n = queries.shape[0], queries.shape[2]
+        mask = mx.concatenate([mx.broadcast_to(m, (b, 1, n, m.shape[-1]))
+                               for m in (hist_mask, new_mask)], axis=-1)
+        out = cpu_softmax.prefill_attention(queries, k, v, scale, mask)
+        store.flush_tail()   # this step's new tail rows, after the old tails were read
+        return out.astype(queries.dtype)
+
     def _tail_slots(self) -> mx.array:
         """Each row's native tail slot as the step began (-1: none), once per step (a compiled
         step has it in its table: engine/runner/compiled_decode.py)."""
@@ -159,8 +238,16 @@ class PackedLayerCache(PagedLayerCache):
         if slots is None:
             slots = self.view.masks.get("page_key_tails")
         if slots is None:
-            slots = self.view.masks["page_key_tails"] = mx.array(
-                self.store.tails.tails_before(self.view.pages_np, self.step.starts))
+            slots = self.view.masks["page_key_tails"] = mx.array(self._tail_before())
+        return slots
+
+    def _tail_before(self) -> np.ndarray:
+        """Each row's native tail slot as the step began (-1: none), from the TailMap's
+        `before` when first asked (after the step's plan), then kept for the step's layers."""
+        slots = self.view.masks.get("tail_before")
+        if slots is None:
+            slots = self.view.masks["tail_before"] = self.store.tails.tails_before(
+                self.view.pages_np, self.step.starts)
         return slots
 
     def _page_key_prefill_attend(self, queries, keys, values, scale) -> mx.array:
@@ -246,13 +333,6 @@ class _StepContext:
         if isinstance(new, str):   # causal
             return np.broadcast_to(np.tri(width, dtype=bool), (rows, width, width))
         return np.array(new)[:, 0]
-
-    def tail_slots(self, tails) -> np.ndarray:
-        """Per row, the native tail slot its partial last page had when the step began."""
-        if "tail_slots" not in self._sink_masks:
-            self._sink_masks["tail_slots"] = tails.tails_before(np.array(self.pages),
-                                                                self.step.starts)
-        return self._sink_masks["tail_slots"]
 
     def tail_masks(self, whole_pages: bool = False) -> tuple[mx.array, mx.array]:
         """(history mask, fresh mask) when each row's partial last page is read from a native

@@ -158,8 +158,7 @@ class PackedLayerStore(LayerStore):
             self.flush_tail()
             plan = self._tail_plan(slots)
             if plan.rows is not None:
-                idx = mx.array(plan.rows)
-                self._pending = (mx.array(plan.slots), slots.offset[idx], k[idx], v[idx])
+                self._pending = self._tail_rows_of(slots, plan, k, v)
 
     # ---- native tail (formats with native_tail) ------------------------------------------------
 
@@ -170,6 +169,20 @@ class PackedLayerStore(LayerStore):
             slots._by_heads[key] = self.tails.plan(np.array(slots.page), np.array(slots.offset))
         return slots._by_heads[key]
 
+    def _tail_rows_of(self, slots: Slots, plan, k: mx.array, v: mx.array) -> tuple:
+        """The write's pending native tail rows (slots, offsets, keys, values) under `plan`.
+        The index arrays are made once per step for every layer, and a step whose rows all
+        stay in partial pages (most decode steps) hands its keys and values over as they are,
+        not through a gather per layer."""
+        key = ("tail_rows", id(self.tails))
+        if key not in slots._by_heads:
+            every = len(plan.rows) == slots.count   # plan.rows ascending: then all of them
+            idx = None if every else mx.array(plan.rows)
+            slots._by_heads[key] = (idx, mx.array(plan.slots),
+                                    slots.offset if every else slots.offset[idx])
+        idx, where, offset = slots._by_heads[key]
+        return (where, offset, k, v) if idx is None else (where, offset, k[idx], v[idx])
+
     def flush_tail(self) -> None:
         """Write the last write's native tail rows into their slots (after attention read the
         tails the step began with; also before anything else reads the pool)."""
@@ -179,6 +192,21 @@ class PackedLayerStore(LayerStore):
         self._pending = None
         for dst, rows in zip(self.tail, (k, v)):
             dst[slot, offset] = rows.astype(dst.dtype)
+
+    def detach_tail_rows(self):
+        """The last write's pending native tail rows, taken out of the store (None: none).
+        A merged mixed step (engine/runner/merged.py) writes every row group of a layer before
+        any of them attends: each group's cache holds its own rows aside so the next group's
+        write does not flush them before this group read its tails (a slot a filled page gave
+        back may hold another page's new rows by then), and `attach_tail_rows` hands them back
+        for its attention to flush after reading."""
+        pending, self._pending = self._pending, None
+        return pending
+
+    def attach_tail_rows(self, pending) -> None:
+        """Hand back rows `detach_tail_rows` took (flushing any others first, as `write` does)."""
+        self.flush_tail()
+        self._pending = pending
 
     def gather_tail(self, slot_per_row: np.ndarray) -> tuple[mx.array, mx.array]:
         """Native tail pages of B rows (slot -1: none, reads slot 0; callers mask it) as K, V

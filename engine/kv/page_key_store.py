@@ -76,8 +76,7 @@ class PageKeyStore(PackedLayerStore):
         if fill is not None:
             self._quantize_filled(fill, k)
         if plan.rows is not None:
-            idx = mx.array(plan.rows)
-            self._pending = (mx.array(plan.slots), slots.offset[idx], k[idx], v[idx])
+            self._pending = self._tail_rows_of(slots, plan, k, v)
 
     def write_decode(self, slots, keys: mx.array, values: mx.array) -> None:
         """One token per row ([N, heads, 1, dim]): `write`, or inside a compiled step (slots

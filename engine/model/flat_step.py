@@ -16,8 +16,9 @@ and writing all first keeps every page array's new version the only consumer of 
 so MLX updates it in place (a write after another group's read would copy the whole array).
 
 Only plain mlx-lm Llama models (engine.model.flat_decode.plain_llama) qualify; the runner
-uses this only for native paged layers and where no CUDA decode kernel writes its own keys
-(KernelChoices.merged_steps).
+uses this for native paged layers, and packed ones on the CPU (their per-call tail plans are
+made ahead, group by group: engine/runner/merged.py), where no CUDA decode kernel writes its
+own keys (KernelChoices.merged_steps).
 """
 from __future__ import annotations
 

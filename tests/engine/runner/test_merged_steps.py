@@ -64,9 +64,10 @@ def test_mixed_steps_match_one_call_per_group(tiny_llama):
 def test_merged_only_where_it_fits(tiny_model_dirs, case):
     if case == "qwen3":   # not a plain mlx-lm Llama: its own forward, one call per group
         runner = _runner(load_model(tiny_model_dirs["qwen3"]), True)
-    elif case == "packed":   # packed caches keep per-call state (tails, sinks)
+    elif case == "packed":   # native sink rows per page: per-group calls (other packed
+        # formats merge: tests/engine/runner/test_merged_packed.py)
         runner = _runner(load_model(tiny_model_dirs["llama"]), True,
-                         layer_factory=packed_layer_factory("int8"))
+                         layer_factory=packed_layer_factory("int4-sink"))
     else:
         runner = _runner(load_model(tiny_model_dirs["llama"]), False)
     assert runner.merged is None
