@@ -207,11 +207,8 @@ class CapacitySettings(_Strict):
         True, description="a replica with prefix caching that drains (redeploy, scale-down) "
         "hands its cached pages to another replica of the same model and format, which imports "
         "them (serve_app/handoff.py); false = a drained replica's conversations are recomputed")
-    # 120 s, not 30: on the 2-core CPU box a 10 s Poisson burst of 40 SmolLM2 requests (4 req/s)
-    # reaches its last first token at 29-38 s, llama.cpp's server and mlx_lm.server (which queue
-    # without a bound) served all 40, and a 30 s wait refused 5-8 of them with 429 after they
-    # had waited the whole time (docs/lab/benchmarks-serve-peers.md, runs 6-9). A wait is still
-    # bounded: by this, by the request's first-token deadline, and by max_queued.
+    # 120 s, not 30: on the 2-core CPU box a 4 req/s burst's last first token came at 29-38 s,
+    # which the peers served and 30 s refused (docs/serving.md, "Queueing").
     queue_timeout_s: float = Field(
         120.0, ge=0, validation_alias=AliasChoices("queue_timeout_s", "hold_wait_s"),
         description="how long a request may wait in the capacity queue (FIFO per model at the "
