@@ -95,6 +95,37 @@ def page_key_dequant(k_fresh, v_fresh, pool, layout, k_bits, tail, pages, bounds
     return tuple(mx.array(a).astype(k_fresh.dtype) for a in out)
 
 
+def page_key_write(k, v, pool, layout, k_bits, tail, page, offset, tail_before, tail_write,
+                   workdir: Path | None = None):
+    """The page-key write kernel (cuda/page_key_write.py) run here with `write_decode`'s
+    signature and launch (float32 or bfloat16 rows and tails, as the engine holds them).
+    Returns (the pool as the kernel left it, (K, V) new tails) as mx arrays."""
+    import mlx.core as mx
+
+    from engine.attention.cuda import page_key_write as pw
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
+    n, h, d = k.shape
+    kt, vt = tail
+    pw.check_layout(pool, layout, d, k_bits, h)
+    t, slots = layout.page_tokens, kt.shape[0]
+    kind = lambda a: "float32" if a.dtype == mx.float32 else "bfloat16"
+    cast = lambda a: np.array(a) if a.dtype == mx.float32 else ce._bits16(a)
+    ti, tt = kind(k), kind(kt)
+    types = {"k": ti, "v": ti, "pool": "uint32", "kt": tt, "vt": tt, "page": "int32",
+             "off": "int32", "tb": "int32", "tw": "int32", "dims": "int32"}
+    ints = [np.asarray(a, np.int32) for a in (page, offset, tail_before, tail_write)]
+    warps = pw.grid_warps(n, h, slots, t)
+    kt1, vt1, written = ce.run(
+        "orchard_page_key_write", [(m, types[m]) for m in pw.INPUTS],
+        [(m, tt) for m in pw.OUTPUTS], pw._SOURCE, pw.QUANTIZE,
+        pw.template(d, t, h, k_bits, ti, tt),
+        [cast(k), cast(v.astype(k.dtype)), np.array(pool), cast(kt), cast(vt), *ints,
+         np.array([n, slots], np.int32)],
+        [kt.shape, vt.shape], (-(-warps // pw.WARPS), 1), pw.WARPS * 32, workdir, writes=(2,))
+    tails = tuple(mx.array(a).astype(kt.dtype) for a in (kt1, vt1))
+    return mx.array(written), tails
+
+
 def page_key_store(rng, fmt_name: str, hist, kvh: int, d: int, page_tokens: int):
     """A PageKeyStore holding history of hist[b] tokens per row, each row written by one write
     (so its full pages are key-quantized on fill, its partial page kept in the native tail), on

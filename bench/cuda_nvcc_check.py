@@ -173,12 +173,30 @@ def page_key_dequant_variants():
                     [*pq.template(d, pt, 2, kb), ("TO", "bfloat16"), ("TT", "bfloat16")])
 
 
+def page_key_write_variants():
+    """The page-key decode write (cuda/page_key_write.py): both key widths and head dims, every
+    page size (the labels start "page-key-write")."""
+    from engine.attention.cuda import page_key_write as pw
+    from engine.attention.cuda.paged_decode import HEADER
+    types = {"k": "bfloat16", "v": "bfloat16", "pool": "uint32", "kt": "bfloat16",
+             "vt": "bfloat16", "page": "int32", "off": "int32", "tb": "int32", "tw": "int32",
+             "dims": "int32"}
+    for d in (64, 128):
+        for kb in (4, 6):
+            for pt in pw.PAGE_TOKENS:
+                yield f"page-key-write d{d} k{kb} pt{pt}", wrap(
+                    "orchard_page_key_write", [(n, types[n]) for n in pw.INPUTS],
+                    [(n, "bfloat16") for n in pw.OUTPUTS], pw._SOURCE, HEADER + pw.QUANTIZE,
+                    pw.template(d, pt, 4, kb, "bfloat16", "bfloat16"))
+
+
 def variants():
     """(label, wrapped source) for every kernel variant the engine launches."""
     yield from native_variants()
     yield from decode_variants()
     yield from page_key_variants()
     yield from page_key_dequant_variants()
+    yield from page_key_write_variants()
     yield from write_variants()
     yield from dequant_variants()
     from engine.attention.cuda import packed_prefill as pf

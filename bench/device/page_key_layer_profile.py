@@ -20,10 +20,13 @@ b. `write`: one layer's decode write as a compiled step issues it (mx.compile of
    `_write_planned` (value record, current page re-keyed, tail row) vs native's and int4's
    scatters. `:held` keeps every input pool referenced, so each scatter copies the whole pool
    first, as in pipelined decode while the previous step's kernels hold it
-   (docs/lab/engine-kernel-notes.md: 52 such copies in a SmolLM2 step).
+   (docs/lab/engine-kernel-notes.md: 52 such copies in a SmolLM2 step). `FORMAT:fused`: the
+   same write as one CUDA kernel (KernelChoices.page_key_write, cuda/page_key_write.py), and
+   `fused_check_bytes_differing`: one filling write both ways, bytes that differ.
 c. `step`: the whole compiled decode step, native vs k6v4-kivi vs int4-kivi (bench.kv_decode's
-   interleaved row, pipelined), whether each runner compiled; `attribution_us` sets a, b, c
-   against each other per layer.
+   interleaved row, pipelined; page-key steps take the default MLX write) and
+   `k6v4-kivi:fused-write` (page_key_write on: the fused kernel), whether each runner compiled;
+   `attribution_us` sets a, b, c against each other per layer.
 
 The split plans the kernel gets at these shapes and the hypothesis this bench tests:
 docs/lab/benchmarks-kv-page-keys.md, "Where a page-key decode step's time goes".
@@ -40,17 +43,18 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from bench.device.page_key_profile_math import PAGE_KEY, attribution, plan
 from bench.device.page_key_qmm import _geometry, _maxdiff
 
 # (geometry, context, batch): the issue's three targets first, so a run cut short keeps them
 ROWS = [("gpu", 4096, 1), ("gpu", 32768, 8), ("llama8b-2l", 4096, 8), ("gpu", 4096, 8)]
 TINY_ROWS = [("tiny", 128, 1), ("tiny", 96, 2)]
-PAGE_KEY = {"k6v4-kivi": 6, "int4-kivi": 4}
 # (label, target blocks, min keys per split, explicit splits): the default plan first
 SPLIT_PLANS = [("default", None, None, None), ("t528", 528, None, None),
                ("mk64", None, 64, None), ("s128", None, None, 128)]
 PARTIAL = 8          # rows past the context: the last page half full (native tail read)
-KT = 64              # the page-key kernel's keys per tile
+# The step part's page-key runners: the defaults (fused write on CUDA), then the MLX write
+STEP_SPECS = [*PAGE_KEY, "k6v4-kivi:fused-write"]
 
 
 def parse_args(argv=None):
@@ -78,20 +82,6 @@ def parse_args(argv=None):
     return args
 
 
-def plan(rows: int, kv_heads: int, longest: int, n: int, target=None, min_keys=None,
-         splits=None) -> dict:
-    """The page-key kernel's split plan for rows of n keys (page_key_decode_attention's host
-    arithmetic and the source's per-split key ranges: whole 64-key tiles)."""
-    from engine.attention.cuda.packed_decode_v2 import TARGET_BLOCKS
-    from engine.attention.cuda.paged_decode import split_count
-    s = splits or split_count(rows, kv_heads, longest, target or TARGET_BLOCKS, min_keys)
-    per = -(-(-(-n // s)) // KT) * KT
-    active = -(-n // per)   # splits past the row's end idle
-    return {"splits": s, "blocks": rows * kv_heads * s, "active_splits": active,
-            "working_blocks": rows * kv_heads * active, "keys_per_split": per,
-            "tiles_per_split": per // KT}
-
-
 class Layer:
     """One attention layer's store in format `fmt`, rows filled to context + PARTIAL, and the
     inputs of the next decode step as a compiled step has them."""
@@ -110,6 +100,7 @@ class Layer:
                                 b * -(-(ctx + room) // T), b)
         tables = _fill(self.store, b, ctx, room)
         self.layer, self.fmt, self.b, self.kvh = self.store.layer(0), fmt, b, kvh
+        self.geometry, self.dtype = geometry, dtype
         width = bucket_pages(ctx // T + 1)
         pages = np.array([t[:width] + [t[0]] * (width - len(t[:width])) for t in tables],
                          dtype=np.int32)
@@ -154,10 +145,11 @@ class Layer:
         return lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
                                                               mask=mask)
 
-    def write(self):
+    def write(self, fused: bool = False):
         """(compiled write of one decode row as a compiled step issues it: state -> state,
-        the initial state)."""
+        the initial state); `fused`: through the page-key write kernel."""
         import mlx.core as mx
+        from engine.attention.cuda import page_key_write
         from engine.runner.compiled_decode import DeviceSlots
         tail = self.fmt in PAGE_KEY
         rows = [self.page_np, self.offset_np, *(self.tail_plan if tail else ())]
@@ -169,6 +161,7 @@ class Layer:
             slots = DeviceSlots(table[0], table[1])
             if tail:
                 slots.tail_before, slots.tail_write = table[2], table[3]
+                slots.page_key_writer = page_key_write if fused else None
             stand.write_decode(slots, k, v)
             if tail:
                 stand.flush_tail()   # attention's flush: the tail row after the read
@@ -249,18 +242,40 @@ def kernel_part(layers: dict, args, cuda: bool) -> dict:
             "plan_uncompiled_longest": plan(nat.b, nat.kvh, nat.n, nat.n)}
 
 
-def write_part(layers: dict, args) -> dict:
-    """(b) one layer's decode write as a compiled step issues it, in place and held."""
+def write_part(layers: dict, args, cuda: bool) -> dict:
+    """(b) one layer's decode write as a compiled step issues it, in place and held; the
+    page-key formats also through the fused write kernel (CUDA only)."""
     variants = {}
     for fmt, L in layers.items():
-        fn, state = L.write()
-        variants[fmt] = (fn, state, False)
-        fn2, state2 = L.write()
-        variants[f"{fmt}:held"] = (fn2, state2, True)
+        for tag, fused, hold in (("", False, False), (":held", False, True),
+                                 (":fused", True, False)):
+            if not fused or (cuda and fmt in PAGE_KEY):
+                fn, state = L.write(fused)
+                variants[fmt + tag] = (fn, state, hold)
     got, _ = paired(variants, args.calls, args.rounds)
+    if cuda:   # the kernel's first device runs: its bytes against the MLX write's
+        L = layers["native"]
+        got["fused_check_bytes_differing"] = {
+            f: fused_check(L.geometry, f, L.n - 1 - PARTIAL, L.b, L.dtype) for f in PAGE_KEY}
     got["pool_mb"] = {f: round(sum(a.nbytes for a in L.layer.arrays()) / 2 ** 20, 2)
                       for f, L in layers.items()}
     return got
+
+
+def fused_check(geometry: dict, fmt: str, n: int, b: int, dtype) -> dict:
+    """One decode write from the same state through the MLX ops and the fused kernel, every row
+    at its page's last offset (so every row keys its page): bytes that differ per array."""
+    import mlx.core as mx
+    from bench.kv_runners import PAGE_TOKENS as T
+    L = Layer(geometry, fmt, n + T - 1 - PARTIAL, b, dtype)   # offset T - 1: a fill
+    got = []
+    for fused in (False, True):
+        fn, state = L.write(fused)
+        state = [(a.view(mx.uint8) + 0).view(a.dtype) for a in state]   # own copies: written
+        got.append(fn(state))                                           # in place by the kernel
+        mx.eval(got[-1])
+    return {name: int((x.view(mx.uint8) != y.view(mx.uint8)).sum().item())
+            for name, x, y in zip(("pool", "k_tail", "v_tail"), *got)}
 
 
 def step_part(loaded, n: int, b: int, args) -> dict:
@@ -271,43 +286,25 @@ def step_part(loaded, n: int, b: int, args) -> dict:
     room = args.steps * (args.repeats + 1)
     made, real = [], kv_decode.make_runner   # the row's runners, kept: did each compile?
     kv_decode.make_runner = lambda *a, **k: made.append(real(*a, **k)) or made[-1]
+    kv_decode.DECODE_KERNELS["fused-write"] = dict(page_key_write=None)   # this bench's spec
     try:
-        row = kv_decode._interleaved_row(loaded, list(PAGE_KEY), b * -(-(n + room) // PAGE_TOKENS),
+        row = kv_decode._interleaved_row(loaded, STEP_SPECS, b * -(-(n + room) // PAGE_TOKENS),
                                          b, n, room, args.steps, args.repeats, DEFAULT_KERNELS,
                                          pipelined=True)
     finally:
         kv_decode.make_runner = real
-    for spec, runner in zip(["native", *PAGE_KEY], made):
+        kv_decode.DECODE_KERNELS.pop("fused-write")
+    for spec, runner in zip(["native", *STEP_SPECS], made):
         cell = row.get(spec, {})
         compiled = getattr(runner, "compiled", None)
         cell["compiled"] = compiled is not None and compiled.traces > 0
         if "tok_s" in cell:
             cell["step_ms"] = round(1e3 * b / cell["tok_s"], 3)
-    for fmt in PAGE_KEY if "step_ms" in row.get("native", {}) else ():
+    for fmt in STEP_SPECS if "step_ms" in row.get("native", {}) else ():
         if "step_ms" in row.get(fmt, {}):
             row[fmt]["extra_ms_per_layer"] = round((row[fmt]["step_ms"] - row["native"][
                 "step_ms"]) / loaded.geometry.num_layers, 4)
     return row
-
-
-def attribution(row: dict) -> dict:
-    """Per layer, us over native's (whose kernel writes its row): the page-key kernel at the
-    default and best plan, its write, a pool copy, and the whole step's extra per layer."""
-    out = {}
-    k, w, s = row.get("kernel", {}).get("variants"), row.get("write"), row.get("step", {})
-    for fmt in PAGE_KEY:
-        a = {}
-        if k:
-            best = row["kernel"]["best_plan"][fmt]
-            a["kernel_extra_us"] = round(k[f"{fmt}:default"]["us"] - k["native"]["us"], 2)
-            a["kernel_extra_us_best_plan"] = round(k[best]["us"] - k["native"]["us"], 2)
-        if w and fmt in w:
-            a["write_us"] = w[fmt]["us"]
-            a["write_pool_copy_us"] = round(w[f"{fmt}:held"]["us"] - w[fmt]["us"], 2)
-        if "extra_ms_per_layer" in s.get(fmt, {}):
-            a["step_extra_us_per_layer"] = round(1e3 * s[fmt]["extra_ms_per_layer"], 2)
-        out[fmt] = a
-    return out
 
 
 def main(argv=None) -> int:
@@ -352,7 +349,7 @@ def main(argv=None) -> int:
             save()
             continue
         for part, run in (("kernel", lambda: kernel_part(layers, args, cuda)),
-                          ("write", lambda: write_part(layers, args))):
+                          ("write", lambda: write_part(layers, args, cuda))):
             if part not in args.parts:
                 continue
             try:

@@ -113,6 +113,15 @@ class KernelChoices:
     # H200 4K / 16K prefill took 1.25x / 1.33x native's time (k6v4-kivi) against 3.0x / 7.7x
     # for the MLX path (docs/lab/benchmarks-kv-page-keys.md, device run 5).
     page_key_prefill: bool | None = None
+    # A compiled decode step's page-key write (value record, tail rows, and a page's key codes
+    # in the step that fills it) as one CUDA kernel launch per layer
+    # (engine/attention/cuda/page_key_write.py) instead of ~15 MLX ops (page_key_store.py's
+    # `_write_planned`): on the H200 the MLX write cost ~230 us per layer against native's
+    # ~36 us and was the whole gap to native (docs/lab/benchmarks-kv-page-keys.md, device run
+    # 6). None: on for CUDA, where compiled page-key steps exist (the page-key decode kernel
+    # attends). Off by default until a device run checks and times it (it is checked on the CPU
+    # emulator and by nvcc only; `bench.device.page_key_layer_profile`'s `:fused` rows).
+    page_key_write: bool | None = False
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is

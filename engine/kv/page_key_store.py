@@ -58,6 +58,7 @@ class PageKeyStore(PackedLayerStore):
     """One full-attention layer in a page-keys format (capacity.formats KVFormat.page_keys)."""
 
     whole_pages = True   # attention reads whole pages of history (per-page metadata)
+    _written_tail = None  # the fused decode write's new (K, V) tails, until attention read
 
     def __init__(self, geometry: LayerGeometry, fmt: KVFormat, num_pages: int, page_tokens: int,
                  tails: Optional[TailMap] = None, writer=None):
@@ -92,8 +93,17 @@ class PageKeyStore(PackedLayerStore):
         """A decode write from device arrays only: values quantized per row; every row's page
         keyed from its tail rows (slot as the step began) with the new row at its offset, all
         of its rows when this one is the page's last; the new rows to their tail slots after
-        attention (`flush_tail`)."""
+        attention (`flush_tail`). CUDA (`slots.page_key_writer`, KernelChoices.page_key_write):
+        all of it in one kernel launch (engine/attention/cuda/page_key_write.py), which keys a
+        page only in the step that fills it and hands back the written tails as new arrays,
+        adopted after attention read the old ones."""
         self.flush_tail()
+        writer = slots.page_key_writer
+        if writer is not None and writer.serves(self):
+            self.pool, self._written_tail = writer.write_decode(
+                k, v, self.pool, self.layout, self.fmt.k_bits, self.tail, slots.page,
+                slots.offset, slots.tail_before, slots.tail_write)
+            return
         self.layout.write_rows(self.pool, self._row_index(slots, V_SECTIONS),
                                record(list(quantize(v, self.fmt.v_bits)), V_SECTIONS))
         n, t = k.shape[0], self.page_tokens
@@ -104,6 +114,13 @@ class PageKeyStore(PackedLayerStore):
                                              meta_rows(offsets, t))):
             self.layout.write_pages(self.pool, slots.page, name, values)
         self._pending = (slots.tail_write, slots.offset, k, v)
+
+    def flush_tail(self) -> None:
+        """The fused write's tails (`_write_planned`, CUDA) replace the old ones once the
+        step's attention has read those; else PackedLayerStore's pending tail rows."""
+        if self._written_tail is not None:
+            self.tail, self._written_tail = self._written_tail, None
+        super().flush_tail()
 
     @property
     def can_trace(self) -> bool:

@@ -29,9 +29,10 @@ class Slots:
     """
 
     __slots__ = ("page_np", "offset_np", "count", "_page", "_offset", "_by_heads")
-    # A compiled step's tail slots per row (engine/runner/compiled_decode.DeviceSlots); host
-    # slots have none: native-tail stores plan their tails from page_np / offset_np.
-    tail_before = tail_write = None
+    # A compiled step's tail slots per row and its fused page-key writer
+    # (engine/runner/compiled_decode.DeviceSlots); host slots have none: native-tail stores plan
+    # their tails from page_np / offset_np and write with MLX ops.
+    tail_before = tail_write = page_key_writer = None
 
     def __init__(self, page: np.ndarray, offset: np.ndarray):
         self.page_np = np.asarray(page, dtype=np.int32)       # [N]

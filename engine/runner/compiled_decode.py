@@ -55,6 +55,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.attention.choices import KernelChoices
+from engine.attention.cuda import page_key_write
 from engine.attention.cuda.paged_decode import asked_warps
 from engine.attention.paged import PagedLayerCache, View
 from engine.kv.store import KVStore
@@ -110,6 +111,9 @@ class DeviceSlots:
         # its new row goes to, [B] int32 (None without such a store; see the module docstring).
         self.tail_before: mx.array | None = None
         self.tail_write: mx.array | None = None
+        # Their write as one CUDA kernel (cuda/page_key_write.py; KernelChoices.page_key_write),
+        # or None: MLX ops. A module, passed in: engine/kv imports nothing of engine/attention.
+        self.page_key_writer = None
 
     def only_slot(self) -> None:
         return None   # the store must scatter by array, never slice at host coordinates
@@ -152,6 +156,7 @@ class DeviceDecodeStep:
         if tails:
             self.tail_before = self.slots.tail_before = table[4 * b:5 * b]
             self.slots.tail_write = table[5 * b:6 * b]
+            self.slots.page_key_writer = page_key_write.chosen(kernels)
         self.longest = pages.shape[1] * page_tokens   # the bucket's capacity: fixes the split plan
         self.kernel_decode = kernel_decode
         self.kernels = kernels

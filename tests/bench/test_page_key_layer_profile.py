@@ -28,8 +28,10 @@ def test_tiny_run_writes_every_part(tmp_path):
         for fmt in FORMATS:
             assert write[fmt]["us"] > 0 and write[f"{fmt}:held"]["us"] > 0
             assert write["pool_mb"][fmt] > 0
+        # The fused write kernel is CUDA only: its rows where it runs.
+        assert ("k6v4-kivi:fused" in write) == paged_decode.available()
         step = row["step"]
-        for fmt in ("native", "k6v4-kivi", "int4-kivi"):
+        for fmt in ("native", "k6v4-kivi", "int4-kivi", "k6v4-kivi:fused-write"):
             assert step[fmt]["step_ms"] > 0 and isinstance(step[fmt]["compiled"], bool)
         assert step["k6v4-kivi"]["ratio_paired_median"] > 0
         for fmt in ("k6v4-kivi", "int4-kivi"):

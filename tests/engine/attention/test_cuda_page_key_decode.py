@@ -173,8 +173,9 @@ def test_compiled_decode_steps_over_page_keys_match_uncompiled_ones(llama, fmt, 
     bucket (3 rows -> 4) and a row leaving; the kernel here is its contract in MLX ops."""
     monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
     monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", _mlx_kernel)
+    # The store's MLX write (the fused CUDA write: test_cuda_page_key_write.py).
     compiled = PackedModelRunner(llama, tail_store(llama, fmt),
-                                 kernels=KernelChoices(page_key_kernel=True))
+                                 kernels=KernelChoices(page_key_kernel=True, page_key_write=False))
     plain = PackedModelRunner(llama, tail_store(llama, fmt),
                               kernels=KernelChoices(page_key_kernel=True, compiled_decode=False))
     mlx_path = PackedModelRunner(llama, tail_store(llama, fmt))

@@ -1,0 +1,222 @@
+"""A page-key layer's decode write in one CUDA kernel (k6v4-kivi, int4-kivi; CUDA backend only).
+
+Why: inside a compiled decode step the store's MLX write (engine/kv/page_key_store.py,
+`_write_planned`) is about fifteen small ops per layer (value quantization and its record
+scatter, the row's page gathered from its tail and re-keyed every step, three section
+scatters, two tail scatters). On the H200 that write cost ~230 us per layer against ~36 us for
+native's, and it was the whole gap between page-key and native decode steps while the page-key
+decode kernel itself was already faster than native's (docs/lab/benchmarks-kv-page-keys.md,
+device run 6). This kernel does the same write in one launch. Per (row, KV head), one warp:
+
+1. the value row quantized token-local (4 bits, 64-channel groups, FP32 scale and offset:
+   engine/kv/quant.py, by packed_write's `orch_quantize`, the same FP32 arithmetic and
+   round-half-even) into the pool's record at (page, offset), in place;
+2. the key and value rows, in the tail's dtype, to the native tail at (tail_write, offset);
+3. only when this row fills its page (offset == page_tokens - 1, decided here, on the device):
+   the page's per-channel key scales and offsets over its page_tokens keys (the tail slot as
+   the step began, the new key at its offset) and its 4- or 6-bit codes, into the pool's key
+   sections (engine/kv/page_quant.py: `quantize_pages`, `meta_rows`), in place. A partial page
+   gets no interim codes (the MLX path re-keys it every step): nothing reads a partial page's
+   codes (attention, prefill, `gather` and `read_packed` take its rows from the native tail or
+   as zeros), so full pages end up with the MLX path's bytes.
+
+The tail is written as a new array, not in place: a slot that a filling row gives back may be
+taken in the same step by a row starting a new page, whose row 0 would then land on keys the
+filling row still reads (in this kernel, and in the step's attention, which runs later and is
+not a dependency of this launch). So the kernel's other warps copy every (slot, token) row of
+the old tail that no row of the step writes (a scan of the step's rows per warp), attention
+reads the old arrays, and the store adopts the new ones after attention (`flush_tail`). The
+copy costs the tail pool's bytes once per layer and step (slots x page_tokens x heads x dim x
+2 x dtype: 64 KiB per slot at the 8B shape and 16-token pages). The pool is written in place
+behind MLX's back (as cuda/packed_write.write_in_place does): this step's attention never reads
+the regions written (a row's current page is its tail), and readers after it depend on the new
+tail (`mx.depends`).
+
+Checked on the CPU emulator against the store's MLX path (bench/cuda_emulate_page_keys.py,
+tests/engine/attention/test_cuda_page_key_write.py) and by nvcc (`python -m
+bench.cuda_nvcc_check --only page-key-write`); not yet run or timed on a GPU
+(`python -m bench.device.page_key_layer_profile` A/Bs it: `:fused` rows).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from engine.attention.cuda.packed_write import QUANTIZE
+from engine.attention.cuda import paged_decode
+from engine.attention.cuda.paged_decode import HEADER, _dims
+from engine.attention.cuda.page_key_decode import HEAD_DIMS, KEY_BITS, check_layout
+
+PAGE_TOKENS = (16, 32, 64)
+WARPS = 4
+INPUTS = ["k", "v", "pool", "kt", "vt", "page", "off", "tb", "tw", "dims"]
+OUTPUTS = ["kt1", "vt1"]
+
+_SOURCE = """
+constexpr int VB = 4, VPT = D / 32, NWB = 4;   // value bits, channels per lane, warps per block
+// The pool's page-key sections (page_layout.PageLayout with key metadata rows of D/PT words:
+// page_key_decode.kernel_layout), token-major [PT][HK][width] words each.
+constexpr int RPP = PT * HK;
+constexpr int LW = D * KB / 32, VW = D * VB / 32, NGK = D / PT, NG = D / 64;
+constexpr int KC_OFF = 0, VC_OFF = RPP * LW, KS_OFF = VC_OFF + RPP * VW;
+constexpr int KO_OFF = KS_OFF + RPP * NGK, VS_OFF = KO_OFF + RPP * NGK;
+constexpr int VO_OFF = VS_OFF + RPP * NG, PGW = VO_OFF + RPP * NG;
+static_assert(KB == 4 || KB == 6, "page-key write: 4- or 6-bit keys");
+static_assert((D == 64 || D == 128) && D % PT == 0 && LW <= 32, "page-key write: head dims 64, 128");
+auto sec = [](size_t r, int off, int w) -> size_t {  // first word of row r in a section
+  return (r / RPP) * (size_t)PGW + off + (r % RPP) * (size_t)w;
+};
+const int N = dims[0], S = dims[1];
+const int lane = threadIdx.x % 32, wb = threadIdx.x / 32;
+const int wi = blockIdx.x * NWB + wb;
+uint32_t* const pw = const_cast<uint32_t*>(pool);   // written in place (the module docstring)
+__shared__ unsigned char codes[NWB][D];             // one token's key codes, per warp
+if (wi < N * HK) {
+  const int r = wi / HK, h = wi % HK;
+  const int pg = page[r], o = off[r];
+  const size_t at = ((size_t)r * HK + h) * D + lane * VPT;
+  const size_t row = ((size_t)pg * PT + o) * HK + h;
+  // 1. The value row's record (engine/kv/quant.py quantize; orch_quantize leaves x as is).
+  float x[VPT];
+  #pragma unroll
+  for (int i = 0; i < VPT; ++i) x[i] = to_f(v[at + i]);
+  unsigned int word;
+  float sc, lo;
+  orch_quantize<D, VB>(x, false, nullptr, lane, word, sc, lo);
+  const int c0 = lane * VPT;
+  if (c0 % (32 / VB) == 0) pw[sec(row, VC_OFF, VW) + c0 / (32 / VB)] = word;
+  if (c0 % 64 == 0) {
+    pw[sec(row, VS_OFF, NG) + c0 / 64] = __float_as_uint(sc);
+    pw[sec(row, VO_OFF, NG) + c0 / 64] = __float_as_uint(lo);
+  }
+  // 2. The rows to the new tail (a filling row's slot is the one it gives back, as on the
+  // MLX path: never read again).
+  if (tw[r] >= 0) {
+    const size_t dst = (((size_t)tw[r] * PT + o) * HK + h) * D + lane * VPT;
+    #pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      put(kt1 + dst + i, to_f(k[at + i]));
+      put(vt1 + dst + i, x[i]);
+    }
+  }
+  // 3. A page this row fills: per-channel scale and offset over its PT keys, then its codes
+  // (engine/kv/page_quant.py quantize_pages: the same FP32 min, max, divide and rint).
+  if (o == PT - 1) {
+    const size_t src = (size_t)max(tb[r], 0) * PT * HK * D + (size_t)h * D + lane * VPT;
+    auto key = [&](int t, int i) -> float {
+      return t == o ? to_f(k[at + i]) : to_f(kt[src + (size_t)t * HK * D + i]);
+    };
+    const float top = (float)((1 << KB) - 1);
+    float kl[VPT], ks[VPT];
+    #pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      float l = key(0, i), u = l;
+      for (int t = 1; t < PT; ++t) { const float y = key(t, i); l = fminf(l, y); u = fmaxf(u, y); }
+      kl[i] = l;
+      ks[i] = (u - l) / top;
+      const int c = c0 + i;   // channel c's metadata: token c / NGK's row, word c % NGK
+      const size_t m = ((size_t)pg * PT + c / NGK) * HK + h;
+      pw[sec(m, KS_OFF, NGK) + c % NGK] = __float_as_uint(ks[i]);
+      pw[sec(m, KO_OFF, NGK) + c % NGK] = __float_as_uint(l);
+    }
+    for (int t = 0; t < PT; ++t) {
+      #pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const float safe = ks[i] > 0.0f ? ks[i] : 1.0f;
+        codes[wb][c0 + i] = (unsigned char)fminf(fmaxf(rintf((key(t, i) - kl[i]) / safe), 0.0f), top);
+      }
+      __syncwarp();
+      if (lane < LW) {   // word `lane` of the row: the codes overlapping its 32 bits
+        unsigned int w = 0;
+        for (int c = lane * 32 / KB; c <= (lane * 32 + 31) / KB; ++c) {
+          const int s = c * KB - lane * 32;   // < 0: a 6-bit code begun in the word before
+          w |= s >= 0 ? (unsigned int)codes[wb][c] << s : (unsigned int)codes[wb][c] >> -s;
+        }
+        pw[sec(((size_t)pg * PT + t) * HK + h, KC_OFF, LW) + lane] = w;
+      }
+      __syncwarp();
+    }
+  }
+} else if (wi < N * HK + S * PT) {
+  // The old tail's (slot, token) row, every head, unless a row of this step writes it.
+  const int u = wi - N * HK, s = u / PT, t = u % PT;
+  unsigned int hit = 0;
+  for (int r = lane; r < N; r += 32) hit |= (tw[r] == s && off[r] == t) ? 1u : 0u;
+  #pragma unroll
+  for (int o = 1; o < 32; o <<= 1) hit |= __shfl_xor_sync(0xffffffff, hit, o);
+  if (!hit) {
+    constexpr int Q = HK * D * (int)sizeof(TT) / 16;   // 16-byte pieces of the row
+    const size_t base = ((size_t)s * PT + t) * HK * D;
+    const uint4* ka = reinterpret_cast<const uint4*>(kt + base);
+    const uint4* va = reinterpret_cast<const uint4*>(vt + base);
+    uint4* kb = reinterpret_cast<uint4*>(kt1 + base);
+    uint4* vb = reinterpret_cast<uint4*>(vt1 + base);
+    for (int q = lane; q < Q; q += 32) { kb[q] = ka[q]; vb[q] = va[q]; }
+  }
+}
+"""
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="orchard_page_key_write", input_names=INPUTS, output_names=OUTPUTS,
+        source=_SOURCE, header=HEADER + QUANTIZE, ensure_row_contiguous=True)
+
+
+def supports(k_bits: int | None, v_bits: int | None, head_dim: int, page_tokens: int) -> bool:
+    """Whether a page-key layer of these bits, head size and page size can use this kernel."""
+    return (k_bits in KEY_BITS and v_bits == 4 and head_dim in HEAD_DIMS
+            and page_tokens in PAGE_TOKENS and head_dim % page_tokens == 0)
+
+
+def serves(store) -> bool:
+    """Whether `store`'s decode writes may take this kernel: its format, no sink rows."""
+    fmt = store.fmt
+    return (not store.sink_rows
+            and supports(fmt.k_bits, fmt.v_bits, store.geometry.head_dim, store.page_tokens))
+
+
+def chosen(kernels) -> object | None:
+    """This module for a compiled step's page-key stores (engine/runner/compiled_decode.py,
+    `DeviceSlots.page_key_writer`) where KernelChoices.page_key_write allows it and CUDA runs;
+    None: the MLX ops."""
+    import sys
+    on = kernels.page_key_write is not False and paged_decode.available()
+    return sys.modules[__name__] if on else None
+
+
+def template(head_dim: int, page_tokens: int, heads: int, k_bits: int, in_dtype,
+             tail_dtype) -> list:
+    return [("D", head_dim), ("PT", page_tokens), ("HK", heads), ("KB", k_bits),
+            ("TI", in_dtype), ("TT", tail_dtype)]
+
+
+def grid_warps(rows: int, heads: int, slots: int, page_tokens: int) -> int:
+    """Warps of one launch: one per (row, head), one per (slot, token) of the tail copy."""
+    return rows * heads + slots * page_tokens
+
+
+def write_decode(k: mx.array, v: mx.array, pool: mx.array, layout, k_bits: int,
+                 tail: tuple[mx.array, mx.array], page: mx.array, offset: mx.array,
+                 tail_before: mx.array, tail_write: mx.array):
+    """One decode row per sequence, k and v [N, H, D], at (page, offset) [N] int32, with each
+    row's tail slot as the step began and the slot its row goes to ([N] int32:
+    TailMap.decode_slots). Writes the value records and the codes of pages filled into `pool`
+    IN PLACE and returns (the pool, made to depend on the write, (K, V) tails: new arrays).
+    `tail` is left as it was (the step's attention reads it)."""
+    n, h, d = k.shape
+    kt, vt = tail
+    check_layout(pool, layout, d, k_bits, h)
+    if not supports(k_bits, 4, d, layout.page_tokens):
+        raise ValueError(f"page-key write: unsupported key bits {k_bits}, head dim {d} or "
+                         f"pages of {layout.page_tokens}")
+    t = layout.page_tokens
+    warps = grid_warps(n, h, kt.shape[0], t)
+    kt1, vt1 = _kernel()(
+        inputs=[k, v, pool, kt, vt, page, offset, tail_before, tail_write, _dims(n, kt.shape[0])],
+        template=template(d, t, h, k_bits, k.dtype, kt.dtype),
+        grid=(-(-warps // WARPS) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[kt.shape, vt.shape], output_dtypes=[kt.dtype, vt.dtype])
+    return mx.depends(pool, kt1), (kt1, vt1)
