@@ -65,10 +65,9 @@ def direct_ingress_env(port: int, span: int = 0) -> dict[str, str]:
 # two stayed idle through the suite). Off.
 # Ray's own bookkeeping that a local orchard never reads, off: its metrics (orchard's /metrics
 # is the ingress's own Prometheus registry), task state events (the dashboard's task table; a
-# local start has no dashboard) and the C++ event loops' per-handler stats. On a 2-core box Ray's
-# processes took 2.2 CPU-s per 20 s idle with them on and 1.1 with them off and Serve's control
-# loop at 2 Hz (SERVE_START_ENV), the CPU a saturated replica's GEMMs wait on (docs/lab/
-# benchmarks-serve-peers.md, "Ray's idle CPU").
+# local start has no dashboard) and the C++ event loops' per-handler stats: on a 2-core box the
+# GCS, raylet, dashboard agent and actors idle at about half their CPU without them, CPU a
+# saturated replica's GEMMs wait on (docs/lab/benchmarks-serve-peers.md, "Runs 11-12").
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "memory_monitor_refresh_ms": 0,
                            "agent_register_timeout_ms": 600_000,
                            "prestart_worker_first_driver": False,
@@ -84,15 +83,13 @@ LOCAL_RAY_PARAMS = {"no_monitor": True, "include_log_monitor": False}
 # Serve's controller kills (ray.kill) a proxy not ready within 5 s of its start, and one whose
 # health check takes 10 s: on a box whose cores are all busy a proxy starts slower than that and
 # Serve never gets one (seen: ActorDiedError in set-up, 5 of 5 runs with a CPU hog per core).
-# Serve's controller reconciles every deployment 10 times a second (RAY_SERVE_CONTROL_LOOP_
-# INTERVAL_S, 0.1 s): 0.65 CPU-s per 20 s on an idle box, the largest of Ray's idle costs. At
-# 2 Hz it is 0.22; what the loop drives (replica starts, health checks every 10 s, a dead
-# replica's replacement) waits at most 0.4 s more, against 25-54 s for a real model's replica
-# to come back. All read by the controller, so they go into the environment the local Ray
-# starts with.
+# Read by the controller, so they go into the environment the local Ray starts with. Serve's
+# control loop keeps its 0.1 s period (RAY_SERVE_CONTROL_LOOP_INTERVAL_S): at 0.5 s its CPU fell
+# from 0.65 to 0.22 CPU-s per 20 s idle, but the loop also pulls the replicas' routing stats
+# (prefix pages, running requests), and a conversation's next turn then met a staler picture
+# (tests/serve_app/test_prefix_routing.py failed in CI on it).
 SERVE_START_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
-                   "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
-                   "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+                   "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
 
 
 def connect(address: str | None, namespace: str, start_local: bool,
