@@ -81,13 +81,9 @@ class PackedLayerCache(PagedLayerCache):
         (the same, group by group, as the per-group calls make them), and from now on this
         cache keeps its write's tail rows aside until its own attention."""
         self._merged = True
-        store = self.store
-        if store.tails is None:
-            return
-        store._tail_plan(self.step.slots)
-        if store.whole_pages:
-            store._fill_plan(self.step.slots)
-        self._tail_before()
+        self.store.plan_step(self.step.slots)
+        if self.store.tails is not None:
+            self._tail_before()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         out = super().update_and_fetch(keys, values)

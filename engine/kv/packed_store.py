@@ -162,6 +162,12 @@ class PackedLayerStore(LayerStore):
 
     # ---- native tail (formats with native_tail) ------------------------------------------------
 
+    def plan_step(self, slots: Slots) -> None:
+        """Make the step's shared plans now rather than at the first write: a merged mixed
+        step's row groups plan in turn before any of them writes (engine/runner/merged.py)."""
+        if self.tails is not None:
+            self._tail_plan(slots)
+
     def _tail_plan(self, slots: Slots):
         """The step's tail plan, computed by the first layer that writes and shared by all."""
         key = ("tail_plan", id(self.tails))

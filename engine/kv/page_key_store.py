@@ -137,6 +137,12 @@ class PageKeyStore(PackedLayerStore):
         self.pool, *tail = arrays
         self.tail = tuple(tail)
 
+    def plan_step(self, slots: Slots) -> None:
+        """The tail plan, then the page fills it decides (`PackedLayerStore.plan_step`)."""
+        super().plan_step(slots)
+        if self.tails is not None:
+            self._fill_plan(slots)
+
     def _fill_plan(self, slots: Slots) -> FillPlan | None:
         key = ("page_key_fill", id(self.tails))
         if key not in slots._by_heads:   # shared by every layer of the step, like the tail plan
