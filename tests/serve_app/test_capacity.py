@@ -175,16 +175,22 @@ def test_queued_requests_are_served_in_turn_and_a_full_queue_refuses(http, orcha
     # (a faster box, or a quieter moment, ends shorter streams on their own and frees slots).
     longest = model_feed(http)["max_request_raw_tokens"] - 64
     ceiling = orchard_config["models"][0]["max_num_seqs"]
-    try:
-        while model_feed(http)["headroom_requests"] > 0 and len(streams) < ceiling:
+    def saturated() -> bool:
+        """Open another stream while there is room: the learned cap may still grow as these
+        streams' own decode samples arrive (CI saw 6 streams meet a cap of 6 that then became
+        8), so saturation is what holds after the last stream opened, not a single reading."""
+        if model_feed(http)["headroom_requests"] > 0 and len(streams) < ceiling:
             stream = Stream(orchard_url, max_tokens=longest)
             streams.append(stream)
             assert stream.status == 200 and stream.read_content_events(1) == 1
+            return False
         # Saturated by the learned cap or the replica's ceiling, whichever is lower, with every
         # stream still running (not by streams that ended on their own).
-        wait_for(lambda: running(http) == len(streams) and model_feed(http)[
-            "headroom_requests"] == 0, what="saturation by the streams opened",
-            status=lambda: (len(streams), running(http), model_feed(http)))
+        return running(http) == len(streams) and model_feed(http)["headroom_requests"] == 0
+
+    try:
+        wait_for(saturated, timeout_s=60, what="saturation by the streams opened",
+                 status=lambda: (len(streams), running(http), model_feed(http)))
         t_sent = time.monotonic()
         threads = [threading.Thread(target=one) for _ in range(3)]
         for t in threads:
