@@ -146,6 +146,12 @@ class KernelChoices:
     # int4-kivi) through its page-key twin, which reads the codes and native tails where they
     # lie (engine/attention/cpu_page_key_decode.py). Off: the MLX paths.
     cpu_decode: bool = True
+    # Multi-token rows on the CPU (float32 pages, no attention sinks) attend through one Numba
+    # kernel over their page tables too (engine/attention/cpu_prefill.py): exact causal and
+    # window bounds per query, no gathered copy or mask, split over both cores; 0.42-0.56x
+    # the GEMM-and-NumPy-softmax path's time at 224-512-token chunks. Off: that path
+    # (cpu_softmax).
+    cpu_prefill: bool = True
     # CPU steps of Llama-family models (the flat decode and merged step bodies) rotate q and k
     # by a per-position table read once from the model's own rope module
     # (engine/model/rope_table.py) instead of MLX's CPU rope, which computes a sine and a cosine

@@ -15,8 +15,8 @@ machine, in a replica's warm-up. The kernel keeps no state and releases the GIL 
 engines on several threads may call it at once. With Numba's thread pool (`parallel=True`) its
 idle workers spun against OpenBLAS's between layers and the step's GEMMs slowed by more than the
 kernel gained (bench/cpu_profile.py, 16 rows). Instead a step of at least SPLIT_MIN_ROWS rows is
-cut in two halves of about equal keys: one runs on a single parked worker thread while the
-calling thread runs the other. That pays only since OpenBLAS's own workers sleep right after a
+cut in two halves of about equal keys: one runs on the parked worker thread
+(engine/cpu_worker.py) while the calling thread runs the other. That pays only since OpenBLAS's own workers sleep right after a
 GEMM (engine/platform.py OPENBLAS_THREAD_TIMEOUT): before, one of them spun on the second core
 through the attention (a split measured no gain then).
 
@@ -31,20 +31,18 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
+from engine.cpu_worker import parked_worker
+
 _KERNEL = None
 # Rows from which a call is split across the calling thread and the parked worker (below it,
 # the hand-off costs more than half the work saves). SPLIT = False keeps every call on the
 # calling thread (benches compare).
 SPLIT_MIN_ROWS = 4
 SPLIT = True
-_WORKER: ThreadPoolExecutor | None = None
 
 
 def _worker() -> ThreadPoolExecutor:
-    global _WORKER
-    if _WORKER is None:
-        _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-cpu-attention")
-    return _WORKER
+    return parked_worker()
 
 
 def import_numba(kernel: str):

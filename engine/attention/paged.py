@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from engine.attention import cpu_decode, cpu_softmax, ops_prefill
+from engine.attention import cpu_decode, cpu_prefill, cpu_softmax, ops_prefill
 from engine.attention.choices import DEFAULT_KERNELS
 from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.kv.store import LayerStore, Slots
@@ -100,6 +100,9 @@ class StepBatch:
         # (engine/attention/cpu_decode.py; CPU backend, KernelChoices.cpu_decode), page-key
         # layers' through engine/attention/cpu_page_key_decode.py.
         self.cpu_decode = False
+        # Set by the runner: multi-token rows likewise through engine/attention/cpu_prefill.py
+        # (KernelChoices.cpu_prefill).
+        self.cpu_prefill = False
         # Set by the runner on the CPU: RoPE by a per-position table (engine/model/rope_table.py)
         # instead of MLX's per-element sine and cosine; `rotation` gathers this step's angles.
         self.rope_table = None
@@ -334,6 +337,10 @@ class PagedLayerCache:
             lo, hi = cpu_decode.row_bounds(self.view.base, self.step.starts, self.step.lengths,
                                            self.view.window)
             return cpu_decode.decode_attention(queries, *pages, self.view.pages_np, lo, hi, scale)
+        if self.step.cpu_prefill and sinks is None and queries.shape[2] > 1 and pages is not None:
+            return cpu_prefill.prefill_attention(
+                queries, *pages, self.view.pages_np, self.step.starts, self.view.base,
+                self.step.lengths, self.view.window, scale)
         group = queries.shape[1] // keys.shape[1]
         # Page-wise PV partials (group*n rows per page) stay no larger than a gathered V copy.
         if (self.in_place_decode and pages is not None

@@ -135,6 +135,7 @@ class DeviceDecodeStep:
     valid = None
     cpu_softmax = False   # one query per row: mx.softmax inside the trace, never NumPy
     cpu_decode = False    # nor the Numba kernel: a trace holds MLX ops only
+    cpu_prefill = False   # (one query per row: never the prefill kernel either)
 
     def rotation(self):
         return None           # RoPE by the layers' own modules, inside the trace

@@ -148,11 +148,11 @@ class ModelRunner:
         self._paged = set(geometry.paged_layers)
         self.recurrent = (RecurrentStates(loaded.model, list(geometry.unpaged_layers))
                           if geometry.unpaged_layers else None)
-        # On the CPU, decode reads pages in place (gather_mm, float32 only there) instead of
-        # gathering a copy of the context.
+        # On the CPU, attention reads float32 pages in place instead of gathering a copy.
         self.in_place_decode = mx.default_device() == mx.cpu and kvstore.dtype == mx.float32
         self.cpu_softmax = self.in_place_decode and kernels.cpu_softmax
         self.cpu_decode = self.in_place_decode and kernels.cpu_decode
+        self.cpu_prefill = self.in_place_decode and kernels.cpu_prefill
         self.rope_table = (RopeTable.for_model(loaded.model)
                            if self.in_place_decode and kernels.cpu_rope_table else None)
         self.cpu_swiglu = self.in_place_decode and kernels.cpu_swiglu
@@ -352,8 +352,8 @@ class ModelRunner:
         step = StepBatch(chunks, self.page_tokens, self.prefill_width_bucket)
         step.kernel_decode = self.kernel_decode and step.width == 1
         step.kernels = self.kernels
-        step.cpu_softmax = self.cpu_softmax
-        step.cpu_decode = self.cpu_decode
+        step.cpu_softmax, step.cpu_decode, step.cpu_prefill = (self.cpu_softmax, self.cpu_decode,
+                                                               self.cpu_prefill)
         step.rope_table = self.rope_table
         step.prefill_ops = self.prefill_ops
         return step

@@ -15,14 +15,18 @@ from engine.runner.paged import ModelRunner
 ARCHS = ["llama", "qwen3", "gemma3_text", "gpt_oss"]
 
 
-def runner_pair(model_dir: str, seed: int, lengths, **off):
+def runner_pair(model_dir: str, seed: int, lengths, both: dict | None = None, **off):
     """(model, prompts of `lengths` seeded tokens, runner with production's choices, runner
-    with `KernelChoices(**off)`), each over fresh pages (24 pages of 16 tokens)."""
+    with `KernelChoices(**off)`), each over fresh pages (24 pages of 16 tokens). `both`: choices
+    set in both runners (a path that another one replaces by default, tested as it still runs
+    where that one is off)."""
     lm = load_model(model_dir)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, lm.geometry.vocab_size, n).tolist() for n in lengths]
-    new = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype))
-    old = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype), kernels=KernelChoices(**off))
+    both = both or {}
+    new = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype), kernels=KernelChoices(**both))
+    old = ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype),
+                      kernels=KernelChoices(**{**both, **off}))
     return lm, prompts, new, old
 
 

@@ -69,7 +69,9 @@ def _chunked_prefill(runner, prompts):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_runner_prefill_matches_mlx_attention(tiny_model_dirs, arch, monkeypatch):
-    _, prompts, new, old = runner_pair(tiny_model_dirs[arch], 2, (45, 12, 30), cpu_softmax=False)
+    # With the prefill kernel off (it takes these calls by default: test_cpu_prefill.py).
+    _, prompts, new, old = runner_pair(tiny_model_dirs[arch], 2, (45, 12, 30),
+                                       both={"cpu_prefill": False}, cpu_softmax=False)
     assert new.cpu_softmax and not old.cpu_softmax   # the CPU suite, float32 pages
     calls = record_calls(monkeypatch, cpu_softmax, "prefill_attention", lambda q: q.shape[2])
     got = _chunked_prefill(new, prompts)
@@ -110,3 +112,23 @@ def test_runner_swiglu_in_numpy_only_inside_its_steps(tiny_llama, monkeypatch):
     calls.clear()
     lm.model(mx.array([prompts[0]]))   # mlx-lm's own call, outside a runner step
     assert not calls
+
+
+def test_numpy_swiglu_split_over_two_threads_is_exact(monkeypatch):
+    """From SPLIT_MIN_ELEMENTS a call runs half its rows on the parked worker: bit-identical to
+    one thread."""
+    from engine.model import cpu_swiglu
+    gate, x = mx.random.normal((37, 3, 40)) * 6, mx.random.normal((37, 3, 40))
+    whole = np.array(cpu_swiglu.numpy_silu_mul(gate, x))
+    monkeypatch.setattr(cpu_swiglu, "SPLIT_MIN_ELEMENTS", 16)
+    ran = []
+    real = cpu_swiglu.parked_worker()
+
+    class Recording:
+        def submit(self, fn, *args):
+            ran.append(args[0].shape[0])
+            return real.submit(fn, *args)
+
+    monkeypatch.setattr(cpu_swiglu, "parked_worker", lambda: Recording())
+    assert np.array_equal(np.array(cpu_swiglu.numpy_silu_mul(gate, x)), whole)
+    assert ran == [37 - 18]

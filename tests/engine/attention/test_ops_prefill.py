@@ -67,7 +67,8 @@ def test_runner_prefill_through_ops_matches_fast(tiny_model_dirs, arch, monkeypa
 
     def runner(choice):
         return ModelRunner(lm, KVStore(lm.geometry, 24, 16, lm.dtype),
-                           kernels=KernelChoices(cpu_softmax=False, prefill_attention=choice))
+                           kernels=KernelChoices(cpu_softmax=False, cpu_prefill=False,
+                                                prefill_attention=choice))
 
     ops, fast, auto = runner("ops"), runner("fast"), runner("auto")
     # "auto" is ops only on CUDA: this suite runs on the CPU.

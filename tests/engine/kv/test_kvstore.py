@@ -83,3 +83,33 @@ def test_layer_factory_plugs_in_another_layer_store():
 def test_slots_split_into_page_and_offset():
     s = Slots.from_flat(np.array([0, 5, 17]), 8)
     assert s.page.tolist() == [0, 0, 2] and s.offset.tolist() == [0, 5, 1] and s.count == 3
+
+
+def test_slots_runs_are_stretches_of_consecutive_slots_in_one_page():
+    # Tokens 0-5 on page 6 from offset 2 (a page boundary after 2 of them), a page change, a
+    # gap inside a page, a lone token.
+    slots = Slots(np.array([6, 6, 1, 1, 1, 1, 3, 3, 9]), np.array([2, 3, 0, 1, 2, 3, 0, 2, 7]))
+    assert slots.runs() == [(6, 2, 0, 2), (1, 0, 2, 4), (3, 0, 6, 1), (3, 2, 7, 1), (9, 7, 8, 1)]
+    assert Slots(np.array([4]), np.array([0])).runs() == [(4, 0, 0, 1)]
+
+
+@pytest.mark.parametrize("run_tokens", [1, 10 ** 9])   # slice updates / the scatter
+def test_a_write_by_stretches_equals_the_scatter(run_tokens, monkeypatch):
+    """A prompt's write on the CPU goes by one slice update per stretch of consecutive slots
+    where they average RUN_TOKENS or more, else one scatter: same pages either way."""
+    from engine.kv import store as store_mod
+    monkeypatch.setattr(store_mod, "RUN_TOKENS", run_tokens)
+    layer = NativeLayerStore(GEOM.layers[0], 8, 4, mx.float32)
+    table = [6, 1, 3, 0]
+    tokens = list(range(2, 13))                # starts mid-page, crosses three page bounds
+    slots = Slots.from_flat(np.array([table[t // 4] * 4 + t % 4 for t in tokens]), 4)
+    k, v = _rows(len(tokens), 7), _rows(len(tokens), 8)
+    before = np.array(layer.k)
+    layer.write(slots, mx.array(k), mx.array(v))
+    want_k = before.copy()
+    want_v = np.zeros_like(want_k)
+    for i, t in enumerate(tokens):
+        want_k[:, table[t // 4], t % 4] = k[i]
+        want_v[:, table[t // 4], t % 4] = v[i]
+    np.testing.assert_array_equal(np.array(layer.k), want_k)
+    np.testing.assert_array_equal(np.array(layer.v), want_v)
