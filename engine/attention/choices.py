@@ -160,6 +160,10 @@ class KernelChoices:
     # The same for mlx-lm's SwiGLU activation (engine/model/cpu_swiglu.py): MLX's CPU sigmoid
     # is scalar too. Off: mlx-lm's compiled swiglu.
     cpu_swiglu: bool = True
+    # Projections of at most 32 rows (decode steps) on the CPU through one Numba kernel that
+    # reads each float32 weight once, split over both cores (engine/model/cpu_linear.py):
+    # 0.45-0.8x MLX's (OpenBLAS's) time at 1-32 rows. Off: MLX's matmul.
+    cpu_linear: bool = True
     # Sampled rows of CPU steps (temperature > 0, the API's default) draw with NumPy: softmax
     # by vector exp and one cumulative sum per row (engine/sampling/sampler.py `_draw_host`),
     # not MLX's Gumbel noise (a threefry draw and two scalar logs per vocabulary entry). Off:

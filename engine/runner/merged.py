@@ -21,6 +21,7 @@ import numpy as np
 
 from engine.attention.packed_cache import PackedLayerCache
 from engine.attention.paged import PagedLayerCache
+from engine.model.cpu_linear import skinny_linears
 from engine.model.cpu_swiglu import numpy_swiglu
 from engine.model.flat_step import RowGroup, flat_step_body
 from engine.runner.tokens import input_tokens
@@ -67,7 +68,7 @@ class MergedSteps:
             picks.extend(start + j * step.width + int(n) - 1 for j, n in enumerate(step.lengths))
             start += step.size * step.width
             order.extend(group)
-        with numpy_swiglu(runner.cpu_swiglu):
+        with numpy_swiglu(runner.cpu_swiglu), skinny_linears(runner.cpu_linear):
             logits = runner.loaded.head(self.body(row_groups, mx.array(picks, dtype=mx.int32)))
         back = mx.array(np.argsort(np.array(order)).astype(np.int32))
         return logits[back].astype(mx.float32)

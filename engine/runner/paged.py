@@ -12,15 +12,13 @@ first): a chunk joins the current group while the group's total padding stays wi
 `merge_pad_tokens` (a conservative share of what one extra model call costs); otherwise it opens
 a new call. Decode rows therefore batch together, and a long prefill chunk runs in its own call.
 What a call costs depends on the device: on the CPU a batch-1 decode step costs a couple of dozen
-prefill tokens (allowance 16), while on a GPU an uncompiled call of a large model is host work
-worth far more than a padded token (allowance `ACCELERATOR_MERGE_PAD_TOKENS`); measured:
-docs/lab/engine-notes.md.
-The decode rows of a mixed step go through the compiled decode step where one exists, so a
-mixed step pays for its prefill calls only.
+prefill tokens (allowance 16), on a GPU an uncompiled call of a large model far more than a
+padded token (`ACCELERATOR_MERGE_PAD_TOKENS`; measured: docs/lab/engine-notes.md). The decode
+rows of a mixed step go through the compiled decode step where one exists.
 
 A caller that reads tokens synchronously every step forgoes mlx-lm's overlap of graph building
-with compute: pipelined decode passes the previous step's lazy token ids instead. Step times
-against mlx-lm: docs/lab/engine-runner-notes.md.
+with compute: pipelined decode passes the previous step's lazy token ids instead (step times
+against mlx-lm: docs/lab/engine-runner-notes.md).
 """
 from __future__ import annotations
 
@@ -34,6 +32,7 @@ from engine.attention.cuda.decode_precompile import precompile
 from engine.attention.layers import cache_class_for
 from engine.attention.paged import PagedLayerCache, StepBatch, install_sdpa_hook
 from engine.kv.store import KVStore
+from engine.model.cpu_linear import install_linear_hook, skinny_linears
 from engine.model.cpu_swiglu import install_swiglu_hook, numpy_swiglu
 from engine.model.flat_decode import flat_decode_body
 from engine.model.rope_table import RopeTable
@@ -156,9 +155,10 @@ class ModelRunner:
         self.rope_table = (RopeTable.for_model(loaded.model)
                            if self.in_place_decode and kernels.cpu_rope_table else None)
         self.cpu_swiglu = self.in_place_decode and kernels.cpu_swiglu
+        self.cpu_linear = self.in_place_decode and kernels.cpu_linear
         install_sdpa_hook(loaded.model)
-        if self.cpu_swiglu:
-            install_swiglu_hook(loaded.model)
+        if self.in_place_decode:   # each hook on only inside its context (_run, MergedSteps)
+            install_swiglu_hook(loaded.model), install_linear_hook(loaded.model)
         self.direct = self._hook_reaches_every_layer()
         self.kernel_decode = kernels.decode_kernel and self._kernel_decode_fits()
         # Native decode kernel variants compiled now, not in traffic (KernelChoices.
@@ -374,7 +374,7 @@ class ModelRunner:
             inputs = input_tokens(chunks, step.width)
         native = self.recurrent.batch(chunks, step.lengths) if self.recurrent else {}
         caches = self.step_caches(step, native)
-        with numpy_swiglu(self.cpu_swiglu):
+        with numpy_swiglu(self.cpu_swiglu), skinny_linears(self.cpu_linear):
             out = self.call_model(inputs, caches, step, last_only)
         if native:
             self.recurrent.keep(chunks, native)
