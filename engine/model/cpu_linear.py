@@ -41,14 +41,13 @@ _KERNEL = None
 
 
 def _skinny(x, w, y, n_lo, n_hi):  # pragma: no cover - compiled
-    """y[:, n_lo:n_hi] = x @ w[n_lo:n_hi].T for x [M, K], w [N, K] (n_lo, n_hi multiples of 4
-    or n_hi = N)."""
+    """y[:, n_lo:n_hi] = x @ w[n_lo:n_hi].T for x [M, K] (M even), w [N, K] (n_lo, n_hi
+    multiples of 4 or n_hi = N)."""
     rows, inner = x.shape
     n = n_lo
     while n + 4 <= n_hi:
         w0, w1, w2, w3 = w[n], w[n + 1], w[n + 2], w[n + 3]
-        m = 0
-        while m + 2 <= rows:
+        for m in range(0, rows, 2):
             xa, xb = x[m], x[m + 1]
             a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
             for k in range(inner):
@@ -64,17 +63,6 @@ def _skinny(x, w, y, n_lo, n_hi):  # pragma: no cover - compiled
                 b3 += v * c3
             y[m, n], y[m, n + 1], y[m, n + 2], y[m, n + 3] = a0, a1, a2, a3
             y[m + 1, n], y[m + 1, n + 1], y[m + 1, n + 2], y[m + 1, n + 3] = b0, b1, b2, b3
-            m += 2
-        if m < rows:   # an odd last row
-            xa = x[m]
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            for k in range(inner):
-                u = xa[k]
-                a0 += u * w0[k]
-                a1 += u * w1[k]
-                a2 += u * w2[k]
-                a3 += u * w3[k]
-            y[m, n], y[m, n + 1], y[m, n + 2], y[m, n + 3] = a0, a1, a2, a3
         n += 4
     while n < n_hi:   # the last N % 4 columns
         w0 = w[n]
@@ -97,9 +85,14 @@ def _kernel():
 
 
 def skinny_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [M, K] @ w [N, K].T (float32, contiguous), the columns split over two threads."""
+    """x [M, K] @ w [N, K].T (float32, contiguous), the columns split over two threads. Each
+    row's result is the same whatever rows come with it (an odd count is padded with a copy of
+    its last row, so every row goes through the same paired loop): a merged step's rows equal
+    their per-group calls'."""
     rows, n = x.shape[0], w.shape[0]
-    y = np.empty((rows, n), np.float32)
+    if rows % 2:
+        x = np.concatenate([x, x[-1:]])
+    y = np.empty((x.shape[0], n), np.float32)
     kernel = _kernel()
     half = (n // 2) // 4 * 4
     if half >= 4:
@@ -108,7 +101,7 @@ def skinny_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         rest.result()
     else:
         kernel(x, w, y, 0, n)
-    return y
+    return y[:rows]
 
 
 def _by_kernel(x: mx.array, weight: mx.array) -> np.ndarray | None:

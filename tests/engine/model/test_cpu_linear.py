@@ -30,6 +30,16 @@ def test_kernel_equals_the_matmul(rows, out, inner):
     assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.sqrt(inner))
 
 
+def test_each_row_is_the_same_whatever_rows_come_with_it():
+    # Bit for bit: merged steps rely on it (tests/engine/runner/test_merged_packed.py).
+    rng = np.random.default_rng(3)
+    x, w = (rng.standard_normal(s).astype(np.float32) for s in ((7, 96), (50, 96)))
+    whole = cpu_linear.skinny_matmul(x, w)
+    for i in range(7):
+        assert np.array_equal(cpu_linear.skinny_matmul(x[i:i + 1], w)[0], whole[i])
+    assert np.array_equal(cpu_linear.skinny_matmul(x[2:6], w), whole[2:6])
+
+
 def test_the_worker_takes_the_second_half_of_the_columns(monkeypatch):
     rng = np.random.default_rng(1)
     x, w = (rng.standard_normal(s).astype(np.float32) for s in ((5, 40), (30, 40)))

@@ -12,6 +12,7 @@ from engine.attention.layers import packed_layer_factory
 from engine.build import store_for
 from engine.config import EngineConfig
 from engine.kv.store import KVStore
+from engine.model import cpu_linear
 from engine.model.linear import PretransposedLinear
 from engine.model.loader import load_model
 from engine.runner.packed import PackedModelRunner
@@ -106,6 +107,10 @@ def _compare(llama, fmt: str, pad: int | None, exact: bool) -> None:
 def test_merged_steps_match_per_group_calls(llama, fmt, pad, monkeypatch):
     """With projections exact per row, the merged step is the per-group calls' arithmetic:
     logits and every byte of the pool and native tails equal."""
+    # Every call through it: the CPU's few-row projection kernel (engine/model/cpu_linear.py)
+    # is row-exact too, but per-group calls would take it where the merged call of more rows
+    # does not, and its sums are not this one's.
+    monkeypatch.setattr(cpu_linear, "MAX_ROWS", 0)
     monkeypatch.setattr(PretransposedLinear, "__call__", _row_exact)
     _compare(llama, fmt, pad, exact=True)
 
