@@ -15,7 +15,9 @@ first; later rounds show what a trace costs once MLX's kernels exist):
 - exact: compiled steps, one trace per row count (`KernelChoices(compiled_row_buckets=False)`);
 - buckets: compiled steps with rows padded to buckets (production's compiled path);
 - unmerged: plain, but a mixed step runs one model call per row group instead of one pass over
-  the weights for all of them (`KernelChoices(merged_steps=False)`: engine/runner/merged.py).
+  the weights for all of them (`KernelChoices(merged_steps=False)`: engine/runner/merged.py);
+- `--variant NAME:FIELD=VALUE,...` (repeatable): plain with those KernelChoices fields, e.g.
+  `--variant before:cpu_linear=0,cpu_prefill=0 --variant after` (given alone, only these run).
 `--max-step-tokens 512,256` runs every variant at each prompt-token budget per step (labels
 `plain@256`...): a smaller budget gives the decode rows riding along prefill chunks a token more
 often, at the price of more steps.
@@ -25,7 +27,8 @@ are then ignored; max_tokens from the schedule): the same work in process, witho
 Ray and client around it, so the served number's serving-path cost shows as the difference.
 Prints JSON per variant and round: wall time and generated tokens per second, traces, time to
 first token and the gap between a request's successive tokens (median, p99, max; a trace shows
-as a long gap), and wall time as a ratio to plain's in the same round.
+as a long gap), the engine's time in steps with prompt tokens and in decode-only steps, and
+wall time as a ratio to the first variant's in the same round.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.cpu_profile import variant_arg
 from bench.decode_host import add_model_args
 from bench.output import emit, run_bench
 from loadtest.report import pct
@@ -52,7 +56,10 @@ def parse_args(argv=None):
                    help="prompt length range, tokens (LO,HI)")
     p.add_argument("--tokens", type=length_range, default="16,200",
                    help="output length range, tokens (LO,HI)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {VARIANTS}")
+    p.add_argument("--variants", default=None,
+                   help=f"any of {VARIANTS} (default: all, or none where --variant is given)")
+    p.add_argument("--variant", action="append", default=[], type=variant_arg,
+                   help="NAME[:FIELD=VALUE,...]: plain with these KernelChoices (repeatable)")
     p.add_argument("--spread-s", type=float, default=2.0,
                    help="requests arrive evenly over this many seconds (0: all at once)")
     p.add_argument("--max-step-tokens", type=step_budgets, default=None,
@@ -64,13 +71,19 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the JSON here as well as to stdout")
     args = p.parse_args(argv)
-    if unknown := set(args.variants.split(",")) - set(VARIANTS):
+    if args.variants is None:
+        args.variants = "" if args.variant else ",".join(VARIANTS)
+    if unknown := set(filter(None, args.variants.split(","))) - set(VARIANTS):
         p.error(f"--variants: unknown {sorted(unknown)}; choose from {VARIANTS}")
+    if clash := {name for name, _ in args.variant} & set(VARIANTS):
+        p.error(f"--variant: {sorted(clash)} already name built-in variants")
     return args
 
 
-def kernels_for(variant: str):
+def kernels_for(variant: str, custom: dict | None = None):
     from engine.attention.choices import KernelChoices
+    if custom and variant in custom:
+        return KernelChoices(compiled_decode=False, **custom[variant])
     return {"plain": KernelChoices(compiled_decode=False),
             "exact": KernelChoices(compiled_decode=True, compiled_row_buckets=False),
             "buckets": KernelChoices(compiled_decode=True),
@@ -117,9 +130,11 @@ def length_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def one_mix(engine, requests, spread_s: float, send_at: list[float] | None = None) -> dict:
+def one_mix(engine, requests, spread_s: float, send_at: list[float] | None = None,
+            steps: list | None = None) -> dict:
     """Submit the requests evenly over `spread_s` (or at `send_at` seconds each); time each
-    one's first token and token gaps."""
+    one's first token and token gaps. `steps`: the engine's step events (prompt tokens,
+    seconds), filled as it runs."""
     async def one(i, r):
         # The arrival schedule, not a wait.
         await asyncio.sleep(send_at[i] if send_at else spread_s * i / len(requests))
@@ -138,8 +153,11 @@ def one_mix(engine, requests, spread_s: float, send_at: list[float] | None = Non
     wall = time.perf_counter() - t0
     compiled = engine._parts.runner.compiled
     tokens = sum(n for _, _, n in got)
+    steps = steps or []
     return {"wall_s": round(wall, 3), "tokens": tokens, "tok_s": round(tokens / wall, 1),
             "traces": compiled.traces if compiled is not None else 0,
+            "prompt_steps_s": round(sum(s for n, s in steps if n), 2),
+            "decode_steps_s": round(sum(s for n, s in steps if not n), 2),
             "ttft": quantiles([t for t, _, _ in got]),
             "token_gap": quantiles([g for _, gaps, _ in got for g in gaps])}
 
@@ -168,10 +186,12 @@ def run(args) -> dict:
         send_at = [a["t"] for a in arrivals]
         phi, thi = max(n for n, _ in shapes), max(n for _, n in shapes)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n, _ in shapes]
-    variants = args.variants.split(",")
+    custom = dict(args.variant)
+    variants = [v for v in args.variants.split(",") if v] + list(custom)
     result = {"model": shown, "device": str(mx.default_device()), "requests": args.requests,
               "max_num_seqs": args.max_num_seqs, "prompt": args.prompt, "tokens": args.tokens,
               "spread_s": args.spread_s, "schedule": args.schedule, "requests_run": len(shapes),
+              "custom_variants": custom,
               "rounds": []}
     for rnd in range(args.rounds):
         row = {}
@@ -179,15 +199,21 @@ def run(args) -> dict:
         budgets = args.max_step_tokens or [None]
         for v, budget in [(v, b) for v in variants for b in budgets]:
             config = {} if budget is None else {"max_step_tokens": budget}
+            steps = []
+
+            def trace(event, **f):
+                if event == "step":
+                    steps.append((f["prefill_tokens"], f["seconds"]))
             engine = Engine(EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs,
                                          max_model_len=phi + thi + 16, **config),
-                            kernels=kernels_for(v))
+                            kernels=kernels_for(v, custom), trace=trace)
             name = v if len(budgets) == 1 else f"{v}@{budget}"
             try:
                 reqs = [GenerationRequest(f"mix-{rnd}-{i}", p, SamplingParams(
                     temperature=0.0, max_tokens=n, ignore_eos=True))
                     for i, (p, (_, n)) in enumerate(zip(prompts, shapes))]
-                row[name] = one_mix(engine, reqs, args.spread_s, send_at)
+                steps.clear()   # the warm-up's, if any
+                row[name] = one_mix(engine, reqs, args.spread_s, send_at, steps)
                 progress(f"round {rnd + 1}/{args.rounds} {name}: {row[name]['wall_s']} s, "
                          f"{row[name]['tok_s']} tok/s, {row[name]['traces']} traces",
                          bench="decode_mix")
@@ -195,7 +221,7 @@ def run(args) -> dict:
                 engine.shutdown()
             if args.out:   # after every variant, so a run cut short keeps what it measured
                 emit(result, args.out, quiet=True)
-        first = next(iter(row))   # "plain" (or plain@N): the first variant run
+        first = next(iter(row))   # the first variant run (plain, plain@N, or the first --variant)
         for v in row:
             row[v][f"wall_to_{first}"] = round(row[v]["wall_s"] / row[first]["wall_s"], 3)
     return result

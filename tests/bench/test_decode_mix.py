@@ -21,10 +21,38 @@ def test_variants_serve_the_same_tokens_and_buckets_trace_less(tiny_llama, tmp_p
         assert v["token_gap"]["max_ms"] >= v["token_gap"]["p99_ms"] >= v["token_gap"]["median_ms"]
 
 
+def test_custom_variants_run_plain_with_their_kernel_choices(tiny_llama, tmp_path, monkeypatch):
+    out = tmp_path / "mix.json"
+    made = []
+    real = decode_mix.kernels_for
+    monkeypatch.setattr(decode_mix, "kernels_for",
+                        lambda v, custom=None: made.append(real(v, custom)) or made[-1])
+    decode_mix.main(["--model", tiny_llama, "--requests", "6", "--max-num-seqs", "4",
+                     "--prompt", "4,30", "--tokens", "4,12", "--spread-s", "0", "--rounds", "1",
+                     "--variant", "before:cpu_linear=0,cpu_prefill=0", "--variant", "after",
+                     "--out", str(out)])
+    got = json.loads(out.read_text())
+    row = got["rounds"][0]
+    assert list(row) == ["before", "after"] and row["after"]["wall_to_before"] > 0
+    assert got["custom_variants"] == {"before": {"cpu_linear": False, "cpu_prefill": False},
+                                      "after": {}}
+    assert [(k.cpu_linear, k.cpu_prefill, k.compiled_decode) for k in made] == [
+        (False, False, False), (True, True, False)]
+    for v in row.values():   # every step counted, prompt steps and decode-only steps apart
+        assert v["prompt_steps_s"] > 0 and v["decode_steps_s"] > 0
+        assert v["prompt_steps_s"] + v["decode_steps_s"] <= v["wall_s"] * 1.05
+
+
 def test_bad_arguments_are_refused_naming_them(capsys):
     with pytest.raises(SystemExit):
         decode_mix.parse_args(["--variants", "plain,turbo"])
     assert "turbo" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        decode_mix.parse_args(["--variant", "x:warp_drive=1"])
+    assert "warp_drive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        decode_mix.parse_args(["--variant", "plain:cpu_linear=0"])
+    assert "plain" in capsys.readouterr().err
     for bad in ("300", "40,16", "0,5"):
         with pytest.raises(SystemExit):
             decode_mix.parse_args(["--prompt", bad])
