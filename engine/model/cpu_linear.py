@@ -9,9 +9,13 @@ MLX's matmul, packs and blocks for large products: with 16 rows it read the laye
 and multiplied with every input row while it is in cache: 4 weight rows x 2 input rows of
 running sums per pass over the inner dimension (8 FMA for 6 loads, vectorised by LLVM along
 it), the output columns cut in two halves, one on the parked worker (engine/cpu_worker.py).
-Measured over 30 layers' distinct weights (cold, as a step reads them; bench in
-docs/lab/benchmarks-cpu-engine.md): 0.45x MLX's time at 8 rows, 0.70-0.75x at 16, 0.8x at 32;
-from about 48 rows OpenBLAS's blocking wins, so larger calls (prefill chunks) keep MLX's matmul.
+Measured over 30 layers' distinct weights (cold, as a step reads them): 0.45x MLX's time at 8
+rows, 0.70-0.78x at 16, 0.8x at 32. A call also pays ~60-100 us around the kernel (evaluating
+its input, the copies in and out of MLX, the hand-off), ~10 ms over a SmolLM2 step's 121
+projections, so whole decode steps gain less (bench.cpu_profile,
+docs/lab/benchmarks-cpu-engine.md): 0.78x at 8 rows, 0.96x at 16, 1.01x at 32 (0.96x the CPU
+time). Calls of more than MAX_ROWS rows (larger decode batches, prefill chunks) keep MLX's
+matmul.
 
 How: `install_linear_hook` changes the class of the model's float32 linear layers (including
 the fused q/k/v and gate/up layers of engine/model/fuse.py, and the pre-transposed ones of
@@ -19,8 +23,8 @@ engine/model/linear.py) to `SkinnyLinear`, and of its embeddings to `SkinnyEmbed
 LM head), subclasses with the same parameters and names, as linear.py's own swaps do. Their
 calls take the kernel only inside `skinny_linears()` on this thread (the runner's CPU steps),
 for float32 inputs of at most MAX_ROWS rows; everywhere else (another thread, mlx-lm itself, a
-compiled trace) they are the layer's own call. Each output is the same float32 dot product as MLX's, summed in another
-order (results equal up to rounding, not bit for bit).
+compiled trace) they are the layer's own call. Each output is the same float32 dot product as
+MLX's, summed in another order (results equal up to rounding, not bit for bit).
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ import numpy as np
 from engine.cpu_worker import parked_worker
 from engine.model.linear import PretransposedEmbedding, PretransposedLinear
 
-# The most rows (tokens) a call may have to take the kernel (see the module doc).
+# The most rows (tokens) a call may have to take the kernel: a 32-row decode step took as long
+# either way (1.01x) with 0.96x the CPU time; beyond it OpenBLAS's blocking wins.
 MAX_ROWS = 32
 _state = threading.local()
 _KERNEL = None
