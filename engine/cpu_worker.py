@@ -1,4 +1,5 @@
-"""The one parked worker thread that CPU steps split their NumPy and Numba work onto.
+"""The one parked worker thread that CPU steps split their NumPy and Numba work onto, and how
+their Numba kernels are compiled.
 
 On the CPU an engine step alternates OpenBLAS GEMMs (which use both cores, their workers
 sleeping right after: engine/platform.py OPENBLAS_THREAD_TIMEOUT) with work on the engine
@@ -13,6 +14,24 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 _WORKER: ThreadPoolExecutor | None = None
+
+
+def import_numba(kernel: str):
+    """Numba (a declared dependency, imported only where a CPU kernel runs), or an ImportError
+    naming `kernel` and what to do instead."""
+    try:
+        import numba
+    except ImportError as e:
+        raise ImportError(f"the {kernel} needs numba (pip install numba), or turn its "
+                          "KernelChoices field off") from e
+    return numba
+
+
+def nogil_kernel(fn, kernel: str):
+    """`fn` compiled by Numba as every CPU kernel here is: fast math, the machine code cached
+    beside its file (a replica's warm-up pays the compile once per machine), the GIL released
+    so the parked worker and the calling thread run it at once."""
+    return import_numba(kernel).njit(fastmath=True, cache=True, nogil=True)(fn)
 
 
 def parked_worker() -> ThreadPoolExecutor:

@@ -26,14 +26,14 @@ pass each row's first visible key.
 """
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
 
-from engine.cpu_worker import parked_worker
+from engine.cpu_worker import nogil_kernel, parked_worker
 
-_KERNEL = None
 # Rows from which a call is split across the calling thread and the parked worker (below it,
 # the hand-off costs more than half the work saves). SPLIT = False keeps every call on the
 # calling thread (benches compare).
@@ -45,24 +45,10 @@ def _worker() -> ThreadPoolExecutor:
     return parked_worker()
 
 
-def import_numba(kernel: str):
-    """Numba (a declared dependency, imported only where a CPU kernel runs), or an ImportError
-    naming `kernel` and what to do instead."""
-    try:
-        import numba
-    except ImportError as e:
-        raise ImportError(f"the {kernel} needs numba (pip install numba), or run with "
-                          "KernelChoices(cpu_decode=False)") from e
-    return numba
-
-
+@functools.cache
 def _kernel():
     """The compiled kernel, built (or loaded from Numba's cache) on first use."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = import_numba("CPU decode kernel").njit(fastmath=True, cache=True,
-                                                          nogil=True)(_attend)
-    return _KERNEL
+    return nogil_kernel(_attend, "CPU decode kernel")
 
 
 def _attend(q, k_pages, v_pages, pages, lo, hi, page_tokens, scale, out):  # pragma: no cover

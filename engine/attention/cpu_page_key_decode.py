@@ -49,7 +49,7 @@ import mlx.core as mx
 import numpy as np
 
 from capacity.formats import GROUP_SIZE
-from engine.attention.cpu_decode import import_numba
+from engine.cpu_worker import import_numba
 from engine.kv.page_layout import SECTIONS, PageLayout
 
 KEY_BITS = (4, 6, 8)

@@ -29,13 +29,13 @@ is on, for multi-token rows without attention sinks.
 """
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 
 from engine import cpu_worker
-from engine.attention import cpu_decode
 
-_KERNEL = None
 # A call is split across the calling thread and the parked worker from this many key reads
 # (query-key pairs per head): below it the hand-off costs more than half the work saves.
 SPLIT_MIN_PAIRS = 1 << 11
@@ -156,15 +156,14 @@ def _attend(q, k_pages, v_pages, pages, starts, base, lengths, window, page_toke
                         o[c] = acc[c] * inv
 
 
+@functools.cache
 def _kernel():
-    """The compiled kernel, built (or loaded from Numba's cache) on first use."""
-    global _KERNEL
-    if _KERNEL is None:
-        numba = cpu_decode.import_numba("CPU prefill kernel")
-        global _fast_exp
-        _fast_exp = numba.njit(fastmath=True, nogil=True, cache=True, inline="always")(_fast_exp)
-        _KERNEL = numba.njit(fastmath=True, cache=True, nogil=True)(_attend)
-    return _KERNEL
+    """The compiled kernel, built (or loaded from Numba's cache) on first use: `_fast_exp`
+    becomes an inlined Numba function first, so the kernel's calls compile to it."""
+    global _fast_exp
+    numba = cpu_worker.import_numba("CPU prefill kernel")
+    _fast_exp = numba.njit(fastmath=True, nogil=True, cache=True, inline="always")(_fast_exp)
+    return cpu_worker.nogil_kernel(_attend, "CPU prefill kernel")
 
 
 def split_point(starts: np.ndarray, base: np.ndarray, lengths: np.ndarray, width: int,

@@ -28,21 +28,20 @@ MLX's, summed in another order (results equal up to rounding, not bit for bit).
 """
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
+import functools
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.cpu_worker import parked_worker
+from engine.cpu_worker import nogil_kernel, parked_worker
 from engine.model.linear import PretransposedEmbedding, PretransposedLinear
+from engine.thread_switch import ThreadSwitch
 
 # The most rows (tokens) a call may have to take the kernel: a 32-row decode step took as long
 # either way (1.01x) with 0.96x the CPU time; beyond it OpenBLAS's blocking wins.
 MAX_ROWS = 32
-_state = threading.local()
-_KERNEL = None
+_SWITCH = ThreadSwitch()
 
 
 def _skinny(x, w, y, n_lo, n_hi):  # pragma: no cover - compiled
@@ -80,13 +79,9 @@ def _skinny(x, w, y, n_lo, n_hi):  # pragma: no cover - compiled
         n += 1
 
 
+@functools.cache
 def _kernel():
-    global _KERNEL
-    if _KERNEL is None:
-        from engine.attention.cpu_decode import import_numba
-        _KERNEL = import_numba("CPU projection kernel").njit(fastmath=True, cache=True,
-                                                              nogil=True)(_skinny)
-    return _KERNEL
+    return nogil_kernel(_skinny, "CPU projection kernel")
 
 
 def skinny_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -112,7 +107,7 @@ def skinny_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def _by_kernel(x: mx.array, weight: mx.array) -> np.ndarray | None:
     """x @ weight.T by the kernel where this call qualifies (inside `skinny_linears()`, float32,
     at most MAX_ROWS rows, a row-major [out, in] weight), else None."""
-    if not getattr(_state, "on", False) or x.dtype != mx.float32 or weight.dtype != mx.float32:
+    if not _SWITCH.on or x.dtype != mx.float32 or weight.dtype != mx.float32:
         return None
     rows = x.size // x.shape[-1]
     w = np.asarray(weight)             # a view of MLX's buffer
@@ -163,12 +158,6 @@ def install_linear_hook(model: nn.Module) -> int:
     return count
 
 
-@contextmanager
 def skinny_linears(on: bool = True):
     """While inside (and `on`), hooked projections of few rows on this thread take the kernel."""
-    before = getattr(_state, "on", False)
-    _state.on = on
-    try:
-        yield
-    finally:
-        _state.on = before
+    return _SWITCH.set(on)

@@ -15,21 +15,20 @@ cannot evaluate mid-graph) gets mlx-lm's function unchanged.
 from __future__ import annotations
 
 import sys
-import threading
-from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import activations
 
 from engine.cpu_worker import parked_worker
+from engine.thread_switch import ThreadSwitch
 
 _ORIGINAL = activations.swiglu
-_state = threading.local()
+_SWITCH = ThreadSwitch()
 
 
 def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    if getattr(_state, "on", False) and gate.dtype == mx.float32 and x.dtype == mx.float32:
+    if _SWITCH.on and gate.dtype == mx.float32 and x.dtype == mx.float32:
         return numpy_silu_mul(gate, x)
     return _ORIGINAL(gate, x)
 
@@ -74,12 +73,6 @@ def install_swiglu_hook(model) -> None:
             module.swiglu = _swiglu
 
 
-@contextmanager
 def numpy_swiglu(on: bool = True):
     """While inside (and `on`), hooked SwiGLU calls on this thread compute in NumPy."""
-    before = getattr(_state, "on", False)
-    _state.on = on
-    try:
-        yield
-    finally:
-        _state.on = before
+    return _SWITCH.set(on)

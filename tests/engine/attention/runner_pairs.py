@@ -45,3 +45,19 @@ def record_calls(monkeypatch, owner, name: str, what) -> list:
     real = getattr(owner, name)
     monkeypatch.setattr(owner, name, lambda first, *a: calls.append(what(first)) or real(first, *a))
     return calls
+
+
+def chunked_prefill(runner, prompts) -> list:
+    """Each prompt in chunks of 19 tokens, rows of different lengths in one forward (mixed
+    calls), then one decode step; every forward's logits."""
+    from engine.sched.seq import Chunk
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(prompts))]
+    pos = [0] * len(prompts)
+    out = []
+    while any(p < len(t) for p, t in zip(pos, prompts)):
+        out.append(runner.forward([Chunk(i, t[p:p + 19], p, tables[i])
+                                   for i, (p, t) in enumerate(zip(pos, prompts)) if p < len(t)]))
+        pos = [min(p + 19, len(t)) for p, t in zip(pos, prompts)]
+    out.append(runner.forward([Chunk(i, [5], len(t), tables[i])
+                               for i, t in enumerate(prompts)]))
+    return out

@@ -13,8 +13,8 @@ from engine.attention import cpu_prefill
 from engine.attention.paged import StepBatch
 from engine.sched.seq import Chunk
 
-from tests.engine.attention.runner_pairs import (ARCHS, assert_same_logits, record_calls,
-                                               runner_pair)
+from tests.engine.attention.runner_pairs import (ARCHS, assert_same_logits, chunked_prefill,
+                                               record_calls, runner_pair)
 
 
 def _prefill_case(kv_heads, group, rows, dim=32, page_tokens=16, seed=0):
@@ -138,28 +138,13 @@ def test_split_point_halves_the_key_reads():
     assert cpu_prefill.split_point(np.array([0]), np.array([0]), np.array([20]), 20, None) == 0
 
 
-def _chunked_prefill(runner, prompts):
-    """Each prompt in chunks of 19 tokens, rows of different lengths in one forward, then one
-    decode step; every forward's logits."""
-    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(prompts))]
-    pos = [0] * len(prompts)
-    out = []
-    while any(p < len(t) for p, t in zip(pos, prompts)):
-        out.append(runner.forward([Chunk(i, t[p:p + 19], p, tables[i])
-                                   for i, (p, t) in enumerate(zip(pos, prompts)) if p < len(t)]))
-        pos = [min(p + 19, len(t)) for p, t in zip(pos, prompts)]
-    out.append(runner.forward([Chunk(i, [5], len(t), tables[i])
-                               for i, t in enumerate(prompts)]))
-    return out
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_runner_prefill_takes_the_kernel(tiny_model_dirs, arch, monkeypatch):
     _, prompts, new, old = runner_pair(tiny_model_dirs[arch], 2, (45, 12, 30), cpu_prefill=False)
     assert new.cpu_prefill and not old.cpu_prefill   # the CPU suite, float32 pages
     calls = record_calls(monkeypatch, cpu_prefill, "prefill_attention", lambda q: q.shape[2])
-    got = _chunked_prefill(new, prompts)
+    got = chunked_prefill(new, prompts)
     # Every multi-token call of a paged layer without sinks took it (gemma3's sliding layers
     # too); gpt_oss's sinks never; decode rows never.
     assert (not calls) if arch == "gpt_oss" else calls and min(calls) > 1
-    assert_same_logits(got, _chunked_prefill(old, prompts))
+    assert_same_logits(got, chunked_prefill(old, prompts))

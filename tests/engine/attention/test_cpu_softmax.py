@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 from engine.attention import cpu_softmax
-from engine.sched.seq import Chunk
 
-from tests.engine.attention.runner_pairs import (ARCHS, assert_same_logits, record_calls,
-                                               runner_pair)
+from tests.engine.attention.runner_pairs import (ARCHS, assert_same_logits, chunked_prefill,
+                                               record_calls, runner_pair)
 
 
 def _qkv(b, hq, hkv, n, s, seed=0):
@@ -51,22 +50,6 @@ def test_softmax_in_place_writes_the_array_it_returns():
     assert mx.abs(y - ref).max().item() <= 1e-6
 
 
-def _chunked_prefill(runner, prompts):
-    """Each prompt in chunks of 19 tokens, rows of different lengths in one forward (mixed
-    calls), then one decode step; every forward's logits."""
-    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(prompts))]
-    pos = [0] * len(prompts)
-    out = []
-    while any(p < len(t) for p, t in zip(pos, prompts)):
-        chunks = [Chunk(i, t[p:p + 19], p, tables[i])
-                  for i, (p, t) in enumerate(zip(pos, prompts)) if p < len(t)]
-        out.append(runner.forward(chunks))
-        pos = [min(p + 19, len(t)) for p, t in zip(pos, prompts)]
-    out.append(runner.forward([Chunk(i, [5], len(t), tables[i])
-                               for i, t in enumerate(prompts)]))
-    return out
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_runner_prefill_matches_mlx_attention(tiny_model_dirs, arch, monkeypatch):
     # With the prefill kernel off (it takes these calls by default: test_cpu_prefill.py).
@@ -74,10 +57,10 @@ def test_runner_prefill_matches_mlx_attention(tiny_model_dirs, arch, monkeypatch
                                        both={"cpu_prefill": False}, cpu_softmax=False)
     assert new.cpu_softmax and not old.cpu_softmax   # the CPU suite, float32 pages
     calls = record_calls(monkeypatch, cpu_softmax, "prefill_attention", lambda q: q.shape[2])
-    got = _chunked_prefill(new, prompts)
+    got = chunked_prefill(new, prompts)
     # Every multi-token call of a paged layer without sinks took it; gpt_oss's sinks never.
     assert (not calls) if arch == "gpt_oss" else calls and min(calls) > 1
-    assert_same_logits(got, _chunked_prefill(old, prompts))
+    assert_same_logits(got, chunked_prefill(old, prompts))
 
 
 def test_numpy_swiglu_matches_mlx():
@@ -103,9 +86,9 @@ def test_runner_swiglu_in_numpy_only_inside_its_steps(tiny_llama, monkeypatch):
                         lambda g, x: calls.append(g.shape) or real(g, x))
     lm, prompts, new, old = runner_pair(tiny_llama, 3, (33, 8), cpu_swiglu=False)
     assert new.cpu_swiglu and not old.cpu_swiglu
-    ref = _chunked_prefill(old, prompts)
+    ref = chunked_prefill(old, prompts)
     assert not calls   # hook installed by `new`, but `old`'s steps keep mlx-lm's function
-    got = _chunked_prefill(new, prompts)
+    got = chunked_prefill(new, prompts)
     assert len(calls) == len(got) * lm.geometry.num_layers   # every layer of every forward
     for a, b in zip(got, ref):
         assert mx.abs(a - b).max().item() <= 1e-4

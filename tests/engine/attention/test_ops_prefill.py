@@ -15,7 +15,7 @@ from engine.kv.store import KVStore
 from engine.model.loader import load_model
 from engine.runner.paged import ModelRunner
 from tests.engine.attention.runner_pairs import ARCHS
-from tests.engine.attention.test_cpu_softmax import _chunked_prefill
+from tests.engine.attention.runner_pairs import chunked_prefill
 
 
 def _qkv(b, hq, hkv, n, s, dtype=mx.float32, seed=0):
@@ -77,9 +77,9 @@ def test_runner_prefill_through_ops_matches_fast(tiny_model_dirs, arch, monkeypa
     real = ops_prefill.ops_attention
     monkeypatch.setattr(ops_prefill, "ops_attention",
                         lambda q, *a: calls.append(q.shape[2]) or real(q, *a))
-    ref = _chunked_prefill(fast, prompts)
+    ref = chunked_prefill(fast, prompts)
     assert not calls
-    got = _chunked_prefill(ops, prompts)
+    got = chunked_prefill(ops, prompts)
     # Every multi-token call of a paged layer without sinks took it; gpt_oss's sinks never.
     assert (not calls) if arch == "gpt_oss" else calls and min(calls) > 1
     for a, b in zip(got, ref):
@@ -88,5 +88,5 @@ def test_runner_prefill_through_ops_matches_fast(tiny_model_dirs, arch, monkeypa
     # Over the budget, the same runner takes mx.fast's SDPA again.
     calls.clear()
     monkeypatch.setattr(ops_prefill, "OPS_SCORE_ELEMENTS", 1)
-    _chunked_prefill(runner("ops"), prompts)
+    chunked_prefill(runner("ops"), prompts)
     assert not calls
