@@ -16,9 +16,9 @@ engines on several threads may call it at once. With Numba's thread pool (`paral
 idle workers spun against OpenBLAS's between layers and the step's GEMMs slowed by more than the
 kernel gained (bench/cpu_profile.py, 16 rows). Instead a step of at least SPLIT_MIN_ROWS rows is
 cut in two halves of about equal keys: one runs on the parked worker thread
-(engine/cpu_worker.py) while the calling thread runs the other. That pays only since OpenBLAS's own workers sleep right after a
-GEMM (engine/platform.py OPENBLAS_THREAD_TIMEOUT): before, one of them spun on the second core
-through the attention (a split measured no gain then).
+(engine/cpu_worker.py) while the calling thread runs the other. That pays only since OpenBLAS's
+own workers sleep right after a GEMM (engine/platform.py OPENBLAS_THREAD_TIMEOUT): before, one
+of them spun on the second core through the attention (a split measured no gain then).
 
 The runner takes this path on the CPU with float32 pages where `KernelChoices.cpu_decode` is on
 (`StepBatch.cpu_decode`), for one-token rows without attention sinks; sliding-window layers
@@ -27,7 +27,6 @@ pass each row's first visible key.
 from __future__ import annotations
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
@@ -39,10 +38,6 @@ from engine.cpu_worker import nogil_kernel, parked_worker
 # calling thread (benches compare).
 SPLIT_MIN_ROWS = 4
 SPLIT = True
-
-
-def _worker() -> ThreadPoolExecutor:
-    return parked_worker()
 
 
 @functools.cache
@@ -114,7 +109,7 @@ def decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, pages: n
         # row's result is computed as it would be unsplit (bit-identical).
         keys = np.cumsum(hi - lo)
         m = int(np.clip(np.searchsorted(keys, keys[-1] / 2), 1, b - 1))
-        half = _worker().submit(kernel, qn[m:], kp, vp, pages[m:], lo[m:], hi[m:], t, sc,
+        half = parked_worker().submit(kernel, qn[m:], kp, vp, pages[m:], lo[m:], hi[m:], t, sc,
                                 out[m:])
         kernel(qn[:m], kp, vp, pages[:m], lo[:m], hi[:m], t, sc, out[:m])
         half.result()

@@ -16,7 +16,7 @@ their values into a contiguous one, then
 per query and head: scores over exactly the keys that query sees (causal by position, a sliding
 window's start, nothing past the row's last real token), a max, an exp, a sum and the weighted
 values. No gather, no mask, no padding computed (a padded query's
-output is zero: nothing reads it). The exp is a range-reduced degree-7 polynomial (`fast_exp`,
+output is zero: nothing reads it). The exp is a range-reduced degree-7 polynomial (`_fast_exp`,
 relative error ~1e-7 like float32's own rounding) because Numba's `np.exp` is a scalar libm
 call that would not vectorise.
 

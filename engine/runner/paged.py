@@ -132,10 +132,8 @@ class ModelRunner:
             raise ValueError(f"prefill_width_bucket must be >= 1, got {prefill_width_bucket}")
         # Multi-token calls padded to a multiple of this width, keys to whole pages
         # (StepBatch's `width_bucket`; EngineConfig.prefill_width_bucket). None: exact shapes.
-        self.prefill_width_bucket = prefill_width_bucket
-        self.kernels = kernels
+        self.prefill_width_bucket, self.kernels, self.loaded = prefill_width_bucket, kernels, loaded
         geometry = loaded.geometry
-        self.loaded = loaded
         self.kvstore = kvstore
         self.page_tokens = kvstore.page_tokens
         if merge_pad_tokens is None:
@@ -158,7 +156,8 @@ class ModelRunner:
         self.cpu_linear = self.in_place_decode and kernels.cpu_linear
         install_sdpa_hook(loaded.model)
         if self.in_place_decode:   # each hook on only inside its context (_run, MergedSteps)
-            install_swiglu_hook(loaded.model), install_linear_hook(loaded.model)
+            install_swiglu_hook(loaded.model)
+            install_linear_hook(loaded.model)
         self.direct = self._hook_reaches_every_layer()
         self.kernel_decode = kernels.decode_kernel and self._kernel_decode_fits()
         # Native decode kernel variants compiled now, not in traffic (KernelChoices.
