@@ -65,14 +65,21 @@ def run(args) -> dict:
         for v in variants:
             fmt, *modes = v.split(":")
             packed_cache.CPU_PREFILL_COPY_KEYS = 0 if "tiled" in modes else copy_keys
+            steps = []
+
+            def trace(event, **f):   # each step's prompt tokens and seconds
+                if event == "step":
+                    steps.append((f["prefill_tokens"], f["seconds"]))
             engine = Engine(EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
                                          max_model_len=longest, kv_format=fmt),
-                            kernels=KernelChoices(merged_steps="unmerged" not in modes))
+                            kernels=KernelChoices(merged_steps="unmerged" not in modes),
+                            trace=trace)
             try:
                 reqs = [GenerationRequest(f"mix-{rnd}-{i}", p, SamplingParams(
                     temperature=0.0, max_tokens=n, ignore_eos=True))
                     for i, (p, (_, n)) in enumerate(zip(prompts, shapes))]
-                row[v] = one_mix(engine, reqs, 0.0, send_at)
+                steps.clear()   # the warm-up's
+                row[v] = one_mix(engine, reqs, 0.0, send_at, steps)
                 row[v]["merged"] = engine._parts.runner.merged is not None
                 progress(f"round {rnd + 1}/{args.rounds} {v}: {row[v]['wall_s']} s, "
                          f"{row[v]['tok_s']} tok/s", bench="decode_mix_kv")

@@ -149,8 +149,9 @@ class KernelChoices:
     # Multi-token rows on the CPU (float32 pages, no attention sinks) attend through one Numba
     # kernel over their page tables too (engine/attention/cpu_prefill.py): exact causal and
     # window bounds per query, no gathered copy or mask, split over both cores; 0.42-0.56x
-    # the GEMM-and-NumPy-softmax path's time at 224-512-token chunks. Off: that path
-    # (cpu_softmax).
+    # the GEMM-and-NumPy-softmax path's time at 224-512-token chunks; page-key layers'
+    # chunks too, their codes dequantized where they lie (no window or sink rows). Off: that
+    # path (cpu_softmax; page-key chunks through the MLX direct path).
     cpu_prefill: bool = True
     # CPU steps of Llama-family models (the flat decode and merged step bodies) rotate q and k
     # by a per-position table read once from the model's own rope module

@@ -36,37 +36,34 @@ conversion to float does not vectorize on AVX2 (2-5x slower per row); it is exac
 powers of two), and no term is larger than its code's, so nothing cancels.
 
 Numba compiles it on first use and caches the machine code beside this file (`cache=True`); it
-runs on the calling thread with no pool (cpu_decode.py says why) and keeps no state, so engines
-on several threads may call it at once. The runner takes it on the CPU with float32 stores where
+keeps no state and releases the GIL: from cpu_decode.SPLIT_MIN_ROWS rows a call runs its later
+rows on the parked worker thread (engine/cpu_worker.py) as native's decode kernel does (a
+16-row SmolLM2 step's 30 calls took 30 ms on one thread). The runner takes it on the CPU with float32 stores where
 `KernelChoices.cpu_decode` is on (`StepBatch.cpu_decode`), for one-token rows without attention
 sinks; anything else keeps the MLX path.
 """
 from __future__ import annotations
 
-from functools import lru_cache
+import functools
 
 import mlx.core as mx
 import numpy as np
 
 from capacity.formats import GROUP_SIZE
-from engine.cpu_worker import import_numba
+from engine.attention import cpu_decode
+from engine.cpu_worker import import_numba, nogil_kernel, parked_worker
 from engine.kv.page_layout import SECTIONS, PageLayout
 
 KEY_BITS = (4, 6, 8)
 VALUE_BITS = (4, 8)
 
-_KERNEL = None
-
-
+@functools.cache
 def _kernel():
     """The compiled kernel, built (or loaded from Numba's cache) on first use."""
-    global _KERNEL
-    if _KERNEL is None:
-        numba = import_numba("CPU page-key decode kernel")
-        from numba.extending import register_jitable
-        register_jitable(inline="always")(_split)   # stays a plain function; compiled inline
-        _KERNEL = numba.njit(fastmath=True, cache=True)(_attend)
-    return _KERNEL
+    import_numba("CPU page-key decode kernel")
+    from numba.extending import register_jitable
+    register_jitable(inline="always")(_split)   # stays a plain function; compiled inline
+    return nogil_kernel(_attend, "CPU page-key decode kernel")
 
 
 def _split(codes, page, first, split, low, high):  # pragma: no cover - compiled
@@ -231,7 +228,7 @@ def applies(store, step, view, queries, sinks) -> bool:
             and store.geometry.head_dim % GROUP_SIZE == 0)
 
 
-@lru_cache(maxsize=None)
+@functools.cache
 def byte_parts(bits: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
     """How a row of `dim` codes of `bits` bits splits by bytes (engine.kv.quant / page_quant's
     packing, little end first): (split [3, bytes] float32: 2^-s, 2^s and the low part's weight
@@ -253,8 +250,8 @@ def byte_parts(bits: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
     return split, np.stack([low, high]).astype(np.int64)
 
 
-@lru_cache(maxsize=None)
-def _layout_words(layout: PageLayout, k_bits: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+@functools.cache
+def layout_words(layout: PageLayout, k_bits: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
     """(k_word [Hkv, 2, 2 * bytes], at) as `_attend` takes them: [h, 0, c] the word where a
     page keeps channel c of head h's key scale (and offset) in its section (page_quant.meta_rows:
     token c // (D/T) carries a run of D/T channels), [h, 1, k] that of the channel of a key byte
@@ -291,14 +288,30 @@ def decode_attention(store, step, view, queries: mx.array, keys: mx.array, value
     # The pool's graph holds this step's writes.
     mx.eval(q, kn, vn, store.pool, tk, tv, tail_slots)
     slots = np.ascontiguousarray(np.asarray(tail_slots), dtype=np.int64)
-    k_word, at = _layout_words(store.layout, fmt.k_bits, d)
+    k_word, at = layout_words(store.layout, fmt.k_bits, d)
     words = np.asarray(store.pool)
     out = np.empty((b, hq, d), np.float32)
-    _kernel()(_host(q, (b, hq, d)), _host(kn, (b, -1, d)), _host(vn, (b, -1, d)),
-              words.view(np.uint8), words.view(np.float32), _host(tk), _host(tv),
-              view.pages_np, step.starts.astype(np.int64), slots, *byte_parts(fmt.k_bits, d),
-              *byte_parts(fmt.v_bits, d), k_word, at, store.page_tokens, np.float32(scale),
-              out)
-    del words   # no NumPy view may outlive the call: the next write updates the pool in place
+    rows = (_host(q, (b, hq, d)), _host(kn, (b, -1, d)), _host(vn, (b, -1, d)))
+    starts, pages = step.starts.astype(np.int64), view.pages_np
+    shared = (words.view(np.uint8), words.view(np.float32), _host(tk), _host(tv))
+    rest = (*byte_parts(fmt.k_bits, d), *byte_parts(fmt.v_bits, d), k_word, at,
+            store.page_tokens, np.float32(scale))
+
+    def run(lo, hi):   # rows lo..hi-1
+        kernel(*(x[lo:hi] for x in rows), *shared, pages[lo:hi], starts[lo:hi], slots[lo:hi],
+               *rest, out[lo:hi])
+
+    kernel = _kernel()
+    if cpu_decode.SPLIT and b >= cpu_decode.SPLIT_MIN_ROWS:
+        # Rows [0, m) here, [m, b) on the parked worker, m halving the keys read, as native's
+        # decode kernel splits (each row computed as unsplit: bit-identical).
+        keys = np.cumsum(starts + 1)
+        m = int(np.clip(np.searchsorted(keys, keys[-1] / 2), 1, b - 1))
+        half = parked_worker().submit(run, m, b)
+        run(0, m)
+        half.result()
+    else:
+        run(0, b)
+    del words, shared   # no NumPy view may outlive the call: the next write updates the pool
     store.flush_tail()   # this step's new tail rows, after the old tails were read
     return mx.array(out)[:, :, None].astype(queries.dtype)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from capacity.formats import KVFormatError
-from engine.attention import cpu_page_key_decode, cpu_softmax
+from capacity.formats import GROUP_SIZE, KVFormatError
+from engine.attention import cpu_page_key_decode, cpu_prefill, cpu_softmax
 from engine.attention.choices import DEFAULT_KERNELS
 from engine.attention.cuda import packed_decode as cuda_packed_decode
 from engine.attention.cuda import page_key_decode as cuda_page_key_decode
@@ -26,8 +26,8 @@ from engine.attention.paged import PagedLayerCache, StepBatch
 from engine.kv.page_quant import dequantize_pages
 from engine.kv.quant import dequantize
 
-# Page-key prefill chunks over at most this many history keys attend on the CPU as native
-# prefill does, over a dequantized copy (`_cpu_page_key_prefill_attend`): the size of the tile
+# With the CPU prefill kernel off (KernelChoices.cpu_prefill), page-key prefill chunks over at
+# most this many history keys attend on the CPU as native prefill did, over a dequantized copy (`_cpu_page_key_prefill_attend`): the size of the tile
 # the direct path's tiled history unpacks on the CPU anyway (engine/attention/packed.py).
 CPU_PREFILL_COPY_KEYS = 512
 
@@ -135,6 +135,13 @@ class PackedLayerCache(PagedLayerCache):
                                              self.store.page_tokens):
                 return self._page_key_attend(queries, keys, values, scale)
             # A GQA group past the kernel's: the MLX path below (it builds its own masks).
+        if sinks is None and self._cpu_page_key_kernel_prefill(queries):
+            # CPU, float32: page-key prompt chunks through native's prefill kernel, which reads
+            # codes and native tails where they lie (it flushes the step's tail rows after).
+            attention_of(self.store).counters.direct += 1   # the direct path's work
+            return cpu_prefill.page_key_prefill_attention(self.store, self.step, self.view,
+                                                          queries, keys, values, scale,
+                                                          self._tail_slots())
         if sinks is None and self._cpu_page_key_prefill(queries):
             return self._cpu_page_key_prefill_attend(queries, keys, values, scale)
         if cpu_page_key_decode.applies(self.store, self.step, self.view, queries, sinks):
@@ -188,6 +195,18 @@ class PackedLayerCache(PagedLayerCache):
                 and attention_of(store).prefill_mode == "direct"
                 and cuda_page_key_dequant.supports(store.fmt.k_bits, store.fmt.v_bits,
                                                    store.geometry.head_dim, store.page_tokens))
+
+    def _cpu_page_key_kernel_prefill(self, queries) -> bool:
+        """Whether this call is a page-key prompt chunk that the CPU prefill kernel serves
+        (KernelChoices.cpu_prefill on a CPU float32 step, direct prefill mode, no window or
+        sink rows, code widths the kernel reads)."""
+        store, step = self.store, self.step
+        return (step.cpu_prefill and store.whole_pages and queries.shape[2] > 1
+                and not step.kernel_decode and self.view.window is None and not store.sink_rows
+                and store.fmt.k_bits in cpu_page_key_decode.KEY_BITS
+                and store.fmt.v_bits in cpu_page_key_decode.VALUE_BITS
+                and store.geometry.head_dim % GROUP_SIZE == 0
+                and attention_of(store).prefill_mode == "direct")
 
     def _cpu_page_key_prefill(self, queries) -> bool:
         """Whether this call is a page-key prefill chunk over a short history on the CPU

@@ -3,12 +3,14 @@
 does, and the runner takes it for page-key decode rows on the CPU."""
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from capacity.formats import KVFormat
-from engine.attention import cpu_page_key_decode
+from engine.attention import cpu_decode, cpu_page_key_decode
 from engine.attention.choices import KernelChoices
 from engine.attention.packed_cache import PackedLayerCache
 from engine.attention.paged import StepBatch
@@ -105,6 +107,25 @@ def test_kernel_matches_the_mlx_path(fmt, q_heads, kv_heads, head_dim, page_toke
         assert mx.abs(a - b).max().item() <= 1e-5
     # The same pool and tails after (the step's tail rows written after attention read them).
     assert all(np.array_equal(a, b) for a, b in zip(got_arrays, want_arrays))
+
+
+def test_a_split_call_equals_the_unsplit_one_and_the_worker_runs_part(monkeypatch):
+    """From cpu_decode.SPLIT_MIN_ROWS rows a call runs its later rows on the parked worker
+    thread, each row computed as unsplit (bit-identical)."""
+    args = ("k6v4-kivi", _contexts(16), 9, 3, 64, 16, True)
+    monkeypatch.setattr(cpu_decode, "SPLIT", False)
+    whole, _ = _steps(*args)
+    monkeypatch.setattr(cpu_decode, "SPLIT", True)
+    real, threads = cpu_page_key_decode.parked_worker(), []
+
+    class Recording:
+        def submit(self, fn, *a):
+            return real.submit(lambda *b: (threads.append(threading.get_ident()), fn(*b)), *a)
+
+    monkeypatch.setattr(cpu_page_key_decode, "parked_worker", lambda: Recording())
+    split, _ = _steps(*args)
+    assert len(threads) == 2 and threading.get_ident() not in threads   # one per step
+    assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(split, whole))
 
 
 @pytest.mark.parametrize("bits", [4, 6, 8])
