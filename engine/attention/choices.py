@@ -118,10 +118,12 @@ class KernelChoices:
     # (engine/attention/cuda/page_key_write.py) instead of ~15 MLX ops (page_key_store.py's
     # `_write_planned`): on the H200 the MLX write cost ~230 us per layer against native's
     # ~36 us and was the whole gap to native (docs/lab/benchmarks-kv-page-keys.md, device run
-    # 6). None: on for CUDA, where compiled page-key steps exist (the page-key decode kernel
-    # attends). Off by default until a device run checks and times it (it is checked on the CPU
-    # emulator and by nvcc only; `bench.device.page_key_layer_profile`'s `:fused` rows).
-    page_key_write: bool | None = False
+    # 6). None (the default): on for CUDA, where compiled page-key steps exist (the page-key
+    # decode kernel attends). On the H200 its pool and tails came out byte-identical to the MLX
+    # write's, the write took 0.79-0.85x native's time (MLX's: 0.13-0.14x), and whole k6v4-kivi
+    # decode steps went from 0.40x to 0.93x native at 4K batch 1 and from 0.82x to 1.49x at
+    # 32K batch 8 (docs/lab/benchmarks-kv-page-keys.md, device run 7). False: the MLX ops.
+    page_key_write: bool | None = None
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is

@@ -266,9 +266,10 @@ def test_compiled_step_body_through_both_emulated_kernels_matches_the_mlx_path(
 
 
 def test_choice_and_support():
-    # Off by default until a device run checks and times it; None turns it on for CUDA.
-    assert KernelChoices().page_key_write is False
-    assert page_key_write.chosen(KernelChoices(page_key_write=None)) is None   # no CUDA here
+    # On by default where CUDA runs (None), checked and timed on the H200; never without CUDA.
+    assert KernelChoices().page_key_write is None
+    assert page_key_write.chosen(KernelChoices()) is None   # no CUDA here
+    assert page_key_write.chosen(KernelChoices(page_key_write=False)) is None
     assert page_key_write.supports(6, 4, 128, 16) and page_key_write.supports(4, 4, 64, 64)
     assert not page_key_write.supports(8, 8, 64, 16) and not page_key_write.supports(6, 4, 64, 8)
 
