@@ -11,7 +11,7 @@ Refunds therefore never precede the retirement of the work that used the memory;
 ("permit", step, nbytes, granted), ("release", step, nbytes, active_before, active_after),
 ("arrival", request, ...), ("admit", request, ...), ("launch", step, ahead, requests) for each
 pipelined decode step queued (ahead=1: built before the previous step was read back), ("step",
-step, prefill_tokens, decode_rows, seconds, model_calls, traces) for each recorded step.
+step, prefill_tokens, prefill_rows, decode_rows, seconds, model_calls, traces) per recorded step.
 
 Workspace permits (fused prefill): a packed layer asks for bytes while the step's graph is built
 (`WorkspacePermits.permit`); they are charged to that step in the ledger and returned only right
@@ -291,7 +291,8 @@ class Engine:
         p.scheduler.forecast.observe(step.prefill_tokens, step.decode_rows, result.seconds)
         # Model calls and traces so far (totals): per-step work shows in their differences.
         self._emit("step", step=step.step_id, prefill_tokens=step.prefill_tokens,
-                   decode_rows=step.decode_rows, seconds=result.seconds,
+                   prefill_rows=step.prefill_rows, decode_rows=step.decode_rows,
+                   seconds=result.seconds,
                    model_calls=result.model_calls, traces=result.traces)
         p.counters["steps"] += 1
         p.counters["prompt_tokens"] += step.prefill_tokens

@@ -45,14 +45,20 @@ SHORT_WARMUP_DECODE_TOKENS = 3
 # prefill widths are not all one size.
 JOIN_PROMPT_TOKENS = (16, 48, 112, 240, 496)
 JOINS = 8                   # decode rows 1-7 beside a prefill: row buckets 1, 2, 4 and 8
+# Then this many requests at once beside one decoding: steps holding several prompts and a
+# decode row, as the first step of a burst of arrivals does. Joins never run that shape, and on
+# a fresh H200 its first use took 3.8 s in traffic (SmolLM2, run 11 of
+# docs/lab/benchmarks-serve-gpu.md).
+BURST = 6
 DEFAULT_MODEL_LEN = 4096    # a model length to assume where the config leaves it open
 
 
 async def warm_up(engine, batch: int = 8, seed: int = 0, profile_known: bool = False,
-                  joins_first: bool | None = None) -> dict:
-    """Requests joining one by one (`joins_first`; None: where decode steps are compiled),
-    then decode alone, then `batch` requests together (only one short request alone when the
-    profile is known); returns what was measured."""
+                  joins_first: bool | None = None, bursts: bool = True) -> dict:
+    """Requests joining one by one and then a burst beside a decoding one (`joins_first`;
+    None: where decode steps are compiled; `bursts` False: the joins only), then decode
+    alone, then `batch` requests together (only one short request alone when the profile is
+    known); returns what was measured."""
     t0 = time.monotonic()
     rng = random.Random(seed)
     vocab = engine.vocab_size
@@ -88,12 +94,27 @@ async def warm_up(engine, batch: int = 8, seed: int = 0, profile_known: bool = F
             await started.wait()
         await asyncio.gather(*tasks)
 
-    joined = 0
+    async def burst(n: int) -> None:
+        """One request decoding, then n at once: the scheduler packs their prompts (lengths as
+        the joins') into steps beside its decode row."""
+        started = asyncio.Event()
+        first = asyncio.create_task(one(200, 2 * n + 8, WARMUP_PROMPT_TOKENS, started))
+        await started.wait()
+        room = engine.cfg.max_model_len or DEFAULT_MODEL_LEN
+        await asyncio.gather(first, *(
+            one(201 + k, 4, max(1, min(JOIN_PROMPT_TOKENS[k % len(JOIN_PROMPT_TOKENS)],
+                                       room - 8)))
+            for k in range(n)))
+
+    joined = burst_n = 0
     if compiled_steps(engine) if joins_first is None else joins_first:
         # First, so the compiles they pay are not among the measured steps that follow (the
         # lone request's and the batch's refill the profile's batch-1 and batch-N windows).
         joined = min(engine.cfg.max_num_seqs, JOINS)
         await joins(joined)
+        burst_n = min(engine.cfg.max_num_seqs - 1, BURST) if bursts else 0
+        if burst_n:
+            await burst(burst_n)
     if profile_known:
         await one(0, SHORT_WARMUP_DECODE_TOKENS)
         batch = 1
@@ -102,7 +123,7 @@ async def warm_up(engine, batch: int = 8, seed: int = 0, profile_known: bool = F
     if batch > 1:
         await asyncio.gather(*(one(i) for i in range(1, batch + 1)))
     engine.evict_prefix_cache()     # random prompts are nobody's prefix
-    return {"seconds": time.monotonic() - t0, "batch": batch, "joined": joined,
+    return {"seconds": time.monotonic() - t0, "batch": batch, "joined": joined, "burst": burst_n,
             "decode_step_profile": engine.stats().decode_step_profile,
             "solo_decode_tps": [1.0 / g for g in gaps[WARMUP_SKIP_STEPS:] if g > 0]}
 

@@ -93,5 +93,9 @@ class Step:
         return sum(len(c.token_ids) for c in self.chunks if c.seq.prefilling)
 
     @property
+    def prefill_rows(self) -> int:
+        return sum(1 for c in self.chunks if c.seq.prefilling)
+
+    @property
     def decode_rows(self) -> int:
         return sum(1 for c in self.chunks if not c.seq.prefilling)

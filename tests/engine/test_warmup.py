@@ -23,13 +23,14 @@ def test_warm_up_measures_alone_and_batched_and_leaves_the_engine_idle(tiny_llam
 def test_where_decode_steps_are_compiled_the_warm_up_runs_mixed_steps_first(tiny_llama):
     """Compiled decode steps (forced on the CPU here, CUDA's default): requests join while the
     earlier ones decode, so steps mixing a prefill with 1..7 decode rows run before traffic,
-    and before the measured lone request and batch."""
+    then a burst arrives beside a decoding request (several prompts in one step with a decode
+    row), all before the measured lone request and batch."""
     from dataclasses import replace
 
     from engine import Engine
     from engine.attention.choices import DEFAULT_KERNELS
     from engine.config import EngineConfig
-    from engine.warmup import JOINS
+    from engine.warmup import BURST, JOINS
     from tests.engine_helpers import PAGE_BYTES_LLAMA
 
     events = []
@@ -43,10 +44,15 @@ def test_where_decode_steps_are_compiled_the_warm_up_runs_mixed_steps_first(tiny
         steps = [f for e, f in events if e == "step"]
         mixed = {s["decode_rows"] for s in steps if s["prefill_tokens"] and s["decode_rows"]}
         assert mixed >= set(range(1, JOINS)), mixed
+        # the burst: several prompts in one step beside a decode row (a burst's first step)
+        assert any(s["prefill_rows"] >= 2 and s["decode_rows"] for s in steps)
+        assert done["burst"] == BURST
         # the joins came first: every joiner arrived before the measured lone request
         arrivals = [f["request"] for e, f in events if e == "arrival"]
         lone = arrivals.index("warmup-0")
-        assert sorted(arrivals[:lone]) == [f"warmup-{100 + k}" for k in range(JOINS)]
+        assert sorted(arrivals[:lone]) == sorted(
+            [f"warmup-{100 + k}" for k in range(JOINS)] + [f"warmup-{200 + k}"
+                                                           for k in range(BURST + 1)])
         assert wait_idle(eng).prefix_cache_pages == 0
     finally:
         eng.shutdown()
@@ -55,6 +61,7 @@ def test_where_decode_steps_are_compiled_the_warm_up_runs_mixed_steps_first(tiny
 def test_without_compiled_steps_the_warm_up_runs_no_joins(tiny_llama):
     eng = make_engine(tiny_llama, pages=64, max_num_seqs=4)
     try:
-        assert asyncio.run(warm_up(eng, batch=2))["joined"] == 0
+        done = asyncio.run(warm_up(eng, batch=2))
+        assert done["joined"] == 0 and done["burst"] == 0
     finally:
         eng.shutdown()
