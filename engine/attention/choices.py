@@ -155,6 +155,10 @@ class KernelChoices:
     # chunks too, their codes dequantized where they lie (no window or sink rows). Off: that
     # path (cpu_softmax; page-key chunks through the MLX direct path).
     cpu_prefill: bool = True
+    # Page-key stores on the CPU (float32 tails) quantize a write's values and the key codes
+    # of the pages it fills in compiled loops (engine/kv/cpu_page_key_write.py), byte for byte
+    # the MLX ops' result: a 400-token chunk's write 3.0 -> ~1 ms per layer. Off: MLX ops.
+    cpu_page_key_write: bool = True
     # CPU steps of Llama-family models (the flat decode and merged step bodies) rotate q and k
     # by a per-position table read once from the model's own rope module
     # (engine/model/rope_table.py) instead of MLX's CPU rope, which computes a sine and a cosine

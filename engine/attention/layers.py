@@ -45,7 +45,8 @@ def packed_layer_factory(fmt_name: str, prefill_mode: str = "direct",
     `kernels`: the write kernel and direct attention's choices (the runner takes the same
     object for its kernels)."""
     make_store = store_factory(fmt_name, tail_slots,
-                               cuda_packed_write if kernels.write_kernel else None)
+                               cuda_packed_write if kernels.write_kernel else None,
+                               kernels.cpu_page_key_write)
 
     def make(geometry: LayerGeometry, num_pages: int, page_tokens: int,
              dtype: mx.Dtype) -> LayerStore:

@@ -17,12 +17,13 @@ from engine.kv.tails import TailMap
 from engine.model.loader import LayerGeometry
 
 
-def store_factory(fmt_name: str, tail_slots: int = 0, writer=None):
+def store_factory(fmt_name: str, tail_slots: int = 0, writer=None, cpu_writes: bool = False):
     """A KVStore layer_factory: full-attention layers packed in `fmt_name`, others native.
 
     Refuses (KVFormatError) a packed format on a model whose full-attention layers cannot hold
     it, instead of quietly storing them native. `writer`: the write kernel packed stores may
-    use (PackedLayerStore). engine.attention.layers.packed_layer_factory wraps this with the
+    use (PackedLayerStore); `cpu_writes`: page-key stores quantize their writes in compiled
+    loops on the CPU (PageKeyStore). engine.attention.layers.packed_layer_factory wraps this with the
     attention each packed layer is read by.
     """
     tails: dict[int, TailMap] = {}   # one map per page size, shared by every layer
@@ -39,7 +40,7 @@ def store_factory(fmt_name: str, tail_slots: int = 0, writer=None):
                 tails[page_tokens] = TailMap(tail_slots, page_tokens)
             tail = tails[page_tokens]
         if fmt.page_keys:
-            return PageKeyStore(geometry, fmt, num_pages, page_tokens, tail, writer)
+            return PageKeyStore(geometry, fmt, num_pages, page_tokens, tail, writer, cpu_writes)
         return PackedLayerStore(geometry, fmt, num_pages, page_tokens, tail, writer)
 
     return make

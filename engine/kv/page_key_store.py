@@ -32,7 +32,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from capacity.formats import KVFormat, KVFormatError
+from capacity.formats import GROUP_SIZE, KVFormat, KVFormatError
+from engine.kv import cpu_page_key_write
 from engine.kv.packed_store import PackedLayerStore
 from engine.kv.page_quant import (PagePacked, dequantize_pages, meta_pages, meta_rows,
                                   quantize_pages)
@@ -47,11 +48,13 @@ class FillPlan:
     """One step's quantize-on-fill work, computed once (after the tail plan) for every layer."""
 
     def __init__(self, pages, rows, where, offsets, sources):
-        self.pages = pages        # [F] pages this write fills
-        self.rows = rows          # the write's rows that land in them
-        self.where = where        # per such row: index of its page in `pages`
-        self.offsets = offsets    # per such row: offset in the page
-        self.sources = sources    # [F] native tail slot holding each page's earlier rows
+        # NumPy int arrays; `host` keeps them for the CPU write, the attributes on the device.
+        self.host = (sources, where, offsets, rows)
+        self.pages = mx.array(pages)      # [F] pages this write fills
+        self.rows = mx.array(rows)        # the write's rows that land in them
+        self.where = mx.array(where)      # per such row: index of its page in `pages`
+        self.offsets = mx.array(offsets)  # per such row: offset in the page
+        self.sources = mx.array(sources)  # [F] native tail slot holding each page's earlier rows
 
 
 class PageKeyStore(PackedLayerStore):
@@ -61,17 +64,23 @@ class PageKeyStore(PackedLayerStore):
     _written_tail = None  # the fused decode write's new (K, V) tails, until attention read
 
     def __init__(self, geometry: LayerGeometry, fmt: KVFormat, num_pages: int, page_tokens: int,
-                 tails: Optional[TailMap] = None, writer=None):
+                 tails: Optional[TailMap] = None, writer=None, cpu_writes: bool = False):
         if not fmt.page_keys or not fmt.native_tail:
             raise KVFormatError(f"format {fmt.name} does not keep page keys with a native tail")
         fmt.k_row_group(page_tokens)   # refuses pages that do not divide head_dim
         super().__init__(geometry, fmt, num_pages, page_tokens, tails, writer)
+        # On the CPU with float32 tails, the write's quantization in compiled loops
+        # (engine/kv/cpu_page_key_write.py; KernelChoices.cpu_page_key_write).
+        self.cpu_writes = (cpu_writes and mx.default_device() == mx.cpu and bool(self.tail)
+                           and self.tail[0].dtype == mx.float32)
 
     def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
         """Values quantized per row; keys go to the native tail, or to codes when a page fills."""
         self.flush_tail()   # the previous step's tail rows: a page filled now needs them
+        parts = (cpu_page_key_write.value_record_parts(v, self.fmt.v_bits, GROUP_SIZE)
+                 if self.cpu_writes else list(quantize(v, self.fmt.v_bits)))
         self.layout.write_rows(self.pool, self._row_index(slots, V_SECTIONS),
-                               record(list(quantize(v, self.fmt.v_bits)), V_SECTIONS))
+                               record(parts, V_SECTIONS))
         plan = self._tail_plan(slots)
         fill = self._fill_plan(slots)
         if fill is not None:
@@ -163,19 +172,22 @@ class PageKeyStore(PackedLayerStore):
                 raise KVFormatError(f"page {p} fills, but its first {first} rows have no "
                                     "native copy to quantize from")
             sources.append(max(slot, 0))   # a page written whole reads no tail row
-        return FillPlan(mx.array(pages.astype(np.int32)), mx.array(rows.astype(np.int32)),
-                        mx.array(np.searchsorted(pages, page[rows]).astype(np.int32)),
-                        mx.array(offset[rows].astype(np.int32)),
-                        mx.array(np.asarray(sources, dtype=np.int32)))
+        return FillPlan(pages.astype(np.int32), rows.astype(np.int32),
+                        np.searchsorted(pages, page[rows]).astype(np.int32),
+                        offset[rows].astype(np.int32), np.asarray(sources, dtype=np.int32))
 
     def _quantize_filled(self, fill: FillPlan, k: mx.array) -> None:
         """Key codes and per-channel metadata of the pages this write fills."""
         t = self.page_tokens
-        page = self.tail[0][fill.sources].astype(mx.float32)   # [F, T, H, D] earlier rows
-        page[fill.where, fill.offsets] = k[fill.rows].astype(mx.float32)
-        codes, scales, offsets = quantize_pages(page.transpose(0, 2, 1, 3), self.fmt.k_bits)
-        for name, values in zip(K_SECTIONS, (codes.transpose(0, 2, 1, 3), meta_rows(scales, t),
-                                             meta_rows(offsets, t))):
+        if self.cpu_writes:
+            sections = cpu_page_key_write.filled_page_keys(
+                self.tail[0], *fill.host, k, self.fmt.k_bits)
+        else:
+            page = self.tail[0][fill.sources].astype(mx.float32)   # [F, T, H, D] earlier rows
+            page[fill.where, fill.offsets] = k[fill.rows].astype(mx.float32)
+            codes, scales, offsets = quantize_pages(page.transpose(0, 2, 1, 3), self.fmt.k_bits)
+            sections = (codes.transpose(0, 2, 1, 3), meta_rows(scales, t), meta_rows(offsets, t))
+        for name, values in zip(K_SECTIONS, sections):
             self.layout.write_pages(self.pool, fill.pages, name, values)
 
     def read_packed(self, slots: Slots) -> tuple[Packed, Packed]:
