@@ -206,9 +206,8 @@ def _attend_page_keys(q, k_new, v_new, codes, meta, tail_k, tail_v, pages, start
     kv_heads = k_new.shape[1]
     group = q_heads // kv_heads
     T = page_tokens
-    kb, vb = k_split.shape[1], v_split.shape[1]
+    kb, vb = k_split.shape[1], v_split.shape[1]   # code bytes of a key row, of a value row
     v_groups = dim // 64
-    vg = vb // v_groups
     kc_at, vc_at, ks_at, ko_at, vs_at, vo_at = at[0], at[1], at[2], at[3], at[4], at[5]
     acc = np.empty(dim, np.float32)
     code = np.empty(dim, np.float32)
