@@ -81,8 +81,9 @@ def test_packed_steps_take_the_numpy_softmax_on_the_cpu(tiny_model_dirs, fmt, mo
                         layer_factory=packed_layer_factory(fmt, kernels=kernels, tail_slots=2))
         return PackedModelRunner(loaded, store, kernels=kernels)
 
-    # Page-key decode rows would take the Numba kernel (its own softmax): the MLX path here.
-    mlx_path = replace(DEFAULT_KERNELS, cpu_decode=False)
+    # Page-key decode rows and prompt chunks would take the Numba kernels (their own
+    # softmax): the MLX path here.
+    mlx_path = replace(DEFAULT_KERNELS, cpu_decode=False, cpu_prefill=False)
     fast, plain = runner(mlx_path), runner(replace(mlx_path, cpu_softmax=False))
     assert fast.cpu_softmax and not plain.cpu_softmax   # the CPU suite, float32
     prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)[:40]
