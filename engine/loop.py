@@ -292,8 +292,7 @@ class Engine:
         # Model calls and traces so far (totals): per-step work shows in their differences.
         self._emit("step", step=step.step_id, prefill_tokens=step.prefill_tokens,
                    prefill_rows=step.prefill_rows, decode_rows=step.decode_rows,
-                   seconds=result.seconds,
-                   model_calls=result.model_calls, traces=result.traces)
+                   seconds=result.seconds, model_calls=result.model_calls, traces=result.traces)
         p.counters["steps"] += 1
         p.counters["prompt_tokens"] += step.prefill_tokens
         for seq, tok in p.scheduler.complete(step, result.tokens, time.monotonic()):
