@@ -40,3 +40,14 @@ def parked_worker() -> ThreadPoolExecutor:
     if _WORKER is None:
         _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-cpu-worker")
     return _WORKER
+
+
+def in_two(run, m: int, n: int) -> None:
+    """run(0, m) on the calling thread and run(m, n) on the parked worker at once, for a
+    kernel cut at m of n rows or queries; m == 0: run(0, n) here alone."""
+    if not m:
+        run(0, n)
+        return
+    half = parked_worker().submit(run, m, n)
+    run(0, m)
+    half.result()

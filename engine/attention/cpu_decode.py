@@ -31,7 +31,8 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from engine.cpu_worker import nogil_kernel, parked_worker
+from engine import cpu_worker
+from engine.cpu_worker import nogil_kernel
 
 # Rows from which a call is split across the calling thread and the parked worker (below it,
 # the hand-off costs more than half the work saves). SPLIT = False keeps every call on the
@@ -104,18 +105,21 @@ def decode_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, pages: n
     out = np.empty((b, hq, v_pages.shape[-1]), np.float32)
     kernel = _kernel()
     kp, vp, t, sc = np.asarray(k_pages), np.asarray(v_pages), k_pages.shape[2], np.float32(scale)
-    if SPLIT and b >= SPLIT_MIN_ROWS:
-        # Rows [0, m) here, [m, b) on the worker; m splits the keys read about in half. Each
-        # row's result is computed as it would be unsplit (bit-identical).
-        keys = np.cumsum(hi - lo)
-        m = int(np.clip(np.searchsorted(keys, keys[-1] / 2), 1, b - 1))
-        half = parked_worker().submit(kernel, qn[m:], kp, vp, pages[m:], lo[m:], hi[m:], t, sc,
-                                out[m:])
-        kernel(qn[:m], kp, vp, pages[:m], lo[:m], hi[:m], t, sc, out[:m])
-        half.result()
-    else:
-        kernel(qn, kp, vp, pages, lo, hi, t, sc, out)
+
+    def run(a, z):   # rows a..z-1
+        kernel(qn[a:z], kp, vp, pages[a:z], lo[a:z], hi[a:z], t, sc, out[a:z])
+    cpu_worker.in_two(run, row_split(hi - lo), b)
     return mx.array(out)[:, :, None]
+
+
+def row_split(keys: np.ndarray) -> int:
+    """Where a call of these rows (keys read per row) is cut between the calling thread and
+    the parked worker: the row that halves the keys read; 0 (not cut) below SPLIT_MIN_ROWS
+    rows or with SPLIT off. Each row is computed as unsplit (bit-identical)."""
+    if not SPLIT or len(keys) < SPLIT_MIN_ROWS:
+        return 0
+    total = np.cumsum(keys)
+    return int(np.clip(np.searchsorted(total, total[-1] / 2), 1, len(keys) - 1))
 
 
 def row_bounds(view_base: np.ndarray, starts: np.ndarray, lengths: np.ndarray,

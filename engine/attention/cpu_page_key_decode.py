@@ -38,8 +38,8 @@ powers of two), and no term is larger than its code's, so nothing cancels.
 Numba compiles it on first use and caches the machine code beside this file (`cache=True`); it
 keeps no state and releases the GIL: from cpu_decode.SPLIT_MIN_ROWS rows a call runs its later
 rows on the parked worker thread (engine/cpu_worker.py) as native's decode kernel does (a
-16-row SmolLM2 step's 30 calls took 30 ms on one thread). The runner takes it on the CPU with float32 stores where
-`KernelChoices.cpu_decode` is on (`StepBatch.cpu_decode`), for one-token rows without attention
+16-row SmolLM2 step's 30 calls took 30 ms on one thread). The runner takes it on the CPU with
+float32 stores where `KernelChoices.cpu_decode` is on (`StepBatch.cpu_decode`), for one-token rows without attention
 sinks; anything else keeps the MLX path.
 """
 from __future__ import annotations
@@ -51,7 +51,8 @@ import numpy as np
 
 from capacity.formats import GROUP_SIZE
 from engine.attention import cpu_decode
-from engine.cpu_worker import import_numba, nogil_kernel, parked_worker
+from engine import cpu_worker
+from engine.cpu_worker import import_numba, nogil_kernel
 from engine.kv.page_layout import SECTIONS, PageLayout
 
 KEY_BITS = (4, 6, 8)
@@ -221,11 +222,17 @@ def applies(store, step, view, queries, sinks) -> bool:
     """Whether this attention call of a packed layer takes the kernel: the runner's CPU float32
     flag (`StepBatch.cpu_decode`; never with a CUDA kernel), a page-key store of bits the kernel
     reads, one query token per row, no attention sinks, no sliding window, no native sink rows."""
-    if not (step.cpu_decode and store.whole_pages and queries.shape[2] == 1 and sinks is None):
-        return False
-    return (not step.kernel_decode and view.window is None and not store.sink_rows
-            and store.fmt.k_bits in KEY_BITS and store.fmt.v_bits in VALUE_BITS
-            and store.geometry.head_dim % GROUP_SIZE == 0)
+    return (step.cpu_decode and queries.shape[2] == 1 and sinks is None
+            and reads_in_place(store, step, view))
+
+
+def reads_in_place(store, step, view) -> bool:
+    """Whether the CPU page-key kernels (this one, cpu_prefill's page-key loader) can read the
+    layer's pages where they lie: a page-key store of code widths they read, head_dim in whole
+    value groups, no CUDA kernel, no sliding window, no native sink rows."""
+    return (store.whole_pages and not step.kernel_decode and view.window is None
+            and not store.sink_rows and store.fmt.k_bits in KEY_BITS
+            and store.fmt.v_bits in VALUE_BITS and store.geometry.head_dim % GROUP_SIZE == 0)
 
 
 @functools.cache
@@ -302,16 +309,7 @@ def decode_attention(store, step, view, queries: mx.array, keys: mx.array, value
                *rest, out[lo:hi])
 
     kernel = _kernel()
-    if cpu_decode.SPLIT and b >= cpu_decode.SPLIT_MIN_ROWS:
-        # Rows [0, m) here, [m, b) on the parked worker, m halving the keys read, as native's
-        # decode kernel splits (each row computed as unsplit: bit-identical).
-        keys = np.cumsum(starts + 1)
-        m = int(np.clip(np.searchsorted(keys, keys[-1] / 2), 1, b - 1))
-        half = parked_worker().submit(run, m, b)
-        run(0, m)
-        half.result()
-    else:
-        run(0, b)
+    cpu_worker.in_two(run, cpu_decode.row_split(starts + 1), b)   # as native's decode kernel
     del words, shared   # no NumPy view may outlive the call: the next write updates the pool
     store.flush_tail()   # this step's new tail rows, after the old tails were read
     return mx.array(out)[:, :, None].astype(queries.dtype)

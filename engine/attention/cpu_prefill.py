@@ -317,12 +317,7 @@ def prefill_attention(q: mx.array, k_pages: mx.array, v_pages: mx.array, pages: 
             np.ascontiguousarray(lengths, np.int64), int(window or 0), k_pages.shape[2],
             np.float32(scale), out)
     m = split_point(starts, base, lengths, width, window) if SPLIT else 0
-    if m:
-        half = cpu_worker.parked_worker().submit(kernel, qn, *args, m, width)
-        kernel(qn, *args, 0, m)
-        half.result()
-    else:
-        kernel(qn, *args, 0, width)
+    cpu_worker.in_two(lambda q0, q1: kernel(qn, *args, q0, q1), m, width)
     return mx.array(out)
 
 
@@ -353,12 +348,7 @@ def page_key_prefill_attention(store, step, view, queries: mx.array, keys: mx.ar
     qn = np.ascontiguousarray(np.asarray(q))
     kernel = _page_key_kernel()
     m = split_point(starts, np.zeros_like(starts), lengths, width, None) if SPLIT else 0
-    if m:
-        half = cpu_worker.parked_worker().submit(kernel, qn, *args, m, width)
-        kernel(qn, *args, 0, m)
-        half.result()
-    else:
-        kernel(qn, *args, 0, width)
+    cpu_worker.in_two(lambda q0, q1: kernel(qn, *args, q0, q1), m, width)
     del words, args   # no NumPy view may outlive the call: the next write updates the pool in place
     store.flush_tail()   # this step's new tail rows, after the old tails were read
     return mx.array(out).astype(queries.dtype)

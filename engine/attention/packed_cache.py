@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from capacity.formats import GROUP_SIZE, KVFormatError
+from capacity.formats import KVFormatError
 from engine.attention import cpu_page_key_decode, cpu_prefill, cpu_softmax
 from engine.attention.choices import DEFAULT_KERNELS
 from engine.attention.cuda import packed_decode as cuda_packed_decode
@@ -27,8 +27,9 @@ from engine.kv.page_quant import dequantize_pages
 from engine.kv.quant import dequantize
 
 # With the CPU prefill kernel off (KernelChoices.cpu_prefill), page-key prefill chunks over at
-# most this many history keys attend on the CPU as native prefill did, over a dequantized copy (`_cpu_page_key_prefill_attend`): the size of the tile
-# the direct path's tiled history unpacks on the CPU anyway (engine/attention/packed.py).
+# most this many history keys attend on the CPU as native prefill did, over a dequantized copy
+# (`_cpu_page_key_prefill_attend`): the size of the tile the direct path's tiled history unpacks
+# on the CPU anyway (engine/attention/packed.py).
 CPU_PREFILL_COPY_KEYS = 512
 
 
@@ -200,13 +201,9 @@ class PackedLayerCache(PagedLayerCache):
         """Whether this call is a page-key prompt chunk that the CPU prefill kernel serves
         (KernelChoices.cpu_prefill on a CPU float32 step, direct prefill mode, no window or
         sink rows, code widths the kernel reads)."""
-        store, step = self.store, self.step
-        return (step.cpu_prefill and store.whole_pages and queries.shape[2] > 1
-                and not step.kernel_decode and self.view.window is None and not store.sink_rows
-                and store.fmt.k_bits in cpu_page_key_decode.KEY_BITS
-                and store.fmt.v_bits in cpu_page_key_decode.VALUE_BITS
-                and store.geometry.head_dim % GROUP_SIZE == 0
-                and attention_of(store).prefill_mode == "direct")
+        return (self.step.cpu_prefill and queries.shape[2] > 1
+                and cpu_page_key_decode.reads_in_place(self.store, self.step, self.view)
+                and attention_of(self.store).prefill_mode == "direct")
 
     def _cpu_page_key_prefill(self, queries) -> bool:
         """Whether this call is a page-key prefill chunk over a short history on the CPU

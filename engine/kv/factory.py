@@ -23,8 +23,8 @@ def store_factory(fmt_name: str, tail_slots: int = 0, writer=None, cpu_writes: b
     Refuses (KVFormatError) a packed format on a model whose full-attention layers cannot hold
     it, instead of quietly storing them native. `writer`: the write kernel packed stores may
     use (PackedLayerStore); `cpu_writes`: page-key stores quantize their writes in compiled
-    loops on the CPU (PageKeyStore). engine.attention.layers.packed_layer_factory wraps this with the
-    attention each packed layer is read by.
+    loops on the CPU (PageKeyStore). engine.attention.layers.packed_layer_factory wraps this
+    with the attention each packed layer is read by.
     """
     tails: dict[int, TailMap] = {}   # one map per page size, shared by every layer
 

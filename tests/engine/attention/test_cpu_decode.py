@@ -65,15 +65,15 @@ def test_a_split_step_equals_the_unsplit_one_and_the_worker_runs_half(monkeypatc
     whole = np.asarray(cpu_decode.decode_attention(q, k, v, view.pages_np, lo, hi, 0.25))
     monkeypatch.setattr(cpu_decode, "SPLIT", True)
     ran = []
-    real = cpu_decode.parked_worker()
+    real = cpu_decode.cpu_worker.parked_worker()
 
     class Recording:
-        def submit(self, fn, qn, *args):
-            ran.append((threading.get_ident(), qn.shape[0]))
-            return real.submit(lambda *a: (ran.append(threading.get_ident()), fn(*a)), qn,
-                               *args)
+        def submit(self, fn, first, end):   # the worker's rows first..end-1
+            ran.append((threading.get_ident(), end - first))
+            return real.submit(lambda *a: (ran.append(threading.get_ident()), fn(*a)), first,
+                               end)
 
-    monkeypatch.setattr(cpu_decode, "parked_worker", lambda: Recording())
+    monkeypatch.setattr(cpu_decode.cpu_worker, "parked_worker", lambda: Recording())
     split = np.asarray(cpu_decode.decode_attention(q, k, v, view.pages_np, lo, hi, 0.25))
     assert np.array_equal(split, whole)
     (caller, worker_rows), worker = ran

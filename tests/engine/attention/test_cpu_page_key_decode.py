@@ -116,13 +116,13 @@ def test_a_split_call_equals_the_unsplit_one_and_the_worker_runs_part(monkeypatc
     monkeypatch.setattr(cpu_decode, "SPLIT", False)
     whole, _ = _steps(*args)
     monkeypatch.setattr(cpu_decode, "SPLIT", True)
-    real, threads = cpu_page_key_decode.parked_worker(), []
+    real, threads = cpu_page_key_decode.cpu_worker.parked_worker(), []
 
     class Recording:
         def submit(self, fn, *a):
             return real.submit(lambda *b: (threads.append(threading.get_ident()), fn(*b)), *a)
 
-    monkeypatch.setattr(cpu_page_key_decode, "parked_worker", lambda: Recording())
+    monkeypatch.setattr(cpu_page_key_decode.cpu_worker, "parked_worker", lambda: Recording())
     split, _ = _steps(*args)
     assert len(threads) == 2 and threading.get_ident() not in threads   # one per step
     assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(split, whole))
