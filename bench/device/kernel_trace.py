@@ -1,0 +1,178 @@
+"""Where a decode step's device time goes, kernel by kernel: CUPTI's records through PyTorch's
+profiler (the accelerator image has PyTorch; MLX has no kernel profiler of its own, and CUPTI
+sees every kernel of the process, MLX's included, graph nodes too).
+
+    python3 -m bench.device.kernel_trace --model W/models/llama-3.1-8b --context 4096 \\
+        --variants native@8,k6v4-kivi@8,native@1,mlx-lm@1 --out $OUT/kernel-trace.json
+    python -m bench.device.kernel_trace --tiny --out RESULT.json    # CPU smoke run, no trace
+
+Each variant is FORMAT[:KERNEL]@BATCH (bench.kv_decode's format specs, its pipelined decode at
+--context keys per row) or `mlx-lm@1` (mlx-lm's generate_step after a --context-token prompt,
+the batch-1 yardstick of issue 33). One warm-up round, then --steps steps under the profiler.
+Per variant: wall ms per step, kernels per step, the kernels' summed and merged (busy) device
+time per step, the device's idle time inside the traced span (host-bound steps show it), and
+the kernels ranked by device time per step. Why: issue 32's 8B page-key step is 0.8x native
+although its attention kernel and write are each faster or close (device run 7: ~120 us per
+layer unattributed), and issue 33's batch-1 step sits below the bandwidth limit for reasons a
+wall clock cannot split. Without PyTorch or CUDA the steps are timed and `trace` says why not.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import mlx.core as mx
+
+from bench.kv_decode import _DecodeTimer
+from bench.kv_runners import PAGE_TOKENS, progress
+from engine.model.loader import load_model
+
+TINY = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=64, vocab_size=256, max_position_embeddings=1024)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="model folder (bench.device.shaped_models builds them)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model (CPU smoke run)")
+    ap.add_argument("--variants", default="native@8,k6v4-kivi@8",
+                    help="FORMAT[:KERNEL]@BATCH or mlx-lm@1, comma-separated")
+    ap.add_argument("--context", type=int, default=4096, help="keys per row before decoding")
+    ap.add_argument("--steps", type=int, default=20, help="traced decode steps per variant")
+    ap.add_argument("--top", type=int, default=25, help="kernels listed per variant")
+    ap.add_argument("--out", type=Path, required=True, help="the JSON (rewritten per variant)")
+    args = ap.parse_args(argv)
+    if not (args.model or args.tiny):
+        ap.error("give --model DIR or --tiny")
+    return args
+
+
+def short_name(kernel: str) -> str:
+    """A kernel's name without its template arguments and parameter list."""
+    name = re.sub(r"^void ", "", kernel)
+    depth, out = 0, []
+    for ch in name:
+        depth += ch == "<"
+        if depth == 0 and ch == "(":
+            break
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ">" and depth > 0
+    return "".join(out)[:120] or kernel[:120]
+
+
+def summarize(kernels: list[tuple[str, float, float]], steps: int, top: int) -> dict:
+    """(name, start us, end us) records -> per-step totals, busy time and the ranked kernels."""
+    if not kernels:
+        return {"kernels_per_step": 0}
+    spans = sorted((s, e) for _, s, e in kernels)
+    busy, cur_s, cur_e = 0.0, *spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy, cur_s, cur_e = busy + cur_e - cur_s, s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = spans[-1][1] - spans[0][0]
+    by = defaultdict(lambda: [0, 0.0])
+    for name, s, e in kernels:
+        by[short_name(name)][0] += 1
+        by[short_name(name)][1] += e - s
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels_per_step": round(len(kernels) / steps, 1),
+            "kernel_us_per_step": round(sum(e - s for _, s, e in kernels) / steps, 1),
+            "busy_us_per_step": round(busy / steps, 1),
+            "idle_us_per_step": round((span - busy) / steps, 1),
+            "top": [{"kernel": k, "calls_per_step": round(n / steps, 2),
+                     "us_per_step": round(t / steps, 1), "us_per_call": round(t / n, 2)}
+                    for k, (n, t) in ranked]}
+
+
+def traced(fn) -> tuple[object, dict | str]:
+    """fn() under PyTorch's profiler: (its result, the CUDA kernel records) or a reason."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        if not torch.cuda.is_available():
+            return fn(), "no CUDA device seen by PyTorch"
+    except ImportError as e:
+        return fn(), f"PyTorch unavailable ({e})"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = fn()
+    cuda = torch.autograd.DeviceType.CUDA
+    return result, [(e.name, e.time_range.start, e.time_range.end)
+                    for e in prof.events() if e.device_type == cuda]
+
+
+def engine_variant(loaded, spec: str, batch: int, context: int, steps: int):
+    """A round of `steps` pipelined decode steps of bench.kv_decode's timer, warmed once."""
+    room = 2 * steps + 2
+    pages = batch * -(-(context + room) // PAGE_TOKENS)
+    timer = _DecodeTimer(loaded, spec, pages, batch, context, room, pipelined=True)
+    timer.round(steps)
+    return lambda: timer.round(steps)
+
+
+def mlx_lm_variant(model_dir: str, context: int, steps: int):
+    """mlx-lm's own batch-1 decode (generate_step, which pipelines), after a prompt."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+    model, _ = load(model_dir)
+    prompt = mx.array([7] * context)
+    gen = generate_step(prompt, model, max_tokens=10 * steps + 10)
+    for _ in range(steps):
+        next(gen)
+
+    def run():
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            next(gen)
+        return time.perf_counter() - t0
+    return run
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    model_dir = args.model
+    if args.tiny:
+        from bench.synthetic import build_tiny_model
+        model_dir = str(build_tiny_model("llama", Path(tempfile.mkdtemp()) / "trace", **TINY))
+    loaded = load_model(model_dir)
+    result = {"env": {"mlx": mx.__version__, "device": str(mx.default_device()),
+                      "model": args.model or "tiny", "context": args.context,
+                      "steps": args.steps, "page_tokens": PAGE_TOKENS,
+                      "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+              "variants": {}}
+    for item in args.variants.split(","):
+        spec, _, batch = item.partition("@")
+        batch = int(batch or 1)
+        progress(f"{spec} batch {batch} at {args.context} keys", "kernel_trace")
+        try:
+            run = (mlx_lm_variant(model_dir, args.context, args.steps) if spec == "mlx-lm"
+                   else engine_variant(loaded, spec, batch, args.context, args.steps))
+            seconds, records = traced(run)
+            row = {"batch": batch, "wall_ms_per_step": round(1e3 * seconds / args.steps, 3),
+                   "tok_s": round(batch * args.steps / seconds, 1)}
+            row["trace"] = (summarize(records, args.steps, args.top)
+                            if isinstance(records, list) else records)
+        except Exception as e:  # noqa: BLE001 - a variant that fails is a result
+            row = {"error": f"{type(e).__name__}: {e}"[:400]}
+        result["variants"][item] = row
+        run = None
+        gc.collect()
+        mx.clear_cache()
+        args.out.write_text(json.dumps(result, indent=1))
+        progress(f"{item}: {json.dumps(row)[:300]}", "kernel_trace")
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
