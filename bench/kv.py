@@ -176,6 +176,8 @@ def main(argv=None):
                     help="synthetic model size when --model is not given")
     ap.add_argument("--dtype", default=None, help="compute dtype (default: f32 CPU, bf16 GPU)")
     ap.add_argument("--out", default="bench_kv.json")
+    ap.add_argument("--fuse", action="store_true",
+                    help="q/k/v and gate/up as one matmul each, as the engine loads models")
     ap.add_argument("--budget-gib", type=float, default=8.0)
     ap.add_argument("--prefill", type=_ints, default=[512, 4096, 16384])
     ap.add_argument("--prefill-formats", default="int8,int4")
@@ -265,7 +267,7 @@ def main(argv=None):
         from bench.synthetic import build_tiny_model
         model_dir = str(build_tiny_model("llama", Path(tempfile.mkdtemp()) / "bench",
                                          **GEOMETRIES[args.geometry]))
-    loaded = load_model(model_dir, dtype=args.dtype)
+    loaded = load_model(model_dir, dtype=args.dtype, fuse=args.fuse)
     sections = args.sections.split(",")
     result = {"env": {"mlx": mx.__version__, "device": str(mx.default_device()),
                       "machine": platform.machine(), "dtype": loaded.dtype_name,

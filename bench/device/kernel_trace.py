@@ -47,6 +47,8 @@ def parse_args(argv=None):
     ap.add_argument("--context", type=int, default=4096, help="keys per row before decoding")
     ap.add_argument("--steps", type=int, default=20, help="traced decode steps per variant")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per variant")
+    ap.add_argument("--no-fuse", action="store_true",
+                    help="separate q/k/v and gate/up matmuls (the engine fuses them by default)")
     ap.add_argument("--out", type=Path, required=True, help="the JSON (rewritten per variant)")
     args = ap.parse_args(argv)
     if not (args.model or args.tiny):
@@ -144,10 +146,10 @@ def main(argv=None) -> int:
     if args.tiny:
         from bench.synthetic import build_tiny_model
         model_dir = str(build_tiny_model("llama", Path(tempfile.mkdtemp()) / "trace", **TINY))
-    loaded = load_model(model_dir)
+    loaded = load_model(model_dir, fuse=not args.no_fuse)
     result = {"env": {"mlx": mx.__version__, "device": str(mx.default_device()),
                       "model": args.model or "tiny", "context": args.context,
-                      "steps": args.steps, "page_tokens": PAGE_TOKENS,
+                      "steps": args.steps, "page_tokens": PAGE_TOKENS, "fused": not args.no_fuse,
                       "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
               "variants": {}}
     for item in args.variants.split(","):
