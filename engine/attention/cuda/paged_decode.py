@@ -147,29 +147,16 @@ auto visit = [&](const float* kv, const float* vv) {
     m[g] = mn;
   }
 };
-// KU keys per warp in flight: their page lookups and loads are issued before the first is
-// visited, so a warp waits for memory once per KU keys, not once per key (at batch 1 a few
-// warps per SM walk the keys one after another and each key's loads were a full memory round
-// trip). Visits keep the order j, j + NW, ...: the sums are the one-key loop's.
-constexpr int KU = 4;
-for (int j = j0 + warp; j < j1; j += NW * KU) {
-  float kv[KU][VPT], vv[KU][VPT];
+for (int j = j0 + warp; j < j1; j += NW) {
+  const int page = pages[(size_t)b * P + j / PT];
+  const size_t base = (((size_t)hk * NP + page) * PT + j % PT) * D + lane * VPT;
+  float kv[VPT], vv[VPT];
   #pragma unroll
-  for (int u = 0; u < KU; ++u) {
-    const int ju = j + u * NW;
-    if (ju < j1) {
-      const int page = pages[(size_t)b * P + ju / PT];
-      const size_t base = (((size_t)hk * NP + page) * PT + ju % PT) * D + lane * VPT;
-      #pragma unroll
-      for (int i = 0; i < VPT; ++i) {
-        kv[u][i] = to_f(kp[base + i]);
-        vv[u][i] = to_f(vp[base + i]);
-      }
-    }
+  for (int i = 0; i < VPT; ++i) {
+    kv[i] = to_f(kp[base + i]);
+    vv[i] = to_f(vp[base + i]);
   }
-  #pragma unroll
-  for (int u = 0; u < KU; ++u)
-    if (j + u * NW < j1) visit(kv[u], vv[u]);
+  visit(kv, vv);
 }
 """ + BLOCK_MERGE.format(store="""
 #pragma unroll
