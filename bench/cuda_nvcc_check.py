@@ -103,6 +103,27 @@ def native_variants():
                         outputs, pd._native_source(own), pd.HEADER, template)
 
 
+def native_tiled_variants():
+    """The tiled native decode kernel (cuda/native_tiled_decode_source.py), plain and OWN, both
+    head dims, page sizes, GQA groups 1..8, split modes (the labels start "native-tiled")."""
+    from engine.attention.cuda import native_tiled_decode_source as src
+    base = [(n, "int32" if n in ("pages", "ends", "dims") else
+             "float32" if n == "scale" else "bfloat16") for n in src.INPUTS]
+    outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
+    for d in (64, 128):
+        for pt in (16, 32, 64):
+            for g in (1, 4, 8):
+                for split in (False, True):
+                    for own in (False, True):
+                        template = [("D", d), ("G", g), ("PT", pt), ("TQ", "bfloat16"),
+                                    ("TK", "bfloat16"), ("OWN", own), ("SPLIT", split),
+                                    ("TO", "bfloat16")]
+                        extra = [(n, "bfloat16") for n in src.OWN_INPUTS] if own else []
+                        yield (f"native-tiled d{d} pt{pt} g{g} split={split} own={own}",
+                               wrap(src.name(own), base + extra, outputs, src.source(own),
+                                    src._HEADER, template))
+
+
 def write_variants():
     """The packed write kernel (cuda/packed_write.py): rows to pool records, or (in place)
     straight into the pool, every bits pair."""
@@ -193,6 +214,7 @@ def page_key_write_variants():
 def variants():
     """(label, wrapped source) for every kernel variant the engine launches."""
     yield from native_variants()
+    yield from native_tiled_variants()
     yield from decode_variants()
     yield from page_key_variants()
     yield from page_key_dequant_variants()

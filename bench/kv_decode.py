@@ -68,6 +68,12 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                                    page_key_kernel=False),
                   "scores": dict(page_key_qmm=False, page_key_kernel=False),
                   "kernel": dict(page_key_kernel=True),
+                  # Native pages through the tiled CUDA decode kernel (KernelChoices
+                  # .native_decode), against the walk kernel of plain "native".
+                  "tiled": dict(native_decode="tiled"),
+                  # ... with 64-key splits: its blocks walk no keys one by one, so finer
+                  # splits (more blocks at batch 1) may pay where the walk kernel's did not.
+                  "tiled-64": dict(native_decode="tiled", decode_split_min_keys=64),
                   # On the CPU: the softmax by mx.softmax, not NumPy (KernelChoices.cpu_softmax
                   # off; native keeps it on), to measure what the NumPy softmax gives packed
                   # decode.
@@ -76,7 +82,8 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:
-    """(format, kernel choices) of a decode format spec FORMAT[:tiles|:split|:v2]."""
+    """(format, kernel choices) of a decode format spec FORMAT[:KERNEL], KERNEL a key of
+    DECODE_KERNELS (native:tiled: the tiled native decode kernel)."""
     fmt, _, kernel = spec.partition(":")
     if kernel and kernel not in DECODE_KERNELS:
         raise ValueError(f"decode format {spec!r}: kernel must be one of {sorted(DECODE_KERNELS)}")

@@ -51,6 +51,13 @@ class KernelChoices:
     # given here reaches compiled decode steps only (the trace sets it; the uncompiled call
     # site passes split choices only).
     decode_warps: int | None = None
+    # Which kernel native (bfloat16) decode steps take where decode_kernel serves them: "walk"
+    # (cuda/paged_decode.py: every warp walks keys one at a time) or "tiled"
+    # (cuda/native_tiled_decode.py: tiles of keys copied into shared memory by cp.async, as the
+    # page-key kernel does; it ignores decode_warps). The walk kernel is latency-bound on the
+    # H100 (docs/lab/decode-graph-8b.md "Kernel traces"); "tiled" stays opt-in until a device
+    # run measures it: `bench.device.kernel_trace --variants native@1,native:tiled@1`.
+    native_decode: str = "walk"
     # Compiled decode steps also return the argmax of the compute-dtype logits (exact: the
     # float32 cast is monotone), so a greedy batch needs no float32 cast, argmax and int32 cast
     # after the step (CompiledDecode.greedy). Off until the sweep measures it (issue 33).
@@ -203,12 +210,16 @@ class KernelChoices:
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"prefill_attention must be one of {PREFILL_ATTENTION}, "
                              f"got {self.prefill_attention!r}")
+        if self.native_decode not in NATIVE_DECODE_KERNELS:
+            raise ValueError(f"native_decode must be one of {NATIVE_DECODE_KERNELS}, "
+                             f"got {self.native_decode!r}")
         if self.packed_decode not in PACKED_DECODE_KERNELS:
             raise ValueError(f"packed_decode must be one of {PACKED_DECODE_KERNELS}, "
                              f"got {self.packed_decode!r}")
 
 
 PACKED_DECODE_KERNELS = ("v1", "v2")
+NATIVE_DECODE_KERNELS = ("walk", "tiled")
 PREFILL_PATHS = ("tiles", "dequant")
 PREFILL_ATTENTION = ("auto", "fast", "ops")
 

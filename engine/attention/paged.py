@@ -30,6 +30,7 @@ import numpy as np
 
 from engine.attention import cpu_decode, cpu_prefill, cpu_softmax, ops_prefill
 from engine.attention.choices import DEFAULT_KERNELS
+from engine.attention.cuda import native_tiled_decode
 from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.kv.store import LayerStore, Slots
 
@@ -326,6 +327,12 @@ class PagedLayerCache:
         own, self._own = self._own, None
         if sinks is None and self._kernel_decode():
             k_pages, v_pages = self.store.head_major_pages()
+            if self.step.kernels.native_decode == "tiled" and native_tiled_decode.supports(
+                    queries.shape[3], queries.shape[1] // k_pages.shape[0], k_pages.dtype):
+                return native_tiled_decode.tiled_decode_attention(
+                    queries, k_pages, v_pages, self.view.pages, self.step.ends, scale,
+                    self.step.longest, self.step.kernels.decode_split_target,
+                    self.step.kernels.decode_split_min_keys, own=own)
             return cuda_paged_decode.paged_decode_attention(
                 queries, k_pages, v_pages, self.view.pages, self.step.ends, scale,
                 self.step.longest, self.step.kernels.decode_split_target,

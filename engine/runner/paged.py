@@ -193,7 +193,7 @@ class ModelRunner:
         heads = config.get("num_attention_heads")
         if not isinstance(heads, int):
             return 0
-        own = self.kernels.decode_writes_own
+        own, tiled = self.kernels.decode_writes_own, self.kernels.native_decode == "tiled"
         shapes = {(heads // g.kv_heads, g.head_dim,
                    own and self.kvstore.layer(g.index).decode_writes_own)
                   for g in self.loaded.geometry.layers
@@ -201,7 +201,7 @@ class ModelRunner:
                   and g.kv_heads and heads % g.kv_heads == 0}
         try:
             return sum(precompile(group, dim, self.page_tokens, self.loaded.dtype,
-                                  self.kvstore.dtype, writes, self.kernels.decode_warps)
+                                  self.kvstore.dtype, writes, self.kernels.decode_warps, tiled)
                        for group, dim, writes in sorted(shapes))
         except Exception as e:  # noqa: BLE001 - the first step would compile them anyway
             log.warning("decode kernels not precompiled (compiled on first use): %s", e)

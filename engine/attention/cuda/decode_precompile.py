@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from engine.attention.cuda import native_tiled_decode
 from engine.attention.cuda.paged_decode import (SMALL_GRID_BLOCKS, _dims, _native_kernel,
                                                 _scale, launch_split, launch_warps,
                                                 native_template)
@@ -27,15 +28,25 @@ def launch_variants(group: int, head_dim: int, asked: int | None) -> list[tuple[
 
 
 def precompile(group: int, head_dim: int, page_tokens: int, q_dtype: mx.Dtype,
-               kv_dtype: mx.Dtype, own: bool, asked: int | None = None) -> int:
+               kv_dtype: mx.Dtype, own: bool, asked: int | None = None,
+               tiled: bool = False) -> int:
     """Compile now every native decode kernel variant a step of this geometry can launch
     (see the module docstring); returns how many launches that took. The launches run over one
-    dummy page: the kernels' template arguments are what is compiled, not the grid."""
+    dummy page: the kernels' template arguments are what is compiled, not the grid. `tiled`
+    (KernelChoices.native_decode "tiled"): the tiled kernel's variants where it serves the
+    geometry, instead of the walk kernel's."""
     q = mx.zeros((1, group, 1, head_dim), q_dtype)
     k_pages = mx.zeros((1, 1, page_tokens, head_dim), kv_dtype)
     v_pages = mx.zeros((1, 1, page_tokens, head_dim), kv_dtype)
     pages, ends = mx.zeros((1, 1), mx.int32), mx.array([1], mx.int32)
     extra = [mx.zeros((1, 1, 1, head_dim), kv_dtype) for _ in range(2)] if own else []
+    if tiled and native_tiled_decode.supports(head_dim, group, kv_dtype):
+        # Both split modes: one key per split cuts the dummy row into two splits.
+        outs = [native_tiled_decode.tiled_decode_attention(
+            q, k_pages, v_pages, pages, mx.array([2], mx.int32), 1.0, 2, None, min_keys,
+            own=None if not own else (extra[0], extra[1])) for min_keys in (None, 1)]
+        mx.eval(outs)
+        return len(outs)
     template = native_template(head_dim, group, page_tokens, q_dtype, kv_dtype, own)
     outs = [launch_split(_native_kernel(own, warps),
                          [q, k_pages, v_pages, pages, ends, _dims(group, 1, 1, 1), _scale(1.0),
