@@ -147,6 +147,8 @@ for (int t = 0; t < ntile; ++t) {
   __syncthreads();
 
   // 2. The tile's online-softmax step, warp h for head h: weights p in pw, rescale factor cf.
+  // tile_helpers.online_softmax's step less its value-group terms (pvo, st_ao): bf16 values
+  // carry no per-group offsets to fold into the sums.
   for (int h = warp; h < G; h += NW) {
     float s[KPT];
     float tmax = NEG_INF;
