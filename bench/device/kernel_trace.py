@@ -8,7 +8,8 @@ sees every kernel of the process, MLX's included, graph nodes too).
 
 Each variant is FORMAT[:KERNEL]@BATCH (bench.kv_decode's format specs, its pipelined decode at
 --context keys per row) or `mlx-lm@1` (mlx-lm's generate_step after a --context-token prompt,
-the batch-1 yardstick of issue 33). One warm-up round, then --steps steps under the profiler.
+the batch-1 yardstick of issue 33). One warm-up round, --untraced rounds of --steps steps
+timed without the profiler (`tok_s_untraced`: the rates to quote), then one round under it.
 Per variant: wall ms per step, kernels per step, the kernels' summed and merged (busy) device
 time per step, the device's idle time inside the traced span (host-bound steps show it), and
 the kernels ranked by device time per step. Why: issue 32's 8B page-key step is 0.8x native
@@ -22,6 +23,7 @@ import argparse
 import gc
 import json
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -46,6 +48,9 @@ def parse_args(argv=None):
                     help="FORMAT[:KERNEL]@BATCH or mlx-lm@1, comma-separated")
     ap.add_argument("--context", type=int, default=4096, help="keys per row before decoding")
     ap.add_argument("--steps", type=int, default=20, help="traced decode steps per variant")
+    ap.add_argument("--untraced", type=int, default=3,
+                    help="rounds timed without the profiler first (the rates to quote: CUPTI "
+                         "slows the host, so the traced round's rate is not one)")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per variant")
     ap.add_argument("--no-fuse", action="store_true",
                     help="separate q/k/v and gate/up matmuls (the engine fuses them by default)")
@@ -113,22 +118,23 @@ def traced(fn) -> tuple[object, dict | str]:
                     for e in prof.events() if e.device_type == cuda]
 
 
-def engine_variant(loaded, spec: str, batch: int, context: int, steps: int):
-    """A round of `steps` pipelined decode steps of bench.kv_decode's timer, warmed once."""
-    room = 2 * steps + 2
+def engine_variant(loaded, spec: str, batch: int, context: int, steps: int, rounds: int):
+    """A round of `steps` pipelined decode steps of bench.kv_decode's timer, warmed once;
+    room for `rounds` more."""
+    room = (rounds + 1) * steps + 2
     pages = batch * -(-(context + room) // PAGE_TOKENS)
     timer = _DecodeTimer(loaded, spec, pages, batch, context, room, pipelined=True)
     timer.round(steps)
     return lambda: timer.round(steps)
 
 
-def mlx_lm_variant(model_dir: str, context: int, steps: int):
+def mlx_lm_variant(model_dir: str, context: int, steps: int, rounds: int):
     """mlx-lm's own batch-1 decode (generate_step, which pipelines), after a prompt."""
     from mlx_lm import load
     from mlx_lm.generate import generate_step
     model, _ = load(model_dir)
     prompt = mx.array([7] * context)
-    gen = generate_step(prompt, model, max_tokens=10 * steps + 10)
+    gen = generate_step(prompt, model, max_tokens=(rounds + 1) * steps + 10)
     for _ in range(steps):
         next(gen)
 
@@ -157,10 +163,17 @@ def main(argv=None) -> int:
         batch = int(batch or 1)
         progress(f"{spec} batch {batch} at {args.context} keys", "kernel_trace")
         try:
-            run = (mlx_lm_variant(model_dir, args.context, args.steps) if spec == "mlx-lm"
-                   else engine_variant(loaded, spec, batch, args.context, args.steps))
+            rounds = args.untraced + 1
+            run = (mlx_lm_variant(model_dir, args.context, args.steps, rounds)
+                   if spec == "mlx-lm"
+                   else engine_variant(loaded, spec, batch, args.context, args.steps, rounds))
+            untraced = [batch * args.steps / run() for _ in range(args.untraced)]
             seconds, records = traced(run)
-            row = {"batch": batch, "wall_ms_per_step": round(1e3 * seconds / args.steps, 3),
+            row = {"batch": batch,
+                   "tok_s_untraced": [round(r, 1) for r in untraced],
+                   "tok_s_untraced_median": (round(statistics.median(untraced), 1)
+                                             if untraced else None),
+                   "wall_ms_per_step": round(1e3 * seconds / args.steps, 3),
                    "tok_s": round(batch * args.steps / seconds, 1)}
             row["trace"] = (summarize(records, args.steps, args.top)
                             if isinstance(records, list) else records)

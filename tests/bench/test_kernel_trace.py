@@ -27,9 +27,11 @@ def test_short_name_drops_templates_and_parameters():
 def test_tiny_run_times_every_variant(tmp_path):
     out = tmp_path / "trace.json"
     assert kernel_trace.main(["--tiny", "--context", "64", "--steps", "3", "--out", str(out),
-                              "--variants", "native@2,k6v4-kivi@2,mlx-lm@1"]) == 0
+                              "--variants", "native@2,k6v4-kivi@2,mlx-lm@1",
+                              "--untraced", "2"]) == 0
     rows = json.loads(out.read_text())["variants"]
     assert set(rows) == {"native@2", "k6v4-kivi@2", "mlx-lm@1"}
     for row in rows.values():
         assert row["tok_s"] > 0, row
+        assert len(row["tok_s_untraced"]) == 2 and row["tok_s_untraced_median"] > 0, row
         assert row["trace"]                     # a summary on CUDA, why not elsewhere
