@@ -75,10 +75,9 @@ def reference(q, k_pages, v_pages, tables, ends, scale, own=None) -> np.ndarray:
 
 
 def bf16(x) -> np.ndarray:
-    """float32 values exactly representable in bfloat16 (round to nearest even)."""
-    u = np.asarray(x, np.float32).view(np.uint32)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.view(np.float32)
+    """float32 values exactly representable in bfloat16 (MLX's rounding, as the kernels see)."""
+    import mlx.core as mx
+    return np.array(mx.array(np.asarray(x, np.float32)).astype(mx.bfloat16).astype(mx.float32))
 
 
 def on_device(q, k_pages, v_pages, tables, ends, scale, own=None, target_blocks=None,

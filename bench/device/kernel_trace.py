@@ -90,8 +90,9 @@ def summarize(kernels: list[tuple[str, float, float]], steps: int, top: int) -> 
     span = spans[-1][1] - spans[0][0]
     by = defaultdict(lambda: [0, 0.0])
     for name, s, e in kernels:
-        by[short_name(name)][0] += 1
-        by[short_name(name)][1] += e - s
+        entry = by[short_name(name)]
+        entry[0] += 1
+        entry[1] += e - s
     ranked = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
     return {"kernels_per_step": round(len(kernels) / steps, 1),
             "kernel_us_per_step": round(sum(e - s for _, s, e in kernels) / steps, 1),
