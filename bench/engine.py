@@ -76,6 +76,9 @@ def parse_args(argv=None):
                         "the CUDA decode kernel runs; engine/runner/compiled_decode.py)")
     p.add_argument("--compile", action="store_true",
                    help="engine side: compiled decode steps on any backend (the CPU too)")
+    p.add_argument("--native-decode", choices=("walk", "tiled"), default=None,
+                   help="engine side: the CUDA decode kernel over native pages (default: "
+                        "production's KernelChoices.native_decode)")
     p.add_argument("--ref-fused", action="store_true",
                    help="mlx-lm side: fuse its projections the engine's way too (a factor "
                         "analysis; mlx-lm as users run it is unfused, the default)")
@@ -85,12 +88,15 @@ def parse_args(argv=None):
 
 
 def compile_choice(args):
-    """The engine's KernelChoices for `--compile` / `--no-compile` (default: production's)."""
+    """The engine's KernelChoices for `--compile` / `--no-compile` and `--native-decode`
+    (default: production's)."""
     from engine.attention.choices import KernelChoices
     if args.compile and args.no_compile:
         raise SystemExit("--compile and --no-compile exclude each other")
+    choice = getattr(args, "native_decode", None)   # bench.decode_host has no such flag
+    native = {"native_decode": choice} if choice else {}
     return KernelChoices(compiled_decode=True if args.compile else False if args.no_compile
-                         else None)
+                         else None, **native)
 
 
 def build_synthetic(root: Path) -> str:
@@ -342,6 +348,7 @@ def run(args) -> dict:
               "engine_compiled_decode": {None: "where the CUDA decode kernel runs",
                                          True: "always", False: "never"}[
                                              compile_choice(args).compiled_decode],
+              "engine_native_decode": compile_choice(args).native_decode,
               "mlx_lm_fused_projections": args.ref_fused,
               "warmup_runs": args.warmup,
               "resident_mb": round(mx.get_active_memory() / 2**20, 1),

@@ -172,11 +172,13 @@ def gpu_stand_ins():
     `available()`, so the runner takes the CUDA path's choices."""
     import mlx.core as mx
 
+    from engine.attention.cuda import native_tiled_decode as ntd
     from engine.attention.cuda import paged_decode as pd
 
     zeros: dict = {}
     names = ("Contiguous", "RMSNorm", "LayerNorm", "RoPE", "ScaledDotProductAttention",
              "CustomKernel:paged_decode", "CustomKernel:paged_decode_own",
+             "CustomKernel:native_tiled_decode", "CustomKernel:native_tiled_decode_own",
              "CustomKernel:decode_merge")
     real_marks = {n: mx.zeros((1,), mx.int32) for n in names}
     mx.eval(list(real_marks.values()))
@@ -215,11 +217,13 @@ def gpu_stand_ins():
         return node("ScaledDotProductAttention", [q, k, v, mask, sinks], [(shape, q.dtype)])[0]
 
     fast = mx.fast
-    saved = (pd.available, pd._native_kernel, pd._merge_kernel, fast.rms_norm,
+    saved = (pd.available, pd._native_kernel, ntd._kernel, pd._merge_kernel, fast.rms_norm,
              fast.layer_norm, fast.rope, fast.scaled_dot_product_attention, mx.contiguous)
     pd.available = lambda: True
     pd._native_kernel = lambda own=False, warps=pd.WARPS: kernel(
         "CustomKernel:paged_decode" + ("_own" if own else ""))
+    ntd._kernel = lambda own=False: kernel(
+        "CustomKernel:native_tiled_decode" + ("_own" if own else ""))
     pd._merge_kernel = lambda: kernel("CustomKernel:decode_merge")
     fast.rms_norm, fast.layer_norm, fast.rope = rms_norm, layer_norm, rope
     fast.scaled_dot_product_attention = sdpa
@@ -227,8 +231,8 @@ def gpu_stand_ins():
     try:
         yield
     finally:
-        (pd.available, pd._native_kernel, pd._merge_kernel, fast.rms_norm, fast.layer_norm,
-         fast.rope, fast.scaled_dot_product_attention, mx.contiguous) = saved
+        (pd.available, pd._native_kernel, ntd._kernel, pd._merge_kernel, fast.rms_norm,
+         fast.layer_norm, fast.rope, fast.scaled_dot_product_attention, mx.contiguous) = saved
         _MARKS.clear()
 
 

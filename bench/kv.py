@@ -220,8 +220,9 @@ def main(argv=None):
     ap.add_argument("--decode-formats", default="int8,k8v4,int4",
                     help="packed formats to decode; FORMAT:tiles / FORMAT:split / FORMAT:v2 "
                          "pick the CUDA decode kernel (prefill tile kernel / split decode "
-                         "kernel v1 / tiled decode kernel v2); native:tiled: native pages "
-                         "through the tiled native kernel (bench.kv_decode.DECODE_KERNELS)")
+                         "kernel v1 / tiled decode kernel v2); native:walk: native pages "
+                         "through the walk native kernel, native: the tiled one "
+                         "(bench.kv_decode.DECODE_KERNELS)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--pipelined", action="store_true",
                     help="decode as the engine does: queue step n+1 before reading step n back "

@@ -68,8 +68,9 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                                    page_key_kernel=False),
                   "scores": dict(page_key_qmm=False, page_key_kernel=False),
                   "kernel": dict(page_key_kernel=True),
-                  # Native pages through the tiled CUDA decode kernel (KernelChoices
-                  # .native_decode), against the walk kernel of plain "native".
+                  # Native pages through the walk CUDA decode kernel (KernelChoices
+                  # .native_decode; the default before the tiled one), and the tiled one.
+                  "walk": dict(native_decode="walk"),
                   "tiled": dict(native_decode="tiled"),
                   # ... with 64-key splits: its blocks walk no keys one by one, so finer
                   # splits (more blocks at batch 1) may pay where the walk kernel's did not.
@@ -83,7 +84,7 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:
     """(format, kernel choices) of a decode format spec FORMAT[:KERNEL], KERNEL a key of
-    DECODE_KERNELS (native:tiled: the tiled native decode kernel)."""
+    DECODE_KERNELS (native:walk: the walk native decode kernel)."""
     fmt, _, kernel = spec.partition(":")
     if kernel and kernel not in DECODE_KERNELS:
         raise ValueError(f"decode format {spec!r}: kernel must be one of {sorted(DECODE_KERNELS)}")

@@ -51,13 +51,14 @@ class KernelChoices:
     # given here reaches compiled decode steps only (the trace sets it; the uncompiled call
     # site passes split choices only).
     decode_warps: int | None = None
-    # Which kernel native (bfloat16) decode steps take where decode_kernel serves them: "walk"
-    # (cuda/paged_decode.py: every warp walks keys one at a time) or "tiled"
+    # Which kernel native (bfloat16) decode steps take where decode_kernel serves them: "tiled"
     # (cuda/native_tiled_decode.py: tiles of keys copied into shared memory by cp.async, as the
-    # page-key kernel does; it ignores decode_warps). The walk kernel is latency-bound on the
-    # H100 (docs/lab/decode-graph-8b.md "Kernel traces"); "tiled" stays opt-in until a device
-    # run measures it: `bench.device.kernel_trace --variants native@1,native:tiled@1`.
-    native_decode: str = "walk"
+    # page-key kernel does; it ignores decode_warps) or "walk" (cuda/paged_decode.py: every
+    # warp walks keys one at a time; also what layers the tiled kernel does not serve take).
+    # "tiled" since the H100 runs of docs/lab/decode-graph-8b.md ("The tiled kernel on the
+    # device"): 8B shape 1.05-1.22x the walk's decode rate at batch 1 and 8, 512 and 4K keys;
+    # 17.8 against 47.0 us a layer at batch 1. `bench.kv --decode-formats native:walk` compares.
+    native_decode: str = "tiled"
     # Compiled decode steps also return the argmax of the compute-dtype logits (exact: the
     # float32 cast is monotone), so a greedy batch needs no float32 cast, argmax and int32 cast
     # after the step (CompiledDecode.greedy). Off until the sweep measures it (issue 33).

@@ -1,11 +1,12 @@
-"""Decode attention over native (bfloat16) pages by tiles of keys (CUDA backend only; opt-in).
+"""Decode attention over native (bfloat16) pages by tiles of keys (CUDA backend only).
 
 The tiled twin of the walk kernel in cuda/paged_decode.py (`_NATIVE`), chosen by
-KernelChoices.native_decode = "tiled"; off by default until a device run measures it
-(`python -m bench.device.kernel_trace --variants native@1,native:tiled@1`). Checked by the CPU
-emulator (bench/cuda_emulate_native_tiled.py, tests/engine/attention/
+KernelChoices.native_decode = "tiled", the default since its H100 runs (docs/lab/
+decode-graph-8b.md: `python -m bench.device.kernel_trace --variants native:walk@1,native@1`;
+exact against NumPy there, `python -m bench.cuda_emulate_native_tiled --device`). Checked here
+by the CPU emulator (bench/cuda_emulate_native_tiled.py, tests/engine/attention/
 test_cuda_native_tiled_decode.py) and a local nvcc (`python -m bench.cuda_nvcc_check --only
-native-tiled`); it has not run on a GPU yet.
+native-tiled`).
 
 Why: the walk kernel gives every warp one key at a time (a page-table lookup, K and V loads, a
 warp-shuffle dot product per query head and an online-softmax update per key), so it is bound

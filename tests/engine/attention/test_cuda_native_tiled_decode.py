@@ -61,15 +61,17 @@ def test_supports_only_what_the_source_serves():
     assert not tiled.supports(128, 4, tiled.mx.float16)   # the walk kernel keeps float16
 
 
-def test_native_decode_choice_defaults_to_walk_and_rejects_unknown_kernels():
-    assert DEFAULT_KERNELS.native_decode == "walk"
-    assert KernelChoices(native_decode="tiled").native_decode == "tiled"
+def test_native_decode_choice_defaults_to_tiled_and_rejects_unknown_kernels():
+    assert DEFAULT_KERNELS.native_decode == "tiled"
+    assert KernelChoices(native_decode="walk").native_decode == "walk"
     with pytest.raises(ValueError, match="native_decode must be one of"):
         KernelChoices(native_decode="bogus")
 
 
-def test_bench_spec_selects_the_tiled_kernel_for_native_pages():
+def test_bench_specs_select_the_native_decode_kernel():
     from bench.kv_decode import decode_kernels
+    fmt, kernels = decode_kernels("native:walk", DEFAULT_KERNELS)
+    assert fmt == "native" and kernels.native_decode == "walk"
     fmt, kernels = decode_kernels("native:tiled", DEFAULT_KERNELS)
     assert fmt == "native" and kernels.native_decode == "tiled"
     _, kernels = decode_kernels("native:tiled-64", DEFAULT_KERNELS)

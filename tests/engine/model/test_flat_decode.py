@@ -81,5 +81,5 @@ def test_the_step_graph_loses_the_flatten_pairs_and_transposes(tiny_llama):
     layer = engine_side(tiny_llama, "engine", 20, 8, with_issued=False)["traced"]["per_layer"]
     prims = layer["by_primitive"]
     assert not {"Flatten", "Unflatten", "Transpose"} & set(prims), prims
-    assert prims["Matmul"]["n"] == 4 and prims["CustomKernel:paged_decode_own"]["n"] == 1
+    assert prims["Matmul"]["n"] == 4 and prims["CustomKernel:native_tiled_decode_own"]["n"] == 1
     assert layer["nodes"] <= 20

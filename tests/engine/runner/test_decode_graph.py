@@ -130,7 +130,7 @@ def test_bench_counts_the_engine_step_below_mlx_lms(tiny_llama):
     layer, setup = eng["traced"]["per_layer"], eng["traced"]["setup"]
     prims = layer["by_primitive"]
     assert eng["compiled"] and eng["kernel_decode"] and eng["traced"]["layers_identical"]
-    assert prims["Matmul"]["n"] == 4 and prims["CustomKernel:paged_decode_own"]["n"] == 1
+    assert prims["Matmul"]["n"] == 4 and prims["CustomKernel:native_tiled_decode_own"]["n"] == 1
     assert "Transpose" not in setup["by_primitive"]
     assert layer["non_view"] < ref["traced"]["per_layer"]["non_view"]
     # Outside the layers only the embedding lookup computes anything.
