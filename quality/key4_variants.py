@@ -54,9 +54,12 @@ class KeyVariant:
     pre_rope: bool = False     # quantize keys before RoPE (rotated back by position first)
     hot_heads: int = 0         # (layer, KV head) pairs with the largest int4 score error (HOT_FROM)
     hot_bits: int = 8          # their key bits
+    key_page: int = 0          # tokens per key page (scales over it; its partial page native);
+    #                            0 = the runner's page. A multiple of the runner's page.
 
     def row_bytes(self, head_dim: int = 64, page: int = 64) -> float:
         """Bytes per token per KV head of a full page (K + V), FP32 metadata as the formats'."""
+        page = self.key_page or page
         span = self.k_span or page
         if self.k_bits >= 16:      # diagnostic: native keys, no metadata
             keys = head_dim * 2
@@ -92,6 +95,11 @@ VARIANTS = {v.name: v for v in [
     KeyVariant("kivi-v5", v_bits=5),
     KeyVariant("kivi-k6v5", k_bits=6, v_bits=5),
     KeyVariant("kivi-k6v6", k_bits=6, v_bits=6),
+    # 6-bit keys with 5-bit values inside 0.40x: key scales over 128 / 256 tokens (1 / 0.5 B a
+    # token instead of 2 at 64-token pages, 0.391x / 0.383x), or 5-bit keys (0.375x).
+    KeyVariant("kivi-k6v5-p128", k_bits=6, v_bits=5, key_page=128),
+    KeyVariant("kivi-k6v5-p256", k_bits=6, v_bits=5, key_page=256),
+    KeyVariant("kivi-k5v5", k_bits=5, v_bits=5),
     KeyVariant("prerope-k4v4", pre_rope=True),
     KeyVariant("prerope-w4x8", pre_rope=True, wide=4),
     KeyVariant("prerope-w8x8", pre_rope=True, wide=8),
@@ -168,10 +176,18 @@ class KeyVariantCache(PagedLayerCache):
         var: KeyVariant = self.store.variant
         k, v = self.store.gather(self.view.pages)       # [B, H, P*T, D], this step's rows too
         n = k.shape[2]
-        t = self.step.page_tokens
+        t = var.key_page or self.step.page_tokens
+        if var.key_page and (var.key_page % self.step.page_tokens or var.pre_rope or var.hot_heads
+                             or var.wide):
+            raise ValueError(f"{var.name}: key_page must be a multiple of the runner's page "
+                             "and is simulated for plain page keys only")
+        if var.key_page and np.any(np.asarray(self.view.base) % t):
+            raise ValueError(f"{var.name}: gathered keys must start on a key page")
         pos = self.view.base[:, None] + np.arange(n)[None, :]
         start = self.step.starts[:, None]
-        quantized = (pos < start) & ((pos // t + 1) * t <= start)   # complete pages of history
+        quantized = (pos < start) & ((pos // t + 1) * t <= start)   # complete key pages of history
+        if n % t:   # gathered pages end mid key page: pad (those keys stay native anyway)
+            k = mx.concatenate([k, mx.zeros((*k.shape[:2], t - n % t, k.shape[3]), k.dtype)], 2)
         if var.pre_rope:
             p = mx.array(pos.astype(np.int32))
             kpre = rope_rotate(k.astype(mx.float32), p, self.store.rope_base, True)
@@ -185,6 +201,7 @@ class KeyVariantCache(PagedLayerCache):
             is_hot = mx.array(np.isin(np.arange(k.shape[1]), self.store.hot))[None, :, None, None]
             kq = mx.where(is_hot, hot, kq)
         vq = fake_quant(v, var.v_bits, var.v_group) if var.v_bits < 16 else v
+        k, kq = k[:, :, :n], kq[:, :, :n]
         sel = mx.array(quantized)[:, None, :, None]
         k = mx.where(sel, kq.astype(k.dtype), k)
         v = mx.where(sel, vq.astype(v.dtype), v)

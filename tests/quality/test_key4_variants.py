@@ -38,3 +38,25 @@ def test_bytes():
     assert VARIANTS["int4-kivi"].row_bytes() == 80
     assert VARIANTS["k6v4-kivi"].row_bytes() == 96
     assert VARIANTS["kivi-w8x8"].row_bytes() == 80 + 8 * 4 / 8 + 8 / 64
+
+
+def test_key_pages_span_runner_pages_and_keep_their_partial_page_native():
+    """kivi-k6v5-p128: key scales over 128 tokens (two runner pages), 0.391x bf16; a window
+    shorter than one key page reads every key native (its tail), where 64-token pages do not."""
+    from engine.model.loader import load_model
+    from quality import runs
+    from quality.key4_variants import make_runner
+
+    p128 = VARIANTS["kivi-k6v5-p128"]
+    assert p128.row_bytes() == 48 + 8 * 64 / 128 + 40 + 8 == 100.0
+    assert VARIANTS["kivi-k6v5"].row_bytes() == 104.0
+    k = _keys()
+    ref = fake_quant(k.reshape(2, 3, 1, 128, 64).swapaxes(-1, -2), 6, 128)
+    assert mx.array_equal(page_key_image(k, p128, 128), ref.swapaxes(-1, -2).reshape(k.shape))
+    loaded = load_model("models/orchard-tiny")
+    wins = [np.random.default_rng(s).integers(0, 200, 120) for s in range(2)]
+    scores = runs.teacher_forced(loaded, wins, ["kivi-k6v5-p128", "kivi-k6v5"], 32, 2,
+                                 log=lambda m: None, make=make_runner)
+    native_like, quantized = (abs(float(scores[n].kl.sum())) for n in ("kivi-k6v5-p128",
+                                                                        "kivi-k6v5"))
+    assert native_like < 1e-4 and quantized > 1e-3   # float32 rounding vs quantization
