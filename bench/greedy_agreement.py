@@ -13,6 +13,12 @@ differs between any two kernels). Anything else is a logic error until shown oth
 engine's own top-2 log-probability gap at the divergence comes from a second, logprobs run.
 Prints JSON; a summary per format and mode says how many prompts agree and whether every
 divergence is a near tie.
+
+`--noise-floor`: mlx-lm against itself with its q/k/v and gate/up projections fused the
+engine's way (engine/model/fuse.py: the same weights, another summation order), judged by the
+same rule. Two correct bf16 implementations diverge too; how far apart their top two are where
+they do is the yardstick for the engine's divergences. `--dtype bfloat16` runs both sides in
+bfloat16 where the model loads in float32 (the CPU), to see the GPU's rounding here.
 """
 from __future__ import annotations
 
@@ -44,6 +50,11 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=len(PROMPTS),
                    help=f"how many of the {len(PROMPTS)} built-in chat prompts")
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="compute dtype of both sides (default: the engine's for the platform, "
+                        "mlx-lm's as loaded)")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="also judge mlx-lm with fused projections against plain mlx-lm")
     p.add_argument("--out", help="write the JSON here as well as to stdout")
     a = p.parse_args(argv)
     if not 1 <= a.prompts <= len(PROMPTS):
@@ -114,6 +125,18 @@ def judge(ref: list[int], tops: list[tuple], got: list[int], lps: list) -> dict:
     return rec
 
 
+def noise_floor(model, prompts: list[list[int]], refs: list[tuple], tokens: int) -> dict:
+    """mlx-lm with fused projections (another summation order of the same weights) judged
+    against plain mlx-lm's `refs`, one prompt at a time; fuses `model` in place."""
+    from engine.model.fuse import fuse_projections
+    fused = fuse_projections(model)
+    rows = [judge(ref, tops, reference(model, p, tokens)[0], [])
+            for p, (ref, tops) in zip(prompts, refs)]
+    return {"fused_modules": fused, "agree": sum(r["agree"] for r in rows),
+            "every_divergence_near_tie": all(r.get("near_tie", True) for r in rows),
+            "rows": rows}
+
+
 def run(args) -> dict:
     import mlx.core as mx
     from mlx_lm import load
@@ -124,15 +147,21 @@ def run(args) -> dict:
 
     path = resolve_model(args.model)
     model, tok = load(str(path))
+    if args.dtype:
+        model.set_dtype(getattr(mx, args.dtype))
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
                for t in PROMPTS[:args.prompts]]
     refs = [reference(model, p, args.tokens) for p in prompts]
-    del model
     # The folder's name, not its path: the JSON lands in docs/ (no machine paths there).
     out = {"model": Path(str(path)).name, "device": str(mx.default_device()), "tokens": args.tokens,
-           "prompts": len(prompts), "formats": {}}
+           "dtype": args.dtype or "as loaded / the engine's default", "prompts": len(prompts),
+           "formats": {}}
+    if args.noise_floor:
+        out["noise_floor"] = noise_floor(model, prompts, refs, args.tokens)
+    del model
     for fmt in args.formats.split(","):
-        eng = Engine(EngineConfig(model=str(path), kv_format=fmt, max_num_seqs=len(prompts)))
+        eng = Engine(EngineConfig(model=str(path), kv_format=fmt, max_num_seqs=len(prompts),
+                                  dtype=args.dtype))
         try:
             res = {}
             for mode in ("one_at_a_time", "batched"):

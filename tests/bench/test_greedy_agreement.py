@@ -32,3 +32,20 @@ def test_arguments_are_checked():
     import pytest
     with pytest.raises(SystemExit):
         parse_args(["--prompts", "0"])
+
+
+def test_noise_floor_fuses_the_reference_and_judges_it_by_the_same_rule():
+    """On the embedded model: fused mlx-lm (another summation order, the same weights) against
+    plain mlx-lm's tokens; a planted reference token shows up as a judged divergence."""
+    from mlx_lm import load
+
+    from bench.greedy_agreement import noise_floor, reference
+    from engine.model.names import resolve_model
+    model, tok = load(str(resolve_model("orchard-tiny")))
+    prompts = [tok.encode("hello there"), tok.encode("one two three")]
+    refs = [reference(model, p, 6) for p in prompts]
+    planted = (refs[1][0][:3] + [refs[1][0][3] + 1] + refs[1][0][4:], refs[1][1])
+    got = noise_floor(model, prompts, [refs[0], planted], 6)
+    assert got["fused_modules"] > 0
+    assert got["rows"][0]["agree"] is True
+    assert got["rows"][1]["first_divergence"] == 3 and got["agree"] == 1
