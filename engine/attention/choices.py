@@ -56,7 +56,7 @@ class KernelChoices:
     # page-key kernel does; it ignores decode_warps) or "walk" (cuda/paged_decode.py: every
     # warp walks keys one at a time; also what layers the tiled kernel does not serve take).
     # "tiled" since the H100 runs of docs/lab/decode-graph-8b.md ("The tiled kernel on the
-    # device"): 8B shape 1.05-1.22x the walk's decode rate at batch 1 and 8, 512 and 4K keys;
+    # device"): 8B shape 1.09-1.22x the walk's decode rate at batch 1 and 8, 512 and 4K keys;
     # 17.8 against 47.0 us a layer at batch 1. `bench.kv --decode-formats native:walk` compares.
     native_decode: str = "tiled"
     # Compiled decode steps also return the argmax of the compute-dtype logits (exact: the
