@@ -14,6 +14,54 @@ import numpy as np
 from bench import cuda_emulate as ce
 
 
+
+def bf16(x) -> np.ndarray:
+    """float32 values exactly representable in bfloat16 (MLX's rounding, as the kernels see)."""
+    import mlx.core as mx
+    return np.array(mx.array(np.asarray(x, np.float32)).astype(mx.bfloat16).astype(mx.float32))
+
+
+def own_key_pages(rng, ends, hq: int, kvh: int, d: int, pt: int, own: bool = True) -> dict:
+    """A native decode kernel's check case: rows of lengths `ends` over pages interleaved
+    across rows, bf16 q / pages / the step's own keys and values (kn, vn [B, kvh, 1, D]), and
+    the pages as an OWN kernel must leave them (`written_k`, `written_v`: the own key in its
+    slot). With `own`, the slots in `k_pages` / `v_pages` are poisoned, so a kernel that read
+    them instead of kn / vn is far off."""
+    ends = np.asarray(ends, np.int32)
+    rows = len(ends)
+    per_row = -(-int(ends.max()) // pt)
+    tables = np.array([[r + rows * j for j in range(per_row)] for r in range(rows)], np.int32)
+    kp, vp = (bf16(rng.standard_normal((kvh, rows * per_row, pt, d))) for _ in range(2))
+    q = bf16(rng.standard_normal((rows, hq, 1, d)))
+    kn, vn = (bf16(rng.standard_normal((rows, kvh, 1, d))) for _ in range(2))
+    written_k, written_v = kp.copy(), vp.copy()
+    if own:
+        for b, n in enumerate(ends):
+            page, off = tables[b, (n - 1) // pt], (n - 1) % pt
+            written_k[:, page, off], written_v[:, page, off] = kn[b, :, 0], vn[b, :, 0]
+            kp[:, page, off] = vp[:, page, off] = 1e4
+    return dict(q=q, k_pages=kp, v_pages=vp, tables=tables, ends=ends, kn=kn, vn=vn,
+                written_k=written_k, written_v=written_v)
+
+
+def reference(q, k_pages, v_pages, tables, ends, scale, own=None) -> np.ndarray:
+    """Attention in float64 over each row's keys (the own key from `own`, not its slot)."""
+    rows, hq, _, d = q.shape
+    kvh = k_pages.shape[0]
+    g = hq // kvh
+    out = np.zeros((rows, hq, 1, d))
+    for b, n in enumerate(ends):
+        keys = k_pages[:, tables[b]].reshape(kvh, -1, d)[:, :n].astype(np.float64)
+        vals = v_pages[:, tables[b]].reshape(kvh, -1, d)[:, :n].astype(np.float64)
+        if own is not None:
+            keys[:, n - 1], vals[:, n - 1] = own[0][b, :, 0], own[1][b, :, 0]
+        for h in range(hq):
+            s = keys[h // g] @ q[b, h, 0] * scale
+            w = np.exp(s - s.max())
+            out[b, h, 0] = (w / w.sum()) @ vals[h // g]
+    return out
+
+
 def native_decode(q, k_pages, v_pages, tables, ends, scale, own=None, target_blocks=None,
                   workdir: Path | None = None, warps: int | None = None):
     """The native decode kernel (cuda/paged_decode.py) and, with several splits, its merge,

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import cuda_emulate as ce
+from bench.cuda_emulate_inplace import own_key_pages, reference
 
 TOLERANCE = 0.02   # bf16 output of float32 math against float64 on the same bf16 inputs
 
@@ -56,30 +57,6 @@ def native_tiled_decode(q, k_pages, v_pages, tables, ends, scale, own=None, targ
     return out, kp, vp
 
 
-def reference(q, k_pages, v_pages, tables, ends, scale, own=None) -> np.ndarray:
-    """Attention in float64 over each row's keys (the own key from `own`, not its slot)."""
-    rows, hq, _, d = q.shape
-    kvh, _, pt, _ = k_pages.shape
-    g = hq // kvh
-    out = np.zeros((rows, hq, 1, d))
-    for b, n in enumerate(ends):
-        keys = k_pages[:, tables[b]].reshape(kvh, -1, d)[:, :n].astype(np.float64)
-        vals = v_pages[:, tables[b]].reshape(kvh, -1, d)[:, :n].astype(np.float64)
-        if own is not None:
-            keys[:, n - 1], vals[:, n - 1] = own[0][b, :, 0], own[1][b, :, 0]
-        for h in range(hq):
-            s = keys[h // g] @ q[b, h, 0] * scale
-            w = np.exp(s - s.max())
-            out[b, h, 0] = (w / w.sum()) @ vals[h // g]
-    return out
-
-
-def bf16(x) -> np.ndarray:
-    """float32 values exactly representable in bfloat16 (MLX's rounding, as the kernels see)."""
-    import mlx.core as mx
-    return np.array(mx.array(np.asarray(x, np.float32)).astype(mx.bfloat16).astype(mx.float32))
-
-
 def on_device(q, k_pages, v_pages, tables, ends, scale, own=None, target_blocks=None,
               min_keys=None, workdir=None):
     """native_tiled_decode's signature run on the CUDA device itself (`--device`): the same
@@ -100,26 +77,15 @@ def case(rng, ends, hq: int, kvh: int, d: int, pt: int, own: bool, target_blocks
     """One check: rows of lengths `ends`, pages interleaved over rows, own key slots poisoned
     (an OWN kernel that read them would be far off). Returns the errors and the write check.
     `kernel`: the emulator's run, or `on_device`."""
-    ends = np.asarray(ends, np.int32)
-    rows = len(ends)
-    per_row = -(-int(ends.max()) // pt)
-    tables = np.array([[r + rows * j for j in range(per_row)] for r in range(rows)], np.int32)
-    kp, vp = (bf16(rng.standard_normal((kvh, rows * per_row, pt, d))) for _ in range(2))
-    q = bf16(rng.standard_normal((rows, hq, 1, d)))
-    kn, vn = (bf16(rng.standard_normal((rows, kvh, 1, d))) for _ in range(2))
-    written_k, written_v = kp.copy(), vp.copy()
-    if own:
-        for b, n in enumerate(ends):
-            page, off = tables[b, (n - 1) // pt], (n - 1) % pt
-            written_k[:, page, off], written_v[:, page, off] = kn[b, :, 0], vn[b, :, 0]
-            kp[:, page, off] = vp[:, page, off] = 1e4
+    c = own_key_pages(rng, ends, hq, kvh, d, pt, own)
     scale = d ** -0.5
-    out, k_after, v_after = kernel(
-        q, kp, vp, tables, ends, scale, (kn, vn) if own else None, target_blocks, min_keys,
-        workdir)
-    ref = reference(q, kp, vp, tables, ends, scale, (kn, vn) if own else None)
+    fresh = (c["kn"], c["vn"]) if own else None
+    out, k_after, v_after = kernel(c["q"], c["k_pages"], c["v_pages"], c["tables"], c["ends"],
+                                   scale, fresh, target_blocks, min_keys, workdir)
+    ref = reference(c["q"], c["k_pages"], c["v_pages"], c["tables"], c["ends"], scale, fresh)
     err = float(np.abs(out - ref).max())
-    pages_ok = bool(np.array_equal(k_after, written_k) and np.array_equal(v_after, written_v))
+    pages_ok = bool(np.array_equal(k_after, c["written_k"])
+                    and np.array_equal(v_after, c["written_v"]))
     return dict(max_abs_err=err, pages_ok=pages_ok, ok=err < TOLERANCE and pages_ok)
 
 

@@ -15,7 +15,8 @@ from functools import lru_cache
 import mlx.core as mx
 
 from engine.attention.cuda.paged_decode import HEADER
-from engine.attention.cuda.tile_helpers import ASYNC, BLOCK_INDEX, HELPERS
+from engine.attention.cuda.tile_helpers import (ASYNC, BLOCK_INDEX, HELPERS, online_softmax,
+                                               split_output)
 
 _HEADER = HEADER + ASYNC + HELPERS
 
@@ -28,6 +29,7 @@ constexpr int KPT = KT / 32;                 // keys per lane in the softmax pas
 constexpr int KSW = D / 2 + 4;               // K / V row stride in words: 16 bytes of padding
                                              // spread the rows over the banks
 constexpr int RPC = D / 8;                   // 16-byte pieces per row
+constexpr int CPW = 8;                       // channels per piece (split_output)
 constexpr int NSL = NT / KT;                 // score pass: thread = (key, channel slice)
 constexpr int SC = D / NSL;                  // channels per slice
 constexpr int NSUB = NT / RPC;               // PV pass: thread = (piece of a row, key subset)
@@ -146,38 +148,9 @@ for (int t = 0; t < ntile; ++t) {
   }
   __syncthreads();
 
-  // 2. The tile's online-softmax step, warp h for head h: weights p in pw, rescale factor cf.
-  // tile_helpers.online_softmax's step less its value-group terms (pvo, st_ao): bf16 values
-  // carry no per-group offsets to fold into the sums.
-  for (int h = warp; h < G; h += NW) {
-    float s[KPT];
-    float tmax = NEG_INF;
-    #pragma unroll
-    for (int i = 0; i < KPT; ++i) {
-      const int r = lane + 32 * i;
-      s[i] = NEG_INF;
-      if (r < cnt) {
-        float v = 0.0f;
-        #pragma unroll
-        for (int w = 0; w < NSL; ++w) v += sp[(w * G + h) * KT + r];
-        s[i] = v;
-        tmax = fmaxf(tmax, v);
-      }
-    }
-    tmax = orch_warp_max(tmax);
-    const float m_old = st_m[h], m_new = fmaxf(m_old, tmax);   // finite: cnt >= 1
-    const float c = __expf(m_old - m_new);
-    float psum = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < KPT; ++i) {
-      const int r = lane + 32 * i;
-      const float p = r < cnt ? __expf(s[i] - m_new) : 0.0f;
-      psum += p;
-      pw[r * GP + h] = p;
-    }
-    psum = orch_warp_sum(psum);
-    if (lane == 0) { st_l[h] = st_l[h] * c + psum; st_m[h] = m_new; cf[h] = c; }
-  }
+  // 2. The tile's online-softmax step, warp h for head h: weights p in pw, rescale factor cf
+  // (tile_helpers.online_softmax without value-group terms: bf16 values have no offsets).
+""" + online_softmax("NSL", "    pw[r * GP + h] = p;\n", value_groups=False) + """\
   __syncthreads();
 
   // 3. PV: lanes over a value row's pieces, every head for the piece's 8 channels. Rows past
@@ -207,39 +180,9 @@ for (int t = 0; t < ntile; ++t) {
 }
 __syncthreads();                             // stages free: the reduction reuses them
 
-// The key subsets of a warp by shuffles (lanes pk + RPC * s), the warps through shared memory;
-// then the block's output (one split) or its partial (BLOCK_MERGE's format).
-#pragma unroll
-for (int o = RPC; o < 32; o <<= 1) {
-  #pragma unroll
-  for (int h = 0; h < G; ++h) {
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[h][i] += __shfl_xor_sync(0xffffffff, acc[h][i], o);
-  }
-}
-float* const red = smem;                     // [NW][G][D]
-if (lane < RPC) {
-  #pragma unroll
-  for (int h = 0; h < G; ++h) {
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) red[(warp * G + h) * D + c0 + i] = acc[h][i];
-  }
-}
-__syncthreads();
-for (int e = tid; e < G * D; e += NT) {
-  const int h = e / D, d = e % D;
-  float num = 0.0f;
-  #pragma unroll
-  for (int w = 0; w < NW; ++w) num += red[(w * G + h) * D + d];
-  const size_t rh = (size_t)(b * HQ + hk * G + h);
-  if (SPLIT) {
-    part[(rh * NS + split) * D + d] = num;
-    if (d == 0) { ml[(rh * NS + split) * 2] = st_m[h]; ml[(rh * NS + split) * 2 + 1] = st_l[h]; }
-  } else {
-    put(out + rh * D + d, num / st_l[h]);
-  }
-}
-"""
+// The key subsets of a warp by shuffles, the warps through shared memory; then the block's
+// output (one split) or its partial (BLOCK_MERGE's format).
+""" + split_output("RPC", value_groups=False)
 
 INPUTS = ["q", "kp", "vp", "pages", "ends", "dims", "scale"]
 OWN_INPUTS = ["kn", "vn"]

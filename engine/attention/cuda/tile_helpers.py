@@ -134,7 +134,8 @@ DOT4 = """
 
 # One online-softmax step per head (warp h) over the scores s[h][r] = sp[h * KT + r] summed
 # over SLICES slices, r < cnt: tile max, rescale factor cf, p; WEIGHTS stores each key's PV
-# weights from p (and its `valid`) and adds the group terms pvo (online_softmax).
+# weights from p (and its `valid`) and, for packed values, adds the group terms pvo
+# (online_softmax). GROUP_* lines: those terms (value groups' offsets folded into the sums).
 _ONLINE_SOFTMAX = """
 for (int h = warp; h < G; h += NW) {
   float s[KPT];
@@ -154,9 +155,8 @@ for (int h = warp; h < G; h += NW) {
   tmax = orch_warp_max(tmax);
   const float m_old = st_m[h], m_new = fmaxf(m_old, tmax);   // finite: cnt >= 1
   const float c = __expf(m_old - m_new);
-  float psum = 0.0f, pvo[NG];
-  #pragma unroll
-  for (int g = 0; g < NG; ++g) pvo[g] = 0.0f;
+  float psum = 0.0f;
+GROUP_INIT
   #pragma unroll
   for (int i = 0; i < KPT; ++i) {
     const int r = lane + 32 * i;
@@ -166,22 +166,33 @@ for (int h = warp; h < G; h += NW) {
 WEIGHTS
   }
   psum = orch_warp_sum(psum);
-  #pragma unroll
-  for (int g = 0; g < NG; ++g) pvo[g] = orch_warp_sum(pvo[g]);
+GROUP_SUM
   if (lane == 0) {
     st_l[h] = st_l[h] * c + psum;
     st_m[h] = m_new;
     cf[h] = c;
-    #pragma unroll
-    for (int g = 0; g < NG; ++g) st_ao[g * GP + h] = st_ao[g * GP + h] * c + pvo[g];
+GROUP_STATE
   }
 }
 """
 
+_GROUP_TERMS = {
+    "GROUP_INIT": "  float pvo[NG];\n  #pragma unroll\n"
+                  "  for (int g = 0; g < NG; ++g) pvo[g] = 0.0f;",
+    "GROUP_SUM": "  #pragma unroll\n"
+                 "  for (int g = 0; g < NG; ++g) pvo[g] = orch_warp_sum(pvo[g]);",
+    "GROUP_STATE": "    #pragma unroll\n    for (int g = 0; g < NG; ++g)\n"
+                   "      st_ao[g * GP + h] = st_ao[g * GP + h] * c + pvo[g];",
+}
 
-def online_softmax(slices: str, weights: str) -> str:
-    """_ONLINE_SOFTMAX summing `slices` (an expression) slices, with `weights` (lines)."""
-    return _ONLINE_SOFTMAX.replace("SLICES", slices).replace("WEIGHTS\n", weights)
+
+def online_softmax(slices: str, weights: str, value_groups: bool = True) -> str:
+    """_ONLINE_SOFTMAX summing `slices` (an expression) slices, with `weights` (lines);
+    `value_groups` off: no group terms (bf16 values carry no per-group offsets)."""
+    text = _ONLINE_SOFTMAX.replace("SLICES", slices).replace("WEIGHTS\n", weights)
+    for marker, lines in _GROUP_TERMS.items():
+        text = text.replace(marker + "\n", lines + "\n" if value_groups else "")
+    return text
 
 
 # A tile's PV pass over packed values (inside the tile loop, sv: the stage's value codes):
@@ -216,8 +227,8 @@ def packed_pv(words: str, bits: str) -> str:
 
 # The end of a split decode block: sum the key subsets inside a warp by shuffles (lanes pk +
 # WORDS * s), then the warps through shared memory (the stage buffers, free now); add each
-# group's constant term; write the block's output (one split) or its partial for the merge
-# kernel (BLOCK_MERGE's format). WORDS: the kernel's value code words per row (split_output).
+# group's constant term (NUM0); write the block's output (one split) or its partial for the
+# merge kernel (BLOCK_MERGE's format). WORDS: the lanes a value row spans (split_output).
 _SPLIT_OUTPUT = """
 #pragma unroll
 for (int o = WORDS; o < 32; o <<= 1) {
@@ -238,7 +249,7 @@ if (lane < WORDS) {
 __syncthreads();
 for (int e = tid; e < G * D; e += NT) {
   const int h = e / D, d = e % D;
-  float num = st_ao[(d / 64) * GP + h];
+  float num = NUM0;
   #pragma unroll
   for (int w = 0; w < NW; ++w) num += red[(w * G + h) * D + d];
   const size_t rh = (size_t)(b * HQ + hk * G + h);
@@ -252,9 +263,11 @@ for (int e = tid; e < G * D; e += NT) {
 """
 
 
-def split_output(words: str) -> str:
-    """_SPLIT_OUTPUT for a kernel whose value rows are `words` (a constexpr's name) code words."""
-    return _SPLIT_OUTPUT.replace("WORDS", words)
+def split_output(words: str, value_groups: bool = True) -> str:
+    """_SPLIT_OUTPUT for a kernel whose value rows span `words` (a constexpr's name) lanes;
+    `value_groups` off: no group terms to add (bf16 values)."""
+    num0 = "st_ao[(d / 64) * GP + h]" if value_groups else "0.0f"
+    return _SPLIT_OUTPUT.replace("WORDS", words).replace("NUM0", num0)
 
 
 def kernel_layout(page_tokens: int, heads: int, head_dim: int, k_bits: int,

@@ -217,11 +217,6 @@ def test_v2_kernel_source_runs_on_cpu_fibers(tmp_path):
     assert cuda_paged_decode.split_count(3, 4, 600) > 1   # the merge ran too
 
 
-def _bf16(a: np.ndarray) -> np.ndarray:
-    import mlx.core as mx
-    return np.array(mx.array(a).astype(mx.bfloat16).astype(mx.float32))
-
-
 def test_native_kernel_writes_its_own_key_in_place_on_cpu_fibers(tmp_path):
     """The native kernel's OWN variant (cuda/paged_decode.py) on the emulator: it attends to the
     step's own key from its inputs and writes it, and only it, into the row's page slot. Rows:
@@ -233,36 +228,22 @@ def test_native_kernel_writes_its_own_key_in_place_on_cpu_fibers(tmp_path):
 
     assert shutil.which("g++"), "the CPU emulation of the CUDA kernel compiles with g++"
     rng = np.random.default_rng(11)
-    rows, hq, kvh, d, pt = 3, 9, 3, 64, 16
-    ends = np.array([600, 1, 33], np.int32)
-    per_row = -(-int(ends.max()) // pt)
-    tables = np.array([[r + rows * j for j in range(per_row)] for r in range(rows)], np.int32)
-    kp, vp = (_bf16(rng.standard_normal((kvh, rows * per_row, pt, d))) for _ in range(2))
-    q = _bf16(rng.standard_normal((rows, hq, 1, d)))
-    kn, vn = (_bf16(rng.standard_normal((rows, kvh, 1, d))) for _ in range(2))
-    written_k, written_v = kp.copy(), vp.copy()
-    for b, n in enumerate(ends):
-        page, off = tables[b, (n - 1) // pt], (n - 1) % pt
-        written_k[:, page, off], written_v[:, page, off] = kn[b, :, 0], vn[b, :, 0]
-        kp[:, page, off] = vp[:, page, off] = 1e4   # poison: the kernel must not read the slot
-    assert cuda_paged_decode.split_count(rows, kvh, int(ends.max())) > 1
+    hq, kvh, d, pt = 9, 3, 64, 16
+    c = cuda_emulate_inplace.own_key_pages(rng, [600, 1, 33], hq, kvh, d, pt)
+    q, tables, ends = c["q"], c["tables"], c["ends"]
+    written_k, written_v = c["written_k"], c["written_v"]
+    assert cuda_paged_decode.split_count(len(ends), kvh, int(ends.max())) > 1
     scale = d ** -0.5
-    out, k_after, v_after = cuda_emulate_inplace.native_decode(q, kp, vp, tables, ends, scale,
-                                                       own=(kn, vn), workdir=tmp_path)
+    out, k_after, v_after = cuda_emulate_inplace.native_decode(
+        q, c["k_pages"], c["v_pages"], tables, ends, scale, own=(c["kn"], c["vn"]),
+        workdir=tmp_path)
     assert np.array_equal(k_after, written_k) and np.array_equal(v_after, written_v)
-    plain, k_same, _ = cuda_emulate_inplace.native_decode(q, written_k, written_v, tables, ends, scale,
-                                                  workdir=tmp_path)
+    plain, k_same, _ = cuda_emulate_inplace.native_decode(q, written_k, written_v, tables, ends,
+                                                          scale, workdir=tmp_path)
     assert np.array_equal(k_same, written_k)   # the plain kernel writes nothing
     assert np.array_equal(out, plain)   # same sums in the same order: bit-identical
-    for b, n in enumerate(ends):
-        keys = written_k[:, tables[b]].reshape(kvh, -1, d)[:, :n]
-        vals = written_v[:, tables[b]].reshape(kvh, -1, d)[:, :n]
-        for h in range(hq):
-            s = keys[h // (hq // kvh)] @ q[b, h, 0] * scale
-            w = np.exp(s - s.max())
-            ref = (w / w.sum()) @ vals[h // (hq // kvh)]
-            assert np.abs(out[b, h, 0] - ref).max() < 0.02, (b, h)
-            assert np.abs(plain[b, h, 0] - ref).max() < 0.02, (b, h)
+    ref = cuda_emulate_inplace.reference(q, written_k, written_v, tables, ends, scale)
+    assert np.abs(out - ref).max() < 0.02 and np.abs(plain - ref).max() < 0.02
 
 
 def test_v1_kernel_source_runs_on_cpu_fibers(tmp_path):
