@@ -7,8 +7,10 @@ sees every kernel of the process, MLX's included, graph nodes too).
     python -m bench.device.kernel_trace --tiny --out RESULT.json    # CPU smoke run, no trace
 
 Each variant is FORMAT[:KERNEL]@BATCH (bench.kv_decode's format specs, its pipelined decode at
---context keys per row) or `mlx-lm@1` (mlx-lm's generate_step after a --context-token prompt,
-the batch-1 yardstick of issue 33). One warm-up round, --untraced rounds of --steps steps
+--context keys per row), `mlx-lm@1` (mlx-lm's generate_step after a --context-token prompt,
+the batch-1 yardstick of issue 33), or `prefill:FORMAT[:KERNEL]@TOKENS` (one prompt of TOKENS
+prefilled in --chunk-token steps through bench.kv's runner, as `bench.kv --sections prefill`
+times it; "steps" are then chunks, so per-step figures are per chunk). One warm-up round, --untraced rounds of --steps steps
 timed without the profiler (`tok_s_untraced`: the rates to quote), then one round under it.
 Per variant: wall ms per step, kernels per step, the kernels' summed and merged (busy) device
 time per step, the device's idle time inside the traced span (host-bound steps show it), and
@@ -31,9 +33,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from bench.kv_decode import _DecodeTimer
 from bench.kv_runners import PAGE_TOKENS, progress
+from engine.attention.choices import DEFAULT_KERNELS
 from engine.model.loader import load_model
 
 TINY = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=2,
@@ -48,6 +52,8 @@ def parse_args(argv=None):
                     help="FORMAT[:KERNEL]@BATCH or mlx-lm@1, comma-separated")
     ap.add_argument("--context", type=int, default=4096, help="keys per row before decoding")
     ap.add_argument("--steps", type=int, default=20, help="traced decode steps per variant")
+    ap.add_argument("--chunk", type=int, default=2048,
+                    help="prefill variants: tokens per prefill step (bench.kv's --chunk)")
     ap.add_argument("--untraced", type=int, default=3,
                     help="rounds timed without the profiler first (the rates to quote: CUPTI "
                          "slows the host, so the traced round's rate is not one)")
@@ -129,6 +135,19 @@ def engine_variant(loaded, spec: str, batch: int, context: int, steps: int, roun
     return lambda: timer.round(steps)
 
 
+def prefill_variant(loaded, spec: str, tokens: int, chunk: int):
+    """(a round: one prompt of `tokens` prefilled in `chunk`-token steps through bench.kv's
+    runner for FORMAT[:KERNEL] (bench.kv.prefill_spec), warmed once at full length so the
+    traced round pays no kernel build or cuDNN plan; chunks per round)."""
+    from bench.kv import prefill_once, prefill_spec
+    from bench.kv_runners import make_runner
+    fmt, mode, kernels = prefill_spec(spec, DEFAULT_KERNELS, "direct")
+    runner = make_runner(loaded, fmt, -(-tokens // PAGE_TOKENS), mode, kernels)
+    prompt = np.random.default_rng(0).integers(3, loaded.geometry.vocab_size, tokens).tolist()
+    prefill_once(runner, prompt, chunk)
+    return (lambda: prefill_once(runner, prompt, chunk)), -(-tokens // chunk)
+
+
 def mlx_lm_variant(model_dir: str, context: int, steps: int, rounds: int):
     """mlx-lm's own batch-1 decode (generate_step, which pipelines), after a prompt."""
     from mlx_lm import load
@@ -162,21 +181,27 @@ def main(argv=None) -> int:
     for item in args.variants.split(","):
         spec, _, batch = item.partition("@")
         batch = int(batch or 1)
-        progress(f"{spec} batch {batch} at {args.context} keys", "kernel_trace")
+        prefill = spec.startswith("prefill:")
+        progress(f"{spec} {'tokens' if prefill else 'batch'} {batch}"
+                 f"{'' if prefill else f' at {args.context} keys'}", "kernel_trace")
         try:
-            rounds = args.untraced + 1
-            run = (mlx_lm_variant(model_dir, args.context, args.steps, rounds)
-                   if spec == "mlx-lm"
-                   else engine_variant(loaded, spec, batch, args.context, args.steps, rounds))
-            untraced = [batch * args.steps / run() for _ in range(args.untraced)]
+            rounds, steps, tokens = args.untraced + 1, args.steps, batch * args.steps
+            if prefill:   # one prompt of `batch` tokens a round, `steps` chunks
+                run, steps = prefill_variant(loaded, spec[len("prefill:"):], batch, args.chunk)
+                tokens = batch
+            elif spec == "mlx-lm":
+                run = mlx_lm_variant(model_dir, args.context, args.steps, rounds)
+            else:
+                run = engine_variant(loaded, spec, batch, args.context, args.steps, rounds)
+            untraced = [tokens / run() for _ in range(args.untraced)]
             seconds, records = traced(run)
-            row = {"batch": batch,
+            row = {"batch": 1 if prefill else batch, "steps": steps,
                    "tok_s_untraced": [round(r, 1) for r in untraced],
                    "tok_s_untraced_median": (round(statistics.median(untraced), 1)
                                              if untraced else None),
-                   "wall_ms_per_step": round(1e3 * seconds / args.steps, 3),
-                   "tok_s": round(batch * args.steps / seconds, 1)}
-            row["trace"] = (summarize(records, args.steps, args.top)
+                   "wall_ms_per_step": round(1e3 * seconds / steps, 3),
+                   "tok_s": round(tokens / seconds, 1)}
+            row["trace"] = (summarize(records, steps, args.top)
                             if isinstance(records, list) else records)
         except Exception as e:  # noqa: BLE001 - a variant that fails is a result
             row = {"error": f"{type(e).__name__}: {e}"[:400]}

@@ -27,10 +27,11 @@ def test_short_name_drops_templates_and_parameters():
 def test_tiny_run_times_every_variant(tmp_path):
     out = tmp_path / "trace.json"
     assert kernel_trace.main(["--tiny", "--context", "64", "--steps", "3", "--out", str(out),
-                              "--variants", "native@2,k6v4-kivi@2,mlx-lm@1",
-                              "--untraced", "2"]) == 0
+                              "--variants", "native@2,k6v4-kivi@2,mlx-lm@1,prefill:k6v4-kivi@96",
+                              "--chunk", "32", "--untraced", "2"]) == 0
     rows = json.loads(out.read_text())["variants"]
-    assert set(rows) == {"native@2", "k6v4-kivi@2", "mlx-lm@1"}
+    assert set(rows) == {"native@2", "k6v4-kivi@2", "mlx-lm@1", "prefill:k6v4-kivi@96"}
+    assert rows["prefill:k6v4-kivi@96"]["steps"] == 3      # 96 tokens in chunks of 32
     for row in rows.values():
         assert row["tok_s"] > 0, row
         assert len(row["tok_s_untraced"]) == 2 and row["tok_s_untraced_median"] > 0, row
