@@ -46,7 +46,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.greedy_agreement", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=model_arg, default="smollm2", help=MODEL_HELP)
-    p.add_argument("--formats", default="native,int8", help="engine KV formats, comma-separated")
+    p.add_argument("--formats", default="native,int8",
+                   help="engine KV formats, comma-separated; FORMAT+KEY=VALUE[+...] also sets "
+                        "EngineConfig fields for that side (e.g. native+prefill_attention=fast: "
+                        "prompts through mx.fast's SDPA, cuDNN on CUDA, as mlx-lm's)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS),
                    help=f"how many of the {len(PROMPTS)} built-in chat prompts")
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
@@ -137,6 +140,26 @@ def noise_floor(model, prompts: list[list[int]], refs: list[tuple], tokens: int)
             "rows": rows}
 
 
+def engine_side(spec: str) -> tuple[str, dict]:
+    """(KV format, EngineConfig overrides) of a --formats entry FORMAT[+KEY=VALUE...]; values
+    read as int, float, true/false or text."""
+    fmt, *pairs = spec.split("+")
+    overrides = {}
+    for pair in pairs:
+        key, eq, text = pair.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"--formats {spec!r}: expected FORMAT+KEY=VALUE, got {pair!r}")
+        value: object = {"true": True, "false": False}.get(text.lower(), text)
+        for cast in (int, float):
+            if isinstance(value, str):
+                try:
+                    value = cast(text)
+                except ValueError:
+                    pass
+        overrides[key] = value
+    return fmt, overrides
+
+
 def run(args) -> dict:
     import mlx.core as mx
     from mlx_lm import load
@@ -146,6 +169,9 @@ def run(args) -> dict:
     from engine.model.names import resolve_model
 
     path = resolve_model(args.model)
+    sides = [(spec, *engine_side(spec)) for spec in args.formats.split(",")]
+    for spec, fmt, overrides in sides:   # EngineConfig refuses an unknown field before any decoding
+        EngineConfig(model=str(path), kv_format=fmt, **overrides)
     model, tok = load(str(path))
     if args.dtype:
         model.set_dtype(getattr(mx, args.dtype))
@@ -159,16 +185,16 @@ def run(args) -> dict:
     if args.noise_floor:
         out["noise_floor"] = noise_floor(model, prompts, refs, args.tokens)
     del model
-    for fmt in args.formats.split(","):
+    for spec, fmt, overrides in sides:
         eng = Engine(EngineConfig(model=str(path), kv_format=fmt, max_num_seqs=len(prompts),
-                                  dtype=args.dtype))
+                                  dtype=args.dtype, **overrides))
         try:
             res = {}
             for mode in ("one_at_a_time", "batched"):
                 plain = engine_tokens(eng, prompts, args.tokens, mode == "batched", None,
-                                      f"{fmt}-{mode}")
+                                      f"{spec}-{mode}")
                 with_lp = engine_tokens(eng, prompts, args.tokens, mode == "batched", 2,
-                                        f"{fmt}-{mode}-lp")
+                                        f"{spec}-{mode}-lp")
                 rows = []
                 for (ref, tops), (got, _), (got_lp, lps) in zip(refs, plain, with_lp):
                     r = judge(ref, tops, got, lps)
@@ -178,7 +204,7 @@ def run(args) -> dict:
                              "every_divergence_near_tie": all(r.get("near_tie", True)
                                                               for r in rows),
                              "rows": rows}
-            out["formats"][fmt] = res
+            out["formats"][spec] = res
         finally:
             eng.shutdown()
     return out

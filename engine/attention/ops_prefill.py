@@ -15,11 +15,11 @@ from __future__ import annotations
 import mlx.core as mx
 
 # The most scores ([B, Hq, L, S] elements) one call materialises through ops: 64 Mi elements,
-# 128 MiB in bf16. Longer calls take mx.fast's SDPA, whose plan build is then a small share
+# 256 MiB in float32. Longer calls take mx.fast's SDPA, whose plan build is then a small share
 # of the call.
 OPS_SCORE_ELEMENTS = 1 << 26
 
-_LOWEST = {t: mx.finfo(t).min for t in (mx.float32, mx.float16, mx.bfloat16)}
+_LOWEST = mx.finfo(mx.float32).min   # masked scores (they are float32)
 
 
 def use_ops(q: mx.array, k: mx.array, limit: int | None = None) -> bool:
@@ -39,14 +39,19 @@ def ops_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     b, hq, n, d = q.shape
     hkv, s_len = k.shape[1], k.shape[2]
     g = hq // hkv
-    qg = (q * mx.array(scale, dtype=q.dtype)).reshape(b, hkv, g * n, d)
-    scores = (qg @ k.swapaxes(-1, -2)).reshape(b, hkv, g, n, s_len)
+    # Scores and softmax in float32, as flash attention keeps them (cuDNN's SDPA, which mlx-lm's
+    # prefill takes on CUDA): bf16 scores round each logit to 8 significant bits before the
+    # softmax, an error the fast path does not make. The weights go back to V's dtype for the
+    # second matmul (flash attention's P is bf16 there too). bf16 values are exact in float32
+    # (and in TF32), so only the accumulation and the stored scores change.
+    qg = (q.astype(mx.float32) * scale).reshape(b, hkv, g * n, d)
+    scores = (qg @ k.astype(mx.float32).swapaxes(-1, -2)).reshape(b, hkv, g, n, s_len)
     if isinstance(mask, str):
         q_pos = mx.arange(s_len - n, s_len)[:, None]
         mask = (mx.arange(s_len)[None, :] <= q_pos)[None, None]       # [1, 1, L, S]
     if mask is not None:
         keep = mask if mask.ndim == 5 else mask[:, :, None]             # [B, 1, 1, L, S]
-        scores = mx.where(keep, scores, _LOWEST[scores.dtype])
-    probs = mx.softmax(scores, axis=-1, precise=True)
+        scores = mx.where(keep, scores, _LOWEST)
+    probs = mx.softmax(scores, axis=-1).astype(v.dtype)
     out = probs.reshape(b, hkv, g * n, s_len) @ v
     return out.reshape(b, hq, n, v.shape[-1])

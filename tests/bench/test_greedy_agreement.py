@@ -49,3 +49,25 @@ def test_noise_floor_fuses_the_reference_and_judges_it_by_the_same_rule():
     assert got["fused_modules"] > 0
     assert got["rows"][0]["agree"] is True
     assert got["rows"][1]["first_divergence"] == 3 and got["agree"] == 1
+
+
+def test_a_side_names_its_format_and_engine_fields():
+    import pytest
+
+    from bench.greedy_agreement import engine_side
+    assert engine_side("int8") == ("int8", {})
+    assert engine_side("native+prefill_attention=fast+max_step_tokens=512") == (
+        "native", {"prefill_attention": "fast", "max_step_tokens": 512})
+    with pytest.raises(SystemExit, match="FORMAT\\+KEY=VALUE"):
+        engine_side("native+fast")
+
+
+def test_an_unknown_engine_field_is_refused_before_any_decoding(monkeypatch):
+    import pydantic
+    import pytest
+
+    from bench import greedy_agreement
+    monkeypatch.setattr("mlx_lm.load", lambda *a, **k: pytest.fail("loaded before checking"))
+    with pytest.raises(pydantic.ValidationError, match="no_such_knob"):
+        greedy_agreement.run(parse_args(["--model", "orchard-tiny",
+                                         "--formats", "native,native+no_such_knob=1"]))
