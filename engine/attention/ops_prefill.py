@@ -19,8 +19,6 @@ import mlx.core as mx
 # of the call.
 OPS_SCORE_ELEMENTS = 1 << 26
 
-_LOWEST = mx.finfo(mx.float32).min   # masked scores (they are float32)
-
 
 def use_ops(q: mx.array, k: mx.array, limit: int | None = None) -> bool:
     """Whether a multi-token call of q [B, Hq, L, D] against k [B, Hkv, S, D] stays under the
@@ -31,11 +29,12 @@ def use_ops(q: mx.array, k: mx.array, limit: int | None = None) -> bool:
 
 
 def ops_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
-                  mask: mx.array | str | None) -> mx.array:
+                  mask: mx.array | str | None, score_dtype=mx.float32) -> mx.array:
     """mx.fast.scaled_dot_product_attention's result for q [B, Hq, L, D] against k [B, Hkv, S,
     D], v [B, Hkv, S, Dv]; `mask`: None, "causal" (bottom-right aligned, as MLX's) or a boolean
     array broadcastable to [B, 1, L, S]. The query heads of one KV head go through one matmul
-    as group*L rows (no repeated K/V)."""
+    as group*L rows (no repeated K/V). `score_dtype`: the dtype of scores and softmax (float32;
+    bench.prefill_scores passes q's dtype to measure what float32 costs and buys)."""
     b, hq, n, d = q.shape
     hkv, s_len = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -44,14 +43,14 @@ def ops_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     # softmax, an error the fast path does not make. The weights go back to V's dtype for the
     # second matmul (flash attention's P is bf16 there too). bf16 values are exact in float32
     # (and in TF32), so only the accumulation and the stored scores change.
-    qg = (q.astype(mx.float32) * scale).reshape(b, hkv, g * n, d)
-    scores = (qg @ k.astype(mx.float32).swapaxes(-1, -2)).reshape(b, hkv, g, n, s_len)
+    qg = (q.astype(score_dtype) * mx.array(scale, dtype=score_dtype)).reshape(b, hkv, g * n, d)
+    scores = (qg @ k.astype(score_dtype).swapaxes(-1, -2)).reshape(b, hkv, g, n, s_len)
     if isinstance(mask, str):
         q_pos = mx.arange(s_len - n, s_len)[:, None]
         mask = (mx.arange(s_len)[None, :] <= q_pos)[None, None]       # [1, 1, L, S]
     if mask is not None:
         keep = mask if mask.ndim == 5 else mask[:, :, None]             # [B, 1, 1, L, S]
-        scores = mx.where(keep, scores, _LOWEST)
-    probs = mx.softmax(scores, axis=-1).astype(v.dtype)
+        scores = mx.where(keep, scores, mx.finfo(score_dtype).min)
+    probs = mx.softmax(scores, axis=-1, precise=True).astype(v.dtype)
     out = probs.reshape(b, hkv, g * n, s_len) @ v
     return out.reshape(b, hq, n, v.shape[-1])
