@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from bench.output import run_bench
@@ -49,7 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--formats", default="native,int8",
                    help="engine KV formats, comma-separated; FORMAT+KEY=VALUE[+...] also sets "
                         "EngineConfig fields for that side (e.g. native+prefill_attention=fast: "
-                        "prompts through mx.fast's SDPA, cuDNN on CUDA, as mlx-lm's)")
+                        "prompts through mx.fast's SDPA, cuDNN on CUDA, as mlx-lm's), and "
+                        "+kernel.FIELD=VALUE KernelChoices fields (e.g. "
+                        "native+kernel.decode_kernel=false: decode through mx.fast's SDPA)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS),
                    help=f"how many of the {len(PROMPTS)} built-in chat prompts")
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
@@ -140,11 +143,12 @@ def noise_floor(model, prompts: list[list[int]], refs: list[tuple], tokens: int)
             "rows": rows}
 
 
-def engine_side(spec: str) -> tuple[str, dict]:
-    """(KV format, EngineConfig overrides) of a --formats entry FORMAT[+KEY=VALUE...]; values
-    read as int, float, true/false or text."""
+def engine_side(spec: str) -> tuple[str, dict, dict]:
+    """(KV format, EngineConfig overrides, KernelChoices overrides) of a --formats entry
+    FORMAT[+KEY=VALUE...] (KernelChoices fields as kernel.FIELD); values read as int, float,
+    true/false or text."""
     fmt, *pairs = spec.split("+")
-    overrides = {}
+    overrides, kernels = {}, {}
     for pair in pairs:
         key, eq, text = pair.partition("=")
         if not eq or not key:
@@ -156,8 +160,11 @@ def engine_side(spec: str) -> tuple[str, dict]:
                     value = cast(text)
                 except ValueError:
                     pass
-        overrides[key] = value
-    return fmt, overrides
+        if key.startswith("kernel."):
+            kernels[key[len("kernel."):]] = value
+        else:
+            overrides[key] = value
+    return fmt, overrides, kernels
 
 
 def run(args) -> dict:
@@ -165,13 +172,16 @@ def run(args) -> dict:
     from mlx_lm import load
 
     from engine import Engine
+    from engine.attention.choices import DEFAULT_KERNELS
     from engine.config import EngineConfig
     from engine.model.names import resolve_model
 
     path = resolve_model(args.model)
     sides = [(spec, *engine_side(spec)) for spec in args.formats.split(",")]
-    for spec, fmt, overrides in sides:   # EngineConfig refuses an unknown field before any decoding
+    for i, (spec, fmt, overrides, kernels) in enumerate(sides):
+        # An unknown field is refused here, before any decoding (pydantic / the dataclass).
         EngineConfig(model=str(path), kv_format=fmt, **overrides)
+        sides[i] = (spec, fmt, overrides, replace(DEFAULT_KERNELS, **kernels))
     model, tok = load(str(path))
     if args.dtype:
         model.set_dtype(getattr(mx, args.dtype))
@@ -185,9 +195,9 @@ def run(args) -> dict:
     if args.noise_floor:
         out["noise_floor"] = noise_floor(model, prompts, refs, args.tokens)
     del model
-    for spec, fmt, overrides in sides:
+    for spec, fmt, overrides, kernels in sides:
         eng = Engine(EngineConfig(model=str(path), kv_format=fmt, max_num_seqs=len(prompts),
-                                  dtype=args.dtype, **overrides))
+                                  dtype=args.dtype, **overrides), kernels=kernels)
         try:
             res = {}
             for mode in ("one_at_a_time", "batched"):

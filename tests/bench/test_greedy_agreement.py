@@ -55,9 +55,11 @@ def test_a_side_names_its_format_and_engine_fields():
     import pytest
 
     from bench.greedy_agreement import engine_side
-    assert engine_side("int8") == ("int8", {})
+    assert engine_side("int8") == ("int8", {}, {})
     assert engine_side("native+prefill_attention=fast+max_step_tokens=512") == (
-        "native", {"prefill_attention": "fast", "max_step_tokens": 512})
+        "native", {"prefill_attention": "fast", "max_step_tokens": 512}, {})
+    assert engine_side("native+kernel.decode_kernel=false+kernel.native_decode=walk") == (
+        "native", {}, {"decode_kernel": False, "native_decode": "walk"})
     with pytest.raises(SystemExit, match="FORMAT\\+KEY=VALUE"):
         engine_side("native+fast")
 
@@ -71,3 +73,6 @@ def test_an_unknown_engine_field_is_refused_before_any_decoding(monkeypatch):
     with pytest.raises(pydantic.ValidationError, match="no_such_knob"):
         greedy_agreement.run(parse_args(["--model", "orchard-tiny",
                                          "--formats", "native,native+no_such_knob=1"]))
+    with pytest.raises(TypeError, match="no_such_kernel"):
+        greedy_agreement.run(parse_args(["--model", "orchard-tiny",
+                                         "--formats", "native+kernel.no_such_kernel=1"]))
