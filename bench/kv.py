@@ -106,9 +106,12 @@ def prefill_once(runner, tokens, chunk) -> float:
 # dequant kernel (KernelChoices.page_key_prefill: engine/attention/cuda/page_key_dequant.py;
 # the CUDA default, so a plain "k6v4-kivi" takes it there too), "k6v4-kivi:mlx" through the
 # MLX direct path (the kernel off), "k6v4-kivi:mx-softmax" on the CPU with mx.fast's SDPA and
-# mx.softmax where packed attention takes NumPy's softmax (KernelChoices.cpu_softmax off).
+# mx.softmax where packed attention takes NumPy's softmax (KernelChoices.cpu_softmax off),
+# "k6v4-kivi:mlx-write" through the dequant kernel but with the chunk's page-key write in MLX
+# ops (KernelChoices.page_key_write off: no CUDA write kernel, the path before device run 10).
 PREFILL_KERNELS = {"kernel": dict(page_key_prefill=True), "mlx": dict(page_key_prefill=False),
-                   "mx-softmax": dict(cpu_softmax=False)}
+                   "mx-softmax": dict(cpu_softmax=False),
+                   "mlx-write": dict(page_key_prefill=True, page_key_write=False)}
 
 
 def prefill_spec(spec: str, kernels: KernelChoices, mode: str) -> tuple:

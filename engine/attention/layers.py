@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.attention.cuda import packed_write as cuda_packed_write
+from engine.attention.cuda import page_key_write as cuda_page_key_write
 from engine.attention.packed import PackedAttention, attention_of, bind
 from engine.attention.packed_cache import PackedLayerCache
 from engine.attention.paged import PagedLayerCache
@@ -46,7 +47,7 @@ def packed_layer_factory(fmt_name: str, prefill_mode: str = "direct",
     object for its kernels)."""
     make_store = store_factory(fmt_name, tail_slots,
                                cuda_packed_write if kernels.write_kernel else None,
-                               kernels.cpu_page_key_write)
+                               kernels.cpu_page_key_write, cuda_page_key_write.chosen(kernels))
 
     def make(geometry: LayerGeometry, num_pages: int, page_tokens: int,
              dtype: mx.Dtype) -> LayerStore:

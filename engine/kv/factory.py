@@ -17,13 +17,15 @@ from engine.kv.tails import TailMap
 from engine.model.loader import LayerGeometry
 
 
-def store_factory(fmt_name: str, tail_slots: int = 0, writer=None, cpu_writes: bool = False):
+def store_factory(fmt_name: str, tail_slots: int = 0, writer=None, cpu_writes: bool = False,
+                  chunk_writer=None):
     """A KVStore layer_factory: full-attention layers packed in `fmt_name`, others native.
 
     Refuses (KVFormatError) a packed format on a model whose full-attention layers cannot hold
     it, instead of quietly storing them native. `writer`: the write kernel packed stores may
     use (PackedLayerStore); `cpu_writes`: page-key stores quantize their writes in compiled
-    loops on the CPU (PageKeyStore). engine.attention.layers.packed_layer_factory wraps this
+    loops on the CPU, `chunk_writer`: their host-planned writes through this CUDA kernel module
+    (PageKeyStore). engine.attention.layers.packed_layer_factory wraps this
     with the attention each packed layer is read by.
     """
     tails: dict[int, TailMap] = {}   # one map per page size, shared by every layer
@@ -40,7 +42,8 @@ def store_factory(fmt_name: str, tail_slots: int = 0, writer=None, cpu_writes: b
                 tails[page_tokens] = TailMap(tail_slots, page_tokens)
             tail = tails[page_tokens]
         if fmt.page_keys:
-            return PageKeyStore(geometry, fmt, num_pages, page_tokens, tail, writer, cpu_writes)
+            return PageKeyStore(geometry, fmt, num_pages, page_tokens, tail, writer, cpu_writes,
+                                chunk_writer)
         return PackedLayerStore(geometry, fmt, num_pages, page_tokens, tail, writer)
 
     return make

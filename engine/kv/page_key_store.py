@@ -64,7 +64,8 @@ class PageKeyStore(PackedLayerStore):
     _written_tail = None  # the fused decode write's new (K, V) tails, until attention read
 
     def __init__(self, geometry: LayerGeometry, fmt: KVFormat, num_pages: int, page_tokens: int,
-                 tails: Optional[TailMap] = None, writer=None, cpu_writes: bool = False):
+                 tails: Optional[TailMap] = None, writer=None, cpu_writes: bool = False,
+                 chunk_writer=None):
         if not fmt.page_keys or not fmt.native_tail:
             raise KVFormatError(f"format {fmt.name} does not keep page keys with a native tail")
         fmt.k_row_group(page_tokens)   # refuses pages that do not divide head_dim
@@ -73,10 +74,18 @@ class PageKeyStore(PackedLayerStore):
         # (engine/kv/cpu_page_key_write.py; KernelChoices.cpu_page_key_write).
         self.cpu_writes = (cpu_writes and mx.default_device() == mx.cpu and bool(self.tail)
                            and self.tail[0].dtype == mx.float32)
+        # CUDA: host-planned writes (prefill chunks, uncompiled decode) through the fused write
+        # kernel (engine/attention/cuda/page_key_write.py, `chunk_writer`: that module, or None
+        # for the MLX ops): one launch where a 2K chunk took ~700 MLX ops (device run 10).
+        self.chunk_writer = (chunk_writer if chunk_writer is not None and not self.cpu_writes
+                             and self.tails is not None and chunk_writer.serves(self) else None)
 
     def write(self, slots: Slots, k: mx.array, v: mx.array) -> None:
         """Values quantized per row; keys go to the native tail, or to codes when a page fills."""
         self.flush_tail()   # the previous step's tail rows: a page filled now needs them
+        if self.chunk_writer is not None and self._pages_consecutive(slots):
+            self._write_chunk(slots, k, v)
+            return
         parts = (cpu_page_key_write.value_record_parts(v, self.fmt.v_bits, GROUP_SIZE)
                  if self.cpu_writes else list(quantize(v, self.fmt.v_bits)))
         self.layout.write_rows(self.pool, self._row_index(slots, V_SECTIONS),
@@ -87,6 +96,36 @@ class PageKeyStore(PackedLayerStore):
             self._quantize_filled(fill, k)
         if plan.rows is not None:
             self._pending = self._tail_rows_of(slots, plan, k, v)
+
+    @staticmethod
+    def _pages_consecutive(slots: Slots) -> bool:
+        """Whether each page's rows are one run of consecutive rows (what the write kernel
+        assumes when it keys a filled page from the call's rows): true of every step the
+        runner builds (a sequence's rows in position order)."""
+        key = "page_runs_consecutive"
+        if key not in slots._by_heads:
+            slots._by_heads[key] = len(slots.runs()) == len(np.unique(slots.page_np))
+        return slots._by_heads[key]
+
+    def _write_chunk(self, slots: Slots, k: mx.array, v: mx.array) -> None:
+        """`write` through the CUDA write kernel: the step's tail plan (shared by every layer)
+        says which rows go to which tail slot (-1: their page fills now); each row carries its
+        page's slot as the step began, where a filled page's earlier rows are. The new tails
+        are adopted after attention read the old ones (`flush_tail`)."""
+        plan = self._tail_plan(slots)
+        self._fill_plan(slots)   # refuses a page that fills with no native copy of its start
+        key = ("page_key_chunk_slots", id(self.tails))
+        if key not in slots._by_heads:
+            before = self.tails.before
+            tb = np.array([before.get(p, -1) for p in slots.page_np.tolist()], np.int32)
+            tw = np.full(slots.count, -1, np.int32)
+            if plan.rows is not None:
+                tw[plan.rows] = plan.slots
+            slots._by_heads[key] = (mx.array(tb), mx.array(tw))
+        tail_before, tail_write = slots._by_heads[key]
+        self.pool, self._written_tail = self.chunk_writer.write_decode(
+            k, v, self.pool, self.layout, self.fmt.k_bits, self.tail, slots.page, slots.offset,
+            tail_before, tail_write)
 
     def write_decode(self, slots, keys: mx.array, values: mx.array) -> None:
         """One token per row ([N, heads, 1, dim]): `write`, or inside a compiled step (slots

@@ -79,11 +79,12 @@ def _layer_merges(layer_cache) -> bool:
     step: native pages; packed ones on the CPU (their plans made ahead: the module doc) without
     native sink rows (int4-sink keeps per-page native rows this path has not been checked with).
     On CUDA packed layers keep their per-group calls: their prefill and page-key kernels read
-    and flush per call, and were not checked against this order."""
+    and flush per call, and were not checked against this order (nor is a page-key store whose
+    writes take the CUDA kernel: its new tails replace the old whole, not row by row)."""
     if layer_cache is None:
         return False
     cls, store, _ = layer_cache
     if cls is PagedLayerCache:
         return True
     return (cls is PackedLayerCache and mx.default_device() == mx.cpu
-            and not store.sink_rows)
+            and not store.sink_rows and getattr(store, "chunk_writer", None) is None)

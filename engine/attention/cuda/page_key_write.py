@@ -1,4 +1,5 @@
-"""A page-key layer's decode write in one CUDA kernel (k6v4-kivi, int4-kivi; CUDA backend only).
+"""A page-key layer's write in one CUDA kernel (k6v4-kivi, int4-kivi; CUDA backend only): a
+decode step's rows (one per sequence) and a prefill chunk's (consecutive rows of one page).
 
 Why: inside a compiled decode step the store's MLX write (engine/kv/page_key_store.py,
 `_write_planned`) is about fifteen small ops per layer (value quantization and its record
@@ -13,12 +14,12 @@ device run 6). This kernel does the same write in one launch. Per (row, KV head)
    round-half-even) into the pool's record at (page, offset), in place;
 2. the key and value rows, in the tail's dtype, to the native tail at (tail_write, offset);
 3. only when this row fills its page (offset == page_tokens - 1, decided here, on the device):
-   the page's per-channel key scales and offsets over its page_tokens keys (the tail slot as
-   the step began, the new key at its offset) and its 4- or 6-bit codes, into the pool's key
-   sections (engine/kv/page_quant.py: `quantize_pages`, `meta_rows`), in place. A partial page
-   gets no interim codes (the MLX path re-keys it every step): nothing reads a partial page's
-   codes (attention, prefill, `gather` and `read_packed` take its rows from the native tail or
-   as zeros), so full pages end up with the MLX path's bytes.
+   the page's per-channel key scales and offsets over its page_tokens keys (the call's own rows
+   of that page, the rest from the tail slot as the step began) and its 4- or 6-bit codes, into
+   the pool's key sections (engine/kv/page_quant.py: `quantize_pages`, `meta_rows`), in place.
+   A partial page gets no interim codes (the MLX decode path re-keys it every step): nothing
+   reads a partial page's codes (attention, prefill, `gather` and `read_packed` take its rows
+   from the native tail or as zeros), so full pages end up with the MLX path's bytes.
 
 The tail is written as a new array, not in place: a slot that a filling row gives back may be
 taken in the same step by a row starting a new page, whose row 0 would then land on keys the
@@ -32,10 +33,17 @@ behind MLX's back (as cuda/packed_write.write_in_place does): this step's attent
 the regions written (a row's current page is its tail), and readers after it depend on the new
 tail (`mx.depends`).
 
+A prefill chunk's write (PageKeyStore.write where `chunk_writer` serves) is the same launch:
+rows of partial pages go to their tail slots, every page the chunk fills is keyed from its
+rows in the chunk (and the tail's earlier rows), in place of ~700 MLX ops a 2K chunk took at
+the 1B shape (docs/lab/benchmarks-kv-page-keys.md, device run 10). The step's attention reads
+neither: the dequant prefill kernel takes the chunk's rows as given and earlier rows of a
+partial page from the tail as the step began.
+
 Checked on the CPU emulator against the store's MLX path (bench/cuda_emulate_page_keys.py,
-tests/engine/attention/test_cuda_page_key_write.py) and by nvcc (`python -m
-bench.cuda_nvcc_check --only page-key-write`); not yet run or timed on a GPU
-(`python -m bench.device.page_key_layer_profile` A/Bs it: `:fused` rows).
+tests/engine/attention/test_cuda_page_key_write.py: decode steps and prefill chunks) and by
+nvcc (`python -m bench.cuda_nvcc_check --only page-key-write`); decode writes timed on the
+device (runs 7 and 10: `python -m bench.device.page_key_layer_profile`, `:fused` rows).
 """
 from __future__ import annotations
 
@@ -101,11 +109,17 @@ if (wi < N * HK) {
     }
   }
   // 3. A page this row fills: per-channel scale and offset over its PT keys, then its codes
-  // (engine/kv/page_quant.py quantize_pages: the same FP32 min, max, divide and rint).
+  // (engine/kv/page_quant.py quantize_pages: the same FP32 min, max, divide and rint). Token t
+  // of the page is this call's row r - (o - t) when that row writes (page, t) (a chunk's rows
+  // of one page are consecutive: PageKeyStore checks), else the tail slot's row as the call
+  // began (a decode row's other tokens, a chunk's tokens written by earlier calls).
   if (o == PT - 1) {
     const size_t src = (size_t)max(tb[r], 0) * PT * HK * D + (size_t)h * D + lane * VPT;
     auto key = [&](int t, int i) -> float {
-      return t == o ? to_f(k[at + i]) : to_f(kt[src + (size_t)t * HK * D + i]);
+      const int rr = r - (o - t);
+      return rr >= 0 && page[rr] == pg && off[rr] == t
+                 ? to_f(k[((size_t)rr * HK + h) * D + lane * VPT + i])
+                 : to_f(kt[src + (size_t)t * HK * D + i]);
     };
     const float top = (float)((1 << KB) - 1);
     float kl[VPT], ks[VPT];
@@ -201,11 +215,13 @@ def grid_warps(rows: int, heads: int, slots: int, page_tokens: int) -> int:
 def write_decode(k: mx.array, v: mx.array, pool: mx.array, layout, k_bits: int,
                  tail: tuple[mx.array, mx.array], page: mx.array, offset: mx.array,
                  tail_before: mx.array, tail_write: mx.array):
-    """One decode row per sequence, k and v [N, H, D], at (page, offset) [N] int32, with each
-    row's tail slot as the step began and the slot its row goes to ([N] int32:
-    TailMap.decode_slots). Writes the value records and the codes of pages filled into `pool`
-    IN PLACE and returns (the pool, made to depend on the write, (K, V) tails: new arrays).
-    `tail` is left as it was (the step's attention reads it)."""
+    """Rows k and v [N, H, D] at (page, offset) [N] int32: one decode row per sequence, or a
+    chunk's rows (those of one page consecutive, in offset order), with each row's page's tail
+    slot as the step began and the slot the row goes to ([N] int32: TailMap.decode_slots for
+    decode; -1 for a row whose page this call fills: no tail copy). Writes the value records
+    and the codes of pages filled into `pool` IN PLACE and returns (the pool, made to depend on
+    the write, (K, V) tails: new arrays). `tail` is left as it was (the step's attention reads
+    it)."""
     n, h, d = k.shape
     kt, vt = tail
     check_layout(pool, layout, d, k_bits, h)

@@ -1,0 +1,59 @@
+"""Page-key prefill chunks through the CUDA write kernel (engine/attention/cuda/page_key_write.py,
+PageKeyStore `chunk_writer`) without a GPU: the kernel's source on the CPU emulator against the
+store's MLX write, chunk after chunk, byte for byte (pool and native tails); the same check with
+the chunk-row lookup broken on purpose; the store's refusal of rows it cannot hand the kernel.
+The comparison (bench/page_key_chunk_compare.py) runs on the GPU with the real kernel too.
+
+Needs g++ (the emulator compiles the kernel body with it)."""
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from bench.page_key_chunk_compare import CASES, compare, store as _store
+from engine.attention.cuda import page_key_write
+from engine.kv.store import Slots
+from tests.engine.attention.test_cuda_page_key_write import _writer
+
+
+def _compare(fmt, d, kvh, t, calls, dtype, workdir, source=None):
+    return compare(fmt, d, kvh, t, calls, dtype, _writer(workdir, source))
+
+
+@pytest.mark.parametrize("fmt", ["k6v4-kivi", "int4-kivi"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[0]}-h{c[1]}-pt{c[2]}")
+def test_chunk_writes_are_the_mlx_writes_bytes(fmt, case, tmp_path):
+    assert shutil.which("g++"), "the CPU emulation of the CUDA kernel compiles with g++"
+    assert _compare(fmt, *case, mx.bfloat16, tmp_path) is None
+
+
+def test_float32_rows(tmp_path):
+    assert _compare("k6v4-kivi", 64, 2, 16, CASES[0][3], mx.float32, tmp_path) is None
+
+
+def test_keys_of_a_filled_page_must_come_from_the_chunk(tmp_path):
+    """With the lookup of the call's own rows broken (every earlier token read from the tail),
+    a page a chunk fills gets other codes: the comparison sees it."""
+    old = "return rr >= 0 && page[rr] == pg && off[rr] == t"
+    assert page_key_write._SOURCE.count(old) == 1
+    broken = page_key_write._SOURCE.replace(old, "return rr < 0 && page[rr] == pg && off[rr] == t")
+    assert _compare("k6v4-kivi", 64, 2, 16, CASES[0][3][:2], mx.bfloat16, tmp_path,
+                    broken) is not None
+
+
+def test_rows_of_one_page_out_of_order_take_the_mlx_write(tmp_path):
+    """The kernel keys a filled page from consecutive rows; a call whose rows of one page are
+    not one run (never built by the runner) is written by the MLX ops instead, correctly."""
+    def refuse(*args):
+        raise AssertionError("the kernel took rows it cannot key")
+    writer = _writer(tmp_path)
+    writer.write_decode = refuse
+    store = _store("k6v4-kivi", 64, 2, 16, 8, 2, mx.bfloat16, writer)
+    ref = _store("k6v4-kivi", 64, 2, 16, 8, 2, mx.bfloat16)
+    pos = np.r_[np.arange(8, 16), np.arange(0, 8)]          # page 3's rows in two runs
+    k = mx.random.normal((16, 2, 64)).astype(mx.bfloat16)
+    for s in (store, ref):
+        s.write(Slots(np.full(16, 3, np.int32), pos), k, k)
+        s.flush_tail()
+    assert np.array_equal(np.array(store.pool), np.array(ref.pool))
