@@ -77,7 +77,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the JSON here as well as to stdout")
     args = ap.parse_args(argv)
-    from engine.attention.cuda import page_key_write
+    from engine.attention.cuda import page_key_write, paged_decode
+    if not paged_decode.available():
+        ap.error("needs MLX's CUDA backend (the kernel's source is compared on the CPU emulator "
+                 "by tests/engine/attention/test_cuda_page_key_chunk_write.py)")
     out = {"mlx": mx.__version__, "device": str(mx.default_device()), "cases": {}}
     for fmt in ("k6v4-kivi", "int4-kivi"):
         for dtype in (mx.bfloat16, mx.float32):
