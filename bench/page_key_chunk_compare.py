@@ -12,12 +12,12 @@ Prints JSON: per format and case, the first difference or null.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import mlx.core as mx
 import numpy as np
 
+from bench.output import emit
 from capacity.formats import KVFormat
 from engine.kv.page_key_store import PageKeyStore
 from engine.kv.store import Slots
@@ -88,11 +88,7 @@ def main(argv=None) -> int:
                 name = f"{fmt} d{d} h{kvh} pt{t} {str(dtype).removeprefix('mlx.core.')}"
                 out["cases"][name] = compare(fmt, d, kvh, t, calls, dtype, page_key_write)
     out["all_equal"] = all(v is None for v in out["cases"].values())
-    text = json.dumps(out, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    emit(out, args.out)
     return 0 if out["all_equal"] else 1
 
 

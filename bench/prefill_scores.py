@@ -16,7 +16,6 @@ the engine's arithmetic was coarser than the fast path's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from bench.output import emit
 from engine.attention import ops_prefill
 
 # (name, query heads, KV heads, head dim, L, S): prompt chunks the ops path takes (under
@@ -92,11 +92,7 @@ def main(argv=None) -> int:
     for shape in QUICK if args.quick else SHAPES:
         out["shapes"].update(measure(shape, args.repeats))
         print(f"[prefill_scores] {shape[0]} done", file=sys.stderr, flush=True)
-    text = json.dumps(out, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    emit(out, args.out)
     return 0
 
 
