@@ -107,11 +107,14 @@ def prefill_once(runner, tokens, chunk) -> float:
 # the CUDA default, so a plain "k6v4-kivi" takes it there too), "k6v4-kivi:mlx" through the
 # MLX direct path (the kernel off), "k6v4-kivi:mx-softmax" on the CPU with mx.fast's SDPA and
 # mx.softmax where packed attention takes NumPy's softmax (KernelChoices.cpu_softmax off),
-# "k6v4-kivi:mlx-write" through the dequant kernel but with the chunk's page-key write in MLX
-# ops (KernelChoices.page_key_write off: no CUDA write kernel, the path before device run 10).
+# "k6v4-kivi:chunk-write" through the dequant kernel with the chunk's page-key write through the
+# CUDA write kernel (KernelChoices.page_key_chunk_write), "k6v4-kivi:mlx-write" with it in MLX
+# ops (no CUDA write kernel at all).
 PREFILL_KERNELS = {"kernel": dict(page_key_prefill=True), "mlx": dict(page_key_prefill=False),
                    "mx-softmax": dict(cpu_softmax=False),
-                   "mlx-write": dict(page_key_prefill=True, page_key_write=False)}
+                   "chunk-write": dict(page_key_prefill=True, page_key_chunk_write=True),
+                   "mlx-write": dict(page_key_prefill=True, page_key_write=False,
+                                     page_key_chunk_write=False)}
 
 
 def prefill_spec(spec: str, kernels: KernelChoices, mode: str) -> tuple:

@@ -130,11 +130,15 @@ class KernelChoices:
     # decode kernel attends). On the H200 its pool and tails came out byte-identical to the MLX
     # write's, the write took 0.79-0.85x native's time (MLX's: 0.13-0.14x), and whole k6v4-kivi
     # decode steps went from 0.40x to 0.93x native at 4K batch 1 and from 0.82x to 1.49x at
-    # 32K batch 8 (docs/lab/benchmarks-kv-page-keys.md, device run 7). The same launch writes
-    # host-planned calls too (prefill chunks, uncompiled decode: PageKeyStore `chunk_writer`),
-    # where a 2K chunk's MLX write was ~700 kernels, the whole of page-key prefill's extra time
-    # over native (device run 10). False: the MLX ops.
+    # 32K batch 8 (docs/lab/benchmarks-kv-page-keys.md, device run 7). False: the MLX ops.
     page_key_write: bool | None = None
+    # Host-planned page-key writes (prefill chunks, uncompiled decode steps) through the same
+    # kernel (PageKeyStore `chunk_writer`), where a 2K chunk's MLX write was ~700 kernels, the
+    # whole of page-key prefill's extra time over native (device run 10). Byte-identical to the
+    # MLX write on the CPU emulator; off (False) until measured on a GPU, where
+    # `bench.page_key_chunk_compare` checks it and bench.kv's `FORMAT:chunk-write` prefill spec
+    # times it. None: on where CUDA runs and page_key_write is.
+    page_key_chunk_write: bool | None = False
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is

@@ -47,7 +47,9 @@ def packed_layer_factory(fmt_name: str, prefill_mode: str = "direct",
     object for its kernels)."""
     make_store = store_factory(fmt_name, tail_slots,
                                cuda_packed_write if kernels.write_kernel else None,
-                               kernels.cpu_page_key_write, cuda_page_key_write.chosen(kernels))
+                               kernels.cpu_page_key_write,
+                               None if kernels.page_key_chunk_write is False
+                               else cuda_page_key_write.chosen(kernels))
 
     def make(geometry: LayerGeometry, num_pages: int, page_tokens: int,
              dtype: mx.Dtype) -> LayerStore:

@@ -76,7 +76,8 @@ class PageKeyStore(PackedLayerStore):
                            and self.tail[0].dtype == mx.float32)
         # CUDA: host-planned writes (prefill chunks, uncompiled decode) through the fused write
         # kernel (engine/attention/cuda/page_key_write.py, `chunk_writer`: that module, or None
-        # for the MLX ops): one launch where a 2K chunk took ~700 MLX ops (device run 10).
+        # for the MLX ops; KernelChoices.page_key_chunk_write): one launch where a 2K chunk took
+        # ~700 MLX ops (docs/lab/benchmarks-kv-page-keys.md, device run 10).
         self.chunk_writer = (chunk_writer if chunk_writer is not None and not self.cpu_writes
                              and self.tails is not None and chunk_writer.serves(self) else None)
 

@@ -33,7 +33,8 @@ behind MLX's back (as cuda/packed_write.write_in_place does): this step's attent
 the regions written (a row's current page is its tail), and readers after it depend on the new
 tail (`mx.depends`).
 
-A prefill chunk's write (PageKeyStore.write where `chunk_writer` serves) is the same launch:
+A prefill chunk's write (PageKeyStore.write where `chunk_writer` serves: KernelChoices.
+page_key_chunk_write) is the same launch:
 rows of partial pages go to their tail slots, every page the chunk fills is keyed from its
 rows in the chunk (and the tail's earlier rows), in place of ~700 MLX ops a 2K chunk took at
 the 1B shape (docs/lab/benchmarks-kv-page-keys.md, device run 10). The step's attention reads

@@ -57,3 +57,20 @@ def test_rows_of_one_page_out_of_order_take_the_mlx_write(tmp_path):
         s.write(Slots(np.full(16, 3, np.int32), pos), k, k)
         s.flush_tail()
     assert np.array_equal(np.array(store.pool), np.array(ref.pool))
+
+
+@pytest.mark.parametrize("choice,taken", [(False, False), (None, True), (True, True)])
+def test_the_kernel_choice_decides_whether_stores_get_the_chunk_writer(monkeypatch, choice, taken):
+    """KernelChoices.page_key_chunk_write: off by default (not yet measured on a GPU); None or
+    True hand page-key stores the CUDA write kernel where CUDA runs (faked here: `available`)."""
+    from engine.attention.choices import KernelChoices
+    from engine.attention.cuda import paged_decode
+    from engine.attention.layers import packed_layer_factory
+    from engine.model.loader import LayerGeometry
+    def store(cuda: bool):
+        monkeypatch.setattr(paged_decode, "available", lambda: cuda)
+        make = packed_layer_factory("k6v4-kivi", tail_slots=2,
+                                    kernels=KernelChoices(page_key_chunk_write=choice))
+        return make(LayerGeometry(0, "full", 2, 64, 64), 8, 16, mx.bfloat16)
+    assert (store(True).chunk_writer is page_key_write) is taken
+    assert store(False).chunk_writer is None              # no CUDA: the MLX write
