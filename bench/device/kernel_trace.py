@@ -10,8 +10,9 @@ Each variant is FORMAT[:KERNEL]@BATCH (bench.kv_decode's format specs, its pipel
 --context keys per row), `mlx-lm@1` (mlx-lm's generate_step after a --context-token prompt,
 the batch-1 yardstick of issue 33), or `prefill:FORMAT[:KERNEL]@TOKENS` (one prompt of TOKENS
 prefilled in --chunk-token steps through bench.kv's runner, as `bench.kv --sections prefill`
-times it; "steps" are then chunks, so per-step figures are per chunk). One warm-up round, --untraced rounds of --steps steps
-timed without the profiler (`tok_s_untraced`: the rates to quote), then one round under it.
+times it; "steps" are then chunks, so per-step figures are per chunk). One warm-up round,
+--untraced rounds of --steps steps timed without the profiler (`tok_s_untraced`: the rates to
+quote), then one round under it.
 Per variant: wall ms per step, kernels per step, the kernels' summed and merged (busy) device
 time per step, the device's idle time inside the traced span (host-bound steps show it), and
 the kernels ranked by device time per step. Why: issue 32's 8B page-key step is 0.8x native

@@ -8,7 +8,9 @@ D=$OUT/$RUN; mkdir -p "$D"
 T0=$(date +%s); BUDGET=${BUDGET:-570}
 step() {
   local tag=$1 lim=$2; shift 2; local t0; t0=$(date +%s)
-  if (( t0 - T0 + lim > BUDGET )); then echo "== $tag skipped (budget)" | tee -a "$D/steps.txt" >&2; return; fi
+  if (( t0 - T0 + lim > BUDGET )); then
+    echo "== $tag skipped (budget)" | tee -a "$D/steps.txt" >&2; return
+  fi
   timeout "$lim" "$@" --out "$D/$tag.json" > /dev/null 2> "$D/$tag.log"
   echo "== $tag rc=$? $(( $(date +%s) - t0 ))s" | tee -a "$D/steps.txt" >&2
 }

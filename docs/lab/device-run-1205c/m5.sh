@@ -7,5 +7,7 @@
 RUN=m5; source docs/lab/device-run-1205c/lib.sh
 M=$(bash bench/device/real_smollm2.sh) || exit 1
 A=native+kernel.decode_kernel=false
-step greedy 400 python3 -m bench.greedy_agreement --model "$M" --formats \
-native,$A,native+kernel.native_decode=walk,native+compiled_decode=false,native+fuse_projections=false,$A+compiled_decode=false+fuse_projections=false+prefill_attention=fast
+SIDES=native,$A,native+kernel.native_decode=walk,native+compiled_decode=false
+SIDES=$SIDES,native+fuse_projections=false
+SIDES=$SIDES,$A+compiled_decode=false+fuse_projections=false+prefill_attention=fast
+step greedy 400 python3 -m bench.greedy_agreement --model "$M" --formats "$SIDES"

@@ -10,5 +10,5 @@ step compare 60 python3 -m bench.page_key_chunk_compare
 step kv-prefill 150 python3 -m bench.kv --geometry gpu --sections prefill --prefill 4096,16384 \
   --chunk 2048 --prefill-formats k6v4-kivi:chunk-write,k6v4-kivi:mlx-write --repeats 2
 step kt-prefill 110 python3 -m bench.device.kernel_trace --model /tmp/WM/llama-3.2-1b-random \
-  --variants prefill:native@16384,prefill:k6v4-kivi:chunk-write@16384,prefill:k6v4-kivi:mlx-write@16384 \
-  --untraced 2 --top 12
+  --variants prefill:native@16384,prefill:k6v4-kivi:chunk-write@16384,\
+prefill:k6v4-kivi:mlx-write@16384 --untraced 2 --top 12
