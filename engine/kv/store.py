@@ -135,6 +135,9 @@ class LayerStore(ABC):
     sink_rows = 0
     tails = None
     tail_bytes_per_request = 0
+    # Host-planned writes go through this CUDA kernel module (page-key stores:
+    # KernelChoices.page_key_chunk_write); None: MLX ops (or the CPU's loops).
+    chunk_writer = None
 
     @abstractmethod
     def write(self, slots: "Slots", k: mx.array, v: mx.array) -> None:

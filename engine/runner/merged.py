@@ -87,4 +87,4 @@ def _layer_merges(layer_cache) -> bool:
     if cls is PagedLayerCache:
         return True
     return (cls is PackedLayerCache and mx.default_device() == mx.cpu
-            and not store.sink_rows and getattr(store, "chunk_writer", None) is None)
+            and not store.sink_rows and store.chunk_writer is None)
