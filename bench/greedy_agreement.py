@@ -28,6 +28,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+from bench.cpu_profile import variant_arg
 from bench.output import run_bench
 from engine.model.names import MODEL_HELP, model_arg
 
@@ -144,27 +145,20 @@ def noise_floor(model, prompts: list[list[int]], refs: list[tuple], tokens: int)
 
 
 def engine_side(spec: str) -> tuple[str, dict, dict]:
-    """(KV format, EngineConfig overrides, KernelChoices overrides) of a --formats entry
-    FORMAT[+KEY=VALUE...] (KernelChoices fields as kernel.FIELD); values read as int, float,
-    true/false or text."""
+    """(KV format, EngineConfig fields as text (pydantic converts and checks them), KernelChoices
+    fields (bench.cpu_profile.variant_arg converts and checks them)) of a --formats entry
+    FORMAT[+KEY=VALUE...], KernelChoices fields named kernel.FIELD."""
     fmt, *pairs = spec.split("+")
-    overrides, kernels = {}, {}
+    engine, kernel = {}, []
     for pair in pairs:
         key, eq, text = pair.partition("=")
         if not eq or not key:
             raise SystemExit(f"--formats {spec!r}: expected FORMAT+KEY=VALUE, got {pair!r}")
-        value: object = {"true": True, "false": False}.get(text.lower(), text)
-        for cast in (int, float):
-            if isinstance(value, str):
-                try:
-                    value = cast(text)
-                except ValueError:
-                    pass
         if key.startswith("kernel."):
-            kernels[key[len("kernel."):]] = value
+            kernel.append(f"{key[len('kernel.'):]}={text}")
         else:
-            overrides[key] = value
-    return fmt, overrides, kernels
+            engine[key] = text
+    return fmt, engine, variant_arg(fmt + ":" + ",".join(kernel))[1]
 
 
 def run(args) -> dict:
@@ -177,11 +171,13 @@ def run(args) -> dict:
     from engine.model.names import resolve_model
 
     path = resolve_model(args.model)
-    sides = [(spec, *engine_side(spec)) for spec in args.formats.split(",")]
-    for i, (spec, fmt, overrides, kernels) in enumerate(sides):
-        # An unknown field is refused here, before any decoding (pydantic / the dataclass).
-        EngineConfig(model=str(path), kv_format=fmt, **overrides)
-        sides[i] = (spec, fmt, overrides, replace(DEFAULT_KERNELS, **kernels))
+    # Every side's config first: an unknown or ill-typed field is refused before any decoding.
+    sides = []
+    for spec in args.formats.split(","):
+        fmt, fields, kernels = engine_side(spec)
+        sides.append((spec, EngineConfig(model=str(path), kv_format=fmt, dtype=args.dtype,
+                                         max_num_seqs=len(PROMPTS[:args.prompts]), **fields),
+                      replace(DEFAULT_KERNELS, **kernels)))
     model, tok = load(str(path))
     if args.dtype:
         model.set_dtype(getattr(mx, args.dtype))
@@ -195,9 +191,8 @@ def run(args) -> dict:
     if args.noise_floor:
         out["noise_floor"] = noise_floor(model, prompts, refs, args.tokens)
     del model
-    for spec, fmt, overrides, kernels in sides:
-        eng = Engine(EngineConfig(model=str(path), kv_format=fmt, max_num_seqs=len(prompts),
-                                  dtype=args.dtype, **overrides), kernels=kernels)
+    for spec, config, kernels in sides:
+        eng = Engine(config, kernels=kernels)
         try:
             res = {}
             for mode in ("one_at_a_time", "batched"):

@@ -57,7 +57,7 @@ def test_a_side_names_its_format_and_engine_fields():
     from bench.greedy_agreement import engine_side
     assert engine_side("int8") == ("int8", {}, {})
     assert engine_side("native+prefill_attention=fast+max_step_tokens=512") == (
-        "native", {"prefill_attention": "fast", "max_step_tokens": 512}, {})
+        "native", {"prefill_attention": "fast", "max_step_tokens": "512"}, {})
     assert engine_side("native+kernel.decode_kernel=false+kernel.native_decode=walk") == (
         "native", {}, {"decode_kernel": False, "native_decode": "walk"})
     with pytest.raises(SystemExit, match="FORMAT\\+KEY=VALUE"):
@@ -65,6 +65,8 @@ def test_a_side_names_its_format_and_engine_fields():
 
 
 def test_an_unknown_engine_field_is_refused_before_any_decoding(monkeypatch):
+    import argparse
+
     import pydantic
     import pytest
 
@@ -73,6 +75,31 @@ def test_an_unknown_engine_field_is_refused_before_any_decoding(monkeypatch):
     with pytest.raises(pydantic.ValidationError, match="no_such_knob"):
         greedy_agreement.run(parse_args(["--model", "orchard-tiny",
                                          "--formats", "native,native+no_such_knob=1"]))
-    with pytest.raises(TypeError, match="no_such_kernel"):
+    with pytest.raises(argparse.ArgumentTypeError, match="no_such_kernel"):
         greedy_agreement.run(parse_args(["--model", "orchard-tiny",
                                          "--formats", "native+kernel.no_such_kernel=1"]))
+    with pytest.raises(pydantic.ValidationError, match="max_step_tokens"):
+        greedy_agreement.run(parse_args(["--model", "orchard-tiny",
+                                         "--formats", "native+max_step_tokens=many"]))
+
+
+def test_engine_fields_arrive_typed(monkeypatch):
+    """Text values become the config's types (an int, a bool) on the engine each side runs."""
+    from bench import greedy_agreement
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def engine(config, kernels):
+        seen.append((config, kernels))
+        raise Stop
+    monkeypatch.setattr("engine.Engine", engine)
+    import pytest
+    with pytest.raises(Stop):
+        greedy_agreement.run(parse_args([
+            "--model", "orchard-tiny", "--prompts", "1", "--tokens", "1", "--formats",
+            "native+max_step_tokens=256+compiled_decode=false+kernel.decode_kernel=false"]))
+    (config, kernels), = seen
+    assert config.max_step_tokens == 256 and config.compiled_decode is False
+    assert kernels.decode_kernel is False and config.max_num_seqs == 1

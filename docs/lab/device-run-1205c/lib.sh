@@ -1,9 +1,12 @@
-# Shared by this lease's scripts (sourced on the device, from the project root): the staged
-# site on PYTHONPATH, results under $OUT/$RUN, and `step TAG LIMIT CMD...`, which runs CMD with
+# Shared by this lease's scripts (sourced on the device, from the project root): the site
+# bench/device/stage-mlx's install.sh staged in the temp folder on PYTHONPATH, random-weight
+# model folders under $W, results under $OUT/$RUN, and `step TAG LIMIT CMD...`, which runs CMD with
 # `--out $D/TAG.json` under a time limit only if that limit fits the run's budget (a killed
 # step keeps what it wrote; the next run's steps still start).
 set -u
-export PYTHONPATH=/tmp/site:$PWD
+TMP=$(dirname "$(mktemp -u)")
+export PYTHONPATH=$TMP/site:$PWD
+W=$TMP/WM
 D=$OUT/$RUN; mkdir -p "$D"
 T0=$(date +%s); BUDGET=${BUDGET:-570}
 step() {

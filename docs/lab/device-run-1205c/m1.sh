@@ -4,10 +4,9 @@
 # item 4); then the 1B and 8B random-weight shapes for the later runs.
 RUN=m1; source docs/lab/device-run-1205c/lib.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv > "$D/gpu.txt"
-mkdir -p /tmp/tok && cp .device/mlx/p5/tok/* /tmp/tok/
 M=$(bash bench/device/real_smollm2.sh) || exit 1
 step greedy 240 python3 -m bench.greedy_agreement --model "$M" --formats native,int8 --noise-floor
 t0=$(date +%s)
-timeout 240 python3 -m bench.device.shaped_models --tokenizer-from /tmp/tok --out /tmp/WM \
+timeout 240 python3 -m bench.device.shaped_models --tokenizer-from .device/mlx/p5/tok --out "$W" \
   llama-3.2-1b llama-3.1-8b > "$D/shapes.log" 2>&1
 echo "== shapes rc=$? $(( $(date +%s) - t0 ))s" | tee -a "$D/steps.txt" >&2
