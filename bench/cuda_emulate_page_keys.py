@@ -96,10 +96,11 @@ def page_key_dequant(k_fresh, v_fresh, pool, layout, k_bits, tail, pages, bounds
 
 
 def page_key_write(k, v, pool, layout, k_bits, tail, page, offset, tail_before, tail_write,
-                   workdir: Path | None = None):
+                   in_place: bool = True, workdir: Path | None = None):
     """The page-key write kernel (cuda/page_key_write.py) run here with `write_decode`'s
     signature and launch (float32 or bfloat16 rows and tails, as the engine holds them).
-    Returns (the pool as the kernel left it, (K, V) new tails) as mx arrays."""
+    Returns (the pool as the kernel left it, (K, V) tails: as the kernel left them in place, or
+    the new ones) as mx arrays."""
     import mlx.core as mx
 
     from engine.attention.cuda import page_key_write as pw
@@ -114,15 +115,17 @@ def page_key_write(k, v, pool, layout, k_bits, tail, page, offset, tail_before, 
     types = {"k": ti, "v": ti, "pool": "uint32", "kt": tt, "vt": tt, "page": "int32",
              "off": "int32", "tb": "int32", "tw": "int32", "dims": "int32"}
     ints = [np.asarray(a, np.int32) for a in (page, offset, tail_before, tail_write)]
-    warps = pw.grid_warps(n, h, slots, t)
-    kt1, vt1, written = ce.run(
+    warps = pw.grid_warps(n, h, slots, t, in_place)
+    shapes, _ = pw.tail_outputs(tail, in_place)
+    kt1, vt1, written, kt_in, vt_in = ce.run(
         "orchard_page_key_write", [(m, types[m]) for m in pw.INPUTS],
         [(m, tt) for m in pw.OUTPUTS], pw._SOURCE, pw.QUANTIZE,
-        pw.template(d, t, h, k_bits, ti, tt),
+        pw.template(d, t, h, k_bits, ti, tt, in_place),
         [cast(k), cast(v.astype(k.dtype)), np.array(pool), cast(kt), cast(vt), *ints,
          np.array([n, slots], np.int32)],
-        [kt.shape, vt.shape], (-(-warps // pw.WARPS), 1), pw.WARPS * 32, workdir, writes=(2,))
-    tails = tuple(mx.array(a).astype(kt.dtype) for a in (kt1, vt1))
+        shapes, (-(-warps // pw.WARPS), 1), pw.WARPS * 32, workdir, writes=(2, 3, 4))
+    tails = tuple(mx.array(a).astype(kt.dtype)
+                  for a in ((kt_in, vt_in) if in_place else (kt1, vt1)))
     return mx.array(written), tails
 
 

@@ -3,8 +3,8 @@
     python -m bench.page_key_chunk_compare            # on the GPU: the real CUDA kernel
 
 Two PageKeyStores take the same calls (prefill chunks starting and ending mid-page, two
-sequences' chunks in one call, a freed tail slot taken by a new page in the same call, decode
-rows): one writes with MLX ops, the other through `writer` (engine/attention/cuda/
+sequences' chunks in one call, calls needing more tail slots than are free, so a new page takes
+a slot given back in the same call and the kernel writes the tails as new arrays, decode rows): one writes with MLX ops, the other through `writer` (engine/attention/cuda/
 page_key_write.py, or its CPU emulation in tests/engine/attention/test_cuda_page_key_chunk_
 write.py). After each call's flush the pools and native tails must be equal byte for byte.
 Prints JSON: per format and case, the first difference or null.

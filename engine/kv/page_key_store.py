@@ -111,8 +111,10 @@ class PageKeyStore(PackedLayerStore):
     def _write_chunk(self, slots: Slots, k: mx.array, v: mx.array) -> None:
         """`write` through the CUDA write kernel: the step's tail plan (shared by every layer)
         says which rows go to which tail slot (-1: their page fills now); each row carries its
-        page's slot as the step began, where a filled page's earlier rows are. The new tails
-        are adopted after attention read the old ones (`flush_tail`)."""
+        page's slot as the step began, where a filled page's earlier rows are. The tails are
+        written in place unless the plan handed a given-back slot to a new page (`reused`:
+        engine/kv/tails.py), then as new arrays adopted after attention read the old ones
+        (`flush_tail`)."""
         plan = self._tail_plan(slots)
         self._fill_plan(slots)   # refuses a page that fills with no native copy of its start
         key = ("page_key_chunk_slots", id(self.tails))
@@ -126,7 +128,7 @@ class PageKeyStore(PackedLayerStore):
         tail_before, tail_write = slots._by_heads[key]
         self.pool, self._written_tail = self.chunk_writer.write_decode(
             k, v, self.pool, self.layout, self.fmt.k_bits, self.tail, slots.page, slots.offset,
-            tail_before, tail_write)
+            tail_before, tail_write, in_place=not plan.reused)
 
     def write_decode(self, slots, keys: mx.array, values: mx.array) -> None:
         """One token per row ([N, heads, 1, dim]): `write`, or inside a compiled step (slots
@@ -144,8 +146,9 @@ class PageKeyStore(PackedLayerStore):
         of its rows when this one is the page's last; the new rows to their tail slots after
         attention (`flush_tail`). CUDA (`slots.page_key_writer`, KernelChoices.page_key_write):
         all of it in one kernel launch (engine/attention/cuda/page_key_write.py), which keys a
-        page only in the step that fills it and hands back the written tails as new arrays,
-        adopted after attention read the old ones."""
+        page only in the step that fills it and writes the tails in place (a compiled step
+        never runs a plan that handed a given-back slot to a new page: CompiledDecode.forward),
+        handed back made to depend on the write and adopted after attention (`flush_tail`)."""
         self.flush_tail()
         writer = slots.page_key_writer
         if writer is not None and writer.serves(self):

@@ -9,7 +9,9 @@ and gives its slot back; a page written but not full keeps its slot or takes a f
 in that step still reads the tails as they were before the step (`before`): a page that a step
 completes was partial when the step began, and its rows are read native, as the sequence's tail.
 Each layer writes the new native rows after its attention (engine.kv.packed_store), so a
-slot handed from a page that filled to a new page is never overwritten before it was read.
+slot handed from a page that filled to a new page is never overwritten before it was read; and
+such a hand-over waits for a later step while another slot is free (`plan`), so the CUDA write
+kernel can write the tails in place, before attention.
 Pages freed by the page pool give their slots back (`release`).
 """
 from __future__ import annotations
@@ -22,9 +24,11 @@ from capacity.formats import KVFormatError
 class TailPlan:
     """One step's tail bookkeeping, computed once and shared by every layer."""
 
-    def __init__(self, rows: np.ndarray | None, slots: np.ndarray | None):
+    def __init__(self, rows: np.ndarray | None, slots: np.ndarray | None,
+                 reused: bool = False):
         self.rows = rows      # indices of the step's rows that land in a partial page
         self.slots = slots    # their native slot, per row
+        self.reused = reused  # a slot a page filled by this write gave back taken again
 
 
 class TailMap:
@@ -39,6 +43,7 @@ class TailMap:
         self.slot_of: dict[int, int] = {}
         self.before: dict[int, int] = {}
         self._free = list(range(slots - 1, -1, -1))   # pop() hands out slot 0 first
+        self.reused = False   # the last plan's: see `plan`
 
     @property
     def used(self) -> int:
@@ -46,37 +51,54 @@ class TailMap:
 
     def plan(self, page: np.ndarray, offset: np.ndarray) -> TailPlan:
         """Update the map for a write of rows at (page, offset) and say where their native copies
-        go. Rows of pages the write fills (their last offset is among the rows) need none."""
+        go. Rows of pages the write fills (their last offset is among the rows) need none.
+
+        Slots the write's filled pages give back are handed out again only by later plans
+        while any other slot is free: a kernel that writes the tails in place
+        (engine/attention/cuda/page_key_write.py) may then write a new page's rows in the same
+        launch that reads the filled page's rows, and the step's attention reads them too.
+        Where no other slot is free one of them is taken all the same (`reused`): such a step
+        must write its tails after attention, or as new arrays."""
         self.before = dict(self.slot_of)
+        self.reused = False
         page, offset = np.asarray(page), np.asarray(offset)
         if page.size == 0:
             return TailPlan(None, None)
         pages = np.unique(page)
         full = {int(p) for p in pages
                 if (offset[page == p] == self.page_tokens - 1).any()}
-        for p in full:
-            s = self.slot_of.pop(p, None)
-            if s is not None:
-                self._free.append(s)
+        given_back = [s for s in (self.slot_of.pop(p, None) for p in sorted(full))
+                      if s is not None]
         partial = [int(p) for p in pages if int(p) not in full]
         for p in partial:
             if p not in self.slot_of:
-                if not self._free:
-                    raise KVFormatError(
-                        f"native tail pool exhausted: {self.num_slots} slots, all held by "
-                        "partial pages (more running sequences than the pool was sized for)")
-                self.slot_of[p] = self._free.pop()
+                self.slot_of[p] = self._take(given_back)
+        self._free.extend(given_back)
         if not partial:
             return TailPlan(None, None)
         keep = np.flatnonzero(np.isin(page, partial))
         return TailPlan(keep.astype(np.int32),
-                        np.array([self.slot_of[int(p)] for p in page[keep]], dtype=np.int32))
+                        np.array([self.slot_of[int(p)] for p in page[keep]], dtype=np.int32),
+                        self.reused)
+
+    def _take(self, given_back: list[int]) -> int:
+        """A free slot, one given back by this plan only when no other is free."""
+        if self._free:
+            return self._free.pop()
+        if given_back:
+            self.reused = True
+            return given_back.pop()
+        raise KVFormatError(
+            f"native tail pool exhausted: {self.num_slots} slots, all held by "
+            "partial pages (more running sequences than the pool was sized for)")
 
     def decode_slots(self, page: np.ndarray, offset: np.ndarray) -> np.ndarray:
         """`plan` for a decode step (one row per sequence, at (page, offset)) whose stores cannot
         plan inside it (a compiled step): [2, rows] int32, each row's slot as the step began
         (-1: none, at a page's first offset; attention reads it) and the slot its new row is
-        written to (for a page this row fills: the slot it just gave back, never read again)."""
+        written to (for a page this row fills: the slot it just gave back, never read again).
+        `reused` after it: whether a new page took a slot a filling row gave back (the tails
+        must then not be written in place: `plan`)."""
         self.plan(page, offset)
         out = np.empty((2, len(page)), dtype=np.int32)
         for i, (p, o) in enumerate(zip(page.tolist(), offset.tolist())):

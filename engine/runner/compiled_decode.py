@@ -234,10 +234,17 @@ class CompiledDecode:
 
     def forward(self, chunks: list[Chunk], tokens: mx.array | None) -> mx.array | None:
         """Float32 logits [B, vocab] of one-token rows (lazy), as `ModelRunner.forward`; None
-        when this shape's trace failed (`TraceFailed`: the caller runs the step uncompiled)."""
+        when this shape's trace failed (`TraceFailed`, `failure` says why) or this step's tail
+        plan cannot run in a trace (`failure` None): the caller runs the step uncompiled."""
         self.greedy = None   # a step that falls back uncompiled leaves none
         planned = self.tail_map.state() if self.tail_map is not None else None
         tokens, table = self.inputs(chunks, tokens)
+        if planned is not None and self.tail_map.reused:
+            # A new page took a slot a filling row gave back (no other was free): the traced
+            # write kernel writes tails in place (engine/attention/cuda/page_key_write.py), so
+            # this one step runs uncompiled, where the tails are written after attention.
+            self.tail_map.restore(planned)
+            return None
         arrays = [a for _, store in self.layers for a in store.arrays()]
         try:
             out = self._fn(tokens, table, *arrays)

@@ -254,9 +254,10 @@ class ModelRunner:
                 if out is not None:
                     self.model_calls += 1
                     return out
-                log.warning("compiled decode steps off for %s: %s", self.loaded.path,
-                            self.compiled.failure)
-                self.compiled = None
+                if self.compiled.failure is not None:   # else only this step runs uncompiled
+                    log.warning("compiled decode steps off for %s: %s", self.loaded.path,
+                                self.compiled.failure)
+                    self.compiled = None
             groups = [list(range(len(chunks)))]   # one-token rows: always one call, in order
         else:
             groups = self._groups(chunks)

@@ -21,17 +21,21 @@ device run 6). This kernel does the same write in one launch. Per (row, KV head)
    reads a partial page's codes (attention, prefill, `gather` and `read_packed` take its rows
    from the native tail or as zeros), so full pages end up with the MLX path's bytes.
 
-The tail is written as a new array, not in place: a slot that a filling row gives back may be
-taken in the same step by a row starting a new page, whose row 0 would then land on keys the
-filling row still reads (in this kernel, and in the step's attention, which runs later and is
-not a dependency of this launch). So the kernel's other warps copy every (slot, token) row of
-the old tail that no row of the step writes (a scan of the step's rows per warp), attention
-reads the old arrays, and the store adopts the new ones after attention (`flush_tail`). The
-copy costs the tail pool's bytes once per layer and step (slots x page_tokens x heads x dim x
-2 x dtype: 64 KiB per slot at the 8B shape and 16-token pages). The pool is written in place
-behind MLX's back (as cuda/packed_write.write_in_place does): this step's attention never reads
-the regions written (a row's current page is its tail), and readers after it depend on the new
-tail (`mx.depends`).
+The tails are written in place (`in_place`, what every compiled decode step does): a slot a
+filling row gives back goes to a new page only in a later step while another slot is free
+(engine/kv/tails.py, `TailMap.plan`), so no row of a launch writes a slot another row's fill (in
+this kernel) or attention (later, not a dependency of this launch) reads, and attention reads
+only a row's earlier tokens, never the offset being written. Where the map had to hand such a
+slot over in the same step (`reused`: more partial pages than free slots) the tails are written
+as new arrays instead: the kernel's other warps copy every (slot, token) row of the old tail
+that no row of the step writes (a scan of the step's rows per warp), attention reads the old
+arrays, and the store adopts the new ones after attention (`flush_tail`). That copy costs the
+tail pool's bytes once per layer and step (slots x page_tokens x heads x dim x 2 x dtype: 64 KiB
+per slot at the 8B shape and 16-token pages): ~26 us of the write's 26.3 us a layer at the 8B
+shape, batch 8, on the H100 (docs/lab/benchmarks-kv-page-keys.md, device run 10), where it was
+the only mode. The pool is written in place behind MLX's back (as cuda/packed_write.
+write_in_place does): this step's attention never reads the regions written (a row's current
+page is its tail), and readers after it depend on the write (`mx.depends`).
 
 A prefill chunk's write (PageKeyStore.write where `chunk_writer` serves: KernelChoices.
 page_key_chunk_write) is the same launch:
@@ -60,7 +64,7 @@ from engine.attention.cuda.page_key_decode import HEAD_DIMS, KEY_BITS, check_lay
 PAGE_TOKENS = (16, 32, 64)
 WARPS = 4
 INPUTS = ["k", "v", "pool", "kt", "vt", "page", "off", "tb", "tw", "dims"]
-OUTPUTS = ["kt1", "vt1"]
+OUTPUTS = ["kt1", "vt1"]   # the new tails; in place (INPLACE), one element each, never read
 
 _SOURCE = """
 constexpr int VB = 4, VPT = D / 32, NWB = 4;   // value bits, channels per lane, warps per block
@@ -80,6 +84,8 @@ const int N = dims[0], S = dims[1];
 const int lane = threadIdx.x % 32, wb = threadIdx.x / 32;
 const int wi = blockIdx.x * NWB + wb;
 uint32_t* const pw = const_cast<uint32_t*>(pool);   // written in place (the module docstring)
+TT* const ktw = INPLACE ? const_cast<TT*>(kt) : kt1; // where the tail rows go
+TT* const vtw = INPLACE ? const_cast<TT*>(vt) : vt1;
 __shared__ unsigned char codes[NWB][D];             // one token's key codes, per warp
 if (wi < N * HK) {
   const int r = wi / HK, h = wi % HK;
@@ -105,8 +111,8 @@ if (wi < N * HK) {
     const size_t dst = (((size_t)tw[r] * PT + o) * HK + h) * D + lane * VPT;
     #pragma unroll
     for (int i = 0; i < VPT; ++i) {
-      put(kt1 + dst + i, to_f(k[at + i]));
-      put(vt1 + dst + i, x[i]);
+      put(ktw + dst + i, to_f(k[at + i]));
+      put(vtw + dst + i, x[i]);
     }
   }
   // 3. A page this row fills: per-channel scale and offset over its PT keys, then its codes
@@ -153,7 +159,7 @@ if (wi < N * HK) {
       __syncwarp();
     }
   }
-} else if (wi < N * HK + S * PT) {
+} else if (!INPLACE && wi < N * HK + S * PT) {
   // The old tail's (slot, token) row, every head, unless a row of this step writes it.
   const int u = wi - N * HK, s = u / PT, t = u % PT;
   unsigned int hit = 0;
@@ -203,26 +209,32 @@ def chosen(kernels) -> object | None:
 
 
 def template(head_dim: int, page_tokens: int, heads: int, k_bits: int, in_dtype,
-             tail_dtype) -> list:
+             tail_dtype, in_place: bool) -> list:
     return [("D", head_dim), ("PT", page_tokens), ("HK", heads), ("KB", k_bits),
-            ("TI", in_dtype), ("TT", tail_dtype)]
+            ("TI", in_dtype), ("TT", tail_dtype), ("INPLACE", in_place)]
 
 
-def grid_warps(rows: int, heads: int, slots: int, page_tokens: int) -> int:
-    """Warps of one launch: one per (row, head), one per (slot, token) of the tail copy."""
-    return rows * heads + slots * page_tokens
+def grid_warps(rows: int, heads: int, slots: int, page_tokens: int, in_place: bool) -> int:
+    """Warps of one launch: one per (row, head), and copying the tails one per (slot, token)."""
+    return rows * heads + (0 if in_place else slots * page_tokens)
+
+
+def tail_outputs(tail: tuple[mx.array, mx.array], in_place: bool) -> tuple[list, list]:
+    """The launch's output shapes and dtypes: the new tails, or one int each in place."""
+    return ([(1,), (1,)] if in_place else [a.shape for a in tail]), [a.dtype for a in tail]
 
 
 def write_decode(k: mx.array, v: mx.array, pool: mx.array, layout, k_bits: int,
                  tail: tuple[mx.array, mx.array], page: mx.array, offset: mx.array,
-                 tail_before: mx.array, tail_write: mx.array):
+                 tail_before: mx.array, tail_write: mx.array, in_place: bool = True):
     """Rows k and v [N, H, D] at (page, offset) [N] int32: one decode row per sequence, or a
     chunk's rows (those of one page consecutive, in offset order), with each row's page's tail
     slot as the step began and the slot the row goes to ([N] int32: TailMap.decode_slots for
     decode; -1 for a row whose page this call fills: no tail copy). Writes the value records
     and the codes of pages filled into `pool` IN PLACE and returns (the pool, made to depend on
-    the write, (K, V) tails: new arrays). `tail` is left as it was (the step's attention reads
-    it)."""
+    the write, (K, V) tails). The tails: written in place too and returned made to depend on
+    the write; or, `in_place` False (the step's plan handed a given-back slot to a new page:
+    the module docstring), new arrays, `tail` left as it was (the step's attention reads it)."""
     n, h, d = k.shape
     kt, vt = tail
     check_layout(pool, layout, d, k_bits, h)
@@ -230,10 +242,13 @@ def write_decode(k: mx.array, v: mx.array, pool: mx.array, layout, k_bits: int,
         raise ValueError(f"page-key write: unsupported key bits {k_bits}, head dim {d} or "
                          f"pages of {layout.page_tokens}")
     t = layout.page_tokens
-    warps = grid_warps(n, h, kt.shape[0], t)
+    warps = grid_warps(n, h, kt.shape[0], t, in_place)
+    shapes, dtypes = tail_outputs(tail, in_place)
     kt1, vt1 = _kernel()(
         inputs=[k, v, pool, kt, vt, page, offset, tail_before, tail_write, _dims(n, kt.shape[0])],
-        template=template(d, t, h, k_bits, k.dtype, kt.dtype),
+        template=template(d, t, h, k_bits, k.dtype, kt.dtype, in_place),
         grid=(-(-warps // WARPS) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[kt.shape, vt.shape], output_dtypes=[kt.dtype, vt.dtype])
+        output_shapes=shapes, output_dtypes=dtypes)
+    if in_place:
+        kt1, vt1 = mx.depends(kt, kt1), mx.depends(vt, vt1)
     return mx.depends(pool, kt1), (kt1, vt1)

@@ -65,17 +65,22 @@ def _stores(fmt, d, kvh, t, hist, dtype, seed=3):
 
 
 def _writer(workdir, source=None):
-    """The kernel's module with its launch run on the emulator (`source`: a broken one)."""
-    def write_decode(*args):
+    """The kernel's module with its launch run on the emulator (`source`: a broken one);
+    `modes` records each launch's `in_place`."""
+    modes = []
+
+    def write_decode(*args, in_place=True):
+        modes.append(in_place)
         if source is None:
-            return emu.page_key_write(*args, workdir=workdir)
+            return emu.page_key_write(*args, in_place=in_place, workdir=workdir)
         real = page_key_write._SOURCE
         page_key_write._SOURCE = source
         try:
-            return emu.page_key_write(*args, workdir=workdir)
+            return emu.page_key_write(*args, in_place=in_place, workdir=workdir)
         finally:
             page_key_write._SOURCE = real
-    return types.SimpleNamespace(serves=page_key_write.serves, write_decode=write_decode)
+    return types.SimpleNamespace(serves=page_key_write.serves, write_decode=write_decode,
+                                 modes=modes)
 
 
 def _step(store, table_rows, pos, k, v, writer=None):
@@ -101,8 +106,10 @@ def _key_words(store, pages):
 
 
 def _compare(fmt, d, kvh, t, hist, dtype, steps, workdir, source=None):
-    """Run `steps` decode steps through both writes; returns the first difference (or None)
-    and whether a freed slot was taken by a new page in the same step."""
+    """Run `steps` decode steps through both writes (the kernel's tails in place, as compiled
+    steps write them); returns the first difference (or None) and whether a new page started
+    in a step where another row filled its page (the slot it gives back is not the one taken:
+    TailMap.plan)."""
     (mlx_store, kernel_store), tables, rng, wide = _stores(fmt, d, kvh, t, hist, dtype)
     writer = _writer(workdir, source)
     pos, reused = list(hist), False
@@ -113,7 +120,8 @@ def _compare(fmt, d, kvh, t, hist, dtype, steps, workdir, source=None):
         page, offset, before, write = _step(mlx_store, tables, pos, k, v)
         _step(kernel_store, tables, pos, k, v, writer)
         fill = offset == t - 1
-        reused |= bool(np.isin(write[offset == 0], before[fill]).any())
+        assert not np.isin(write[offset == 0], before[fill]).any()   # never in a decode step
+        reused |= bool(fill.any() and (offset == 0).any())
         for name, a, b in zip(("K tail", "V tail"), mlx_store.tail, kernel_store.tail):
             if not np.array_equal(np.array(a.view(mx.uint8)), np.array(b.view(mx.uint8))):
                 return f"step {step}: {name}", reused
@@ -139,8 +147,8 @@ def _compare(fmt, d, kvh, t, hist, dtype, steps, workdir, source=None):
 
 
 # (head dim, KV heads, page tokens, history per row, steps): rows that fill their page in the
-# steps run, one starting a new page in a slot a filling row gives back the same step, GQA
-# layouts of 1-4 KV heads.
+# steps run, one starting a new page in the step another fills its page, GQA layouts of 1-4 KV
+# heads.
 CASES = [(128, 2, 16, (15, 32, 7), 3), (64, 4, 32, (31, 64, 40), 2), (64, 1, 64, (63, 128), 2),
          (128, 1, 64, (62, 5), 3)]
 
@@ -155,7 +163,7 @@ def test_kernel_source_writes_what_the_mlx_write_does(fmt, case, tmp_path):
     diff, reused = _compare(fmt, *case[:4], mx.bfloat16, case[4], tmp_path)
     assert diff is None, diff
     if case[2] == 16:
-        assert reused   # a filled page's slot went to a new page in the same step
+        assert reused   # a new page started in the step another row filled its page
 
 
 def test_float32_stores(tmp_path):
@@ -164,12 +172,13 @@ def test_float32_stores(tmp_path):
 
 
 # Mutations the comparison must catch: a wrong offset, a fill skipped, a wrong section, a
-# 6-bit straddle dropped, a copy that overwrites the step's tail rows.
+# 6-bit straddle dropped, a tail row of slot 0 not written. (The copy of the tails as new arrays,
+# which decode steps never take: test_cuda_page_key_chunk_write.py.)
 BROKEN = [("const int pg = page[r], o = off[r];", "const int pg = page[r], o = off[r] ^ 1;"),
           ("if (o == PT - 1) {", "if (o == PT - 2) {"),
           ("pw[sec(m, KO_OFF, NGK)", "pw[sec(m, KS_OFF, NGK)"),
           (": (unsigned int)codes[wb][c] >> -s;", ": 0u;"),
-          ("if (!hit) {", "if (true) {")]
+          ("if (tw[r] >= 0) {", "if (tw[r] > 0) {")]
 
 
 @pytest.mark.parametrize("mutation", BROKEN, ids=lambda m: m[1][:24])
@@ -214,7 +223,7 @@ def test_compiled_steps_through_the_fused_write_match_uncompiled_ones(llama, fmt
     monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
     monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", _mlx_kernel)
     monkeypatch.setattr(page_key_write, "write_decode",
-                        lambda *a: calls.append(1) or _mlx_write(*a))
+                        lambda *a, in_place=True: calls.append(in_place) or _mlx_write(*a))
     compiled = PackedModelRunner(llama, tail_store(llama, fmt),
                                  kernels=KernelChoices(page_key_kernel=True, page_key_write=None))
     plain = PackedModelRunner(llama, tail_store(llama, fmt),
@@ -235,6 +244,37 @@ def test_compiled_steps_through_the_fused_write_match_uncompiled_ones(llama, fmt
         assert mx.array_equal(a.gather_packed(pages).k.codes, b.gather_packed(pages).k.codes)
 
 
+def test_a_step_whose_plan_reuses_a_slot_runs_uncompiled_and_the_next_compiles(
+        llama, monkeypatch):
+    """The traced write kernel writes tails in place; a decode step whose tail plan had to hand
+    a given-back slot to a new page (no other free: here a third page holds one) runs
+    uncompiled, without turning compiled steps off, and gives the uncompiled runner's logits."""
+    calls = []
+    monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
+    monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", _mlx_kernel)
+    monkeypatch.setattr(page_key_write, "write_decode",
+                        lambda *a, in_place=True: calls.append(in_place) or _mlx_write(*a))
+    kernels = KernelChoices(page_key_kernel=True, page_key_write=None)
+    compiled = PackedModelRunner(llama, tail_store(llama, "k6v4-kivi", slots=2), kernels=kernels)
+    plain = PackedModelRunner(llama, tail_store(llama, "k6v4-kivi", slots=2),
+                              kernels=KernelChoices(page_key_kernel=True, compiled_decode=False))
+    tables = [[5, 1, 3], [7, 2, 9]]
+    seqs = [list(range(3, 3 + 2 * T - 1)), list(range(40, 40 + T))]   # offsets T-1 and 0 next
+    tails = compiled.kvstore.layers[0].tails
+    for runner in (compiled, plain):
+        runner.forward([Chunk(i, s, 0, t) for i, (s, t) in enumerate(zip(seqs, tables))])
+    tails.claim(20)   # the only free slot: row 1's new page must take the one row 0 gives back
+    for step in range(2):
+        chunks = [Chunk(i, [7 + step], len(s) + step, t)
+                  for i, (s, t) in enumerate(zip(seqs, tables))]
+        got, want = compiled.forward(chunks), plain.forward(chunks)
+        assert mx.abs(got - want).max().item() < 1e-5, step
+        if step == 0:
+            assert tails.reused and not calls and compiled.compiled is not None
+            tails.release([20])
+    assert calls and all(calls) and compiled.compiled.failure is None   # step 1: compiled
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_compiled_step_body_through_both_emulated_kernels_matches_the_mlx_path(
         llama, fmt, monkeypatch, tmp_path):
@@ -244,8 +284,8 @@ def test_compiled_step_body_through_both_emulated_kernels_matches_the_mlx_path(
     calls = []
     _emulate_the_kernel(monkeypatch, tmp_path, calls)
     writes = []
-    monkeypatch.setattr(page_key_write, "write_decode", lambda *a: writes.append(
-        np.array(a[7]).tolist()) or emu.page_key_write(*a, workdir=tmp_path))
+    monkeypatch.setattr(page_key_write, "write_decode", lambda *a, in_place=True: writes.append(
+        np.array(a[7]).tolist()) or emu.page_key_write(*a, in_place=in_place, workdir=tmp_path))
     fused = PackedModelRunner(llama, tail_store(llama, fmt),
                               kernels=KernelChoices(page_key_kernel=True, page_key_write=None))
     plain = PackedModelRunner(llama, tail_store(llama, fmt),
