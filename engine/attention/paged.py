@@ -270,6 +270,12 @@ class PagedLayerCache:
             self._own = (keys, values)
             return keys, values
         if n == 1:   # one token per row, written as it comes
+            if self.direct and self._kernel_decode():
+                # A write kernel and the attention kernel both read these rows, and each CUDA
+                # kernel copies a strided input to a row-contiguous one first: at batch > 1
+                # values are a slice of the fused q/k/v projection (engine/model/fuse.py). One
+                # copy, shared by both (a no-op where the rows are contiguous already).
+                keys, values = mx.contiguous(keys), mx.contiguous(values)
             self.store.write_decode(self.step.slots, keys, values)
         else:
             self._write(keys, values)

@@ -25,7 +25,7 @@ from engine.kv.page_quant import meta_rows, quantize_pages
 from engine.kv.quant import quantize
 from engine.kv.store import Slots
 from engine.kv.tails import TailMap
-from engine.model.loader import LayerGeometry
+from engine.model.loader import LayerGeometry, load_model
 from engine.runner.compiled_decode import DeviceSlots
 from engine.runner.packed import PackedModelRunner
 from engine.sched.seq import Chunk
@@ -303,6 +303,34 @@ def test_compiled_step_body_through_both_emulated_kernels_matches_the_mlx_path(
     layers = len(fused.kvstore.layers)
     assert fused.compiled.failure is None and len(calls) == len(writes) == 4 * layers
     assert writes[2 * layers] == [T - 1, 4]   # the write that fills row 0's page
+
+
+def test_both_kernels_get_row_contiguous_rows_at_batch_above_one(tiny_model_dirs, monkeypatch):
+    """Each CUDA kernel copies a strided input first (ensure_row_contiguous); at batch > 1 the
+    values are a slice of the fused q/k/v projection. The cache makes the step's rows
+    contiguous once, so neither the write kernel nor the attention kernel copies them (an
+    uncompiled step's body, both kernels their contracts in MLX ops)."""
+    seen = []
+
+    def attention(q, k_new, v_new, *args, **kw):
+        seen.extend([k_new, v_new])
+        return _mlx_kernel(q, k_new, v_new, *args, **kw)
+
+    monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
+    monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", attention)
+    monkeypatch.setattr(page_key_write, "write_decode",
+                        lambda *a, in_place=True: seen.extend(a[:2]) or _mlx_write(*a))
+    fused = load_model(tiny_model_dirs["llama"], fuse=True)   # as the engine loads models
+    runner = PackedModelRunner(fused, tail_store(fused, "k6v4-kivi"),
+                               kernels=KernelChoices(page_key_kernel=True, page_key_write=None))
+    runner.compiled._fn = runner.compiled._step   # the compiled step's body, eagerly
+    tables = [[5, 1, 3], [7, 2, 9], [11, 12, 13]]
+    seqs = [list(range(3, 12)), list(range(40, 45)), list(range(60, 62))]
+    runner.forward([Chunk(i, s, 0, t) for i, (s, t) in enumerate(zip(seqs, tables))])
+    runner.forward([Chunk(i, [7], len(s), t) for i, (s, t) in enumerate(zip(seqs, tables))])
+    assert len(seen) == 4 * len(runner.kvstore.layers)
+    mx.eval(*seen)
+    assert all(memoryview(a).c_contiguous for a in seen)
 
 
 def test_choice_and_support():
