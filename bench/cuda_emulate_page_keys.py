@@ -119,7 +119,7 @@ def page_key_write(k, v, pool, layout, k_bits, tail, page, offset, tail_before, 
     shapes, _ = pw.tail_outputs(tail, in_place)
     kt1, vt1, written, kt_in, vt_in = ce.run(
         "orchard_page_key_write", [(m, types[m]) for m in pw.INPUTS],
-        [(m, tt) for m in pw.OUTPUTS], pw._SOURCE, pw.QUANTIZE,
+        [(m, tt) for m in pw.OUTPUTS], pw._SOURCE, pw.helpers(),
         pw.template(d, t, h, k_bits, ti, tt, in_place),
         [cast(k), cast(v.astype(k.dtype)), np.array(pool), cast(kt), cast(vt), *ints,
          np.array([n, slots], np.int32)],

@@ -208,7 +208,7 @@ def page_key_write_variants():
                 for in_place in (True, False):
                     yield (f"page-key-write d{d} k{kb} pt{pt}{' in-place' * in_place}", wrap(
                         "orchard_page_key_write", [(n, types[n]) for n in pw.INPUTS],
-                        [(n, "bfloat16") for n in pw.OUTPUTS], pw._SOURCE, HEADER + pw.QUANTIZE,
+                        [(n, "bfloat16") for n in pw.OUTPUTS], pw._SOURCE, HEADER + pw.helpers(),
                         pw.template(d, pt, 4, kb, "bfloat16", "bfloat16", in_place)))
 
 

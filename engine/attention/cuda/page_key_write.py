@@ -66,68 +66,55 @@ WARPS = 4
 INPUTS = ["k", "v", "pool", "kt", "vt", "page", "off", "tb", "tw", "dims"]
 OUTPUTS = ["kt1", "vt1"]   # the new tails; in place (INPLACE), one element each, never read
 
-_SOURCE = """
-constexpr int VB = 4, VPT = D / 32, NWB = 4;   // value bits, channels per lane, warps per block
-// The pool's page-key sections (page_layout.PageLayout with key metadata rows of D/PT words:
-// page_key_decode.kernel_layout), token-major [PT][HK][width] words each.
-constexpr int RPP = PT * HK;
-constexpr int LW = D * KB / 32, VW = D * VB / 32, NGK = D / PT, NG = D / 64;
-constexpr int KC_OFF = 0, VC_OFF = RPP * LW, KS_OFF = VC_OFF + RPP * VW;
-constexpr int KO_OFF = KS_OFF + RPP * NGK, VS_OFF = KO_OFF + RPP * NGK;
-constexpr int VO_OFF = VS_OFF + RPP * NG, PGW = VO_OFF + RPP * NG;
-static_assert(KB == 4 || KB == 6, "page-key write: 4- or 6-bit keys");
-static_assert((D == 64 || D == 128) && D % PT == 0 && LW <= 32, "page-key write: head dims 64, 128");
-auto sec = [](size_t r, int off, int w) -> size_t {  // first word of row r in a section
-  return (r / RPP) * (size_t)PGW + off + (r % RPP) * (size_t)w;
-};
-const int N = dims[0], S = dims[1];
-const int lane = threadIdx.x % 32, wb = threadIdx.x / 32;
-const int wi = blockIdx.x * NWB + wb;
-uint32_t* const pw = const_cast<uint32_t*>(pool);   // written in place (the module docstring)
-TT* const ktw = INPLACE ? const_cast<TT*>(kt) : kt1; // where the tail rows go
-TT* const vtw = INPLACE ? const_cast<TT*>(vt) : vt1;
-__shared__ unsigned char codes[NWB][D];             // one token's key codes, per warp
-if (wi < N * HK) {
-  const int r = wi / HK, h = wi % HK;
-  const int pg = page[r], o = off[r];
-  const size_t at = ((size_t)r * HK + h) * D + lane * VPT;
+# One (row, KV head) of the write, by one warp (a device function: this module's kernel and the
+# page-key decode kernel's OWN variant, engine/attention/cuda/page_key_decode_source.py, call
+# it). `kr`, `vr`: the row's key and value at head h; (pg, o): where it lands; `slot`: its tail
+# slot (-1: none); key(t, i): token t of page pg at this lane's channel i (the fill's source).
+WRITE_ROW = """
+template <int D, int PT, int HK, int KB, typename TI, typename TT, typename KeyAt>
+__device__ __forceinline__ void orch_page_key_write_row(
+    const TI* kr, const TI* vr, unsigned int* pw, TT* ktw, TT* vtw, int pg, int o, int h,
+    int slot, KeyAt key, unsigned char* codes, int lane) {
+  constexpr int VB = 4, VPT = D / 32;        // value bits, channels per lane
+  // The pool's page-key sections (page_layout.PageLayout with key metadata rows of D/PT
+  // words: page_key_decode.kernel_layout), token-major [PT][HK][width] words each.
+  constexpr int RPP = PT * HK;
+  constexpr int LW = D * KB / 32, VW = D * VB / 32, NGK = D / PT, NG = D / 64;
+  constexpr int KC_OFF = 0, VC_OFF = RPP * LW, KS_OFF = VC_OFF + RPP * VW;
+  constexpr int KO_OFF = KS_OFF + RPP * NGK, VS_OFF = KO_OFF + RPP * NGK;
+  constexpr int VO_OFF = VS_OFF + RPP * NG, PGW = VO_OFF + RPP * NG;
+  static_assert(KB == 4 || KB == 6, "page-key write: 4- or 6-bit keys");
+  static_assert((D == 64 || D == 128) && D % PT == 0 && LW <= 32, "page-key write: head dims 64, 128");
+  auto sec = [](size_t r, int off, int w) -> size_t {  // first word of row r in a section
+    return (r / RPP) * (size_t)PGW + off + (r % RPP) * (size_t)w;
+  };
   const size_t row = ((size_t)pg * PT + o) * HK + h;
+  const int c0 = lane * VPT;
   // 1. The value row's record (engine/kv/quant.py quantize; orch_quantize leaves x as is).
   float x[VPT];
   #pragma unroll
-  for (int i = 0; i < VPT; ++i) x[i] = to_f(v[at + i]);
+  for (int i = 0; i < VPT; ++i) x[i] = to_f(vr[c0 + i]);
   unsigned int word;
   float sc, lo;
   orch_quantize<D, VB>(x, false, nullptr, lane, word, sc, lo);
-  const int c0 = lane * VPT;
   if (c0 % (32 / VB) == 0) pw[sec(row, VC_OFF, VW) + c0 / (32 / VB)] = word;
   if (c0 % 64 == 0) {
     pw[sec(row, VS_OFF, NG) + c0 / 64] = __float_as_uint(sc);
     pw[sec(row, VO_OFF, NG) + c0 / 64] = __float_as_uint(lo);
   }
-  // 2. The rows to the new tail (a filling row's slot is the one it gives back, as on the
+  // 2. The rows to their tail slot (a filling row's slot is the one it gives back, as on the
   // MLX path: never read again).
-  if (tw[r] >= 0) {
-    const size_t dst = (((size_t)tw[r] * PT + o) * HK + h) * D + lane * VPT;
+  if (slot >= 0) {
+    const size_t dst = (((size_t)slot * PT + o) * HK + h) * D + c0;
     #pragma unroll
     for (int i = 0; i < VPT; ++i) {
-      put(ktw + dst + i, to_f(k[at + i]));
+      put(ktw + dst + i, to_f(kr[c0 + i]));
       put(vtw + dst + i, x[i]);
     }
   }
-  // 3. A page this row fills: per-channel scale and offset over its PT keys, then its codes
-  // (engine/kv/page_quant.py quantize_pages: the same FP32 min, max, divide and rint). Token t
-  // of the page is this call's row r - (o - t) when that row writes (page, t) (a chunk's rows
-  // of one page are consecutive: PageKeyStore checks), else the tail slot's row as the call
-  // began (a decode row's other tokens, a chunk's tokens written by earlier calls).
+  // 3. A page this row fills: per-channel scale and offset over its PT keys (key(t, i)), then
+  // its codes (engine/kv/page_quant.py quantize_pages: the same FP32 min, max, divide, rint).
   if (o == PT - 1) {
-    const size_t src = (size_t)max(tb[r], 0) * PT * HK * D + (size_t)h * D + lane * VPT;
-    auto key = [&](int t, int i) -> float {
-      const int rr = r - (o - t);
-      return rr >= 0 && page[rr] == pg && off[rr] == t
-                 ? to_f(k[((size_t)rr * HK + h) * D + lane * VPT + i])
-                 : to_f(kt[src + (size_t)t * HK * D + i]);
-    };
     const float top = (float)((1 << KB) - 1);
     float kl[VPT], ks[VPT];
     #pragma unroll
@@ -145,20 +132,48 @@ if (wi < N * HK) {
       #pragma unroll
       for (int i = 0; i < VPT; ++i) {
         const float safe = ks[i] > 0.0f ? ks[i] : 1.0f;
-        codes[wb][c0 + i] = (unsigned char)fminf(fmaxf(rintf((key(t, i) - kl[i]) / safe), 0.0f), top);
+        codes[c0 + i] = (unsigned char)fminf(fmaxf(rintf((key(t, i) - kl[i]) / safe), 0.0f), top);
       }
       __syncwarp();
       if (lane < LW) {   // word `lane` of the row: the codes overlapping its 32 bits
         unsigned int w = 0;
         for (int c = lane * 32 / KB; c <= (lane * 32 + 31) / KB; ++c) {
           const int s = c * KB - lane * 32;   // < 0: a 6-bit code begun in the word before
-          w |= s >= 0 ? (unsigned int)codes[wb][c] << s : (unsigned int)codes[wb][c] >> -s;
+          w |= s >= 0 ? (unsigned int)codes[c] << s : (unsigned int)codes[c] >> -s;
         }
         pw[sec(((size_t)pg * PT + t) * HK + h, KC_OFF, LW) + lane] = w;
       }
       __syncwarp();
     }
   }
+}
+"""
+
+_SOURCE = """
+constexpr int VPT = D / 32, NWB = 4;                 // channels per lane, warps per block
+const int N = dims[0], S = dims[1];
+const int lane = threadIdx.x % 32, wb = threadIdx.x / 32;
+const int wi = blockIdx.x * NWB + wb;
+uint32_t* const pw = const_cast<uint32_t*>(pool);   // written in place (the module docstring)
+TT* const ktw = INPLACE ? const_cast<TT*>(kt) : kt1; // where the tail rows go
+TT* const vtw = INPLACE ? const_cast<TT*>(vt) : vt1;
+__shared__ unsigned char codes[NWB][D];             // one token's key codes, per warp
+if (wi < N * HK) {
+  const int r = wi / HK, h = wi % HK;
+  const int pg = page[r], o = off[r];
+  const size_t at = ((size_t)r * HK + h) * D;
+  // Token t of the page a row fills is this call's row r - (o - t) when that row writes (page,
+  // t) (a chunk's rows of one page are consecutive: PageKeyStore checks), else the tail slot's
+  // row as the call began (a decode row's other tokens, a chunk's tokens of earlier calls).
+  const size_t src = (size_t)max(tb[r], 0) * PT * HK * D + (size_t)h * D + lane * VPT;
+  auto key = [&](int t, int i) -> float {
+    const int rr = r - (o - t);
+    return rr >= 0 && page[rr] == pg && off[rr] == t
+               ? to_f(k[((size_t)rr * HK + h) * D + lane * VPT + i])
+               : to_f(kt[src + (size_t)t * HK * D + i]);
+  };
+  orch_page_key_write_row<D, PT, HK, KB>(k + at, v + at, pw, ktw, vtw, pg, o, h, tw[r], key,
+                                         codes[wb], lane);
 } else if (!INPLACE && wi < N * HK + S * PT) {
   // The old tail's (slot, token) row, every head, unless a row of this step writes it.
   const int u = wi - N * HK, s = u / PT, t = u % PT;
@@ -179,11 +194,17 @@ if (wi < N * HK) {
 """
 
 
+def helpers() -> str:
+    """The device functions the write needs (read when a kernel is built, so a test may swap
+    WRITE_ROW's text): packed_write's quantizer and WRITE_ROW."""
+    return QUANTIZE + WRITE_ROW
+
+
 @lru_cache(maxsize=None)
 def _kernel():
     return mx.fast.cuda_kernel(
         name="orchard_page_key_write", input_names=INPUTS, output_names=OUTPUTS,
-        source=_SOURCE, header=HEADER + QUANTIZE, ensure_row_contiguous=True)
+        source=_SOURCE, header=HEADER + helpers(), ensure_row_contiguous=True)
 
 
 def supports(k_bits: int | None, v_bits: int | None, head_dim: int, page_tokens: int) -> bool:

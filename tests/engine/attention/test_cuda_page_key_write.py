@@ -64,21 +64,34 @@ def _stores(fmt, d, kvh, t, hist, dtype, seed=3):
     return out, tables, rng, wide
 
 
-def _writer(workdir, source=None):
-    """The kernel's module with its launch run on the emulator (`source`: a broken one);
-    `modes` records each launch's `in_place`."""
+def _mutated(mutation):
+    """(module attribute, broken text) for a mutation (old, new) of the write's CUDA text: the
+    kernel body or the per-row device function, whichever holds `old` (exactly once)."""
+    old, new = mutation
+    for name in ("_SOURCE", "WRITE_ROW"):
+        text = getattr(page_key_write, name)
+        if old in text:
+            assert text.count(old) == 1
+            return name, text.replace(old, new)
+    raise AssertionError(f"no kernel text holds {old!r}")
+
+
+def _writer(workdir, mutation=None):
+    """The kernel's module with its launch run on the emulator (`mutation`: (old, new) text,
+    for a broken kernel); `modes` records each launch's `in_place`."""
     modes = []
 
     def write_decode(*args, in_place=True):
         modes.append(in_place)
-        if source is None:
+        if mutation is None:
             return emu.page_key_write(*args, in_place=in_place, workdir=workdir)
-        real = page_key_write._SOURCE
-        page_key_write._SOURCE = source
+        name, broken = _mutated(mutation)
+        real = getattr(page_key_write, name)
+        setattr(page_key_write, name, broken)
         try:
             return emu.page_key_write(*args, in_place=in_place, workdir=workdir)
         finally:
-            page_key_write._SOURCE = real
+            setattr(page_key_write, name, real)
     return types.SimpleNamespace(serves=page_key_write.serves, write_decode=write_decode,
                                  modes=modes)
 
@@ -105,13 +118,13 @@ def _key_words(store, pages):
             for n in K_SECTIONS]
 
 
-def _compare(fmt, d, kvh, t, hist, dtype, steps, workdir, source=None):
+def _compare(fmt, d, kvh, t, hist, dtype, steps, workdir, mutation=None):
     """Run `steps` decode steps through both writes (the kernel's tails in place, as compiled
     steps write them); returns the first difference (or None) and whether a new page started
     in a step where another row filled its page (the slot it gives back is not the one taken:
     TailMap.plan)."""
     (mlx_store, kernel_store), tables, rng, wide = _stores(fmt, d, kvh, t, hist, dtype)
-    writer = _writer(workdir, source)
+    writer = _writer(workdir, mutation)
     pos, reused = list(hist), False
     for step in range(steps):
         k = mx.array(rng.standard_normal((len(hist), kvh, d)) * wide).astype(dtype)
@@ -177,16 +190,13 @@ def test_float32_stores(tmp_path):
 BROKEN = [("const int pg = page[r], o = off[r];", "const int pg = page[r], o = off[r] ^ 1;"),
           ("if (o == PT - 1) {", "if (o == PT - 2) {"),
           ("pw[sec(m, KO_OFF, NGK)", "pw[sec(m, KS_OFF, NGK)"),
-          (": (unsigned int)codes[wb][c] >> -s;", ": 0u;"),
-          ("if (tw[r] >= 0) {", "if (tw[r] > 0) {")]
+          (": (unsigned int)codes[c] >> -s;", ": 0u;"),
+          ("if (slot >= 0) {", "if (slot > 0) {")]
 
 
 @pytest.mark.parametrize("mutation", BROKEN, ids=lambda m: m[1][:24])
 def test_a_broken_kernel_is_caught(mutation, tmp_path):
-    old, new = mutation
-    assert page_key_write._SOURCE.count(old) == 1
-    diff, _ = _compare("k6v4-kivi", 64, 2, 16, (15, 32, 7), mx.bfloat16, 2, tmp_path,
-                       page_key_write._SOURCE.replace(old, new))
+    diff, _ = _compare("k6v4-kivi", 64, 2, 16, (15, 32, 7), mx.bfloat16, 2, tmp_path, mutation)
     assert diff is not None
 
 
