@@ -25,10 +25,27 @@ def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, t
     arrays otherwise, bf16 q, fresh rows and tail), with the host side's split plan and, with
     several splits, the merge kernel. Returns [B, Hq, 1, D] float32 (from the bf16 output
     unless q is float32)."""
+    return _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
+                   target_blocks, None, workdir)[0]
+
+
+def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
+                        scale, tail_write, target_blocks=None, workdir: Path | None = None):
+    """The OWN variant (`tail_write`: each row's slot for its own row): (the output as
+    `page_key_decode` returns it, the pool and (K, V) tails as the launch left them, mx)."""
+    import mlx.core as mx
+    out, (written, kt, vt) = _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends,
+                                     tail_slots, scale, target_blocks, tail_write, workdir)
+    return out, mx.array(written), tuple(mx.array(a).astype(tail[0].dtype) for a in (kt, vt))
+
+
+def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
+            target_blocks, tail_write, workdir):
     import mlx.core as mx
 
     from engine.attention.cuda import page_key_decode as pk
     from engine.attention.cuda import page_key_decode_source as src
+    from engine.attention.cuda import page_key_write as pw
     from engine.attention.cuda import paged_decode as pd
     from engine.attention.cuda import tile_helpers
     from engine.attention.cuda.packed_decode_v2 import TARGET_BLOCKS
@@ -42,28 +59,31 @@ def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, t
     # Activations and the tail as the engine holds them: float32 stores (the CPU) run the
     # kernel in float32 types, anything else is rounded to bfloat16.
     types = {"pool": "uint32", "pages": "int32", "ends": "int32", "tslot": "int32",
-             "dims": "int32", "scale": "float32"}
+             "dims": "int32", "scale": "float32", "tw": "int32"}
     data = {}
     for name, a in zip(("q", "kf", "vf", "kt", "vt"), (q, k_new, v_new, *tail)):
         wide = a.dtype == mx.float32
         types[name] = "float32" if wide else "bfloat16"
         data[name] = np.array(a) if wide else ce._bits16(a)
+    own = tail_write is not None
+    slots = np.asarray(tail_slots, np.int32)
     arrays = [data["q"], data["kf"], data["vf"], np.array(pool), data["kt"], data["vt"],
-              tables, ends, np.asarray(tail_slots, np.int32),
-              np.array([hq, kvh, tables.shape[1]], np.int32), np.array([scale], np.float32)]
+              tables, ends, slots, np.array([hq, kvh, tables.shape[1]], np.int32),
+              np.array([scale], np.float32), np.asarray(tail_write, np.int32) if own else slots]
     splits = pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS)
     parts = rows * hq * (splits if splits > 1 else 1)
     template = [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", kvh),
                 ("KB", k_bits), ("TQ", types["q"]), ("TK", types["kf"]), ("TT", types["kt"]),
-                ("SPLIT", splits > 1), ("TO", types["q"])]
+                ("OWN", own), ("SPLIT", splits > 1), ("TO", types["q"])]
     outputs = [("out", types["q"]), ("part", "float32"), ("ml", "float32")]
-    out, part, ml = ce.run(
+    out, part, ml, *written = ce.run(
         "orchard_page_key_decode", [(n, types[n]) for n in src.INPUTS], outputs, src._SOURCE,
-        tile_helpers.HELPERS + src.PAGE_KEY_HELPERS, template, arrays,
-        [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits), pd.THREADS, workdir)
-    if splits == 1:
-        return out
-    return ce.merge(part, ml, splits, (rows, hq, 1, d), types["q"], workdir)
+        tile_helpers.HELPERS + src.PAGE_KEY_HELPERS + pw.helpers(), template, arrays,
+        [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits), pd.THREADS, workdir,
+        writes=(3, 4, 5) if own else ())
+    if splits > 1:
+        out = ce.merge(part, ml, splits, (rows, hq, 1, d), types["q"], workdir)
+    return out, written
 
 
 def page_key_dequant(k_fresh, v_fresh, pool, layout, k_bits, tail, pages, bounds, tail_slots,

@@ -162,19 +162,23 @@ def page_key_variants():
     from engine.attention.cuda import page_key_decode_source as src
     types = {"q": "bfloat16", "kf": "bfloat16", "vf": "bfloat16", "pool": "uint32",
              "kt": "bfloat16", "vt": "bfloat16", "pages": "int32", "ends": "int32",
-             "tslot": "int32", "dims": "int32", "scale": "float32"}
+             "tslot": "int32", "dims": "int32", "scale": "float32", "tw": "int32"}
     outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
     for d in (64, 128):
         for kb in (4, 6):
             for pt in (16, 32, 64):
                 for g in (1, 4, 7, 8):
                     for split in (False, True):
-                        template = [("D", d), ("G", g), ("PT", pt), ("HK", 2), ("KB", kb),
-                                    ("TQ", "bfloat16"), ("TK", "bfloat16"), ("TT", "bfloat16"),
-                                    ("SPLIT", split), ("TO", "bfloat16")]
-                        yield (f"page-key d{d} k{kb} pt{pt} g{g} split={split}",
-                               wrap("orchard_page_key_decode", [(n, types[n]) for n in src.INPUTS],
-                                    outputs, src._SOURCE, src._HEADER, template))
+                        for own in ((False, True) if g in (1, 8) else (False,)):
+                            template = [("D", d), ("G", g), ("PT", pt), ("HK", 2), ("KB", kb),
+                                        ("TQ", "bfloat16"), ("TK", "bfloat16"),
+                                        ("TT", "bfloat16"), ("OWN", own), ("SPLIT", split),
+                                        ("TO", "bfloat16")]
+                            yield (f"page-key d{d} k{kb} pt{pt} g{g} split={split}"
+                                   f"{' own' * own}",
+                                   wrap("orchard_page_key_decode",
+                                        [(n, types[n]) for n in src.INPUTS], outputs,
+                                        src._SOURCE, src.header(), template))
 
 
 def page_key_dequant_variants():

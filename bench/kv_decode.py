@@ -55,7 +55,8 @@ def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
 # (KernelChoices.page_key_kernel: engine/attention/cuda/page_key_decode.py; CUDA only),
 # "int8:mx-softmax" with mx.softmax where the CPU takes NumPy's (KernelChoices.cpu_softmax),
 # "k6v4-kivi:mlx-decode" through MLX ops where the CPU takes the Numba page-key kernel
-# (KernelChoices.cpu_decode off: engine/attention/cpu_page_key_decode.py's "before").
+# (KernelChoices.cpu_decode off: engine/attention/cpu_page_key_decode.py's "before"),
+# "k6v4-kivi:own-write" with the decode kernel storing the step's rows (CUDA).
 DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   "split": dict(decode_tiles=False, packed_decode="v1"),
                   "v2": dict(decode_tiles=False, packed_decode="v2"),
@@ -79,7 +80,10 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   # off; native keeps it on), to measure what the NumPy softmax gives packed
                   # decode.
                   "mx-softmax": dict(cpu_softmax=False),
-                  "mlx-decode": dict(cpu_decode=False)}
+                  "mlx-decode": dict(cpu_decode=False),
+                  # Page keys on CUDA: compiled steps' rows stored by the decode kernel itself
+                  # (KernelChoices.page_key_own_write), against the write kernel (the default).
+                  "own-write": dict(page_key_own_write=True)}
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:

@@ -139,6 +139,13 @@ class KernelChoices:
     # `bench.page_key_chunk_compare` checks it and bench.kv's `FORMAT:chunk-write` prefill spec
     # times it. None: on where CUDA runs and page_key_write is.
     page_key_chunk_write: bool | None = False
+    # A compiled decode step's page-key write done by the page-key decode kernel itself (its
+    # OWN variant: engine/attention/cuda/page_key_decode.py, `tail_write`), as native's tiled
+    # kernel stores its step's own keys: one launch a layer where the write kernel made two
+    # (and the ~1.2 us of host work MLX spends issuing each on CUDA). Byte-identical to the
+    # write kernel on the CPU emulator; off (False) until measured on a GPU (bench.kv /
+    # kernel_trace decode spec `FORMAT:own-write`). None: on where page_key_write is.
+    page_key_own_write: bool | None = False
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is

@@ -54,8 +54,19 @@ class PackedLayerCache(PagedLayerCache):
         unwritten (the mechanism the native kernel uses): the step attends through the CUDA
         packed decode kernel and the store's pool may be written in place. attend() then has
         the v2 kernel store them itself, or the write kernel's in-place variant."""
+        if self.store.whole_pages:
+            return self._page_key_writes_own()
         return (self._kernel_decode() and not self.step.kernels.decode_tiles
                 and self.step.kernels.decode_writes_own and self.store.decode_writes_own)
+
+    def _page_key_writes_own(self) -> bool:
+        """A page-key layer's decode rows stored by the page-key decode kernel itself
+        (KernelChoices.page_key_own_write): in compiled steps only (their slots carry the
+        host-planned tail slots), where the write kernel would otherwise take them."""
+        slots, kernels = self.step.slots, self.step.kernels
+        return (self._kernel_decode() and kernels.page_key_own_write is not False
+                and slots.tail_write is not None and slots.page_key_writer is not None
+                and slots.page_key_writer.serves(self.store))
 
     @staticmethod
     def kernel_decode_fits(store, kernels=DEFAULT_KERNELS) -> bool:
@@ -99,6 +110,11 @@ class PackedLayerCache(PagedLayerCache):
         self.step.attended += 1
         own, self._own = self._own, None
         kernels = self.step.kernels
+        if own is not None and self.store.whole_pages:
+            if sinks is None and self._page_key_kernel_serves(queries, keys):
+                return self._page_key_attend(queries, keys, values, scale, own=True)
+            self.store.write_decode(self.step.slots, *own)   # not through the kernel: now
+            own = None
         if own is not None:
             fmt, group = self.store.fmt, queries.shape[1] // keys.shape[1]
             if sinks is None and cuda_packed_decode.writes_own(
@@ -131,9 +147,7 @@ class PackedLayerCache(PagedLayerCache):
         if sinks is None and self._kernel_decode():
             if not self.store.whole_pages:
                 return self._kernel_attend(queries, keys, values, scale)
-            if cuda_page_key_decode.supports(self.store.fmt.k_bits, self.store.fmt.v_bits,
-                                             keys.shape[-1], queries.shape[1] // keys.shape[1],
-                                             self.store.page_tokens):
+            if self._page_key_kernel_serves(queries, keys):
                 return self._page_key_attend(queries, keys, values, scale)
             # A GQA group past the kernel's: the MLX path below (it builds its own masks).
         if sinks is None and self._cpu_page_key_kernel_prefill(queries):
@@ -276,16 +290,23 @@ class PackedLayerCache(PagedLayerCache):
         store.flush_tail()   # this step's new tail rows, after the old tails were read
         return out
 
-    def _page_key_attend(self, queries, keys, values, scale) -> mx.array:
+    def _page_key_kernel_serves(self, queries, keys) -> bool:
+        return cuda_page_key_decode.supports(self.store.fmt.k_bits, self.store.fmt.v_bits,
+                                             keys.shape[-1], queries.shape[1] // keys.shape[1],
+                                             self.store.page_tokens)
+
+    def _page_key_attend(self, queries, keys, values, scale, own: bool = False) -> mx.array:
         """A decode step over page-key history through its CUDA kernel: full pages from the
         codes, each row's partial last page from the native tail slot it had as the step began
         (the store wrote this step's values already; its keys go to the tail after attention,
-        as on the MLX path)."""
+        as on the MLX path). `own`: the kernel stores this step's rows itself, in place (a
+        compiled step: `_page_key_writes_own`)."""
         store, kernels = self.store, self.step.kernels
         out = cuda_page_key_decode.page_key_decode_attention(
             queries, keys, values, store.pool, store.layout, store.fmt.k_bits, store.tail,
             self.view.pages, self.step.ends, self._tail_slots(), self.step.longest, scale,
-            kernels.decode_split_target, kernels.decode_split_min_keys)
+            kernels.decode_split_target, kernels.decode_split_min_keys,
+            tail_write=self.step.slots.tail_write if own else None)
         store.flush_tail()   # this step's new tail rows, after the old tails were read
         return out
 

@@ -28,8 +28,9 @@ the split plan and merge kernel of cuda/paged_decode.py), with what page keys ch
   softmax in full precision after the code tiles, in the split whose range holds them.
 
 The step's own rows are written by the store before attention (values, and the page's codes
-when the row fills it) or into the tail after it, as on the MLX path; this kernel does not store
-rows itself. Where it attends, decode steps compile (engine/runner/compiled_decode.py): the step
+when the row fills it) or into the tail after it, as on the MLX path; or, in compiled steps
+(`tail_write`, KernelChoices.page_key_own_write), by this launch itself: one kernel a layer
+where the write kernel made two. Where it attends, decode steps compile (engine/runner/compiled_decode.py): the step
 plans the tail slots on the host and passes them in its table (`tail_slots` is then a view of
 it), so a step is one replayed graph as for native and int4.
 """
@@ -80,17 +81,18 @@ def check_layout(pool: mx.array, layout: PageLayout, head_dim: int, k_bits: int,
 
 
 def template(head_dim: int, group: int, layout: PageLayout, k_bits: int, q_dtype: mx.Dtype,
-             kv_dtype: mx.Dtype, tail_dtype: mx.Dtype) -> list:
+             kv_dtype: mx.Dtype, tail_dtype: mx.Dtype, own: bool = False) -> list:
     """The kernel's template arguments besides SPLIT and TO (launch_split adds them)."""
     return [("D", head_dim), ("G", group), ("PT", layout.page_tokens), ("HK", layout.heads),
-            ("KB", k_bits), ("TQ", q_dtype), ("TK", kv_dtype), ("TT", tail_dtype)]
+            ("KB", k_bits), ("TQ", q_dtype), ("TK", kv_dtype), ("TT", tail_dtype), ("OWN", own)]
 
 
 def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool: mx.array,
                               layout: PageLayout, k_bits: int, tail: tuple[mx.array, mx.array],
                               pages: mx.array, ends: mx.array, tail_slots: mx.array,
                               longest: int, scale: float, target_blocks: int | None = None,
-                              min_keys: int | None = None, splits: int | None = None) -> mx.array:
+                              min_keys: int | None = None, splits: int | None = None,
+                              tail_write: mx.array | None = None) -> mx.array:
     """Attention of one query per row, q [B, Hq, 1, D], over page-key history and the step's own
     key: row b attends ends[b] - 1 history keys (whole pages from `pool` through page table
     `pages[b]`, the partial last page from the native tail pool `tail` (K, V: [slots,
@@ -100,7 +102,14 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
 
     `splits`: blocks per (row, KV head), overriding the plan (split_count, which caps at
     MAX_SPLITS): the profile bench (bench/device/page_key_layer_profile.py) A/Bs plans past the
-    cap. A split's range is whole 64-key tiles, so past n / 64 splits the extra ones idle."""
+    cap. A split's range is whole 64-key tiles, so past n / 64 splits the extra ones idle.
+
+    `tail_write` ([B] int32, TailMap.decode_slots' second row: a compiled step's): the kernel
+    also stores the step's own rows (OWN: the write kernel's work, page_key_write.py, in the
+    same launch): value records and tails in place, a filled page's key codes. The caller's
+    pool and tails then hold them once the returned output is evaluated (the next step reads
+    them after this one on the stream), and no tail slot may have been handed from a filling
+    row to a new page in the step (`TailMap.reused`)."""
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
     if hq % kvh or not supports(k_bits, 4, d, hq // kvh, layout.page_tokens):
@@ -110,8 +119,10 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     kt, vt = tail
     if splits is None:
         splits = split_count(b, kvh, longest, target_blocks or TARGET_BLOCKS, min_keys)
+    own = tail_write is not None
     return launch_split(
         _kernel(), [q, k_new, v_new, pool, kt, vt, pages, ends, tail_slots,
-                    _dims(hq, kvh, pages.shape[1]), _scale(float(scale))],
-        template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype, kt.dtype),
+                    _dims(hq, kvh, pages.shape[1]), _scale(float(scale)),
+                    tail_write if own else tail_slots],
+        template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype, kt.dtype, own),
         b, kvh, hq, d, splits, q.dtype)

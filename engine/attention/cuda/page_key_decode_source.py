@@ -98,6 +98,23 @@ const int hend = min(j1, nfull);
 const int ntile = hend > j0 ? (hend - j0 + KT - 1) / KT : 0;
 const float NEG_INF = -__int_as_float(0x7f800000);
 const size_t fresh = ((size_t)b * HKV + hk) * D;
+// OWN: this step's own row stored by this launch (page_key_decode.py, `tail_write`), by warp 0
+// of the row's first split, with the write kernel's device function (page_key_write.WRITE_ROW):
+// its value record and tail row in place, and its page's key codes when it fills the page.
+// Nothing this launch reads is written: attention takes the row's partial page from its tail
+// rows before it (tslot, as the step began) and its own key from kf; a new page's slot was no
+// row's when the step began (engine/kv/tails.py).
+__shared__ unsigned char wcodes[OWN ? D : 1];
+if (OWN && split == 0 && warp == 0) {
+  const int pos = n - 1, wpg = pages[(size_t)b * P + pos / PT], wo = pos % PT;
+  const size_t src = (size_t)max(tslot[b], 0) * PT * HKV * D + (size_t)hk * D + lane * VPT;
+  auto key = [&](int t, int i) -> float {   // token t of the page: the tail's, or this row's
+    return t == wo ? to_f(kf[fresh + lane * VPT + i]) : to_f(kt[src + (size_t)t * HKV * D + i]);
+  };
+  orch_page_key_write_row<D, PT, HK, KB>(kf + fresh, vf + fresh, const_cast<uint32_t*>(pool),
+                                         const_cast<TT*>(kt), const_cast<TT*>(vt), wpg, wo, hk,
+                                         tw[b], key, wcodes, lane);
+}
 
 auto row_of = [&](int j) -> size_t {         // pool row of key j: [page, slot, head]
   return ((size_t)pages[(size_t)b * P + j / PT] * PT + j % PT) * HKV + hk;
@@ -279,13 +296,22 @@ if (ncnt > 0) {
 // The block's output or partial (tile_helpers.split_output: one text with v2).
 """ + split_output("VW")
 
-INPUTS = ["q", "kf", "vf", "pool", "kt", "vt", "pages", "ends", "tslot", "dims", "scale"]
+# tw: each row's tail slot for its own row (OWN; unread otherwise).
+INPUTS = ["q", "kf", "vf", "pool", "kt", "vt", "pages", "ends", "tslot", "dims", "scale", "tw"]
 OUTPUTS = ["out", "part", "ml"]
+
+
+def header() -> str:
+    """The kernel's device functions: the tile helpers, the code reader and the page-key
+    write's (read when the kernel is built; page_key_write imports this module's package)."""
+    from engine.attention.cuda import page_key_write
+    return _HEADER + page_key_write.helpers()
 
 
 @lru_cache(maxsize=None)
 def kernel():
-    """The kernel (template: D, G, PT, HK, KB, TQ, TK, TT; SPLIT and TO from launch_split)."""
+    """The kernel (template: D, G, PT, HK, KB, TQ, TK, TT, OWN; SPLIT and TO from
+    launch_split)."""
     return mx.fast.cuda_kernel(
         name="orchard_page_key_decode", input_names=INPUTS, output_names=OUTPUTS,
-        source=_SOURCE, header=_HEADER, ensure_row_contiguous=True)
+        source=_SOURCE, header=header(), ensure_row_contiguous=True)

@@ -74,7 +74,8 @@ def _emulate_the_kernel(monkeypatch, workdir, calls=None):
     the store holds it), with CUDA reported available; `calls` collects each call's tail
     slots."""
     def emulated(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots,
-                 longest, scale, target_blocks=None, min_keys=None):
+                 longest, scale, target_blocks=None, min_keys=None, tail_write=None):
+        assert tail_write is None   # the OWN variant: test_cuda_page_key_own_write.py
         if calls is not None:
             calls.append(np.array(tail_slots).tolist())
         out = emu.page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail,
@@ -135,10 +136,11 @@ def test_device_check_runs_on_cpu_fibers(llama, monkeypatch, tmp_path):
 
 
 def _mlx_kernel(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots, longest,
-                scale, target_blocks=None, min_keys=None):
+                scale, target_blocks=None, min_keys=None, tail_write=None):
     """page_key_decode_attention's contract in MLX ops (traceable, so a compiled step can run
     it on the CPU): full pages from the pool's codes, positions of the row's partial page from
-    its tail slot, the own key last, one float32 softmax."""
+    its tail slot, the own key last, one float32 softmax (not the OWN variant)."""
+    assert tail_write is None
     from engine.kv.page_layout import K_SECTIONS, V_SECTIONS
     from engine.kv.page_quant import PagePacked, dequantize_pages, meta_pages
     from engine.kv.quant import Packed, dequantize
