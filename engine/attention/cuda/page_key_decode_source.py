@@ -12,6 +12,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from engine.attention.cuda import page_key_write_row
 from engine.attention.cuda.paged_decode import HEADER
 from engine.attention.cuda.tile_helpers import (ACCUMULATORS, ASYNC, BLOCK_INDEX, DOT4,
                                                 HELPERS, RESCALE, online_softmax, packed_pv,
@@ -99,7 +100,7 @@ const int ntile = hend > j0 ? (hend - j0 + KT - 1) / KT : 0;
 const float NEG_INF = -__int_as_float(0x7f800000);
 const size_t fresh = ((size_t)b * HKV + hk) * D;
 // OWN: this step's own row stored by this launch (page_key_decode.py, `tail_write`), by warp 0
-// of the row's first split, with the write kernel's device function (page_key_write.WRITE_ROW):
+// of the row's first split, with the write kernel's device function (page_key_write_row.py):
 // its value record and tail row in place, and its page's key codes when it fills the page.
 // Nothing this launch reads is written: attention takes the row's partial page from its tail
 // rows before it (tslot, as the step began) and its own key from kf; a new page's slot was no
@@ -303,9 +304,8 @@ OUTPUTS = ["out", "part", "ml"]
 
 def header() -> str:
     """The kernel's device functions: the tile helpers, the code reader and the page-key
-    write's (read when the kernel is built; page_key_write imports this module's package)."""
-    from engine.attention.cuda import page_key_write
-    return _HEADER + page_key_write.helpers()
+    write's (read when the kernel is built)."""
+    return _HEADER + page_key_write_row.helpers()
 
 
 @lru_cache(maxsize=None)

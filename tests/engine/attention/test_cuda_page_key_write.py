@@ -17,7 +17,7 @@ from bench import cuda_nvcc_check
 from capacity.formats import KVFormat
 from engine.attention.choices import KernelChoices
 from engine.attention.cuda import page_key_decode as cuda_page_key_decode
-from engine.attention.cuda import page_key_write
+from engine.attention.cuda import page_key_write, page_key_write_row
 from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.kv.page_key_store import PageKeyStore
 from engine.kv.page_layout import K_SECTIONS
@@ -68,11 +68,11 @@ def _mutated(mutation):
     """(module attribute, broken text) for a mutation (old, new) of the write's CUDA text: the
     kernel body or the per-row device function, whichever holds `old` (exactly once)."""
     old, new = mutation
-    for name in ("_SOURCE", "WRITE_ROW"):
-        text = getattr(page_key_write, name)
+    for module, name in ((page_key_write, "_SOURCE"), (page_key_write_row, "WRITE_ROW")):
+        text = getattr(module, name)
         if old in text:
             assert text.count(old) == 1
-            return name, text.replace(old, new)
+            return module, name, text.replace(old, new)
     raise AssertionError(f"no kernel text holds {old!r}")
 
 
@@ -85,13 +85,13 @@ def _writer(workdir, mutation=None):
         modes.append(in_place)
         if mutation is None:
             return emu.page_key_write(*args, in_place=in_place, workdir=workdir)
-        name, broken = _mutated(mutation)
-        real = getattr(page_key_write, name)
-        setattr(page_key_write, name, broken)
+        module, name, broken = _mutated(mutation)
+        real = getattr(module, name)
+        setattr(module, name, broken)
         try:
             return emu.page_key_write(*args, in_place=in_place, workdir=workdir)
         finally:
-            setattr(page_key_write, name, real)
+            setattr(module, name, real)
     return types.SimpleNamespace(serves=page_key_write.serves, write_decode=write_decode,
                                  modes=modes)
 
