@@ -5,7 +5,7 @@
 # Byte equality on the GPU (chunk writes in both tail modes; compiled decode steps through the
 # write kernel and the OWN decode kernel against the MLX write), then the decode bars against
 # the tiled native kernel with and without `:own-write`.
-RUN=m7; source docs/lab/device-run-1205d/lib.sh
+RUN=m7; source docs/lab/device-run-1205c/lib.sh   # shared with the afternoon lease
 python3 -m bench.device.shaped_models --tokenizer-from .device/mlx/p5/tok --out "$W" llama-3.2-1b \
   > "$D/shapes.log" 2>&1
 step compare 60 python3 -m bench.page_key_chunk_compare

@@ -3,7 +3,7 @@
 # step at batch 8 after 4K keys, native against k6v4-kivi with the write kernel (tails in place)
 # and with the decode kernel storing its rows (CUPTI per kernel, untraced rates); the 16K
 # prefill trace with the chunk write kernel if time is left.
-RUN=m8; source docs/lab/device-run-1205d/lib.sh
+RUN=m8; source docs/lab/device-run-1205c/lib.sh   # shared with the afternoon lease
 step kv-prefill 150 python3 -m bench.kv --geometry gpu --sections prefill --prefill 4096,16384 \
   --chunk 2048 --prefill-formats k6v4-kivi:chunk-write,k6v4-kivi:mlx-write --repeats 2
 python3 -m bench.device.shaped_models --tokenizer-from .device/mlx/p5/tok --out "$W" \
