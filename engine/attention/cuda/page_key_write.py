@@ -31,9 +31,9 @@ as new arrays instead: the kernel's other warps copy every (slot, token) row of 
 that no row of the step writes (a scan of the step's rows per warp), attention reads the old
 arrays, and the store adopts the new ones after attention (`flush_tail`). That copy costs the
 tail pool's bytes once per layer and step (slots x page_tokens x heads x dim x 2 x dtype: 64 KiB
-per slot at the 8B shape and 16-token pages): ~26 us of the write's 26.3 us a layer at the 8B
-shape, batch 8, on the H100 (docs/lab/benchmarks-kv-page-keys.md, device run 10), where it was
-the only mode. The pool is written in place behind MLX's back (as cuda/packed_write.
+per slot at the 8B shape and 16-token pages): with it the write took 26.3 us a layer at the
+8B shape, batch 8, on the H100, where it was the only mode (docs/lab/benchmarks-kv-page-keys.md,
+device run 10; the rest of the launch is a few rows' work). The pool is written in place behind MLX's back (as cuda/packed_write.
 write_in_place does): this step's attention never reads the regions written (a row's current
 page is its tail), and readers after it depend on the write (`mx.depends`).
 
