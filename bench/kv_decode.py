@@ -56,7 +56,8 @@ def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
 # "int8:mx-softmax" with mx.softmax where the CPU takes NumPy's (KernelChoices.cpu_softmax),
 # "k6v4-kivi:mlx-decode" through MLX ops where the CPU takes the Numba page-key kernel
 # (KernelChoices.cpu_decode off: engine/attention/cpu_page_key_decode.py's "before"),
-# "k6v4-kivi:own-write" with the decode kernel storing the step's rows (CUDA).
+# "k6v4-kivi:own-write" with the decode kernel storing the step's rows (CUDA; the default),
+# "k6v4-kivi:write-kernel" with the write kernel storing them.
 DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   "split": dict(decode_tiles=False, packed_decode="v1"),
                   "v2": dict(decode_tiles=False, packed_decode="v2"),
@@ -82,8 +83,9 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   "mx-softmax": dict(cpu_softmax=False),
                   "mlx-decode": dict(cpu_decode=False),
                   # Page keys on CUDA: compiled steps' rows stored by the decode kernel itself
-                  # (KernelChoices.page_key_own_write), against the write kernel (the default).
-                  "own-write": dict(page_key_own_write=True)}
+                  # (KernelChoices.page_key_own_write, the default), or by the write kernel.
+                  "own-write": dict(page_key_own_write=True),
+                  "write-kernel": dict(page_key_own_write=False)}
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:

@@ -1,13 +1,13 @@
 """Compiled page-key decode steps through the CUDA write paths, against the MLX write, byte for byte.
 
     python -m bench.page_key_step_check --model DIR      # on the GPU: the real kernels
-    python -m bench.page_key_step_check --model DIR --variants default,own-write --steps 48
+    python -m bench.page_key_step_check --model DIR --variants write-kernel,own-write --steps 48
 
 Runners over the same model in k6v4-kivi, compiled decode steps with the page-key decode kernel
 (where CUDA runs) in every one; they differ only in who writes a step's rows:
 - `mlx-write` (the reference): the store's MLX ops (KernelChoices.page_key_write off);
-- `default`: the write kernel, tails in place (engine/attention/cuda/page_key_write.py);
-- `own-write`: the decode kernel itself (KernelChoices.page_key_own_write).
+- `write-kernel`: the write kernel, tails in place (engine/attention/cuda/page_key_write.py);
+- `own-write`: the decode kernel itself (KernelChoices.page_key_own_write, the default).
 The attention arithmetic is the same in all, so every step's logits and, at the end, every
 layer's pool and native tails must be equal bit for bit (the key codes of pages still partial
 aside: the MLX write keys those every step, the kernels only when a page fills, and nothing
@@ -32,7 +32,7 @@ from engine.kv.page_layout import K_SECTIONS
 from engine.sched.seq import Chunk
 
 VARIANTS = {"mlx-write": dict(page_key_write=False),
-            "default": dict(),
+            "write-kernel": dict(page_key_own_write=False),
             "own-write": dict(page_key_own_write=True)}
 PROMPTS = (3 * PAGE_TOKENS, 2 * PAGE_TOKENS + 5, PAGE_TOKENS - 3, 70)
 
@@ -62,7 +62,8 @@ def _final_bytes(store) -> list[np.ndarray]:
     """The layer's arrays as bytes, with the key sections of pages still partial blanked: the
     MLX write keys a partial page every step (codes nothing reads: attention takes its rows from
     the tail) where the kernels key a page once, when it fills."""
-    pool, *tails = (np.array(a) for a in store.arrays())
+    pool, *tails = (np.array(a if a.dtype != mx.bfloat16 else a.view(mx.uint16))
+                    for a in store.arrays())   # NumPy has no bfloat16: its bits
     lay, heads = store.layout, store.geometry.kv_heads
     partial = sorted(store.tails.slot_of)
     for name in K_SECTIONS:
@@ -74,7 +75,7 @@ def _final_bytes(store) -> list[np.ndarray]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="an mlx-lm model directory (Llama-style)")
-    ap.add_argument("--variants", default="default,own-write",
+    ap.add_argument("--variants", default="write-kernel,own-write",
                     help=f"compared with mlx-write, from {sorted(VARIANTS)}")
     ap.add_argument("--steps", type=int, default=2 * PAGE_TOKENS + 4)
     ap.add_argument("--out", help="write the JSON here as well as to stdout")

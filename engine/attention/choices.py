@@ -142,10 +142,12 @@ class KernelChoices:
     # A compiled decode step's page-key write done by the page-key decode kernel itself (its
     # OWN variant: engine/attention/cuda/page_key_decode.py, `tail_write`), as native's tiled
     # kernel stores its step's own keys: one launch a layer where the write kernel made two
-    # (and the ~1.2 us of host work MLX spends issuing each on CUDA). Byte-identical to the
-    # write kernel on the CPU emulator; off (False) until measured on a GPU (bench.kv /
-    # kernel_trace decode spec `FORMAT:own-write`). None: on where page_key_write is.
-    page_key_own_write: bool | None = False
+    # and the host work MLX spends issuing each on CUDA. None (the default): on where
+    # page_key_write is. On the H100 (docs/lab/benchmarks-kv-page-keys.md, device run 11)
+    # compiled steps through it were bit-identical to the MLX write (`bench.page_key_step_check`)
+    # and k6v4-kivi decode went from 0.73x to 0.85x native at 4K batch 1 and 0.82x to 0.91x at
+    # batch 8 (0.95x both ways at 32K batch 8). False: the write kernel.
+    page_key_own_write: bool | None = None
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is

@@ -17,7 +17,7 @@ from tests.engine.attention.test_cuda_page_key_write import _mlx_write
 def test_smoke_on_the_cpu(tiny_llama, capsys):
     assert page_key_step_check.main(["--model", tiny_llama, "--steps", "20"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["all_equal"] and not out["cuda"] and set(out["variants"]) == {"default",
+    assert out["all_equal"] and not out["cuda"] and set(out["variants"]) == {"write-kernel",
                                                                             "own-write"}
 
 
@@ -32,7 +32,7 @@ def test_a_write_that_differs_from_the_mlx_write_is_reported(tiny_llama, monkeyp
     monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", _mlx_kernel)
     monkeypatch.setattr(page_key_write, "write_decode", write)
     code = page_key_step_check.main(["--model", tiny_llama, "--steps", "20",
-                                     "--variants", "default"])
-    row = json.loads(capsys.readouterr().out)["variants"]["default"]
+                                     "--variants", "write-kernel"])
+    row = json.loads(capsys.readouterr().out)["variants"]["write-kernel"]
     assert row["compiled"] and code == (1 if broken else 0)
     assert row["equal"] is not broken

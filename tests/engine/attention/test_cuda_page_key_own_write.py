@@ -144,5 +144,6 @@ def test_compiled_steps_let_the_decode_kernel_store_their_rows(llama, monkeypatc
     assert launches and not any(launches)
 
 
-def test_off_by_default():
-    assert KernelChoices().page_key_own_write is False   # until measured on a GPU
+def test_on_by_default_where_the_write_kernel_is():
+    # Measured on the H100 (device run 11): bit-identical steps, 0.73x -> 0.85x native at 4K b1.
+    assert KernelChoices().page_key_own_write is None

@@ -235,7 +235,8 @@ def test_compiled_steps_through_the_fused_write_match_uncompiled_ones(llama, fmt
     monkeypatch.setattr(page_key_write, "write_decode",
                         lambda *a, in_place=True: calls.append(in_place) or _mlx_write(*a))
     compiled = PackedModelRunner(llama, tail_store(llama, fmt),
-                                 kernels=KernelChoices(page_key_kernel=True, page_key_write=None))
+                                 kernels=KernelChoices(page_key_kernel=True, page_key_write=None,
+                                                       page_key_own_write=False))
     plain = PackedModelRunner(llama, tail_store(llama, fmt),
                               kernels=KernelChoices(page_key_kernel=True, compiled_decode=False))
     tables = [[5, 1, 3], [7, 2, 9], [11, 12, 13]]
@@ -264,7 +265,8 @@ def test_a_step_whose_plan_reuses_a_slot_runs_uncompiled_and_the_next_compiles(
     monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", _mlx_kernel)
     monkeypatch.setattr(page_key_write, "write_decode",
                         lambda *a, in_place=True: calls.append(in_place) or _mlx_write(*a))
-    kernels = KernelChoices(page_key_kernel=True, page_key_write=None)
+    kernels = KernelChoices(page_key_kernel=True, page_key_write=None,
+                            page_key_own_write=False)
     compiled = PackedModelRunner(llama, tail_store(llama, "k6v4-kivi", slots=2), kernels=kernels)
     plain = PackedModelRunner(llama, tail_store(llama, "k6v4-kivi", slots=2),
                               kernels=KernelChoices(page_key_kernel=True, compiled_decode=False))
@@ -297,7 +299,8 @@ def test_compiled_step_body_through_both_emulated_kernels_matches_the_mlx_path(
     monkeypatch.setattr(page_key_write, "write_decode", lambda *a, in_place=True: writes.append(
         np.array(a[7]).tolist()) or emu.page_key_write(*a, in_place=in_place, workdir=tmp_path))
     fused = PackedModelRunner(llama, tail_store(llama, fmt),
-                              kernels=KernelChoices(page_key_kernel=True, page_key_write=None))
+                              kernels=KernelChoices(page_key_kernel=True, page_key_write=None,
+                                                    page_key_own_write=False))
     plain = PackedModelRunner(llama, tail_store(llama, fmt),
                               kernels=KernelChoices(page_key_kernel=False))   # the MLX path
     fused.compiled._fn = fused.compiled._step   # the traced function's body, eagerly
@@ -332,7 +335,8 @@ def test_both_kernels_get_row_contiguous_rows_at_batch_above_one(tiny_model_dirs
                         lambda *a, in_place=True: seen.extend(a[:2]) or _mlx_write(*a))
     fused = load_model(tiny_model_dirs["llama"], fuse=True)   # as the engine loads models
     runner = PackedModelRunner(fused, tail_store(fused, "k6v4-kivi"),
-                               kernels=KernelChoices(page_key_kernel=True, page_key_write=None))
+                               kernels=KernelChoices(page_key_kernel=True, page_key_write=None,
+                                                     page_key_own_write=False))
     runner.compiled._fn = runner.compiled._step   # the compiled step's body, eagerly
     tables = [[5, 1, 3], [7, 2, 9], [11, 12, 13]]
     seqs = [list(range(3, 12)), list(range(40, 45)), list(range(60, 62))]
