@@ -4,7 +4,8 @@
 
 Two PageKeyStores take the same calls (prefill chunks starting and ending mid-page, two
 sequences' chunks in one call, calls needing more tail slots than are free, so a new page takes
-a slot given back in the same call and the kernel writes the tails as new arrays, decode rows): one writes with MLX ops, the other through `writer` (engine/attention/cuda/
+a slot given back in the same call and the kernel writes the tails as new arrays, decode
+rows): one writes with MLX ops, the other through `writer` (engine/attention/cuda/
 page_key_write.py, or its CPU emulation in tests/engine/attention/test_cuda_page_key_chunk_
 write.py). After each call's flush the pools and native tails must be equal byte for byte.
 Prints JSON: per format and case, the first difference or null.

@@ -1,4 +1,4 @@
-"""Compiled page-key decode steps through the CUDA write paths, against the MLX write, byte for byte.
+"""Compiled page-key decode steps through the CUDA write paths against the MLX write, bit for bit.
 
     python -m bench.page_key_step_check --model DIR      # on the GPU: the real kernels
     python -m bench.page_key_step_check --model DIR --variants write-kernel,own-write --steps 48

@@ -30,9 +30,10 @@ the split plan and merge kernel of cuda/paged_decode.py), with what page keys ch
 The step's own rows are written by the store before attention (values, and the page's codes
 when the row fills it) or into the tail after it, as on the MLX path; or, in compiled steps
 (`tail_write`, KernelChoices.page_key_own_write), by this launch itself: one kernel a layer
-where the write kernel made two. Where it attends, decode steps compile (engine/runner/compiled_decode.py): the step
-plans the tail slots on the host and passes them in its table (`tail_slots` is then a view of
-it), so a step is one replayed graph as for native and int4.
+where the write kernel made two. Where it attends, decode steps compile
+(engine/runner/compiled_decode.py): the step plans the tail slots on the host and passes them
+in its table (`tail_slots` is then a view of it), so a step is one replayed graph as for native
+and int4.
 """
 from __future__ import annotations
 

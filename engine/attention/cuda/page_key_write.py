@@ -33,9 +33,10 @@ arrays, and the store adopts the new ones after attention (`flush_tail`). That c
 tail pool's bytes once per layer and step (slots x page_tokens x heads x dim x 2 x dtype: 64 KiB
 per slot at the 8B shape and 16-token pages): with it the write took 26.3 us a layer at the
 8B shape, batch 8, on the H100, where it was the only mode (docs/lab/benchmarks-kv-page-keys.md,
-device run 10; the rest of the launch is a few rows' work). The pool is written in place behind MLX's back (as cuda/packed_write.
-write_in_place does): this step's attention never reads the regions written (a row's current
-page is its tail), and readers after it depend on the write (`mx.depends`).
+device run 10; the rest of the launch is a few rows' work). The pool is written in place
+behind MLX's back (as cuda/packed_write.write_in_place does): this step's attention never
+reads the regions written (a row's current page is its tail), and readers after it depend on
+the write (`mx.depends`).
 
 A prefill chunk's write (PageKeyStore.write where `chunk_writer` serves: KernelChoices.
 page_key_chunk_write) is the same launch:
@@ -152,7 +153,8 @@ def grid_warps(rows: int, heads: int, slots: int, page_tokens: int, in_place: bo
 
 
 def tail_outputs(tail: tuple[mx.array, mx.array], in_place: bool) -> tuple[list, list]:
-    """The launch's output shapes and dtypes: the new tails, or one int each in place."""
+    """The launch's output shapes and dtypes: the new tails, or in place one element each
+    (outputs the kernel must have, never written or read)."""
     return ([(1,), (1,)] if in_place else [a.shape for a in tail]), [a.dtype for a in tail]
 
 

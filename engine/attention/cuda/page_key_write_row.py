@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from engine.attention.cuda.packed_write import QUANTIZE
 
-# One (row, KV head) of the write, by one warp. `kr`, `vr`: the row's key and value at head h; (pg, o): where it lands; `slot`: its tail
-# slot (-1: none); key(t, i): token t of page pg at this lane's channel i (the fill's source).
+# One (row, KV head) of the write, by one warp. `kr`, `vr`: the row's key and value at head h;
+# (pg, o): where it lands; `slot`: its tail slot (-1: none); key(t, i): token t of page pg at
+# this lane's channel i (the fill's source).
 WRITE_ROW = """
 template <int D, int PT, int HK, int KB, typename TI, typename TT, typename KeyAt>
 __device__ __forceinline__ void orch_page_key_write_row(
@@ -23,7 +24,8 @@ __device__ __forceinline__ void orch_page_key_write_row(
   constexpr int KO_OFF = KS_OFF + RPP * NGK, VS_OFF = KO_OFF + RPP * NGK;
   constexpr int VO_OFF = VS_OFF + RPP * NG, PGW = VO_OFF + RPP * NG;
   static_assert(KB == 4 || KB == 6, "page-key write: 4- or 6-bit keys");
-  static_assert((D == 64 || D == 128) && D % PT == 0 && LW <= 32, "page-key write: head dims 64, 128");
+  static_assert((D == 64 || D == 128) && D % PT == 0 && LW <= 32,
+                "page-key write: head dims 64, 128");
   auto sec = [](size_t r, int off, int w) -> size_t {  // first word of row r in a section
     return (r / RPP) * (size_t)PGW + off + (r % RPP) * (size_t)w;
   };
