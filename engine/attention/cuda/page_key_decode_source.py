@@ -46,9 +46,6 @@ constexpr int NG = D / 64;                   // value groups per row
 constexpr int KC_OFF = 0, VC_OFF = RPP * LW, KS_OFF = VC_OFF + RPP * VW;
 constexpr int KO_OFF = KS_OFF + RPP * NGK, VS_OFF = KO_OFF + RPP * NGK;
 constexpr int VO_OFF = VS_OFF + RPP * NG, PGW = VO_OFF + RPP * NG;
-auto sec = [](size_t r, int off, int w) -> size_t {  // first word of row r in a section
-  return (r / RPP) * (size_t)PGW + off + (r % RPP) * (size_t)w;
-};
 constexpr int NT = 128, NW = 4;              // launch_split's block: 4 warps
 constexpr int KT = 64;                       // keys per tile: whole pages (PT divides it)
 constexpr int KPT = KT / 32;                 // keys per lane in the score pass
@@ -78,6 +75,7 @@ static_assert(KB == 4 || KB == 6, "page-key decode: 4- or 6-bit keys");
 static_assert(KT % PT == 0 && D % PT == 0 && PT >= 16, "pages of 16..64 tokens dividing D");
 static_assert(SC % 4 == 0 && SW * 32 == SC * KB, "a channel slice is whole words");
 static_assert(NW * G * D <= 2 * STAGE, "the final reduction reuses the stage buffers");
+static_assert(NT == 2 * KT && KCH % 2 == 0 && VW % 8 == 0, "issue: a thread pair a row");
 static_assert(PGW % 4 == 0 && VC_OFF % 4 == 0 && KS_OFF % 4 == 0 && VS_OFF % NG == 0,
               "cp.async: pieces aligned in every page (page_key_decode.check_layout)");
 __shared__ __align__(16) float smem[TOTAL];
@@ -117,32 +115,32 @@ if (OWN && split == 0 && warp == 0) {
                                          tw[b], key, wcodes, lane);
 }
 
-auto row_of = [&](int j) -> size_t {         // pool row of key j: [page, slot, head]
-  return ((size_t)pages[(size_t)b * P + j / PT] * PT + j % PT) * HKV + hk;
-};
+// Copy ownership: thread pair (2r, 2r + 1) copies row r of every tile (key codes and value
+// codes split between the pair, scales by one and offsets by the other), so a thread looks up
+// its row's page once a tile and every piece's address is that page's base plus a constant.
+// Tiles start on page boundaries, so a row's slot in its page is the same in every tile.
+// (One lookup and address per piece cost ~1,450 instructions a thread a tile at head dim 128:
+// half the loop; SASS in docs/lab/benchmarks-kv-page-keys.md.)
+const int ir = tid >> 1, ih = tid & 1;
+const int irow = (ir % PT) * HK + hk;        // the row's place in each section of its page
 auto issue = [&](int t) {                    // cp.async of tile t into stage t & 1
-  const int base = j0 + t * KT, cnt = min(KT, hend - base);
-  unsigned int* sk = reinterpret_cast<unsigned int*>(smem + (t & 1) * STAGE);
-  float* st = smem + (t & 1) * STAGE;
-  for (int e = tid; e < KT * KCH; e += NT) {
-    const int r = e / KCH, c = e % KCH;
-    if (r < cnt)
-      orch_cp_async<KCB>(sk + r * KS + c * (KCB / 4), pool + sec(row_of(base + r), KC_OFF, LW) + c * (KCB / 4));
-  }
-  for (int e = tid; e < KT * (VW / 4); e += NT) {
-    const int r = e / (VW / 4), c = e % (VW / 4);
-    if (r < cnt) orch_cp_async<16>(sk + V_OFF + r * VW + c * 4, pool + sec(row_of(base + r), VC_OFF, VW) + c * 4);
-  }
-  for (int e = tid; e < 2 * KT * MCH; e += NT) {
-    const int a = e / (KT * MCH), r = (e / MCH) % KT, c = e % MCH;
-    if (r < cnt)
-      orch_cp_async<4 * MCW>(st + KM_OFF + a * KT * NGK + r * NGK + c * MCW,
-                             pool + sec(row_of(base + r), a ? KO_OFF : KS_OFF, NGK) + c * MCW);
-  }
-  for (int e = tid; e < 2 * KT; e += NT) {
-    const int a = e / KT, r = e % KT;
-    if (r < cnt)
-      orch_cp_async<4 * NG>(st + VM_OFF + (a * KT + r) * NG, pool + sec(row_of(base + r), a ? VO_OFF : VS_OFF, NG));
+  const int base = j0 + t * KT;
+  if (ir < hend - base) {
+    const uint32_t* src = pool + (size_t)pages[(size_t)b * P + (base + ir) / PT] * PGW;
+    float* st = smem + (t & 1) * STAGE;
+    unsigned int* sk = reinterpret_cast<unsigned int*>(st);
+    #pragma unroll
+    for (int c = ih; c < KCH; c += 2)
+      orch_cp_async<KCB>(sk + ir * KS + c * (KCB / 4), src + KC_OFF + irow * LW + c * (KCB / 4));
+    #pragma unroll
+    for (int c = ih; c < VW / 4; c += 2)
+      orch_cp_async<16>(sk + V_OFF + ir * VW + c * 4, src + VC_OFF + irow * VW + c * 4);
+    const int km_off = ih ? KO_OFF : KS_OFF, vm_off = ih ? VO_OFF : VS_OFF;
+    #pragma unroll
+    for (int c = 0; c < MCH; ++c)
+      orch_cp_async<4 * MCW>(st + KM_OFF + (ih * KT + ir) * NGK + c * MCW,
+                             src + km_off + irow * NGK + c * MCW);
+    orch_cp_async<4 * NG>(st + VM_OFF + (ih * KT + ir) * NG, src + vm_off + irow * NG);
   }
   orch_cp_commit();
 };
