@@ -130,11 +130,15 @@ auto issue = [&](int t) {                    // cp.async of tile t into stage t 
     float* st = smem + (t & 1) * STAGE;
     unsigned int* sk = reinterpret_cast<unsigned int*>(st);
     #pragma unroll
-    for (int c = ih; c < KCH; c += 2)
+    for (int i = 0; i < KCH / 2; ++i) {
+      const int c = 2 * i + ih;
       orch_cp_async<KCB>(sk + ir * KS + c * (KCB / 4), src + KC_OFF + irow * LW + c * (KCB / 4));
+    }
     #pragma unroll
-    for (int c = ih; c < VW / 4; c += 2)
+    for (int i = 0; i < VW / 8; ++i) {
+      const int c = 2 * i + ih;
       orch_cp_async<16>(sk + V_OFF + ir * VW + c * 4, src + VC_OFF + irow * VW + c * 4);
+    }
     const int km_off = ih ? KO_OFF : KS_OFF, vm_off = ih ? VO_OFF : VS_OFF;
     #pragma unroll
     for (int c = 0; c < MCH; ++c)
