@@ -47,8 +47,8 @@ constexpr int PW_OFF = SP_OFF + NW * G * KT; // p * vs * 2^KB [KT][NG][GP]
 constexpr int ST_OFF = PW_OFF + KT * NG * GP;   // m, l, cf, pown [GP] each; ao [NG][GP]
 constexpr int TOTAL = ST_OFF + 4 * GP + NG * GP;
 static_assert(G >= 1 && G <= 8, "v2 packed decode: 1..8 query heads per KV head");
-static_assert(SW >= 2 && (KT * KCH) % NT == 0 && (KT * (LW / 4)) % NT == 0 && (4 * KT) % NT == 0,
-              "tile loads must split evenly over the block");
+static_assert(SW >= 2 && NT % KT == 0 && KCH % (NT / KT) == 0 && (LW / 4) % (NT / KT) == 0
+              && 4 % (NT / KT) == 0, "tile loads: each row's pieces split evenly over its threads");
 static_assert(NW * G * D <= 2 * STAGE, "the final reduction reuses the stage buffers");
 static_assert(PGW % 4 == 0 && VC_OFF % 4 == 0 && KS_OFF % 4 == 0 && LW % 4 == 0,
               "cp.async: 16-byte code pieces, 4*NG-byte group pieces aligned in every page (check_pool)");
@@ -76,27 +76,35 @@ const size_t fresh = ((size_t)b * HKV + hk) * D;
 auto row_of = [&](int j) -> size_t {         // packed row of key j: [page, slot, head]
   return ((size_t)pages[(size_t)b * P + j / PT] * PT + j % PT) * HKV + hk;
 };
+// Copy ownership: TPR threads copy row r of every tile (its code pieces dealt out among them,
+// and the four metadata groups one section each), so a thread looks its row's page up once a
+// tile and every piece's address is the row's base plus a constant. (A lookup and a 64-bit
+// address per piece took about half the page-key kernel's tile loop: bench.cuda_sass_loops.)
+constexpr int TPR = NT / KT;                 // threads per row: 2 (int4), 4 (int8)
+const int ir = tid / TPR, ih = tid % TPR;
 auto issue = [&](int t) {                    // cp.async of tile t into stage t & 1
-  const int base = j0 + t * KT, cnt = min(KT, hend - base);
-  unsigned int* sk = reinterpret_cast<unsigned int*>(smem + (t & 1) * STAGE);
-  unsigned int* sv = sk + V_OFF;
-  float* sm_ = smem + (t & 1) * STAGE + M_OFF;
-  #pragma unroll
-  for (int i = 0; i < KT * KCH / NT; ++i) {
-    const int e = tid + i * NT, r = e / KCH, c = e % KCH;
-    if (r < cnt)
-      orch_cp_async<KCB>(sk + r * KS + c * (KCB / 4), pool + sec(row_of(base + r), KC_OFF, LW) + c * (KCB / 4));
-  }
-  #pragma unroll
-  for (int i = 0; i < KT * (LW / 4) / NT; ++i) {
-    const int e = tid + i * NT, r = e / (LW / 4), c = e % (LW / 4);
-    if (r < cnt) orch_cp_async<16>(sv + r * LW + c * 4, pool + sec(row_of(base + r), VC_OFF, LW) + c * 4);
-  }
-  #pragma unroll
-  for (int i = 0; i < 4 * KT / NT; ++i) {
-    const int e = tid + i * NT, a = e / KT, r = e % KT;
-    const int off = a == 0 ? KS_OFF : a == 1 ? KO_OFF : a == 2 ? VS_OFF : VO_OFF;
-    if (r < cnt) orch_cp_async<4 * NG>(sm_ + (a * KT + r) * NG, pool + sec(row_of(base + r), off, NG));
+  const int j = j0 + t * KT + ir;
+  if (j < hend) {
+    const int slot = j % PT * HK + hk;       // the row's place in each section of its page
+    const uint32_t* src = pool + (size_t)pages[(size_t)b * P + j / PT] * PGW;
+    unsigned int* sk = reinterpret_cast<unsigned int*>(smem + (t & 1) * STAGE);
+    #pragma unroll
+    for (int i = 0; i < KCH / TPR; ++i) {
+      const int c = i * TPR + ih;
+      orch_cp_async<KCB>(sk + ir * KS + c * (KCB / 4), src + KC_OFF + slot * LW + c * (KCB / 4));
+    }
+    #pragma unroll
+    for (int i = 0; i < LW / 4 / TPR; ++i) {
+      const int c = i * TPR + ih;
+      orch_cp_async<16>(sk + V_OFF + ir * LW + c * 4, src + VC_OFF + slot * LW + c * 4);
+    }
+    #pragma unroll
+    for (int i = 0; i < 4 / TPR; ++i) {
+      const int a = i * TPR + ih;
+      const int off = a == 0 ? KS_OFF : a == 1 ? KO_OFF : a == 2 ? VS_OFF : VO_OFF;
+      orch_cp_async<4 * NG>(smem + (t & 1) * STAGE + M_OFF + (a * KT + ir) * NG,
+                            src + off + slot * NG);
+    }
   }
   orch_cp_commit();
 };
