@@ -70,17 +70,24 @@ auto row_at = [&](int j) -> long long {
   const int page = pages[(size_t)b * P + j / PT];
   return (((long long)hk * NP + page) * PT + j % PT) * D;
 };
+// Copy ownership: TPR threads copy row ir of every tile (its 16-byte pieces dealt out among
+// them), so a thread looks its row's page up once a tile, not once a piece (a lookup and a
+// 64-bit address per piece were about a third of the tile loop: bench.cuda_sass_loops).
+constexpr int TPR = NT / KT;                 // threads per row: 2 (head dim 64), 4 (128)
+static_assert(NT % KT == 0 && RPC % TPR == 0, "tile loads: a row's pieces split evenly");
 auto issue = [&](int t) {                    // cp.async of tile t into stage t & 1
-  const int base = j0 + t * KT, cnt = min(KT, j1 - base);
-  unsigned int* const sk = words + (t & 1) * STAGE;
-  for (int e = tid; e < KT * RPC; e += NT) {
-    const int r = e / RPC, c = e % RPC;
-    if (r < cnt) {
-      const long long at = row_at(base + r);
-      const TK* ksrc = at < 0 ? kn + own : kp + at;
-      const TK* vsrc = at < 0 ? vn + own : vp + at;
-      orch_cp_async<16>(sk + r * KSW + c * 4, ksrc + c * 8);
-      orch_cp_async<16>(sk + (KT + r) * KSW + c * 4, vsrc + c * 8);
+  const int ir = tid / TPR, ih = tid % TPR;
+  const int j = j0 + t * KT + ir;
+  if (j < j1) {
+    unsigned int* const sk = words + (t & 1) * STAGE;
+    const long long at = row_at(j);
+    const TK* ksrc = at < 0 ? kn + own : kp + at;
+    const TK* vsrc = at < 0 ? vn + own : vp + at;
+    #pragma unroll 2                         // fully: 16-32 more registers, fewer blocks an SM
+    for (int i = 0; i < RPC / TPR; ++i) {
+      const int c = i * TPR + ih;
+      orch_cp_async<16>(sk + ir * KSW + c * 4, ksrc + c * 8);
+      orch_cp_async<16>(sk + (KT + ir) * KSW + c * 4, vsrc + c * 8);
     }
   }
   orch_cp_commit();

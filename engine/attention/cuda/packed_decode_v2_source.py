@@ -76,7 +76,7 @@ const size_t fresh = ((size_t)b * HKV + hk) * D;
 auto row_of = [&](int j) -> size_t {         // packed row of key j: [page, slot, head]
   return ((size_t)pages[(size_t)b * P + j / PT] * PT + j % PT) * HKV + hk;
 };
-// Copy ownership: TPR threads copy row r of every tile (its code pieces dealt out among them,
+// Copy ownership: TPR threads copy row ir of every tile (its code pieces dealt out among them,
 // and the four metadata groups one section each), so a thread looks its row's page up once a
 // tile and every piece's address is the row's base plus a constant. (A lookup and a 64-bit
 // address per piece took about half the page-key kernel's tile loop: bench.cuda_sass_loops.)

@@ -115,7 +115,7 @@ if (OWN && split == 0 && warp == 0) {
                                          tw[b], key, wcodes, lane);
 }
 
-// Copy ownership: thread pair (2r, 2r + 1) copies row r of every tile (key codes and value
+// Copy ownership: thread pair (2r, 2r + 1) copies row r = ir of every tile (key codes and value
 // codes split between the pair, scales by one and offsets by the other), so a thread looks up
 // its row's page once a tile and every piece's address is that page's base plus a constant.
 // Tiles start on page boundaries, so a row's slot in its page is the same in every tile.
