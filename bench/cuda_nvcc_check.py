@@ -169,7 +169,7 @@ def page_key_variants():
             for pt in (16, 32, 64):
                 for g in (1, 4, 7, 8):
                     for split in (False, True):
-                        for own in ((False, True) if g in (1, 8) else (False,)):
+                        for own in ((False, True) if g in (1, 4, 8) else (False,)):
                             template = [("D", d), ("G", g), ("PT", pt), ("HK", 2), ("KB", kb),
                                         ("TQ", "bfloat16"), ("TK", "bfloat16"),
                                         ("TT", "bfloat16"), ("OWN", own), ("SPLIT", split),

@@ -8,7 +8,7 @@ bytes they read (docs/lab/benchmarks-kv-page-keys.md: the page-key kernel read 0
 bytes and took 1.24x its time), and device time is scarce. This compiles each named variant of
 `bench.cuda_nvcc_check` with the local nvcc, disassembles it (cuobjdump, which needs nvdisasm:
 the PyPI wheels `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` carry both), finds the
-longest loop (the tile loop: the largest backward branch) and prints, as JSON, its instruction
+tile loop (`main_loop`) and prints, as JSON, its instruction
 count, the instructions of each stretch between block barriers (`BAR.SYNC`: the tile's copy
 issue, score pass, softmax and P.V) and the opcodes they are made of. Static counts: a loop
 body's instructions per pass, not cycles; the device says what they cost. Exit 2 without
@@ -59,11 +59,22 @@ def opcode(text: str) -> str:
 
 
 def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int] | None:
-    """Index range [first, last] of the longest loop: a backward branch and its target."""
+    """Index range [first, last] of the tile loop: the shortest loop (a backward branch and its
+    target) that prefetches (`LDGSTS`: cp.async) and holds two block barriers; without one, the
+    longest loop. (A code region the compiler laid out around the tile loop, with a backward
+    branch of its own, would otherwise be taken for it.)"""
     index = {a: i for i, (a, _) in enumerate(ins)}
     loops = [(index[int(m.group(1), 16)], i) for i, (a, t) in enumerate(ins)
              if (m := BRANCH.search(t)) and int(m.group(1), 16) < a
              and int(m.group(1), 16) in index]
+
+    def tiles(span):
+        body = [t for _, t in ins[span[0]:span[1] + 1]]
+        return (any(opcode(t) == "LDGSTS" for t in body)
+                and sum(any(b in t for b in BARRIERS) for t in body) >= 2)
+    tiled = [r for r in loops if tiles(r)]
+    if tiled:
+        return min(tiled, key=lambda r: r[1] - r[0])
     return max(loops, key=lambda r: r[1] - r[0], default=None)
 
 

@@ -20,7 +20,7 @@ LISTING = """
         /*0080*/                   LOP3.LUT R9, R9, 0x3f, RZ, 0xc0, !PT ; /* 0x000 */
         /*0090*/              @!P1 BRA 0x20 ;                             /* 0x000 */
         /*00a0*/                   ISETP.GE.AND P2, PT, R0, 0x4, PT ;     /* 0x000 */
-        /*00b0*/               @P2 BRA 0xa0 ;                             /* 0x000 */
+        /*00b0*/               @P2 BRA 0x10 ;                             /* 0x000 */
         /*00c0*/                   EXIT ;                                 /* 0x000 */
 """
 
@@ -29,13 +29,19 @@ def test_the_longest_loop_is_split_at_block_barriers():
     ins = sl.instructions(LISTING)
     assert len(ins) == 13 and ins[2] == (0x20, "LDG.E R2, desc[UR4][R2.64]")
     assert sl.opcode("@!P1 BRA 0x20") == "BRA" and sl.opcode("@P0 FFMA R8, R6, R7, R8") == "FFMA"
-    assert sl.main_loop(ins) == (2, 9)            # 0x20..0x90, not the 2-instruction loop at 0xa0
+    # 0x20..0x90 (prefetch, two barriers), not the longer region 0x10..0xb0 laid out around it
+    assert sl.main_loop(ins) == (2, 9)
     report = sl.loop_report(ins)
     assert report["instructions"] == 13 and report["loop"]["instructions"] == 8
     parts = report["loop"]["between_barriers"]
     assert [p["instructions"] for p in parts] == [3, 3, 2]
     assert parts[0]["opcodes"] == {"LDG": 1, "LDGSTS": 1, "BAR": 1}
     assert parts[1]["opcodes"] == {"FFMA": 2, "BAR": 1} and parts[2]["from"] == "0x80"
+
+
+def test_without_a_prefetching_loop_the_longest_loop_is_taken():
+    ins = [(a, t.replace("LDGSTS", "STS")) for a, t in sl.instructions(LISTING)]
+    assert sl.main_loop(ins) == (1, 11)
 
 
 def test_a_kernel_without_a_loop_reports_its_size_only():
