@@ -20,6 +20,8 @@ import numpy as np
 
 from capacity.formats import KVFormatError
 
+SMALL_WRITE = 64   # rows up to which `plan` works on Python ids rather than numpy arrays
+
 
 class TailPlan:
     """One step's tail bookkeeping, computed once and shared by every layer."""
@@ -64,19 +66,25 @@ class TailMap:
         page, offset = np.asarray(page), np.asarray(offset)
         if page.size == 0:
             return TailPlan(None, None)
-        pages = np.unique(page)
-        full = {int(p) for p in pages
-                if (offset[page == p] == self.page_tokens - 1).any()}
-        given_back = [s for s in (self.slot_of.pop(p, None) for p in sorted(full))
-                      if s is not None]
-        partial = [int(p) for p in pages if int(p) not in full]
+        last = self.page_tokens - 1
+        if page.size <= SMALL_WRITE:
+            # A decode step's rows: sets over a few ids cost less than numpy's calls (its
+            # unique / isin took ~20 us a step, on the host path of every compiled step).
+            ids, offs = page.tolist(), offset.tolist()
+            full = sorted({p for p, o in zip(ids, offs) if o == last})
+            partial = sorted(set(ids).difference(full))
+        else:
+            full = np.unique(page[offset == last]).tolist()
+            partial = np.setdiff1d(page, full).tolist()
+        given_back = [s for s in (self.slot_of.pop(p, None) for p in full) if s is not None]
         for p in partial:
             if p not in self.slot_of:
                 self.slot_of[p] = self._take(given_back)
         self._free.extend(given_back)
         if not partial:
             return TailPlan(None, None)
-        keep = np.flatnonzero(np.isin(page, partial))
+        keep = (np.flatnonzero(np.isin(page, partial)) if page.size > SMALL_WRITE else
+                np.array([i for i, p in enumerate(ids) if p in self.slot_of], dtype=np.int64))
         return TailPlan(keep.astype(np.int32),
                         np.array([self.slot_of[int(p)] for p in page[keep]], dtype=np.int32),
                         self.reused)
