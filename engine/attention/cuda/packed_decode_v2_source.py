@@ -70,6 +70,7 @@ const int j0 = split * per, j1 = min(n, j0 + per);
 const int hend = min(j1, nh);
 const int ntile = hend > j0 ? (hend - j0 + KT - 1) / KT : 0;
 const float sc = scale[0];
+const unsigned int ONE = orch_one_bits(sc);  // 1.0f's bits for the codes (HELPERS)
 const float NEG_INF = -__int_as_float(0x7f800000);
 const size_t fresh = ((size_t)b * HKV + hk) * D;
 
@@ -186,8 +187,10 @@ for (int t = 0; t < ntile; ++t) {
         for (int h = 0; h < G; ++h) qv[h] = *reinterpret_cast<const float4*>(qp + h * D);
         #pragma unroll
         for (int i = 0; i < KPT; ++i) {
-          const float x0 = orch_code1<KB>(wd[i][k], e), x1 = orch_code1<KB>(wd[i][k], e + 1);
-          const float x2 = orch_code1<KB>(wd[i][k], e + 2), x3 = orch_code1<KB>(wd[i][k], e + 3);
+          const float x0 = orch_code1<KB>(wd[i][k], e, ONE);
+          const float x1 = orch_code1<KB>(wd[i][k], e + 1, ONE);
+          const float x2 = orch_code1<KB>(wd[i][k], e + 2, ONE);
+          const float x3 = orch_code1<KB>(wd[i][k], e + 3, ONE);
 """ + DOT4 + """\
         }
       }

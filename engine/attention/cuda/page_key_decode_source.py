@@ -24,11 +24,11 @@ from engine.attention.cuda.tile_helpers import (ACCUMULATORS, ASYNC, BLOCK_INDEX
 # unrolling, the branch and indices fold away.
 PAGE_KEY_HELPERS = """
 template <int KB>
-__device__ __forceinline__ float orch_code_at(const unsigned int* w, int cc) {
+__device__ __forceinline__ float orch_code_at(const unsigned int* w, int cc, unsigned int one) {
   constexpr int TOP = 23 - KB;
   const int bit = cc * KB, wi = bit / 32, sh = bit % 32;
   const unsigned int x = sh + KB <= 32 ? (w[wi] >> sh) : ((w[wi] >> sh) | (w[wi + 1] << (32 - sh)));
-  return __uint_as_float(((x & ((1u << KB) - 1u)) << TOP) | 0x3f800000u);
+  return __uint_as_float(((x & ((1u << KB) - 1u)) << TOP) | one);
 }
 """
 
@@ -96,6 +96,7 @@ const int j0 = split * per, j1 = min(n, j0 + per);
 const int hend = min(j1, nfull);
 const int ntile = hend > j0 ? (hend - j0 + KT - 1) / KT : 0;
 const float NEG_INF = -__int_as_float(0x7f800000);
+const unsigned int ONE = orch_one_bits(scale[0]);   // 1.0f's bits for the codes (HELPERS)
 const size_t fresh = ((size_t)b * HKV + hk) * D;
 // OWN: this step's own row stored by this launch (page_key_decode.py, `tail_write`), by warp 0
 // of the row's first split, with the write kernel's device function (page_key_write_row.py):
@@ -225,10 +226,10 @@ for (int t = 0; t < ntile; ++t) {
         const int pg_ = (lane + 32 * i) / PT;
         const float4 S = *reinterpret_cast<const float4*>(km + pg_ * D + ch);
         const float4 O = *reinterpret_cast<const float4*>(km + KT * NGK + pg_ * D + ch);
-        const float x0 = fmaf(orch_code_at<KB>(wd[i], 4 * u), S.x, O.x);
-        const float x1 = fmaf(orch_code_at<KB>(wd[i], 4 * u + 1), S.y, O.y);
-        const float x2 = fmaf(orch_code_at<KB>(wd[i], 4 * u + 2), S.z, O.z);
-        const float x3 = fmaf(orch_code_at<KB>(wd[i], 4 * u + 3), S.w, O.w);
+        const float x0 = fmaf(orch_code_at<KB>(wd[i], 4 * u, ONE), S.x, O.x);
+        const float x1 = fmaf(orch_code_at<KB>(wd[i], 4 * u + 1, ONE), S.y, O.y);
+        const float x2 = fmaf(orch_code_at<KB>(wd[i], 4 * u + 2, ONE), S.z, O.z);
+        const float x3 = fmaf(orch_code_at<KB>(wd[i], 4 * u + 3, ONE), S.w, O.w);
 """ + DOT4 + """\
       }
     }

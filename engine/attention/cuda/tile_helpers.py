@@ -45,16 +45,24 @@ __device__ __forceinline__ void orch_cp_wait_all() {
 """
 
 HELPERS = """
+// 1.0f's bits as a value ptxas cannot fold into an immediate. The codes below are
+// (x & mask) | one: with both constants immediate ptxas emits an AND and an OR per code (a LOP3
+// takes one immediate), with `one` in a register a single LOP3 (bench.cuda_sass_loops: the
+// page-key score pass 612 -> 556 instructions a tile). ptxas folds every constant it can see, so
+// the bits are ORed with a test on a kernel input that is never NaN (the softmax scale).
+__device__ __forceinline__ unsigned int orch_one_bits(float never_nan) {
+  return 0x3f800000u | (unsigned int)(never_nan != never_nan);
+}
 // A packed code c as the float 1 + c / 2^KB: the code goes into the top KB mantissa bits of 1.0f
-// (one shift and one LOP3; no int-to-float conversion, no subtraction). Any bits give a finite
-// value, so stale shared memory past a tile's last key can never make a NaN. The kernel
-// corrects for the 1 with sum(q) terms it already needs for the group offsets.
+// (a shift and a LOP3 with `one` = orch_one_bits; no int-to-float conversion, no subtraction).
+// Any bits give a finite value, so stale shared memory past a tile's last key can never make a
+// NaN. The kernel corrects for the 1 with sum(q) terms it already needs for the group offsets.
 template <int KB>
-__device__ __forceinline__ float orch_code1(unsigned int w, int i) {
+__device__ __forceinline__ float orch_code1(unsigned int w, int i, unsigned int one) {
   constexpr int TOP = 23 - KB;
   const int sh = i * KB;
   const unsigned int x = sh <= TOP ? (w << (TOP - sh)) : (w >> (sh - TOP));
-  return __uint_as_float((x & (((1u << KB) - 1u) << TOP)) | 0x3f800000u);
+  return __uint_as_float((x & (((1u << KB) - 1u) << TOP)) | one);
 }
 // N consecutive 32-bit words from shared memory in the widest aligned loads.
 template <int N>
@@ -212,7 +220,7 @@ _PACKED_PV = """
     }
     #pragma unroll
     for (int i = 0; i < CPW; ++i) {
-      const float x = orch_code1<BITS>(wv, i);
+      const float x = orch_code1<BITS>(wv, i, ONE);
       #pragma unroll
       for (int h = 0; h < G; ++h) acc[h][i] = fmaf(ph[h], x, acc[h][i]);
     }
