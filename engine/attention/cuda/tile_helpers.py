@@ -21,11 +21,12 @@ from engine.kv.page_layout import SECTIONS, PageLayout
 
 # The asynchronous-copy helpers (inline PTX); bench/cuda_emulate.py swaps in CPU twins.
 ASYNC = """
+// A shared-memory pointer as cp.async's 32-bit shared address. Through the intrinsic, not an
+// asm block: the compiler then adds offsets to the array's 32-bit address, where an opaque cvta
+// made it build a 64-bit generic address for every piece first (about half of the page-key
+// kernel's copy issue: bench.cuda_sass_loops).
 __device__ __forceinline__ unsigned int orch_smem_u32(const void* p) {
-  unsigned int s;
-  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-               : "=r"(s) : "l"(p));
-  return s;
+  return static_cast<unsigned int>(__cvta_generic_to_shared(p));
 }
 // Asynchronous global -> shared copy of N bytes (4, 8 or 16; 16 bypasses L1: streamed once).
 template <int N>
