@@ -98,24 +98,6 @@ const int ntile = hend > j0 ? (hend - j0 + KT - 1) / KT : 0;
 const float NEG_INF = -__int_as_float(0x7f800000);
 const unsigned int ONE = orch_one_bits(scale[0]);   // 1.0f's bits for the codes (HELPERS)
 const size_t fresh = ((size_t)b * HKV + hk) * D;
-// OWN: this step's own row stored by this launch (page_key_decode.py, `tail_write`), by warp 0
-// of the row's first split, with the write kernel's device function (page_key_write_row.py):
-// its value record and tail row in place, and its page's key codes when it fills the page.
-// Nothing this launch reads is written: attention takes the row's partial page from its tail
-// rows before it (tslot, as the step began) and its own key from kf; a new page's slot was no
-// row's when the step began (engine/kv/tails.py).
-__shared__ unsigned char wcodes[OWN ? D : 1];
-if (OWN && split == 0 && warp == 0) {
-  const int pos = n - 1, wpg = pages[(size_t)b * P + pos / PT], wo = pos % PT;
-  const size_t src = (size_t)max(tslot[b], 0) * PT * HKV * D + (size_t)hk * D + lane * VPT;
-  auto key = [&](int t, int i) -> float {   // token t of the page: the tail's, or this row's
-    return t == wo ? to_f(kf[fresh + lane * VPT + i]) : to_f(kt[src + (size_t)t * HKV * D + i]);
-  };
-  orch_page_key_write_row<D, PT, HK, KB>(kf + fresh, vf + fresh, const_cast<uint32_t*>(pool),
-                                         const_cast<TT*>(kt), const_cast<TT*>(vt), wpg, wo, hk,
-                                         tw[b], key, wcodes, lane);
-}
-
 // Copy ownership: thread pair (2r, 2r + 1) copies row r = ir of every tile (key codes and value
 // codes split between the pair, scales by one and offsets by the other), so a thread looks up
 // its row's page once a tile and every piece's address is that page's base plus a constant.
@@ -150,6 +132,25 @@ auto issue = [&](int t) {                    // cp.async of tile t into stage t 
   orch_cp_commit();
 };
 if (ntile > 0) issue(0);                     // the first tile lands while the queries load
+
+// OWN: this step's own row stored by this launch (page_key_decode.py, `tail_write`), by warp 0
+// of the row's first split, with the write kernel's device function (page_key_write_row.py):
+// its value record and tail row in place, and its page's key codes when it fills the page.
+// Nothing this launch reads is written: attention takes the row's partial page from its tail
+// rows before it (tslot, as the step began) and its own key from kf; a new page's slot was no
+// row's when the step began (engine/kv/tails.py). So it runs after the first tile's copies were
+// issued, which read only full pages (never this row's), and the copies land meanwhile.
+__shared__ unsigned char wcodes[OWN ? D : 1];
+if (OWN && split == 0 && warp == 0) {
+  const int pos = n - 1, wpg = pages[(size_t)b * P + pos / PT], wo = pos % PT;
+  const size_t src = (size_t)max(tslot[b], 0) * PT * HKV * D + (size_t)hk * D + lane * VPT;
+  auto key = [&](int t, int i) -> float {   // token t of the page: the tail's, or this row's
+    return t == wo ? to_f(kf[fresh + lane * VPT + i]) : to_f(kt[src + (size_t)t * HKV * D + i]);
+  };
+  orch_page_key_write_row<D, PT, HK, KB>(kf + fresh, vf + fresh, const_cast<uint32_t*>(pool),
+                                         const_cast<TT*>(kt), const_cast<TT*>(vt), wpg, wo, hk,
+                                         tw[b], key, wcodes, lane);
+}
 
 // Queries scaled by the softmax scale, unrotated (page-key formats store keys unrotated).
 for (int e = tid; e < G * D; e += NT)
