@@ -28,6 +28,13 @@ PRELUDE = ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n
            "#define inf cuda::std::numeric_limits<float>::infinity()\n")
 
 
+def wheel_files(pattern: str) -> list[Path]:
+    """Files of NVIDIA's PyPI wheels on sys.path matching `pattern` under their `nvidia/`
+    folder (e.g. "*/bin/cuobjdump", "*/lib/libnvrtc.so*"): CUDA tools without a toolkit."""
+    return sorted(f for p in sys.path if (Path(p) / "nvidia").is_dir()
+                  for f in (Path(p) / "nvidia").glob(pattern))
+
+
 def template_constants(template: list[tuple[str, object]], types: dict) -> list[str]:
     """A kernel's template arguments as the constants MLX's cuda_kernel declares in its body
     (bool and int constexprs, dtypes as `using` aliases spelled through `types`)."""

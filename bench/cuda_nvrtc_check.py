@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from bench.cuda_nvcc_check import variants
+from bench.cuda_nvcc_check import variants, wheel_files
 
 # NVRTC has no C++ host headers: the prelude's <cstdint> becomes the two types the kernels use.
 CSTDINT = "#include <cstdint>\n"
@@ -28,13 +28,8 @@ FIXED_WIDTH = "typedef unsigned int uint32_t;\ntypedef int int32_t;\n"
 
 def find_nvrtc() -> str | None:
     """libnvrtc: $ORCHARD_NVRTC, else the nvidia-cuda-nvrtc wheel's on sys.path."""
-    if os.environ.get("ORCHARD_NVRTC"):
-        return os.environ["ORCHARD_NVRTC"]
-    for p in sys.path:
-        found = sorted(Path(p).glob("nvidia/*/lib/libnvrtc.so*"))
-        if found:
-            return str(found[0])
-    return None
+    return os.environ.get("ORCHARD_NVRTC") or next(
+        map(str, wheel_files("*/lib/libnvrtc.so*")), None)
 
 
 def toolkit_include() -> Path | None:

@@ -27,7 +27,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from bench.cuda_nvcc_check import variants
+from bench.cuda_nvcc_check import variants, wheel_files
 
 LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 BRANCH = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
@@ -37,14 +37,9 @@ BARRIERS = ("BAR.SYNC", "BAR.ARV", "BAR.RED")
 def find_cuobjdump() -> str | None:
     """cuobjdump on PATH, or from the nvidia-cuda-cuobjdump wheel (its nvdisasm beside it, or
     nvidia-cuda-nvdisasm's, put on PATH for it)."""
-    found = shutil.which("cuobjdump")
-    bins = [Path(p) / "nvidia" for p in sys.path if (Path(p) / "nvidia").is_dir()]
-    wheel_bins = [b for root in bins for b in root.glob("*/bin")]
-    for b in wheel_bins:
-        if not found and (b / "cuobjdump").exists():
-            found = str(b / "cuobjdump")
-        if (b / "nvdisasm").exists():
-            os.environ["PATH"] = f"{b}{os.pathsep}{os.environ.get('PATH', '')}"
+    found = shutil.which("cuobjdump") or next(map(str, wheel_files("*/bin/cuobjdump")), None)
+    for nvdisasm in wheel_files("*/bin/nvdisasm"):
+        os.environ["PATH"] = f"{nvdisasm.parent}{os.pathsep}{os.environ.get('PATH', '')}"
     return found if found and shutil.which("nvdisasm") else None
 
 

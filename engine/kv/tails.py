@@ -67,7 +67,8 @@ class TailMap:
         if page.size == 0:
             return TailPlan(None, None)
         last = self.page_tokens - 1
-        if page.size <= SMALL_WRITE:
+        small = page.size <= SMALL_WRITE
+        if small:
             # A decode step's rows: sets over a few ids cost less than numpy's calls (its
             # unique / isin took ~20 us a step, on the host path of every compiled step).
             ids, offs = page.tolist(), offset.tolist()
@@ -83,8 +84,11 @@ class TailMap:
         self._free.extend(given_back)
         if not partial:
             return TailPlan(None, None)
-        keep = (np.flatnonzero(np.isin(page, partial)) if page.size > SMALL_WRITE else
-                np.array([i for i, p in enumerate(ids) if p in self.slot_of], dtype=np.int64))
+        if small:
+            wanted = set(partial)
+            keep = np.array([i for i, p in enumerate(ids) if p in wanted], dtype=np.int64)
+        else:
+            keep = np.flatnonzero(np.isin(page, partial))
         return TailPlan(keep.astype(np.int32),
                         np.array([self.slot_of[int(p)] for p in page[keep]], dtype=np.int32),
                         self.reused)

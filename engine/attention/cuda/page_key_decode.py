@@ -3,7 +3,7 @@
 Checked by the CPU emulator (bench/cuda_emulate_page_keys.py, tests/engine/attention/
 test_cuda_page_key_decode.py) and a local nvcc (`python -m bench.cuda_nvcc_check --only
 page-key`); timed against native by `python -m bench.device.page_key_qmm --kernel-only`.
-Off by default (KernelChoices.page_key_kernel) until that device run measured it.
+The CUDA default since device runs 4-5 (KernelChoices.page_key_kernel).
 
 Why: on CUDA, page-key history took the generic tiled path, which dequantizes every key of
 the history each step (0.08-0.17x native on the H200: docs/lab/benchmarks-kv-page-keys.md).

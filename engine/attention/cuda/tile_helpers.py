@@ -207,7 +207,8 @@ def online_softmax(slices: str, weights: str, value_groups: bool = True) -> str:
 # A tile's PV pass over packed values (inside the tile loop, sv: the stage's value codes):
 # thread (pk, sub) takes word pk of the rows of keys sub, sub + NSUB, ..., every head for its
 # CPW channels, weights pw per (key, group, head) (0 past the tile's keys, so the whole tile
-# is read). WORDS, BITS: the kernel's value code words per row and value bits (packed_pv).
+# is read). WORDS, BITS: the kernel's value code words per row and value bits (packed_pv);
+# the kernel defines ONE = orch_one_bits(scale) (HELPERS) before it.
 _PACKED_PV = """
   #pragma unroll
   for (int u = 0; u < KT / NSUB; ++u) {
