@@ -134,11 +134,13 @@ class KernelChoices:
     page_key_write: bool | None = None
     # Host-planned page-key writes (prefill chunks, uncompiled decode steps) through the same
     # kernel (PageKeyStore `chunk_writer`), where a 2K chunk's MLX write was ~700 kernels, the
-    # whole of page-key prefill's extra time over native (device run 10). Byte-identical to the
-    # MLX write on the CPU emulator; off (False) until measured on a GPU, where
-    # `bench.page_key_chunk_compare` checks it and bench.kv's `FORMAT:chunk-write` prefill spec
-    # times it. None: on where CUDA runs and page_key_write is.
-    page_key_chunk_write: bool | None = False
+    # whole of page-key prefill's extra time over native (device run 10). On the H100 (device
+    # run 12) `bench.page_key_chunk_compare` found its pools and tails byte-identical to the
+    # MLX write's (k6v4-kivi and int4-kivi, bf16 and f32), and k6v4-kivi prefill took 0.67x /
+    # 0.96x native's time at 4K / 16K where the MLX write took 0.87x / 1.23x (bench.kv's
+    # `FORMAT:chunk-write` / `FORMAT:mlx-write` specs). None (the default): on where CUDA runs
+    # and page_key_write is. False: the MLX ops.
+    page_key_chunk_write: bool | None = None
     # A compiled decode step's page-key write done by the page-key decode kernel itself (its
     # OWN variant: engine/attention/cuda/page_key_decode.py, `tail_write`), as native's tiled
     # kernel stores its step's own keys: one launch a layer where the write kernel made two

@@ -49,7 +49,9 @@ partial page from the tail as the step began.
 Checked on the CPU emulator against the store's MLX path (bench/cuda_emulate_page_keys.py,
 tests/engine/attention/test_cuda_page_key_write.py: decode steps and prefill chunks) and by
 nvcc (`python -m bench.cuda_nvcc_check --only page-key-write`); decode writes timed on the
-device (runs 7 and 10: `python -m bench.device.page_key_layer_profile`, `:fused` rows).
+device (runs 7 and 10: `python -m bench.device.page_key_layer_profile`, `:fused` rows); chunk
+writes byte-checked on the H100 (`python -m bench.page_key_chunk_compare`, device run 12) and
+timed there by bench.kv's prefill specs (the default since).
 """
 from __future__ import annotations
 

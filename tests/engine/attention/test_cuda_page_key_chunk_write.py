@@ -74,7 +74,7 @@ def test_rows_of_one_page_out_of_order_take_the_mlx_write(tmp_path):
 
 @pytest.mark.parametrize("choice,taken", [(False, False), (None, True), (True, True)])
 def test_the_kernel_choice_decides_whether_stores_get_the_chunk_writer(monkeypatch, choice, taken):
-    """KernelChoices.page_key_chunk_write: off by default (not yet measured on a GPU); None or
+    """KernelChoices.page_key_chunk_write: on by default (None) since device run 12; None or
     True hand page-key stores the CUDA write kernel where CUDA runs (faked here: `available`)."""
     from engine.attention.choices import KernelChoices
     from engine.attention.cuda import paged_decode
