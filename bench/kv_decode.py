@@ -8,6 +8,7 @@ formats): decode speed depends on how much KV it reads, not on what the rows say
 """
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import replace
@@ -90,10 +91,20 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:
     """(format, kernel choices) of a decode format spec FORMAT[:KERNEL], KERNEL a key of
-    DECODE_KERNELS (native:walk: the walk native decode kernel)."""
+    DECODE_KERNELS (native:walk: the walk native decode kernel) or `split-T[-K]`: the split
+    plan aimed at T blocks a layer with splits of at least K keys (KernelChoices
+    .decode_split_target, decode_split_min_keys), for this variant only, so a sweep of one
+    kernel's plan times it paired with the others at their defaults."""
     fmt, _, kernel = spec.partition(":")
+    plan = re.fullmatch(r"split-(\d+)(?:-(\d+))?", kernel)
+    if plan:
+        target, keys = int(plan[1]), int(plan[2]) if plan[2] else None
+        if target < 1 or (keys is not None and keys < 1):
+            raise ValueError(f"decode format {spec!r}: split target and keys must be positive")
+        return fmt, replace(kernels, decode_split_target=target, decode_split_min_keys=keys)
     if kernel and kernel not in DECODE_KERNELS:
-        raise ValueError(f"decode format {spec!r}: kernel must be one of {sorted(DECODE_KERNELS)}")
+        raise ValueError(f"decode format {spec!r}: kernel must be one of {sorted(DECODE_KERNELS)}"
+                         " or split-T[-K]")
     return fmt, replace(kernels, **DECODE_KERNELS[kernel]) if kernel else kernels
 
 

@@ -103,3 +103,19 @@ def test_graph_counts_per_step():
     from collections import Counter
     got = kv_decode._per_step((8, Counter({"gemv": 40, "decode": 16, "rare": 1})), 4)
     assert got == {"graphs": 2.0, "nodes": 14.2, "by_kernel": {"gemv": 10.0, "decode": 4.0}}
+
+
+def test_split_specs_set_one_variants_plan_and_bad_ones_are_refused():
+    """`FORMAT:split-T[-K]` sets that variant's split plan (a sweep pairs it with the others at
+    their defaults); a malformed or non-positive plan is a clear error."""
+    from engine.attention.choices import DEFAULT_KERNELS
+    fmt, kernels = kv_decode.decode_kernels("k6v4-kivi:split-1056-128", DEFAULT_KERNELS)
+    assert (fmt, kernels.decode_split_target, kernels.decode_split_min_keys) == (
+        "k6v4-kivi", 1056, 128)
+    _, kernels = kv_decode.decode_kernels("k6v4-kivi:split-528", DEFAULT_KERNELS)
+    assert (kernels.decode_split_target, kernels.decode_split_min_keys) == (528, None)
+    _, kernels = kv_decode.decode_kernels("k6v4-kivi", DEFAULT_KERNELS)
+    assert kernels == DEFAULT_KERNELS
+    for bad in ("k6v4-kivi:split-0", "k6v4-kivi:split-x", "k6v4-kivi:split-64-0"):
+        with pytest.raises(ValueError, match="split"):
+            kv_decode.decode_kernels(bad, DEFAULT_KERNELS)
