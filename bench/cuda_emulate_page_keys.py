@@ -48,7 +48,7 @@ def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slot
     from engine.attention.cuda import page_key_write as pw
     from engine.attention.cuda import paged_decode as pd
     from engine.attention.cuda import tile_helpers
-    from engine.attention.cuda.packed_decode_v2 import TARGET_BLOCKS
+    from engine.attention.cuda.page_key_decode import TARGET_BLOCKS
     workdir = workdir or Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
     rows, hq, _, d = q.shape
     kvh = k_new.shape[1]
@@ -220,7 +220,7 @@ def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_toke
 
     from engine.attention.cuda import page_key_decode as pk
     from engine.attention.cuda import paged_decode as pd
-    from engine.attention.cuda.packed_decode_v2 import TARGET_BLOCKS
+    from engine.attention.cuda.page_key_decode import TARGET_BLOCKS
     hist = np.asarray(hist, np.int64)
     bits = 6 if fmt_name.startswith("k6") else 4
     store, tables, slots = page_key_store(rng, fmt_name, hist, kvh, d, page_tokens)

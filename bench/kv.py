@@ -37,6 +37,7 @@ from engine.attention.choices import DEFAULT_KERNELS, PREFILL_PATHS, KernelChoic
 from engine.attention.cuda import packed_decode_v2 as cuda_packed_decode_v2
 from engine.attention.cuda import packed_prefill as cuda_packed_prefill
 from engine.attention.cuda import packed_write as cuda_packed_write
+from engine.attention.cuda import page_key_decode as cuda_page_key_decode
 from engine.attention.cuda import paged_decode as cuda_paged_decode
 from engine.attention.layers import counters_of
 from engine.model.loader import load_model
@@ -291,6 +292,8 @@ def main(argv=None):
                                          or cuda_paged_decode.MIN_KEYS_PER_SPLIT),
                       "v2_split_target": (kernels.decode_split_target
                                           or cuda_packed_decode_v2.TARGET_BLOCKS),
+                      "page_key_split_target": (kernels.decode_split_target
+                                                or cuda_page_key_decode.TARGET_BLOCKS),
                       "write_kernel": (kernels.write_kernel
                                        and cuda_packed_write.usable(8, 8, 128)),
                       "prefill_kernel": (kernels.prefill_kernel

@@ -10,7 +10,7 @@ def plan(rows: int, kv_heads: int, longest: int, n: int, target=None, min_keys=N
          splits=None) -> dict:
     """The page-key kernel's split plan for rows of n keys (page_key_decode_attention's host
     arithmetic and the source's per-split key ranges: whole 64-key tiles)."""
-    from engine.attention.cuda.packed_decode_v2 import TARGET_BLOCKS
+    from engine.attention.cuda.page_key_decode import TARGET_BLOCKS
     from engine.attention.cuda.paged_decode import split_count
     s = splits or split_count(rows, kv_heads, longest, target or TARGET_BLOCKS, min_keys)
     per = -(-(-(-n // s)) // KT) * KT

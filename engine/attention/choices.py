@@ -38,7 +38,8 @@ class KernelChoices:
     # stalled an 8B stream 2.8 s on the H200. Off: compiled on first use (benches compare).
     precompile_decode: bool = True
     # Blocks per layer the decode kernels aim for when they split a row's history
-    # (None: cuda/paged_decode.TARGET_BLOCKS).
+    # (None: each kernel's TARGET_BLOCKS: cuda/paged_decode's and cuda/page_key_decode's 528,
+    # cuda/packed_decode_v2's 2112).
     decode_split_target: int | None = None
     # The shortest history split a decode kernel block takes (None:
     # cuda/paged_decode.MIN_KEYS_PER_SPLIT). At short contexts and batch 1 this, not the

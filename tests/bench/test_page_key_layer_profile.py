@@ -54,6 +54,9 @@ def test_split_plan_at_the_issue_shapes():
     p = profile.plan(1, 4, 8192, 4105)
     assert (p["splits"], p["blocks"], p["active_splits"], p["tiles_per_split"]) == (32, 128, 22, 3)
     assert profile.plan(1, 4, 8192, 4105, splits=128)["working_blocks"] == 260
-    # 32K batch 8: the 64-split cap, 9 tiles per split.
+    # 32K batch 8: 528 blocks a layer (page_key_decode.TARGET_BLOCKS) give 17 splits of 31
+    # tiles; v2's 2112 gave the 64-split cap, 9 tiles per split.
     p = profile.plan(8, 4, 65536, 32777)
+    assert (p["splits"], p["active_splits"], p["tiles_per_split"]) == (17, 17, 31)
+    p = profile.plan(8, 4, 65536, 32777, target=2112)
     assert (p["splits"], p["active_splits"], p["tiles_per_split"]) == (64, 57, 9)

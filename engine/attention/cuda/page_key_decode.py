@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.attention.cuda.packed_decode_v2 import TARGET_BLOCKS
 from engine.attention.cuda.page_key_decode_source import kernel as _kernel
 from engine.attention.cuda.paged_decode import _dims, _scale, launch_split, split_count
 from engine.kv.page_layout import PageLayout
@@ -48,6 +47,13 @@ HEAD_DIMS = (64, 128)
 KEY_BITS = (4, 6)
 PAGE_TOKENS = (16, 32, 64)   # whole pages per 64-key tile, and at least 16 (cp.async pieces)
 MAX_GROUP = 8
+# Split plan target (blocks per layer) when KernelChoices.decode_split_target is unset: the
+# tiled native kernel's 528 (cuda/paged_decode.TARGET_BLOCKS), not v2's 2112, whose plan this
+# kernel took until device run 12 (H100, docs/lab/benchmarks-kv-page-keys.md) swept it paired
+# with native: 528 gave 1.14x native at 32K batch 8 (2112: 1.09x; 264: 0.94x; 132: 0.79x),
+# 0.94x at 4K batch 8 (0.93x), and the Llama-3.1-8B shape at batch 8 after 4K keys 1.02x
+# (2112: 0.98x). Fewer splits: less partial and merge work, each block's tile pipeline longer.
+TARGET_BLOCKS = 528
 
 
 def supports(k_bits: int | None, v_bits: int | None, head_dim: int, group: int,
