@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.cuda_emulate_runtime import ASYNC_CPU, MAIN, PRELUDE
+from bench.cuda_emulate_runtime import ASYNC_CPU, MAIN, MMA_CPU, PRELUDE
 from bench.cuda_nvcc_check import template_constants
 
 CPP_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "uint32": "uint32_t",
@@ -58,7 +58,7 @@ def build(name: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str
             for f, i in [("out", i) for i in range(len(outputs))] + [("in", i) for i in writes]]
     kernel = (f"void {name}(" + ", ".join(params) + ") {\n" + "\n".join(consts) + "\n"
               + source + "\n}\n")
-    return (PRELUDE + ASYNC_CPU + helpers + kernel
+    return (PRELUDE + ASYNC_CPU + MMA_CPU + helpers + kernel
             + MAIN.replace("LOAD", "\n  ".join(load)).replace("CALL", call)
             .replace("SAVE", "\n  ".join(save)))
 

@@ -5,6 +5,8 @@ tail), the reference its own dequantized `gather` (page_quant.dequantize_pages f
 the native tail for the partial one) and a plain float64 softmax.
 
     python -m bench.cuda_emulate_page_keys     # the check cases, exit 1 if one fails
+    python -m bench.cuda_emulate_page_keys --mma            # the tensor-core score pass
+    python -m bench.cuda_emulate_page_keys --mma --device   # the same cases on a CUDA GPU
 """
 from __future__ import annotations
 
@@ -20,13 +22,14 @@ TOLERANCE = 0.02   # bf16 output of float32 math against float64 on the same (de
 
 
 def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
-                    scale, target_blocks=None, workdir: Path | None = None) -> np.ndarray:
+                    scale, target_blocks=None, workdir: Path | None = None,
+                    mma: bool = False) -> np.ndarray:
     """page_key_decode_attention's contract run here (numpy tables, ends, tail_slots; mx
     arrays otherwise, bf16 q, fresh rows and tail), with the host side's split plan and, with
     several splits, the merge kernel. Returns [B, Hq, 1, D] float32 (from the bf16 output
-    unless q is float32)."""
+    unless q is float32). `mma`: the kernel's tensor-core score pass."""
     return _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
-                   target_blocks, None, workdir)[0]
+                   target_blocks, None, workdir, mma)[0]
 
 
 def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
@@ -40,7 +43,7 @@ def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, end
 
 
 def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
-            target_blocks, tail_write, workdir):
+            target_blocks, tail_write, workdir, mma: bool = False):
     import mlx.core as mx
 
     from engine.attention.cuda import page_key_decode as pk
@@ -74,7 +77,7 @@ def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slot
     parts = rows * hq * (splits if splits > 1 else 1)
     template = [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", kvh),
                 ("KB", k_bits), ("TQ", types["q"]), ("TK", types["kf"]), ("TT", types["kt"]),
-                ("OWN", own), ("SPLIT", splits > 1), ("TO", types["q"])]
+                ("OWN", own), ("MMA", mma), ("SPLIT", splits > 1), ("TO", types["q"])]
     outputs = [("out", types["q"]), ("part", "float32"), ("ml", "float32")]
     out, part, ml, *written = ce.run(
         "orchard_page_key_decode", [(n, types[n]) for n in src.INPUTS], outputs, src._SOURCE,
@@ -212,10 +215,11 @@ def reference(q, k_new, v_new, store, tables, hist, scale) -> np.ndarray:
 
 
 def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_tokens: int = 16,
-                  kernel=None, target_blocks=None) -> dict:
+                  kernel=None, target_blocks=None, mma: bool = False) -> dict:
     """One check: rows of hist[b] history tokens (ragged; partial tails where hist % pages),
-    `kernel` with page_key_decode_attention's signature (None: the CUDA kernel itself) against
-    `reference`. Returns a JSON-able dict with max_abs_err and ok."""
+    `kernel` with page_key_decode_attention's signature (None: the CUDA kernel itself, with
+    its tensor-core score pass if `mma`) against `reference`. Returns a JSON-able dict with
+    max_abs_err and ok."""
     import mlx.core as mx
 
     from engine.attention.cuda import page_key_decode as pk
@@ -236,13 +240,13 @@ def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_toke
     if kernel is None:
         got = pk.page_key_decode_attention(*args, mx.array(tables), mx.array(ends),
                                            mx.array(slots), int(ends.max()), scale,
-                                           target_blocks)
+                                           target_blocks, mma=mma)
         got = np.array(got.astype(mx.float32))
     else:
         got = kernel(*args, tables, ends, slots, scale, target_blocks)
     ref = reference(q, k_new, v_new, store, tables, hist, scale)
     err = float(np.nanmax(np.abs(got - ref))) if np.isfinite(got).all() else float("inf")
-    return {"kernel": f"page-key-{fmt_name}", "rows": rows, "hq": hq, "kvh": kvh,
+    return {"kernel": f"page-key-{fmt_name}{'-mma' * mma}", "rows": rows, "hq": hq, "kvh": kvh,
             "head_dim": d, "page_tokens": page_tokens, "history": hist.tolist(),
             "splits": pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS),
             "max_abs_err": round(err, 5), "ok": bool(err < TOLERANCE)}
@@ -261,12 +265,17 @@ CASES = [
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=len(CASES), help="run the first N cases")
+    ap.add_argument("--mma", action="store_true",
+                    help="the kernel's tensor-core score pass (KernelChoices.page_key_mma)")
+    ap.add_argument("--device", action="store_true",
+                    help="run the cases on the CUDA device (MLX's cuda_kernel), not emulated")
     args = ap.parse_args(argv)
 
     def check(rng, work, fmt, hist, hq, kvh, d, pt, target):
         def kernel(*a):
-            return page_key_decode(*a, workdir=work)
-        return page_key_case(rng, fmt, hist, hq, kvh, d, pt, kernel, target)
+            return page_key_decode(*a, workdir=work, mma=args.mma)
+        return page_key_case(rng, fmt, hist, hq, kvh, d, pt, None if args.device else kernel,
+                             target, args.mma)
     return ce.run_cases(CASES[:args.limit], check)
 
 

@@ -2,8 +2,9 @@
 apart from the emulator's Python (build, run, the kernels' runners) so that module stays
 under the 400-line limit as its shared helpers grow: PRELUDE, CUDA's builtins and the fiber
 barriers and warp shuffles in plain C++; ASYNC_CPU, tile_helpers.ASYNC's CPU twins (cp.async
-queued per thread and done at its wait); MAIN, the program that runs a grid block by block, one
-fiber per GPU thread (LOAD, CALL and SAVE filled in by cuda_emulate.build).
+queued per thread and done at its wait); MMA_CPU, tile_helpers.MMA's (a warp's fragments
+exchanged through shared slots, as shuffles are); MAIN, the program that runs a grid block by
+block, one fiber per GPU thread (LOAD, CALL and SAVE filled in by cuda_emulate.build).
 """
 
 PRELUDE = r"""
@@ -25,6 +26,7 @@ struct __nv_bfloat16 { uint16_t x; };
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
 struct alignas(8) uint2 { unsigned int x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -32,6 +34,10 @@ inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; 
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+inline unsigned int __funnelshift_r(unsigned int lo, unsigned int hi, unsigned int sh) {
+  const uint64_t x = ((uint64_t)hi << 32) | lo;
+  return (unsigned int)(x >> (sh & 31u));
+}
 inline float to_f(float x) { return x; }
 inline float to_f(__nv_bfloat16 v) { return __uint_as_float((unsigned int)v.x << 16); }
 inline void put(float* p, float v) { *p = v; }
@@ -97,6 +103,56 @@ inline void orch_cp_commit() {}
 inline void orch_cp_wait_all() {
   for (const Copy& c : g_pending[g_current]) std::memcpy(c.dst, c.src, c.n);
   g_pending[g_current].clear();
+}
+"""
+
+MMA_CPU = r"""
+// tile_helpers.MMA's twins. fp16 <-> float by bits (round to nearest even; the kernels' values
+// are normal and in range: no subnormal or overflow path is needed to check them).
+inline uint16_t orch_f16_bits(float f) {
+  unsigned int u; std::memcpy(&u, &f, 4);
+  const unsigned int sign = (u >> 16) & 0x8000u;
+  const int e = (int)((u >> 23) & 0xffu) - 127 + 15;
+  unsigned int m = u & 0x7fffffu;
+  if (e <= 0) return (uint16_t)sign;          // below fp16's normal range: 0 (never reached)
+  unsigned int h = ((unsigned int)e << 10) | (m >> 13);
+  const unsigned int rest = m & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;
+  return (uint16_t)(sign | h);
+}
+inline float orch_f16_float(uint16_t h) {
+  const unsigned int sign = (unsigned int)(h & 0x8000u) << 16;
+  const unsigned int e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) return 0.0f;
+  const unsigned int u = sign | ((e - 15 + 127) << 23) | (m << 13);
+  float f; std::memcpy(&f, &u, 4); return f;
+}
+inline unsigned int orch_half2(float lo, float hi) {
+  return (unsigned int)orch_f16_bits(lo) | ((unsigned int)orch_f16_bits(hi) << 16);
+}
+// Every lane posts its fragments, then computes its four outputs from the warp's (the PTX
+// fragment layout of mma.m16n8k16 .row.col: tile_helpers.MMA's comment).
+static unsigned int g_frag[32][32][6];
+inline void orch_mma_f16(float* d, const unsigned int* a, const unsigned int* b) {
+  const int me = g_current, w = me / 32, lane = me % 32;
+  for (int i = 0; i < 4; ++i) g_frag[w][lane][i] = a[i];
+  for (int i = 0; i < 2; ++i) g_frag[w][lane][4 + i] = b[i];
+  warp_barrier();
+  auto half = [&](int l, int reg, int k) {
+    const unsigned int x = g_frag[w][l][reg];
+    return orch_f16_float((uint16_t)((k & 1) ? x >> 16 : x & 0xffffu));
+  };
+  for (int i = 0; i < 4; ++i) {
+    const int row = lane / 4 + (i >= 2 ? 8 : 0), col = 2 * (lane % 4) + (i & 1);
+    float acc = d[i];
+    for (int k = 0; k < 16; ++k) {
+      const float x = half((row % 8) * 4 + (k % 8) / 2, (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0), k);
+      const float y = half(col * 4 + (k % 8) / 2, 4 + (k >= 8 ? 1 : 0), k);
+      acc += x * y;
+    }
+    d[i] = acc;
+  }
+  warp_barrier();
 }
 """
 

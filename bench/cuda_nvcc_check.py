@@ -165,7 +165,7 @@ def dequant_variants():
 
 def page_key_variants():
     """The page-key decode kernel (cuda/page_key_decode_source.py): both key widths, head dims,
-    page sizes, GQA groups, split modes."""
+    page sizes, GQA groups, split modes; its tensor-core score pass (MMA) at pages of 16."""
     from engine.attention.cuda import page_key_decode_source as src
     types = {"q": "bfloat16", "kf": "bfloat16", "vf": "bfloat16", "pool": "uint32",
              "kt": "bfloat16", "vt": "bfloat16", "pages": "int32", "ends": "int32",
@@ -177,15 +177,16 @@ def page_key_variants():
                 for g in (1, 4, 7, 8):
                     for split in (False, True):
                         for own in ((False, True) if g in (1, 4, 8) else (False,)):
-                            template = [("D", d), ("G", g), ("PT", pt), ("HK", 2), ("KB", kb),
-                                        ("TQ", "bfloat16"), ("TK", "bfloat16"),
-                                        ("TT", "bfloat16"), ("OWN", own), ("SPLIT", split),
-                                        ("TO", "bfloat16")]
-                            yield (f"page-key d{d} k{kb} pt{pt} g{g} split={split}"
-                                   f"{' own' * own}",
-                                   wrap("orchard_page_key_decode",
-                                        [(n, types[n]) for n in src.INPUTS], outputs,
-                                        src._SOURCE, src.header(), template))
+                            for mma in ((False, True) if pt == 16 else (False,)):
+                                template = [("D", d), ("G", g), ("PT", pt), ("HK", 2),
+                                            ("KB", kb), ("TQ", "bfloat16"), ("TK", "bfloat16"),
+                                            ("TT", "bfloat16"), ("OWN", own), ("MMA", mma),
+                                            ("SPLIT", split), ("TO", "bfloat16")]
+                                yield (f"page-key d{d} k{kb} pt{pt} g{g} split={split}"
+                                       f"{' own' * own}{' mma' * mma}",
+                                       wrap("orchard_page_key_decode",
+                                            [(n, types[n]) for n in src.INPUTS], outputs,
+                                            src._SOURCE, src.header(), template))
 
 
 def page_key_dequant_variants():

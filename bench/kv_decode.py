@@ -86,7 +86,9 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   # Page keys on CUDA: compiled steps' rows stored by the decode kernel itself
                   # (KernelChoices.page_key_own_write, the default), or by the write kernel.
                   "own-write": dict(page_key_own_write=True),
-                  "write-kernel": dict(page_key_own_write=False)}
+                  "write-kernel": dict(page_key_own_write=False),
+                  # ... and its score pass on tensor cores (KernelChoices.page_key_mma).
+                  "mma": dict(page_key_mma=True)}
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:

@@ -151,6 +151,13 @@ class KernelChoices:
     # and k6v4-kivi decode went from 0.73x to 0.85x native at 4K batch 1 and 0.82x to 0.91x at
     # batch 8 (0.95x both ways at 32K batch 8). False: the write kernel.
     page_key_own_write: bool | None = None
+    # The page-key decode kernel's score pass on tensor cores (mma.sync m16n8k16: keys
+    # dequantized in fp32 and rounded to fp16, fp16 queries, fp32 sums), where the CUDA cores'
+    # pass spends one FMA per (key, channel, query head) and one more to dequantize: at the 8B
+    # shape that pass was 556 of the tile loop's 1,361 instructions per 64 keys (device run 12
+    # left 32K batch 8 at 1.14x native, bar 1.3x). Off until a GPU checks and times it
+    # (`python -m bench.cuda_emulate_page_keys --mma --device`, bench.kv's `FORMAT:mma`).
+    page_key_mma: bool = False
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is

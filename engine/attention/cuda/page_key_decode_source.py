@@ -15,8 +15,8 @@ import mlx.core as mx
 from engine.attention.cuda import page_key_write_row
 from engine.attention.cuda.paged_decode import HEADER
 from engine.attention.cuda.tile_helpers import (ACCUMULATORS, ASYNC, BLOCK_INDEX, DOT4,
-                                                HELPERS, RESCALE, online_softmax, packed_pv,
-                                                split_output)
+                                                HELPERS, MMA, RESCALE, online_softmax,
+                                                packed_pv, split_output)
 
 # A code of KB bits at channel cc of a run of words (little-end first, as page_quant packs
 # 6-bit codes: 4 codes to 3 bytes is the same bit stream), as the float 1 + c / 2^KB (see
@@ -32,7 +32,7 @@ __device__ __forceinline__ float orch_code_at(const unsigned int* w, int cc, uns
 }
 """
 
-_HEADER = HEADER + ASYNC + HELPERS + PAGE_KEY_HELPERS
+_HEADER = HEADER + ASYNC + MMA + HELPERS + PAGE_KEY_HELPERS
 
 _SOURCE = """
 constexpr int VB = 4;                        // values: token-local int4, 64-channel groups
@@ -157,6 +157,20 @@ for (int e = tid; e < G * D; e += NT)
   qs[e] = to_f(q[((size_t)(b * HQ + hk * G)) * D + e]) * scale[0];
 if (tid < GP) { st_m[tid] = NEG_INF; st_l[tid] = 0.0f; }
 if (tid < NG * GP) st_ao[tid] = 0.0f;
+// MMA: the lane's query fragments (B, head lane / 4: zero past G), once a block, as fp16 pairs
+// in the channel order of the score pass.
+unsigned int qf[MMA ? D / 8 : 1];
+if (MMA && ntile > 0) {
+  __syncthreads();                           // qs written
+  const int h = lane >> 2;
+  #pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const float4 x = h < G ? *reinterpret_cast<const float4*>(qs + h * D + 16 * kk + 4 * (lane & 3))
+                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    qf[2 * kk] = orch_half2(x.x, x.y);
+    qf[2 * kk + 1] = orch_half2(x.z, x.w);
+  }
+}
 
 // PV ownership: word pk of a value row (CPW channels from c0, group pg) for keys sub, sub +
 // NSUB, ... of a tile.
@@ -201,10 +215,44 @@ for (int t = 0; t < ntile; ++t) {
   }
   __syncthreads();
 
-  // 1. Scores: warp w = channel slice w, lane = key (KPT of them), every query head; the keys
-  // are dequantized in registers by their page's channel scales (broadcast-free reads: the 8
-  // lanes of a float4 phase share a page), queries read as broadcasts.
-  {
+  // 1. Scores. MMA: on tensor cores, warp w = keys 16w.. of the tile (one page: PT >= 16),
+  // every channel and head (orch_mma_f16: A = the keys dequantized in fp32 and rounded to fp16,
+  // B = the block's query fragments qf). The mma's 16 reduction columns of step kk are channels
+  // 16 kk + 4 (lane % 4) + {0, 1, 2, 3} in the lane's four A / B places, so a lane's codes of a
+  // row are one run of 4 KB bits (one funnel shift). Rows past cnt read stale codes and
+  // metadata: their scores (their own output rows) are never read.
+  if (MMA) {
+    const unsigned int* sk = reinterpret_cast<const unsigned int*>(stage);
+    const int r0 = 16 * warp + (lane >> 2), qt = lane & 3;
+    const float* const ks = km + (16 * warp / PT) * D + 4 * qt;
+    const float* const ko = ks + KT * NGK;
+    // The lane's run starts bit 4 qt KB into each 16-channel step's KB / 2 words.
+    const int lw = (4 * qt * KB) >> 5, sh = (4 * qt * KB) & 31;
+    const unsigned int* const w0 = sk + r0 * KS + lw;
+    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const float4 S = *reinterpret_cast<const float4*>(ks + 16 * kk);
+      const float4 O = *reinterpret_cast<const float4*>(ko + 16 * kk);
+      unsigned int a[4];
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const unsigned int* w = w0 + 8 * half * KS + kk * (KB / 2);
+        const unsigned int x = KB == 4 ? w[0] >> sh : __funnelshift_r(w[0], w[1], sh);
+        a[half] = orch_half2(fmaf(orch_code1<KB>(x, 0, ONE), S.x, O.x),
+                             fmaf(orch_code1<KB>(x, 1, ONE), S.y, O.y));
+        a[2 + half] = orch_half2(fmaf(orch_code1<KB>(x, 2, ONE), S.z, O.z),
+                                 fmaf(orch_code1<KB>(x, 3, ONE), S.w, O.w));
+      }
+      orch_mma_f16(sc, a, qf + 2 * kk);
+    }
+    const int h0 = 2 * qt;                   // sc: (key r0, heads h0, h0 + 1), then key r0 + 8
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int h = h0 + (i & 1), r = r0 + 8 * (i >> 1);
+      if (h < G) sp[h * KT + r] = sc[i];
+    }
+  } else {
     const unsigned int* sk = reinterpret_cast<const unsigned int*>(stage);
     const int sl = warp;
     unsigned int wd[KPT][SW + 1];
@@ -243,7 +291,7 @@ for (int t = 0; t < ntile; ++t) {
   __syncthreads();
 
   // 2. The tile's softmax step (values packed: v2's group terms).
-  softmax_step(cnt, NW, true, stage + VM_OFF);
+  softmax_step(cnt, MMA ? 1 : NW, true, stage + VM_OFF);
   __syncthreads();
 
   // 3. PV, as in v2: lanes over a row's words, each thread every head for its CPW channels
@@ -314,7 +362,7 @@ def header() -> str:
 
 @lru_cache(maxsize=None)
 def kernel():
-    """The kernel (template: D, G, PT, HK, KB, TQ, TK, TT, OWN; SPLIT and TO from
+    """The kernel (template: D, G, PT, HK, KB, TQ, TK, TT, OWN, MMA; SPLIT and TO from
     launch_split)."""
     return mx.fast.cuda_kernel(
         name="orchard_page_key_decode", input_names=INPUTS, output_names=OUTPUTS,

@@ -1,10 +1,11 @@
 """CUDA helper text for tiled kernels (first user: cuda/packed_decode_v2_source.py), and the
 host-side check that a packed layer's pool is addressed as the kernels assume (`check_pool`).
 
-ASYNC: cp.async global -> shared copies (inline PTX, sm_80+). HELPERS: packed-code unpacking
-without conversion instructions, shared-memory word loads, warp reductions. Kept apart from the
-kernels so the CPU emulation (bench/cuda_emulate.py) can swap ASYNC for CPU twins and run the
-rest as written. Names carry an `orch_` prefix: the kernels live in namespace mlx::core::cu,
+ASYNC: cp.async global -> shared copies (inline PTX, sm_80+). MMA: a warp's 16 x 8 x 16
+tensor-core product and fp16 packing. HELPERS: packed-code unpacking without conversion
+instructions, shared-memory word loads, warp reductions. Kept apart from the kernels so the
+CPU emulation (bench/cuda_emulate.py) can swap ASYNC and MMA for CPU twins and run the rest as
+written. Names carry an `orch_` prefix: the kernels live in namespace mlx::core::cu,
 where an MLX helper of the same plain name (MLX's default header comes first) would win
 unqualified lookup. Then the kernel-body text the split decode kernels (v2 and
 cuda/page_key_decode_source.py) share, one text so a fix reaches both: BLOCK_INDEX,
@@ -42,6 +43,28 @@ __device__ __forceinline__ void orch_cp_async(void* dst, const void* src) {
 __device__ __forceinline__ void orch_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void orch_cp_wait_all() {
   asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+"""
+
+# Tensor-core helpers (inline PTX, sm_80+); bench/cuda_emulate.py swaps in CPU twins (a warp's
+# fragments exchanged as its shuffles are).
+MMA = """
+// D += A B for one warp: A 16 x 16 (rows: lane / 4 and lane / 4 + 8; columns 2 (lane % 4) + {0, 1}
+// in a[0] / a[1], + 8 in a[2] / a[3]), B 16 x 8 (column lane / 4; rows as A's columns, b[0] and
+// b[1]), fp16 pairs (low half first); D 16 x 8 float (d[0], d[1]: row lane / 4, columns
+// 2 (lane % 4) + {0, 1}; d[2], d[3]: the row 8 below).
+__device__ __forceinline__ void orch_mma_f16(float* d, const unsigned int* a,
+                                             const unsigned int* b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+               "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// Two floats as an fp16 pair, rounded to nearest even: lo in the low half.
+__device__ __forceinline__ unsigned int orch_half2(float lo, float hi) {
+  unsigned int r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
 }
 """
 
