@@ -154,9 +154,11 @@ class KernelChoices:
     # The page-key decode kernel's score pass on tensor cores (mma.sync m16n8k16: keys
     # dequantized in fp32 and rounded to fp16, fp16 queries, fp32 sums), where the CUDA cores'
     # pass spends one FMA per (key, channel, query head) and one more to dequantize: at the 8B
-    # shape that pass was 556 of the tile loop's 1,361 instructions per 64 keys (device run 12
-    # left 32K batch 8 at 1.14x native, bar 1.3x). Off until a GPU checks and times it
-    # (`python -m bench.cuda_emulate_page_keys --mma --device`, bench.kv's `FORMAT:mma`).
+    # shape that pass was 556 of the tile loop's 1,361 instructions per 64 keys (341 with it).
+    # Device run 12 (H100) checked it (`python -m bench.cuda_emulate_page_keys --mma --device`)
+    # and timed it (bench.kv's `FORMAT:mma`): the kernel's time did not move (61.0 against 61.1
+    # us a layer, 8B shape, batch 8), so it stays off: the kernel is no longer bound by what it
+    # issues (docs/lab/benchmarks-kv-page-keys.md, device run 12).
     page_key_mma: bool = False
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
