@@ -121,8 +121,9 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     row to a new page in the step (`TailMap.reused`).
 
     `mma`: the score pass on tensor cores (KernelChoices.page_key_mma: keys dequantized in
-    fp32 and rounded to fp16 against fp16 queries, fp32 sums), where the CUDA cores' pass
-    spends an FMA per (key, channel, query head)."""
+    fp32 and rounded to fp16 against fp16 queries, fp32 sums: keys and scaled queries must lie
+    within fp16's range, +-65504), where the CUDA cores' pass spends an FMA per (key, channel,
+    query head)."""
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
     if hq % kvh or not supports(k_bits, 4, d, hq // kvh, layout.page_tokens):
