@@ -4,6 +4,7 @@ sees every kernel of the process, MLX's included, graph nodes too).
 
     python3 -m bench.device.kernel_trace --model W/models/llama-3.1-8b --context 4096 \\
         --variants native@8,k6v4-kivi@8,native@1,mlx-lm@1 --out $OUT/kernel-trace.json
+    python3 -m bench.device.kernel_trace --geometry gpu --context 32768 --out $OUT/t.json
     python -m bench.device.kernel_trace --tiny --out RESULT.json    # CPU smoke run, no trace
 
 Each variant is FORMAT[:KERNEL]@BATCH (bench.kv_decode's format specs, its pipelined decode at
@@ -36,6 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from bench.kv import GEOMETRIES
 from bench.kv_decode import _DecodeTimer
 from bench.kv_runners import PAGE_TOKENS, progress
 from engine.attention.choices import DEFAULT_KERNELS
@@ -49,6 +51,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model folder (bench.device.shaped_models builds them)")
     ap.add_argument("--tiny", action="store_true", help="a tiny random model (CPU smoke run)")
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES),
+                    help="a random model in one of bench.kv's geometries (its rows' model)")
     ap.add_argument("--variants", default="native@8,k6v4-kivi@8",
                     help="FORMAT[:KERNEL]@BATCH or mlx-lm@1, comma-separated")
     ap.add_argument("--context", type=int, default=4096, help="keys per row before decoding")
@@ -63,8 +67,8 @@ def parse_args(argv=None):
                     help="separate q/k/v and gate/up matmuls (the engine fuses them by default)")
     ap.add_argument("--out", type=Path, required=True, help="the JSON (rewritten per variant)")
     args = ap.parse_args(argv)
-    if not (args.model or args.tiny):
-        ap.error("give --model DIR or --tiny")
+    if sum(map(bool, (args.model, args.tiny, args.geometry))) != 1:
+        ap.error("give one of --model DIR, --geometry NAME, --tiny")
     return args
 
 
@@ -170,12 +174,13 @@ def mlx_lm_variant(model_dir: str, context: int, steps: int, rounds: int):
 def main(argv=None) -> int:
     args = parse_args(argv)
     model_dir = args.model
-    if args.tiny:
+    if args.tiny or args.geometry:
         from bench.synthetic import build_tiny_model
-        model_dir = str(build_tiny_model("llama", Path(tempfile.mkdtemp()) / "trace", **TINY))
+        shape = GEOMETRIES[args.geometry] if args.geometry else TINY
+        model_dir = str(build_tiny_model("llama", Path(tempfile.mkdtemp()) / "trace", **shape))
     loaded = load_model(model_dir, fuse=not args.no_fuse)
     result = {"env": {"mlx": mx.__version__, "device": str(mx.default_device()),
-                      "model": args.model or "tiny", "context": args.context,
+                      "model": args.model or args.geometry or "tiny", "context": args.context,
                       "steps": args.steps, "page_tokens": PAGE_TOKENS, "fused": not args.no_fuse,
                       "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
               "variants": {}}

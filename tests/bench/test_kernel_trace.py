@@ -2,6 +2,8 @@
 so the steps are timed and the trace names why it is missing)."""
 import json
 
+import pytest
+
 from bench.device import kernel_trace
 
 
@@ -36,3 +38,14 @@ def test_tiny_run_times_every_variant(tmp_path):
         assert row["tok_s"] > 0, row
         assert len(row["tok_s_untraced"]) == 2 and row["tok_s_untraced_median"] > 0, row
         assert row["trace"]                     # a summary on CUDA, why not elsewhere
+
+
+def test_model_source_is_exactly_one_of_folder_geometry_tiny(tmp_path, capsys):
+    out = str(tmp_path / "t.json")
+    args = kernel_trace.parse_args(["--geometry", "gpu", "--out", out])
+    assert args.geometry == "gpu" and not args.tiny and args.model is None
+    for bad in (["--out", out], ["--geometry", "gpu", "--tiny", "--out", out],
+                ["--geometry", "huge", "--out", out]):
+        with pytest.raises(SystemExit):
+            kernel_trace.parse_args(bad)
+    assert "one of --model DIR, --geometry NAME, --tiny" in capsys.readouterr().err
