@@ -108,11 +108,6 @@ def native_variants():
                     yield f"native d{d} g{g} split={split} own={own}", wrap(
                         "orchard_paged_decode" + ("_own" if own else ""), base + extra,
                         outputs, pd._native_source(own), pd.HEADER, template)
-    for d in pd.HEAD_DIMS:          # the split kernels' merge (every decode kernel's)
-        yield f"merge d{d}", wrap("orchard_decode_merge", [("part", "float32"), ("ml", "float32"),
-                                                           ("dims", "int32")],
-                                  [("out", "bfloat16")], pd._MERGE, pd.HEADER,
-                                  [("D", d), ("TO", "bfloat16")])
 
 
 def native_tiled_variants():
@@ -192,14 +187,6 @@ def page_key_variants():
                                        wrap("orchard_page_key_decode",
                                             [(n, types[n]) for n in src.INPUTS], outputs,
                                             src._SOURCE, src.header(), template))
-    for kb in (4, 6):                # compiled for 5 resident blocks an SM (launch_bound)
-        for own in (False, True):
-            template = [("D", 128), ("G", 4), ("PT", 16), ("HK", 2), ("KB", kb),
-                        ("TQ", "bfloat16"), ("TK", "bfloat16"), ("TT", "bfloat16"),
-                        ("OWN", own), ("MMA", False), ("SPLIT", True), ("TO", "bfloat16")]
-            yield (f"page-key d128 k{kb} pt16 g4 split=True{' own' * own} mb5",
-                   wrap("orchard_page_key_decode_mb5", [(n, types[n]) for n in src.INPUTS],
-                        outputs, src._SOURCE, src.header() + src.launch_bound(5), template))
 
 
 def page_key_dequant_variants():

@@ -95,26 +95,22 @@ def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoice
     """(format, kernel choices) of a decode format spec FORMAT[:KERNEL[+KERNEL...]], each
     KERNEL a key of DECODE_KERNELS (native:walk: the walk native decode kernel), `split-T[-K]`:
     the split plan aimed at T blocks a layer with splits of at least K keys (KernelChoices
-    .decode_split_target, decode_split_min_keys), or `mbN`: the page-key kernel compiled for N
-    resident blocks an SM (KernelChoices.page_key_min_blocks), for this variant only, so a
-    sweep of one kernel's plan times it paired with the others at their defaults."""
+    .decode_split_target, decode_split_min_keys), for this variant only, so a sweep of one
+    kernel's plan times it paired with the others at their defaults (`mma+split-512`: both)."""
     fmt, _, kernel = spec.partition(":")
     for part in kernel.split("+") if kernel else ():
         plan = re.fullmatch(r"split-(\d+)(?:-(\d+))?", part)
-        bound = re.fullmatch(r"mb(\d+)", part)
         if plan:
             target, keys = int(plan[1]), int(plan[2]) if plan[2] else None
             if target < 1 or (keys is not None and keys < 1):
                 raise ValueError(f"decode format {spec!r}: split target and keys must be "
                                  "positive")
             kernels = replace(kernels, decode_split_target=target, decode_split_min_keys=keys)
-        elif bound:
-            kernels = replace(kernels, page_key_min_blocks=int(bound[1]))
         elif part in DECODE_KERNELS:
             kernels = replace(kernels, **DECODE_KERNELS[part])
         else:
             raise ValueError(f"decode format {spec!r}: kernel must be one of "
-                             f"{sorted(DECODE_KERNELS)}, split-T[-K] or mbN, joined by +")
+                             f"{sorted(DECODE_KERNELS)} or split-T[-K], joined by +")
     return fmt, kernels
 
 

@@ -49,13 +49,9 @@ from bench.device.page_key_qmm import _geometry, _maxdiff
 # (geometry, context, batch): the three targets first, so a run cut short keeps them
 ROWS = [("gpu", 4096, 1), ("gpu", 32768, 8), ("llama8b-2l", 4096, 8), ("gpu", 4096, 8)]
 TINY_ROWS = [("tiny", 128, 1), ("tiny", 96, 2)]
-# (label, target blocks, min keys per split, explicit splits, resident blocks an SM the kernel
-# is compiled for: KernelChoices.page_key_min_blocks): the default plan first. At 32K batch 8
-# the default plan is 17 splits (544 blocks) where 4 blocks an SM fit (528 on 132 SMs):
-# s16 stays in one wave, mb5 makes room for 5 (660), mb5-s20 fills them.
-SPLIT_PLANS = [("default", None, None, None, 0), ("s16", None, None, 16, 0),
-               ("mb5", None, None, None, 5), ("mb5-s20", None, None, 20, 5),
-               ("mb5-s16", None, None, 16, 5), ("mk64", None, 64, None, 0)]
+# (label, target blocks, min keys per split, explicit splits): the default plan first
+SPLIT_PLANS = [("default", None, None, None), ("t528", 528, None, None),
+               ("mk64", None, 64, None), ("s128", None, None, 128)]
 PARTIAL = 8          # rows past the context: the last page half full (native tail read)
 # The step part's page-key runners: the defaults (fused write on CUDA), then the MLX write
 STEP_SPECS = [*PAGE_KEY, "k6v4-kivi:fused-write"]
@@ -232,9 +228,8 @@ def kernel_part(layers: dict, args, cuda: bool) -> dict:
     for fmt in PAGE_KEY:
         L = layers[fmt]
         base = L.kernel()(q)
-        for label, target, min_keys, splits, min_blocks in SPLIT_PLANS:
-            fn = L.kernel(target_blocks=target, min_keys=min_keys, splits=splits,
-                          min_blocks=min_blocks)
+        for label, target, min_keys, splits in SPLIT_PLANS:
+            fn = L.kernel(target_blocks=target, min_keys=min_keys, splits=splits)
             variants[f"{fmt}:{label}"] = (fn, q, False)
             plans[label] = plan(nat.b, nat.kvh, nat.longest, nat.n, target, min_keys, splits)
             diffs[f"{fmt}:{label}"] = _maxdiff(fn(q), base)

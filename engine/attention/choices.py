@@ -160,12 +160,6 @@ class KernelChoices:
     # us a layer, 8B shape, batch 8), so it stays off: the kernel is no longer bound by what it
     # issues (docs/lab/benchmarks-kv-page-keys.md, device run 12).
     page_key_mma: bool = False
-    # The page-key decode kernel compiled for this many resident blocks an SM
-    # (__launch_bounds__: cuda/page_key_decode_source.launch_bound), 0: unbounded. Unbounded,
-    # ptxas gives it 128 registers a thread at head dim 128, so 4 blocks of 128 threads fit an
-    # SM (shared memory allows 5): 528 on a 132-SM H100/H200, and the 32K batch-8 plan's 544
-    # blocks ran in two waves (device run 13, docs/lab/benchmarks-kv-page-keys.md).
-    page_key_min_blocks: int = 0
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is
@@ -251,9 +245,6 @@ class KernelChoices:
         if self.packed_decode not in PACKED_DECODE_KERNELS:
             raise ValueError(f"packed_decode must be one of {PACKED_DECODE_KERNELS}, "
                              f"got {self.packed_decode!r}")
-        if not 0 <= self.page_key_min_blocks <= 16:
-            raise ValueError("page_key_min_blocks must be 0 (unbounded) .. 16 (an SM's most "
-                             f"blocks of 128 threads), got {self.page_key_min_blocks!r}")
 
 
 PACKED_DECODE_KERNELS = ("v1", "v2")

@@ -121,15 +121,12 @@ def test_split_specs_set_one_variants_plan_and_bad_ones_are_refused():
             kv_decode.decode_kernels(bad, DEFAULT_KERNELS)
 
 
-def test_joined_specs_combine_a_bound_a_plan_and_a_kernel():
-    """`FORMAT:mbN+split-T+mma` sets each part for that variant; a bad part or bound is refused
-    by name."""
+
+def test_joined_specs_combine_a_plan_and_a_kernel():
+    """`FORMAT:mma+split-T` sets each part for that variant; a bad part is refused by name."""
     from engine.attention.choices import DEFAULT_KERNELS
-    fmt, kernels = kv_decode.decode_kernels("k6v4-kivi:mb5+split-640+mma", DEFAULT_KERNELS)
-    assert fmt == "k6v4-kivi"
-    assert (kernels.page_key_min_blocks, kernels.decode_split_target, kernels.page_key_mma) \
-        == (5, 640, True)
-    assert DEFAULT_KERNELS.page_key_min_blocks == 0
-    for bad, why in (("k6v4-kivi:mb5+nope", "joined by"), ("k6v4-kivi:mb99", "min_blocks")):
-        with pytest.raises(ValueError, match=why):
+    fmt, kernels = kv_decode.decode_kernels("k6v4-kivi:mma+split-512", DEFAULT_KERNELS)
+    assert (fmt, kernels.decode_split_target, kernels.page_key_mma) == ("k6v4-kivi", 512, True)
+    for bad in ("k6v4-kivi:mma+nope", "k6v4-kivi:mb5"):
+        with pytest.raises(ValueError, match="joined by"):
             kv_decode.decode_kernels(bad, DEFAULT_KERNELS)

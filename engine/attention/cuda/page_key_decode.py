@@ -101,8 +101,7 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
                               pages: mx.array, ends: mx.array, tail_slots: mx.array,
                               longest: int, scale: float, target_blocks: int | None = None,
                               min_keys: int | None = None, splits: int | None = None,
-                              tail_write: mx.array | None = None, mma: bool = False,
-                              min_blocks: int = 0) -> mx.array:
+                              tail_write: mx.array | None = None, mma: bool = False) -> mx.array:
     """Attention of one query per row, q [B, Hq, 1, D], over page-key history and the step's own
     key: row b attends ends[b] - 1 history keys (whole pages from `pool` through page table
     `pages[b]`, the partial last page from the native tail pool `tail` (K, V: [slots,
@@ -124,10 +123,7 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     `mma`: the score pass on tensor cores (KernelChoices.page_key_mma: keys dequantized in
     fp32 and rounded to fp16 against fp16 queries, fp32 sums: keys and scaled queries must lie
     within fp16's range, +-65504), where the CUDA cores' pass spends an FMA per (key, channel,
-    query head).
-
-    `min_blocks`: the kernel compiled for that many resident blocks an SM (its registers
-    capped: KernelChoices.page_key_min_blocks); 0: unbounded."""
+    query head)."""
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
     if hq % kvh or not supports(k_bits, 4, d, hq // kvh, layout.page_tokens):
@@ -139,7 +135,7 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
         splits = split_count(b, kvh, longest, target_blocks or TARGET_BLOCKS, min_keys)
     own = tail_write is not None
     return launch_split(
-        _kernel(min_blocks), [q, k_new, v_new, pool, kt, vt, pages, ends, tail_slots,
+        _kernel(), [q, k_new, v_new, pool, kt, vt, pages, ends, tail_slots,
                     _dims(hq, kvh, pages.shape[1]), _scale(float(scale)),
                     tail_write if own else tail_slots],
         template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype, kt.dtype, own, mma),

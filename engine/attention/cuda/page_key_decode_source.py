@@ -360,26 +360,10 @@ def header() -> str:
     return _HEADER + page_key_write_row.helpers()
 
 
-def launch_bound(min_blocks: int) -> str:
-    """Header text that gives the kernel MLX declares after it __launch_bounds__(NT,
-    min_blocks): ptxas then keeps registers low enough for `min_blocks` resident blocks of 128
-    threads an SM (96 registers at 5, from 128 unbounded: 4 blocks), spilling if it must. MLX
-    writes the `__global__` declaration itself and takes no compile options, so the header
-    redefines the qualifier (CUDA's crt/host_defines.h spelling) for the one kernel below it."""
-    if min_blocks < 0:
-        raise ValueError(f"min_blocks must be >= 0, got {min_blocks}")
-    if not min_blocks:
-        return ""
-    return ("\n#undef __global__\n#define __global__ __location__(global) "
-            f"__launch_bounds__(128, {min_blocks})\n")
-
-
 @lru_cache(maxsize=None)
-def kernel(min_blocks: int = 0):
+def kernel():
     """The kernel (template: D, G, PT, HK, KB, TQ, TK, TT, OWN, MMA; SPLIT and TO from
-    launch_split); `min_blocks` > 0: compiled for that many resident blocks an SM
-    (launch_bound; KernelChoices.page_key_min_blocks)."""
+    launch_split)."""
     return mx.fast.cuda_kernel(
-        name="orchard_page_key_decode" + (f"_mb{min_blocks}" if min_blocks else ""),
-        input_names=INPUTS, output_names=OUTPUTS, source=_SOURCE,
-        header=header() + launch_bound(min_blocks), ensure_row_contiguous=True)
+        name="orchard_page_key_decode", input_names=INPUTS, output_names=OUTPUTS,
+        source=_SOURCE, header=header(), ensure_row_contiguous=True)

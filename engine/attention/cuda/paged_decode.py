@@ -229,35 +229,22 @@ def asked_warps(warps: int | None):
         _ASKED_WARPS.reset(token)
 
 
-# The merge of a row-head's split partials: one block of D threads. The splits' (max, sum)
-# pairs are staged in shared memory by one load each, and the partials' loads of the sum are
-# independent of one another (unrolled), so the block waits on two rounds of memory, not on
-# 2 x NS dependent loads (the former loop: 19 us a call at 17 splits on an H100, the whole
-# kernel's time; device run 13). The sums run in the same order as before (bit-identical).
-MERGE_MAX_SPLITS = 128     # the merge stages every split's (max, sum) in shared memory
 _MERGE = """
 const int r = blockIdx.x, d = threadIdx.x;
 const int NS = dims[0];
 const float NEG_INF = -__int_as_float(0x7f800000);
-__shared__ float sm_m[%d], sm_l[%d];         // MERGE_MAX_SPLITS
-for (int s = d; s < NS; s += D) {
-  sm_m[s] = ml[((size_t)r * NS + s) * 2];
-  sm_l[s] = ml[((size_t)r * NS + s) * 2 + 1];
-}
-__syncthreads();
 float M = NEG_INF;
-for (int s = 0; s < NS; ++s) M = fmaxf(M, sm_m[s]);
+for (int s = 0; s < NS; ++s) M = fmaxf(M, ml[((size_t)r * NS + s) * 2]);
 float num = 0.0f, den = 0.0f;
-#pragma unroll 8
 for (int s = 0; s < NS; ++s) {
-  const float p = part[((size_t)r * NS + s) * D + d], m = sm_m[s];
+  const float m = ml[((size_t)r * NS + s) * 2];
   if (m == NEG_INF) continue;   // a split with no key (rows shorter than the longest)
   const float c = __expf(m - M);
-  den += sm_l[s] * c;
-  num += p * c;
+  den += ml[((size_t)r * NS + s) * 2 + 1] * c;
+  num += part[((size_t)r * NS + s) * D + d] * c;
 }
 put(out + (size_t)r * D + d, num / den);
-""" % (MERGE_MAX_SPLITS, MERGE_MAX_SPLITS)
+"""
 
 
 @lru_cache(maxsize=None)
@@ -319,8 +306,6 @@ def launch_split(kernel, inputs: list, template: list, rows: int, kv_heads: int,
     """Launch a decode kernel built on BLOCK_MERGE over (rows * kv_heads, splits) blocks of
     `threads` threads and return [rows, hq, 1, head_dim] in `dtype` (merging the partials
     when splits > 1)."""
-    if splits > MERGE_MAX_SPLITS:
-        raise ValueError(f"{splits} splits: the merge takes at most {MERGE_MAX_SPLITS}")
     out, part, ml = kernel(inputs=inputs, **_launch_args(tuple(template), rows, kv_heads, hq,
                                                          head_dim, splits, dtype, threads))
     if splits == 1:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -383,13 +382,3 @@ def test_v2_kernel_own_variant_stores_the_write_kernels_records(tmp_path):
             k_new[:, :, 0], v_new[:, :, 0], bits, bits, layout, before, slot, workdir=tmp_path)
         assert not np.array_equal(want, before)   # the slots did change
         assert np.array_equal(pool_after, want), bits
-
-
-def test_launch_refuses_more_splits_than_the_merge_stages():
-    # The merge stages every split's (max, sum) in shared memory of MERGE_MAX_SPLITS floats:
-    # a plan past it is refused before anything launches (the kernel is never called).
-    def never(**_):
-        raise AssertionError("launched")
-    with pytest.raises(ValueError, match="at most 128"):
-        cuda_paged_decode.launch_split(never, [], [], 1, 1, 1, 64,
-                                       cuda_paged_decode.MERGE_MAX_SPLITS + 1, mx.bfloat16)

@@ -123,8 +123,7 @@ def _emulate_the_kernel(monkeypatch, workdir, calls=None, modes=None):
     slots, `modes` whether it asked for the tensor-core score pass."""
     modes = [] if modes is None else modes
     def emulated(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots,
-                 longest, scale, target_blocks=None, min_keys=None, tail_write=None, mma=False,
-                 min_blocks=0):
+                 longest, scale, target_blocks=None, min_keys=None, tail_write=None, mma=False):
         assert tail_write is None   # the OWN variant: test_cuda_page_key_own_write.py
         if calls is not None:
             calls.append(np.array(tail_slots).tolist())
@@ -190,8 +189,7 @@ def test_device_check_runs_on_cpu_fibers(llama, monkeypatch, tmp_path):
 
 
 def _mlx_kernel(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots, longest,
-                scale, target_blocks=None, min_keys=None, tail_write=None, mma=False,
-                min_blocks=0):
+                scale, target_blocks=None, min_keys=None, tail_write=None, mma=False):
     """page_key_decode_attention's contract in MLX ops (traceable, so a compiled step can run
     it on the CPU): full pages from the pool's codes, positions of the row's partial page from
     its tail slot, the own key last, one float32 softmax (not the OWN variant)."""
@@ -265,14 +263,3 @@ def test_nvcc_compiles_the_largest_variant():
     compiles with nvcc where one is installed; without it the check says so (exit 2)."""
     code = cuda_nvcc_check.main(["--only", "page-key d128 k6 pt16 g8"])
     assert code == (2 if shutil.which("nvcc") is None else 0)
-
-
-def test_launch_bound_header_redefines_only_when_asked():
-    # MLX writes the kernel's __global__ itself: the bound rides in the header as a
-    # redefinition of the qualifier (nvcc compiles it: 96 registers at 5 blocks, from 128).
-    from engine.attention.cuda import page_key_decode_source as src
-    assert src.launch_bound(0) == ""
-    text = src.launch_bound(5)
-    assert "#undef __global__" in text and "__launch_bounds__(128, 5)" in text
-    with pytest.raises(ValueError, match="min_blocks"):
-        src.launch_bound(-1)
