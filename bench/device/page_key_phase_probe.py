@@ -1,0 +1,143 @@
+"""Where the page-key decode kernel's time goes, phase by phase: the kernel timed with one phase
+of its tile loop cut out of its source at a time (a probe: the cut kernels compute garbage, only
+their time is read).
+
+    python3 -m bench.device.page_key_phase_probe --rows gpu:32768:8 --out $OUT/phases.json
+    python -m bench.device.page_key_phase_probe --rows tiny:128:1 --out R.json   # CPU: no kernel
+
+Why: at 32K keys batch 8 (bench.kv's gpu geometry) the kernel takes ~205 us a call against the
+tiled native kernel's ~260 on an H100 (device run 13, docs/lab/benchmarks-kv-page-keys.md) while
+it reads 0.47x the bytes; neither its bytes nor (device run 12's tensor-core score pass) its
+instruction count bound it, and neither more resident blocks (a launch bound) nor one wave of
+blocks (16 splits) moved it. A tile is four phases between barriers: the key metadata folded
+(`meta`), the score pass (`scores`), the online-softmax step (`softmax`), the PV pass (`pv`);
+the time each cut saves says which one a restructured kernel must overlap or remove
+(`loads-only` keeps the copies, the barriers and the loop alone).
+
+Per row, like bench.device.page_key_layer_profile's kernel part (its Layer and paired timing:
+CALLS dependent calls per round, medians over rounds): native's kernel, the unmodified
+page-key kernel (`full`) and each cut, `saved_us` = full - cut.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench.device.page_key_layer_profile import Layer, paired
+from bench.device.page_key_qmm import _geometry
+
+# The tile loop's phases as text of the kernel source (page_key_decode_source._SOURCE); each
+# cut must match exactly once, so a changed kernel fails the probe loudly, not silently.
+META = """  for (int e = tid; e < cnt * NGK; e += NT) {
+    const float S = km[e] * TWO_KB;
+    km[e] = S;
+    km[KT * NGK + e] -= S;
+  }
+  __syncthreads();
+"""
+SOFTMAX = """  softmax_step(cnt, MMA ? 1 : NW, true, stage + VM_OFF);
+  __syncthreads();
+"""
+SCORES_FROM, SCORES_TO = "    const int sl = warp;\n", "= dot[i][h];\n    }\n"
+PROBES = ("meta", "scores", "softmax", "pv")
+
+
+def _cut_once(src: str, start: str, end: str | None = None) -> str:
+    if src.count(start) != 1:
+        raise ValueError(f"probe: {start[:40]!r} is not in the kernel source exactly once")
+    i = src.index(start)
+    j = i + len(start) if end is None else src.index(end, i) + len(end)
+    return src[:i] + src[j:]
+
+
+def cut_source(phases: tuple[str, ...]) -> str:
+    """The page-key kernel's source with `phases` (of PROBES) cut out of its tile loop."""
+    from engine.attention.cuda import page_key_decode_source as src
+    from engine.attention.cuda.tile_helpers import packed_pv
+    text = src._SOURCE
+    for phase in phases:
+        if phase == "meta":
+            text = _cut_once(text, META)
+        elif phase == "softmax":
+            text = _cut_once(text, SOFTMAX)
+        elif phase == "scores":
+            text = _cut_once(text, SCORES_FROM, SCORES_TO)
+        elif phase == "pv":
+            text = _cut_once(text, packed_pv("VW", "VB"))
+        else:
+            raise ValueError(f"probe: unknown phase {phase!r} (one of {PROBES})")
+    return text
+
+
+VARIANTS = {"full": (), **{f"no-{p}": (p,) for p in PROBES}, "loads-only": PROBES}
+
+
+@contextmanager
+def _kernel_from(text: str, name: str):
+    """page_key_decode_attention launching a kernel built from `text` inside the block."""
+    import mlx.core as mx
+    from engine.attention.cuda import page_key_decode as pkd
+    from engine.attention.cuda import page_key_decode_source as src
+    k = mx.fast.cuda_kernel(name=f"orchard_page_key_probe_{name}", input_names=src.INPUTS,
+                            output_names=src.OUTPUTS, source=text, header=src.header(),
+                            ensure_row_contiguous=True)
+    saved, pkd._kernel = pkd._kernel, lambda: k
+    try:
+        yield
+    finally:
+        pkd._kernel = saved
+
+
+def probe_row(geometry: str, n: int, b: int, calls: int, rounds: int) -> dict:
+    import mlx.core as mx
+    from engine.attention.cuda import paged_decode
+    if not paged_decode.available():
+        return {"unavailable": "no CUDA device: the page-key kernel is CUDA only",
+                "source_chars": {k: len(cut_source(v)) for k, v in VARIANTS.items()}}
+    g = _geometry(geometry)
+    nat, pk = Layer(g, "native", n, b, mx.bfloat16), Layer(g, "k6v4-kivi", n, b, mx.bfloat16)
+    variants = {"native": (nat.kernel(), nat.q, False)}
+    for name, phases in VARIANTS.items():
+        text = cut_source(phases)
+        base = pk.kernel()
+
+        def fn(q, text=text, name=name.replace("-", "_"), base=base):
+            with _kernel_from(text, name):
+                return base(q)
+        variants[name] = (fn, pk.q, False)
+    got, _ = paired(variants, calls, rounds)
+    full = got["full"]["us"]
+    for name in VARIANTS:
+        got[name]["saved_us"] = round(full - got[name]["us"], 2)
+    return got
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="gpu:32768:8", help="GEOMETRY:CONTEXT:BATCH,...")
+    ap.add_argument("--calls", type=int, default=50, help="dependent calls per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    import mlx.core as mx
+    rows = [r.split(":") for r in args.rows.split(",") if r]
+    result = {"command": "python -m bench.device.page_key_phase_probe " + " ".join(argv or
+                                                                                sys.argv[1:]),
+              "device": str(mx.default_device()), "mlx": mx.__version__,
+              "variants": {k: list(v) for k, v in VARIANTS.items()}, "rows": {}}
+    for geometry, n, b in rows:
+        t0 = time.perf_counter()
+        got = probe_row(geometry, int(n), int(b), args.calls, args.rounds)
+        result["rows"][f"{geometry}-ctx{n}-b{b}"] = got
+        print(f"[page_key_phase_probe] {geometry} {n} {b}: {json.dumps(got)[:600]} "
+              f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

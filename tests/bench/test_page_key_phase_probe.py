@@ -1,0 +1,33 @@
+"""bench.device.page_key_phase_probe: each phase cut matches the kernel source exactly once (a
+changed kernel breaks the probe loudly) and removes that phase; the CPU run says why no kernel."""
+import json
+
+import pytest
+
+from bench.device import page_key_phase_probe as probe
+from engine.attention.cuda import page_key_decode_source as src
+
+
+def test_every_cut_removes_its_phase_once_and_cuts_compose():
+    full = src._SOURCE
+    for phase in probe.PROBES:
+        cut = probe.cut_source((phase,))
+        assert len(cut) < len(full), phase
+    assert probe.META not in probe.cut_source(("meta",))
+    assert probe.SOFTMAX not in probe.cut_source(("softmax",))
+    assert "dot[i][h]" not in probe.cut_source(("scores",))
+    # all four: the copies, the barriers that stay and the loop
+    rest = probe.cut_source(probe.PROBES)
+    assert "orch_cp_wait_all();" in rest and "issue(t + 1)" in rest
+    with pytest.raises(ValueError, match="unknown phase"):
+        probe.cut_source(("nope",))
+    with pytest.raises(ValueError, match="exactly once"):
+        probe._cut_once(full, "no such text in the kernel")
+
+
+def test_cpu_run_reports_the_kernel_unavailable(tmp_path):
+    out = tmp_path / "p.json"
+    assert probe.main(["--rows", "gpu:128:1", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"]["gpu-ctx128-b1"]
+    assert "no CUDA device" in row["unavailable"]
+    assert set(row["source_chars"]) == set(probe.VARIANTS)
