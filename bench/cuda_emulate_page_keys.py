@@ -23,14 +23,13 @@ TOLERANCE = 0.02   # bf16 output of float32 math against float64 on the same (de
 
 def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
                     scale, target_blocks=None, workdir: Path | None = None,
-                    mma: bool = False, stages: int = 2) -> np.ndarray:
+                    mma: bool = False) -> np.ndarray:
     """page_key_decode_attention's contract run here (numpy tables, ends, tail_slots; mx
     arrays otherwise, bf16 q, fresh rows and tail), with the host side's split plan and, with
     several splits, the merge kernel. Returns [B, Hq, 1, D] float32 (from the bf16 output
-    unless q is float32). `mma`: the kernel's tensor-core score pass; `stages`: its copy
-    pipeline's depth."""
+    unless q is float32). `mma`: the kernel's tensor-core score pass."""
     return _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
-                   target_blocks, None, workdir, mma, stages)[0]
+                   target_blocks, None, workdir, mma)[0]
 
 
 def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
@@ -44,7 +43,7 @@ def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, end
 
 
 def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
-            target_blocks, tail_write, workdir, mma: bool = False, stages: int = 2):
+            target_blocks, tail_write, workdir, mma: bool = False):
     import mlx.core as mx
 
     from engine.attention.cuda import page_key_decode as pk
@@ -76,11 +75,9 @@ def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slot
               np.array([scale], np.float32), np.asarray(tail_write, np.int32) if own else slots]
     splits = pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS)
     parts = rows * hq * (splits if splits > 1 else 1)
-    smw = pk.shared_words(d, hq // kvh, layout.page_tokens, k_bits, 3) if stages == 3 else 0
     template = [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", kvh),
                 ("KB", k_bits), ("TQ", types["q"]), ("TK", types["kf"]), ("TT", types["kt"]),
-                ("OWN", own), ("MMA", mma), ("NST", stages), ("SMW", smw),
-                ("SPLIT", splits > 1), ("TO", types["q"])]
+                ("OWN", own), ("MMA", mma), ("SPLIT", splits > 1), ("TO", types["q"])]
     outputs = [("out", types["q"]), ("part", "float32"), ("ml", "float32")]
     out, part, ml, *written = ce.run(
         "orchard_page_key_decode", [(n, types[n]) for n in src.INPUTS], outputs, src._SOURCE,
@@ -218,10 +215,10 @@ def reference(q, k_new, v_new, store, tables, hist, scale) -> np.ndarray:
 
 
 def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_tokens: int = 16,
-                  kernel=None, target_blocks=None, mma: bool = False, stages: int = 2) -> dict:
+                  kernel=None, target_blocks=None, mma: bool = False) -> dict:
     """One check: rows of hist[b] history tokens (ragged; partial tails where hist % pages),
     `kernel` with page_key_decode_attention's signature (None: the CUDA kernel itself, with
-    its tensor-core score pass if `mma`, `stages` deep) against `reference`. Returns a JSON-able dict with
+    its tensor-core score pass if `mma`) against `reference`. Returns a JSON-able dict with
     max_abs_err and ok."""
     import mlx.core as mx
 
@@ -243,14 +240,13 @@ def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_toke
     if kernel is None:
         got = pk.page_key_decode_attention(*args, mx.array(tables), mx.array(ends),
                                            mx.array(slots), int(ends.max()), scale,
-                                           target_blocks, mma=mma, stages=stages)
+                                           target_blocks, mma=mma)
         got = np.array(got.astype(mx.float32))
     else:
         got = kernel(*args, tables, ends, slots, scale, target_blocks)
     ref = reference(q, k_new, v_new, store, tables, hist, scale)
     err = float(np.nanmax(np.abs(got - ref))) if np.isfinite(got).all() else float("inf")
-    name = f"page-key-{fmt_name}{'-mma' * mma}{'-3stages' * (stages == 3)}"
-    return {"kernel": name, "rows": rows, "hq": hq, "kvh": kvh,
+    return {"kernel": f"page-key-{fmt_name}{'-mma' * mma}", "rows": rows, "hq": hq, "kvh": kvh,
             "head_dim": d, "page_tokens": page_tokens, "history": hist.tolist(),
             "splits": pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS),
             "max_abs_err": round(err, 5), "ok": bool(err < TOLERANCE)}
@@ -271,17 +267,15 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=len(CASES), help="run the first N cases")
     ap.add_argument("--mma", action="store_true",
                     help="the kernel's tensor-core score pass (KernelChoices.page_key_mma)")
-    ap.add_argument("--stages", type=int, default=2, choices=(2, 3),
-                    help="the kernel's copy pipeline depth (KernelChoices.page_key_stages)")
     ap.add_argument("--device", action="store_true",
                     help="run the cases on the CUDA device (MLX's cuda_kernel), not emulated")
     args = ap.parse_args(argv)
 
     def check(rng, work, fmt, hist, hq, kvh, d, pt, target):
         def kernel(*a):
-            return page_key_decode(*a, workdir=work, mma=args.mma, stages=args.stages)
+            return page_key_decode(*a, workdir=work, mma=args.mma)
         return page_key_case(rng, fmt, hist, hq, kvh, d, pt, None if args.device else kernel,
-                             target, args.mma, args.stages)
+                             target, args.mma)
     return ce.run_cases(CASES[:args.limit], check)
 
 

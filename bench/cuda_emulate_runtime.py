@@ -86,9 +86,8 @@ inline T __shfl_xor_sync(unsigned int, T v, int o) {
   warp_barrier();
   return r;
 }
-struct Copy { void* dst; const void* src; int n; int group; };
+struct Copy { void* dst; const void* src; int n; };
 static std::vector<std::vector<Copy>> g_pending;
-static std::vector<int> g_committed;         // per thread: cp.async groups committed so far
 """
 
 ASYNC_CPU = r"""
@@ -98,25 +97,13 @@ template <int N> inline void orch_cp_async(void* dst, const void* src) {
     std::fprintf(stderr, "misaligned cp.async of %d bytes\n", N);
     std::exit(5);
   }
-  g_pending[g_current].push_back({dst, src, N, g_committed[g_current]});
+  g_pending[g_current].push_back({dst, src, N});
 }
-inline void orch_cp_commit() { ++g_committed[g_current]; }
-// Copies land at the latest moment the GPU allows (its wait), so a read of a stage before its
-// wait sees stale data here, where a GPU might by chance have finished the copy.
+inline void orch_cp_commit() {}
 inline void orch_cp_wait_all() {
   for (const Copy& c : g_pending[g_current]) std::memcpy(c.dst, c.src, c.n);
   g_pending[g_current].clear();
 }
-template <int N> inline void orch_cp_wait_group() {
-  std::vector<Copy>& q = g_pending[g_current];
-  const int done = g_committed[g_current] - N;   // groups before this one must have landed
-  std::vector<Copy> rest;
-  for (const Copy& c : q) {
-    if (c.group < done) std::memcpy(c.dst, c.src, c.n); else rest.push_back(c);
-  }
-  q.swap(rest);
-}
-#define ORCH_DYNAMIC_SMEM(name, words) static __attribute__((aligned(16))) float name[words]
 """
 
 MMA_CPU = r"""
@@ -193,7 +180,7 @@ int main(int argc, char** argv) {
   LOAD
   g_threads = nt; blockDim.x = nt; gridDim.x = gx; gridDim.y = gy; gridDim.z = 1;
   blockDim.y = blockDim.z = 1;
-  g_ctx.resize(nt); g_wait.assign(nt, 0); g_pending.assign(nt, {}); g_committed.assign(nt, 0);
+  g_ctx.resize(nt); g_wait.assign(nt, 0); g_pending.assign(nt, {});
   const size_t stack = 1 << 18;
   std::vector<char> stacks((size_t)nt * stack);
   g_body = [] { CALL };

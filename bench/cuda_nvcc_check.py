@@ -166,7 +166,6 @@ def dequant_variants():
 def page_key_variants():
     """The page-key decode kernel (cuda/page_key_decode_source.py): both key widths, head dims,
     page sizes, GQA groups, split modes; its tensor-core score pass (MMA) at pages of 16."""
-    from engine.attention.cuda import page_key_decode as pk
     from engine.attention.cuda import page_key_decode_source as src
     types = {"q": "bfloat16", "kf": "bfloat16", "vf": "bfloat16", "pool": "uint32",
              "kt": "bfloat16", "vt": "bfloat16", "pages": "int32", "ends": "int32",
@@ -178,16 +177,13 @@ def page_key_variants():
                 for g in (1, 4, 7, 8):
                     for split in (False, True):
                         for own in ((False, True) if g in (1, 4, 8) else (False,)):
-                            for mma, st in (((False, 2), (True, 2), (False, 3)) if pt == 16
-                                            else ((False, 2),)):
-                                smw = pk.shared_words(d, g, pt, kb, 3) if st == 3 else 0
+                            for mma in ((False, True) if pt == 16 else (False,)):
                                 template = [("D", d), ("G", g), ("PT", pt), ("HK", 2),
                                             ("KB", kb), ("TQ", "bfloat16"), ("TK", "bfloat16"),
                                             ("TT", "bfloat16"), ("OWN", own), ("MMA", mma),
-                                            ("NST", st), ("SMW", smw),
                                             ("SPLIT", split), ("TO", "bfloat16")]
                                 yield (f"page-key d{d} k{kb} pt{pt} g{g} split={split}"
-                                       f"{' own' * own}{' mma' * mma}{' 3-stage' * (st == 3)}",
+                                       f"{' own' * own}{' mma' * mma}",
                                        wrap("orchard_page_key_decode",
                                             [(n, types[n]) for n in src.INPUTS], outputs,
                                             src._SOURCE, src.header(), template))

@@ -88,9 +88,7 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   "own-write": dict(page_key_own_write=True),
                   "write-kernel": dict(page_key_own_write=False),
                   # ... and its score pass on tensor cores (KernelChoices.page_key_mma).
-                  "mma": dict(page_key_mma=True),
-                  # ... and its copy pipeline three tiles deep (KernelChoices.page_key_stages).
-                  "stages3": dict(page_key_stages=3)}
+                  "mma": dict(page_key_mma=True)}
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:

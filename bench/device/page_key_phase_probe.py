@@ -77,22 +77,22 @@ VARIANTS = {"full": (), **{f"no-{p}": (p,) for p in PROBES}, "loads-only": PROBE
 
 
 @contextmanager
-def _kernel_from(text: str, name: str, shared_bytes: int):
+def _kernel_from(text: str, name: str):
     """page_key_decode_attention launching a kernel built from `text` inside the block."""
     import mlx.core as mx
     from engine.attention.cuda import page_key_decode as pkd
     from engine.attention.cuda import page_key_decode_source as src
     k = mx.fast.cuda_kernel(name=f"orchard_page_key_probe_{name}", input_names=src.INPUTS,
                             output_names=src.OUTPUTS, source=text, header=src.header(),
-                            ensure_row_contiguous=True, shared_memory=shared_bytes)
-    saved, pkd._kernel = pkd._kernel, lambda *_: k
+                            ensure_row_contiguous=True)
+    saved, pkd._kernel = pkd._kernel, lambda: k
     try:
         yield
     finally:
         pkd._kernel = saved
 
 
-def probe_row(geometry: str, n: int, b: int, calls: int, rounds: int, stages: int = 2) -> dict:
+def probe_row(geometry: str, n: int, b: int, calls: int, rounds: int) -> dict:
     import mlx.core as mx
     from engine.attention.cuda import paged_decode
     if not paged_decode.available():
@@ -100,16 +100,13 @@ def probe_row(geometry: str, n: int, b: int, calls: int, rounds: int, stages: in
                 "source_chars": {k: len(cut_source(v)) for k, v in VARIANTS.items()}}
     g = _geometry(geometry)
     nat, pk = Layer(g, "native", n, b, mx.bfloat16), Layer(g, "k6v4-kivi", n, b, mx.bfloat16)
-    from engine.attention.cuda.page_key_decode import shared_words
     variants = {"native": (nat.kernel(), nat.q, False)}
-    d, group = g["head_dim"], g["num_attention_heads"] // g["num_key_value_heads"]
-    smem = 4 * shared_words(d, group, pk.layer.layout.page_tokens, 6, 3) if stages == 3 else 0
     for name, phases in VARIANTS.items():
         text = cut_source(phases)
-        base = pk.kernel(stages=stages)
+        base = pk.kernel()
 
-        def fn(q, text=text, name=f"{name.replace('-', '_')}_s{stages}", base=base):
-            with _kernel_from(text, name, smem):
+        def fn(q, text=text, name=name.replace("-", "_"), base=base):
+            with _kernel_from(text, name):
                 return base(q)
         variants[name] = (fn, pk.q, False)
     got, _ = paired(variants, calls, rounds)
@@ -124,8 +121,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="gpu:32768:8", help="GEOMETRY:CONTEXT:BATCH,...")
     ap.add_argument("--calls", type=int, default=50, help="dependent calls per round")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--stages", type=int, default=2, choices=(2, 3),
-                    help="the kernel's copy pipeline depth (KernelChoices.page_key_stages)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     import mlx.core as mx
@@ -136,7 +131,7 @@ def main(argv=None) -> int:
               "variants": {k: list(v) for k, v in VARIANTS.items()}, "rows": {}}
     for geometry, n, b in rows:
         t0 = time.perf_counter()
-        got = probe_row(geometry, int(n), int(b), args.calls, args.rounds, args.stages)
+        got = probe_row(geometry, int(n), int(b), args.calls, args.rounds)
         result["rows"][f"{geometry}-ctx{n}-b{b}"] = got
         print(f"[page_key_phase_probe] {geometry} {n} {b}: {json.dumps(got)[:600]} "
               f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)

@@ -160,11 +160,6 @@ class KernelChoices:
     # us a layer, 8B shape, batch 8), so it stays off: the kernel is no longer bound by what it
     # issues (docs/lab/benchmarks-kv-page-keys.md, device run 12).
     page_key_mma: bool = False
-    # Tiles in the page-key decode kernel's copy pipeline: 2 (one tile copied while one is
-    # computed) or 3 (two; dynamic shared memory, ~56 KB a block at head dim 128). Device run
-    # 13 (H100) timed the kernel with its compute cut out at 87 % of its time at 32K batch 8
-    # (bench.device.page_key_phase_probe): it waits on its copies.
-    page_key_stages: int = 2
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is
@@ -250,8 +245,6 @@ class KernelChoices:
         if self.packed_decode not in PACKED_DECODE_KERNELS:
             raise ValueError(f"packed_decode must be one of {PACKED_DECODE_KERNELS}, "
                              f"got {self.packed_decode!r}")
-        if self.page_key_stages not in (2, 3):
-            raise ValueError(f"page_key_stages must be 2 or 3, got {self.page_key_stages!r}")
 
 
 PACKED_DECODE_KERNELS = ("v1", "v2")

@@ -87,33 +87,13 @@ def check_layout(pool: mx.array, layout: PageLayout, head_dim: int, k_bits: int,
                          f"uint32 [pages, {layout.page_words}]")
 
 
-STAGES = (2, 3)
-
-
-def shared_words(head_dim: int, group: int, page_tokens: int, k_bits: int, stages: int) -> int:
-    """The kernel's shared memory in 32-bit words (its TOTAL: the source's constants, mirrored
-    here because three stages take dynamic shared memory the launch must size; the source
-    static_asserts that the two agree)."""
-    kt, nw, d = 64, 4, head_dim
-    lw, vw, ngk, ng = d * k_bits // 32, d * 4 // 32, d // page_tokens, d // 64
-    sw = lw // nw
-    kcb = 16 if sw % 4 == 0 else 8 if sw % 2 == 0 else 4
-    ks = lw + kcb // 4
-    stage = (kt * ks + kt * vw + 2 * kt * ngk + 2 * kt * ng + 3) // 4 * 4
-    gp = (group + 3) // 4 * 4
-    return stages * stage + group * d + nw * group * kt + kt * ng * gp + 3 * gp + ng * gp
-
-
 def template(head_dim: int, group: int, layout: PageLayout, k_bits: int, q_dtype: mx.Dtype,
              kv_dtype: mx.Dtype, tail_dtype: mx.Dtype, own: bool = False,
-             mma: bool = False, stages: int = 2) -> list:
+             mma: bool = False) -> list:
     """The kernel's template arguments besides SPLIT and TO (launch_split adds them)."""
-    if stages not in STAGES:
-        raise ValueError(f"page-key decode: {stages} stages (one of {STAGES})")
-    smw = shared_words(head_dim, group, layout.page_tokens, k_bits, 3) if stages == 3 else 0
     return [("D", head_dim), ("G", group), ("PT", layout.page_tokens), ("HK", layout.heads),
             ("KB", k_bits), ("TQ", q_dtype), ("TK", kv_dtype), ("TT", tail_dtype), ("OWN", own),
-            ("MMA", mma), ("NST", stages), ("SMW", smw)]
+            ("MMA", mma)]
 
 
 def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool: mx.array,
@@ -121,8 +101,7 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
                               pages: mx.array, ends: mx.array, tail_slots: mx.array,
                               longest: int, scale: float, target_blocks: int | None = None,
                               min_keys: int | None = None, splits: int | None = None,
-                              tail_write: mx.array | None = None, mma: bool = False,
-                              stages: int = 2) -> mx.array:
+                              tail_write: mx.array | None = None, mma: bool = False) -> mx.array:
     """Attention of one query per row, q [B, Hq, 1, D], over page-key history and the step's own
     key: row b attends ends[b] - 1 history keys (whole pages from `pool` through page table
     `pages[b]`, the partial last page from the native tail pool `tail` (K, V: [slots,
@@ -144,10 +123,7 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     `mma`: the score pass on tensor cores (KernelChoices.page_key_mma: keys dequantized in
     fp32 and rounded to fp16 against fp16 queries, fp32 sums: keys and scaled queries must lie
     within fp16's range, +-65504), where the CUDA cores' pass spends an FMA per (key, channel,
-    query head).
-
-    `stages`: tiles the kernel's copy pipeline holds (KernelChoices.page_key_stages): 2, or 3
-    (two tiles' copies in flight while one is computed; dynamic shared memory)."""
+    query head)."""
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
     if hq % kvh or not supports(k_bits, 4, d, hq // kvh, layout.page_tokens):
@@ -158,9 +134,9 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     if splits is None:
         splits = split_count(b, kvh, longest, target_blocks or TARGET_BLOCKS, min_keys)
     own = tail_write is not None
-    tpl = template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype, kt.dtype, own, mma, stages)
-    inputs = [q, k_new, v_new, pool, kt, vt, pages, ends, tail_slots,
-              _dims(hq, kvh, pages.shape[1]), _scale(float(scale)),
-              tail_write if own else tail_slots]
-    return launch_split(_kernel(4 * dict(tpl)["SMW"]), inputs, tpl, b, kvh, hq, d, splits,
-                        q.dtype)
+    return launch_split(
+        _kernel(), [q, k_new, v_new, pool, kt, vt, pages, ends, tail_slots,
+                    _dims(hq, kvh, pages.shape[1]), _scale(float(scale)),
+                    tail_write if own else tail_slots],
+        template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype, kt.dtype, own, mma),
+        b, kvh, hq, d, splits, q.dtype)

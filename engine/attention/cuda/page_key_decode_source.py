@@ -65,26 +65,20 @@ constexpr float TWO_KB = (float)(1 << KB), TWO_VB = (float)(1 << VB);
 // lands at r * NGK, which is channel j*NGK.. of page r / PT), value metadata [2][KT][NG].
 constexpr int V_OFF = KT * KS, KM_OFF = V_OFF + KT * VW, VM_OFF = KM_OFF + 2 * KT * NGK;
 constexpr int STAGE = (VM_OFF + 2 * KT * NG + 3) / 4 * 4;
-constexpr int QS_OFF = NST * STAGE;          // scaled queries [G][D]
+constexpr int QS_OFF = 2 * STAGE;            // scaled queries [G][D]
 constexpr int SP_OFF = QS_OFF + G * D;       // slice partial scores [NW][G][KT]
 constexpr int PW_OFF = SP_OFF + NW * G * KT; // PV weights [KT][NG][GP]
 constexpr int ST_OFF = PW_OFF + KT * NG * GP;   // m, l, cf [GP] each; ao [NG][GP]
 constexpr int TOTAL = ST_OFF + 3 * GP + NG * GP;
 static_assert(G >= 1 && G <= 8, "page-key decode: 1..8 query heads per KV head");
 static_assert(KB == 4 || KB == 6, "page-key decode: 4- or 6-bit keys");
-static_assert(NST == 2 || (NST == 3 && SMW == TOTAL),
-              "3 stages: dynamic shared memory of the host's size (page_key_decode.shared_words)");
 static_assert(KT % PT == 0 && D % PT == 0 && PT >= 16, "pages of 16..64 tokens dividing D");
 static_assert(SC % 4 == 0 && SW * 32 == SC * KB, "a channel slice is whole words");
 static_assert(NW * G * D <= 2 * STAGE, "the final reduction reuses the stage buffers");
 static_assert(NT == 2 * KT && KCH % 2 == 0 && VW % 8 == 0, "issue: a thread pair a row");
 static_assert(PGW % 4 == 0 && VC_OFF % 4 == 0 && KS_OFF % 4 == 0 && VS_OFF % NG == 0,
               "cp.async: pieces aligned in every page (page_key_decode.check_layout)");
-// Two stages fit the 48 KB of static shared memory; three take dynamic shared memory (SMW
-// words, sized by the host), ~56 KB at head dim 128: still 4 blocks an SM, as registers allow.
-__shared__ __align__(16) float smem_static[NST == 2 ? TOTAL : 4];
-ORCH_DYNAMIC_SMEM(smem_dynamic, TOTAL);
-float* const smem = NST == 2 ? smem_static : smem_dynamic;
+__shared__ __align__(16) float smem[TOTAL];
 float* const qs = smem + QS_OFF;
 float* const sp = smem + SP_OFF;
 float* const pw = smem + PW_OFF;
@@ -116,7 +110,7 @@ auto issue = [&](int t) {                    // cp.async of tile t into stage t 
   const int base = j0 + t * KT;
   if (ir < hend - base) {
     const uint32_t* src = pool + (size_t)pages[(size_t)b * P + (base + ir) / PT] * PGW;
-    float* st = smem + (t % NST) * STAGE;
+    float* st = smem + (t & 1) * STAGE;
     unsigned int* sk = reinterpret_cast<unsigned int*>(st);
     #pragma unroll
     for (int i = 0; i < KCH / 2; ++i) {
@@ -138,9 +132,6 @@ auto issue = [&](int t) {                    // cp.async of tile t into stage t 
   orch_cp_commit();
 };
 if (ntile > 0) issue(0);                     // the first tile lands while the queries load
-if (NST == 3 && ntile > 0) {                 // and the second; a group either way, so the
-  if (ntile > 1) issue(1); else orch_cp_commit();   // loop's wait counts one per tile
-}
 
 // OWN: this step's own row stored by this launch (page_key_decode.py, `tail_write`), by warp 0
 // of the row's first split, with the write kernel's device function (page_key_write_row.py):
@@ -209,17 +200,11 @@ auto rescale = [&]() {
 };
 
 for (int t = 0; t < ntile; ++t) {
-  // Two stages: tile t + 1 is copied while t is computed. Three: t + 1 and t + 2, so twice the
-  // bytes in flight (device run 13: the kernel with its compute cut out took 87 % of its time).
-  if (NST == 3) orch_cp_wait_group<1>(); else orch_cp_wait_all();
+  orch_cp_wait_all();
   __syncthreads();                           // tile t landed; tile t - 1's PV pass is done
-  if (NST == 3) {                            // into the stage tile t - 1 used
-    if (t + 2 < ntile) issue(t + 2); else orch_cp_commit();
-  } else if (t + 1 < ntile) {
-    issue(t + 1);
-  }
+  if (t + 1 < ntile) issue(t + 1);           // prefetch into the stage tile t - 1 used
   const int cnt = min(KT, hend - (j0 + t * KT));
-  float* const stage = smem + (t % NST) * STAGE;
+  float* const stage = smem + (t & 1) * STAGE;
   float* const km = stage + KM_OFF;          // [2][KT / PT][D]
   // Key metadata as the score pass wants it: with c' = 1 + c / 2^KB, a key channel is
   // c * s + o = c' * (2^KB s) + (o - 2^KB s): one FMA per (key, channel), shared by all heads.
@@ -376,10 +361,9 @@ def header() -> str:
 
 
 @lru_cache(maxsize=None)
-def kernel(shared_bytes: int = 0):
-    """The kernel (template: D, G, PT, HK, KB, TQ, TK, TT, OWN, MMA, NST, SMW; SPLIT and TO
-    from launch_split); `shared_bytes`: its dynamic shared memory (three stages: SMW * 4)."""
+def kernel():
+    """The kernel (template: D, G, PT, HK, KB, TQ, TK, TT, OWN, MMA; SPLIT and TO from
+    launch_split)."""
     return mx.fast.cuda_kernel(
         name="orchard_page_key_decode", input_names=INPUTS, output_names=OUTPUTS,
-        source=_SOURCE, header=header(), ensure_row_contiguous=True,
-        shared_memory=shared_bytes)
+        source=_SOURCE, header=header(), ensure_row_contiguous=True)

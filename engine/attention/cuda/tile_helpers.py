@@ -44,15 +44,6 @@ __device__ __forceinline__ void orch_cp_commit() { asm volatile("cp.async.commit
 __device__ __forceinline__ void orch_cp_wait_all() {
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
-// Wait until at most N of this thread's committed groups are in flight (a pipeline N + 1 tiles
-// deep keeps N tiles' copies going while it computes on the oldest).
-template <int N>
-__device__ __forceinline__ void orch_cp_wait_group() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-}
-// A block's dynamic shared memory (sized at launch: mx.fast.cuda_kernel's shared_memory); the
-// CPU emulator's twin is a static array of `words` floats.
-#define ORCH_DYNAMIC_SMEM(name, words) extern __shared__ __align__(16) float name[]
 """
 
 # Tensor-core helpers (inline PTX, sm_80+); bench/cuda_emulate.py swaps in CPU twins (a warp's

@@ -63,41 +63,6 @@ def test_tensor_core_score_pass_matches_the_reference_on_cpu_fibers(fmt, tmp_pat
         assert case["ok"] and case["max_abs_err"] < emu.TOLERANCE, case
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_three_stage_pipeline_matches_the_reference_on_cpu_fibers(fmt, tmp_path):
-    """KernelChoices.page_key_stages = 3: two tiles' copies in flight, waited one group at a
-    time (the emulator lands each copy at the latest wait the GPU allows, so reading a stage
-    early reads stale data), on dynamic shared memory whose size the host computes
-    (shared_words: the source static_asserts it equals its own TOTAL). Splits of one tile, two
-    tiles and several."""
-    rng = np.random.default_rng(13)
-
-    def kernel(*args):
-        return emu.page_key_decode(*args, workdir=tmp_path, stages=3)
-
-    for hist, hq, kvh, d, pt, target in [((300, 0, 77), 16, 4, 128, 16, None),
-                                         ((600, 64, 129), 16, 2, 64, 32, 16),
-                                         ((100, 45), 9, 3, 64, 64, 64)]:
-        case = emu.page_key_case(rng, fmt, hist, hq, kvh, d, pt, kernel, target)
-        assert case["ok"] and case["max_abs_err"] < emu.TOLERANCE, case
-
-
-def test_stage_count_is_checked_and_sizes_the_launch():
-    layout = cuda_page_key_decode.kernel_layout(16, 4, 128, 6)
-    two = dict(cuda_page_key_decode.template(128, 4, layout, 6, mx.bfloat16, mx.bfloat16,
-                                             mx.bfloat16))
-    three = dict(cuda_page_key_decode.template(128, 4, layout, 6, mx.bfloat16, mx.bfloat16,
-                                               mx.bfloat16, stages=3))
-    assert (two["NST"], two["SMW"]) == (2, 0)       # static shared memory (40,016 bytes)
-    assert cuda_page_key_decode.shared_words(128, 4, 16, 6, 2) * 4 == 40016   # nvcc's figure
-    assert three["NST"] == 3 and three["SMW"] * 4 == 55888
-    with pytest.raises(ValueError, match="stages"):
-        cuda_page_key_decode.template(128, 4, layout, 6, mx.bfloat16, mx.bfloat16,
-                                      mx.bfloat16, stages=4)
-    with pytest.raises(ValueError, match="page_key_stages"):
-        KernelChoices(page_key_stages=1)
-
-
 def test_the_cpu_mma_twin_follows_the_ptx_fragment_layout(tmp_path):
     """The emulator's orch_mma_f16 against numpy: each lane loads A (16 x 16) and B (16 x 8)
     fragments by the PTX ISA's formulas for mma.m16n8k16 (.row.col, f16: "Matrix Fragments for
@@ -158,16 +123,14 @@ def _emulate_the_kernel(monkeypatch, workdir, calls=None, modes=None):
     slots, `modes` whether it asked for the tensor-core score pass."""
     modes = [] if modes is None else modes
     def emulated(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots,
-                 longest, scale, target_blocks=None, min_keys=None, tail_write=None, mma=False,
-                 stages=2):
+                 longest, scale, target_blocks=None, min_keys=None, tail_write=None, mma=False):
         assert tail_write is None   # the OWN variant: test_cuda_page_key_own_write.py
         if calls is not None:
             calls.append(np.array(tail_slots).tolist())
             modes.append(mma)
         out = emu.page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail,
                                   np.array(pages), np.array(ends), np.array(tail_slots),
-                                  scale, target_blocks, workdir=workdir, mma=mma,
-                                  stages=stages)
+                                  scale, target_blocks, workdir=workdir, mma=mma)
         return mx.array(out).astype(q.dtype)
 
     monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
@@ -226,8 +189,7 @@ def test_device_check_runs_on_cpu_fibers(llama, monkeypatch, tmp_path):
 
 
 def _mlx_kernel(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots, longest,
-                scale, target_blocks=None, min_keys=None, tail_write=None, mma=False,
-                stages=2):
+                scale, target_blocks=None, min_keys=None, tail_write=None, mma=False):
     """page_key_decode_attention's contract in MLX ops (traceable, so a compiled step can run
     it on the CPU): full pages from the pool's codes, positions of the row's partial page from
     its tail slot, the own key last, one float32 softmax (not the OWN variant)."""
