@@ -23,13 +23,14 @@ TOLERANCE = 0.02   # bf16 output of float32 math against float64 on the same (de
 
 def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
                     scale, target_blocks=None, workdir: Path | None = None,
-                    mma: bool = False) -> np.ndarray:
+                    mma: bool = False, wide_copies: bool = False) -> np.ndarray:
     """page_key_decode_attention's contract run here (numpy tables, ends, tail_slots; mx
     arrays otherwise, bf16 q, fresh rows and tail), with the host side's split plan and, with
     several splits, the merge kernel. Returns [B, Hq, 1, D] float32 (from the bf16 output
-    unless q is float32). `mma`: the kernel's tensor-core score pass."""
+    unless q is float32). `mma`: the kernel's tensor-core score pass; `wide_copies`: its key
+    codes in 16-byte pieces."""
     return _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
-                   target_blocks, None, workdir, mma)[0]
+                   target_blocks, None, workdir, mma, wide_copies)[0]
 
 
 def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
@@ -43,7 +44,7 @@ def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, end
 
 
 def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
-            target_blocks, tail_write, workdir, mma: bool = False):
+            target_blocks, tail_write, workdir, mma: bool = False, wide_copies: bool = False):
     import mlx.core as mx
 
     from engine.attention.cuda import page_key_decode as pk
@@ -77,7 +78,8 @@ def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slot
     parts = rows * hq * (splits if splits > 1 else 1)
     template = [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", kvh),
                 ("KB", k_bits), ("TQ", types["q"]), ("TK", types["kf"]), ("TT", types["kt"]),
-                ("OWN", own), ("MMA", mma), ("SPLIT", splits > 1), ("TO", types["q"])]
+                ("OWN", own), ("MMA", mma), ("WKC", wide_copies), ("SPLIT", splits > 1),
+                ("TO", types["q"])]
     outputs = [("out", types["q"]), ("part", "float32"), ("ml", "float32")]
     out, part, ml, *written = ce.run(
         "orchard_page_key_decode", [(n, types[n]) for n in src.INPUTS], outputs, src._SOURCE,
@@ -215,7 +217,8 @@ def reference(q, k_new, v_new, store, tables, hist, scale) -> np.ndarray:
 
 
 def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_tokens: int = 16,
-                  kernel=None, target_blocks=None, mma: bool = False) -> dict:
+                  kernel=None, target_blocks=None, mma: bool = False,
+                  wide_copies: bool = False) -> dict:
     """One check: rows of hist[b] history tokens (ragged; partial tails where hist % pages),
     `kernel` with page_key_decode_attention's signature (None: the CUDA kernel itself, with
     its tensor-core score pass if `mma`) against `reference`. Returns a JSON-able dict with
@@ -240,13 +243,14 @@ def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_toke
     if kernel is None:
         got = pk.page_key_decode_attention(*args, mx.array(tables), mx.array(ends),
                                            mx.array(slots), int(ends.max()), scale,
-                                           target_blocks, mma=mma)
+                                           target_blocks, mma=mma, wide_copies=wide_copies)
         got = np.array(got.astype(mx.float32))
     else:
         got = kernel(*args, tables, ends, slots, scale, target_blocks)
     ref = reference(q, k_new, v_new, store, tables, hist, scale)
     err = float(np.nanmax(np.abs(got - ref))) if np.isfinite(got).all() else float("inf")
-    return {"kernel": f"page-key-{fmt_name}{'-mma' * mma}", "rows": rows, "hq": hq, "kvh": kvh,
+    name = f"page-key-{fmt_name}{'-mma' * mma}{'-wide' * wide_copies}"
+    return {"kernel": name, "rows": rows, "hq": hq, "kvh": kvh,
             "head_dim": d, "page_tokens": page_tokens, "history": hist.tolist(),
             "splits": pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS),
             "max_abs_err": round(err, 5), "ok": bool(err < TOLERANCE)}
@@ -267,15 +271,18 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=len(CASES), help="run the first N cases")
     ap.add_argument("--mma", action="store_true",
                     help="the kernel's tensor-core score pass (KernelChoices.page_key_mma)")
+    ap.add_argument("--wide-copies", action="store_true",
+                    help="key codes in 16-byte pieces (KernelChoices.page_key_wide_copies)")
     ap.add_argument("--device", action="store_true",
                     help="run the cases on the CUDA device (MLX's cuda_kernel), not emulated")
     args = ap.parse_args(argv)
 
     def check(rng, work, fmt, hist, hq, kvh, d, pt, target):
         def kernel(*a):
-            return page_key_decode(*a, workdir=work, mma=args.mma)
+            return page_key_decode(*a, workdir=work, mma=args.mma,
+                                   wide_copies=args.wide_copies)
         return page_key_case(rng, fmt, hist, hq, kvh, d, pt, None if args.device else kernel,
-                             target, args.mma)
+                             target, args.mma, args.wide_copies)
     return ce.run_cases(CASES[:args.limit], check)
 
 

@@ -177,13 +177,14 @@ def page_key_variants():
                 for g in (1, 4, 7, 8):
                     for split in (False, True):
                         for own in ((False, True) if g in (1, 4, 8) else (False,)):
-                            for mma in ((False, True) if pt == 16 else (False,)):
+                            for mma, wkc in (((False, False), (True, False), (False, True))
+                                             if pt == 16 else ((False, False),)):
                                 template = [("D", d), ("G", g), ("PT", pt), ("HK", 2),
                                             ("KB", kb), ("TQ", "bfloat16"), ("TK", "bfloat16"),
                                             ("TT", "bfloat16"), ("OWN", own), ("MMA", mma),
-                                            ("SPLIT", split), ("TO", "bfloat16")]
+                                            ("WKC", wkc), ("SPLIT", split), ("TO", "bfloat16")]
                                 yield (f"page-key d{d} k{kb} pt{pt} g{g} split={split}"
-                                       f"{' own' * own}{' mma' * mma}",
+                                       f"{' own' * own}{' mma' * mma}{' wide' * wkc}",
                                        wrap("orchard_page_key_decode",
                                             [(n, types[n]) for n in src.INPUTS], outputs,
                                             src._SOURCE, src.header(), template))

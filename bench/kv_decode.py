@@ -88,7 +88,9 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   "own-write": dict(page_key_own_write=True),
                   "write-kernel": dict(page_key_own_write=False),
                   # ... and its score pass on tensor cores (KernelChoices.page_key_mma).
-                  "mma": dict(page_key_mma=True)}
+                  "mma": dict(page_key_mma=True),
+                  # ... and its key codes copied in 16-byte pieces (page_key_wide_copies).
+                  "wide-copies": dict(page_key_wide_copies=True)}
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:

@@ -49,9 +49,11 @@ from bench.device.page_key_qmm import _geometry, _maxdiff
 # (geometry, context, batch): the three targets first, so a run cut short keeps them
 ROWS = [("gpu", 4096, 1), ("gpu", 32768, 8), ("llama8b-2l", 4096, 8), ("gpu", 4096, 8)]
 TINY_ROWS = [("tiny", 128, 1), ("tiny", 96, 2)]
-# (label, target blocks, min keys per split, explicit splits): the default plan first
-SPLIT_PLANS = [("default", None, None, None), ("t528", 528, None, None),
-               ("mk64", None, 64, None), ("s128", None, None, 128)]
+# (label, target blocks, min keys per split, explicit splits, key codes in 16-byte copies:
+# KernelChoices.page_key_wide_copies): the default plan first.
+SPLIT_PLANS = [("default", None, None, None, False), ("wide", None, None, None, True),
+               ("s16", None, None, 16, False), ("wide-s16", None, None, 16, True),
+               ("mk64", None, 64, None, False)]
 PARTIAL = 8          # rows past the context: the last page half full (native tail read)
 # The step part's page-key runners: the defaults (fused write on CUDA), then the MLX write
 STEP_SPECS = [*PAGE_KEY, "k6v4-kivi:fused-write"]
@@ -228,8 +230,9 @@ def kernel_part(layers: dict, args, cuda: bool) -> dict:
     for fmt in PAGE_KEY:
         L = layers[fmt]
         base = L.kernel()(q)
-        for label, target, min_keys, splits in SPLIT_PLANS:
-            fn = L.kernel(target_blocks=target, min_keys=min_keys, splits=splits)
+        for label, target, min_keys, splits, wide in SPLIT_PLANS:
+            fn = L.kernel(target_blocks=target, min_keys=min_keys, splits=splits,
+                          wide_copies=wide)
             variants[f"{fmt}:{label}"] = (fn, q, False)
             plans[label] = plan(nat.b, nat.kvh, nat.longest, nat.n, target, min_keys, splits)
             diffs[f"{fmt}:{label}"] = _maxdiff(fn(q), base)

@@ -160,6 +160,12 @@ class KernelChoices:
     # us a layer, 8B shape, batch 8), so it stays off: the kernel is no longer bound by what it
     # issues (docs/lab/benchmarks-kv-page-keys.md, device run 12).
     page_key_mma: bool = False
+    # The page-key decode kernel's key codes copied in 16-byte pieces (cp.async through L2
+    # only) where a row's codes allow (6-bit keys at head dim 128: 6 pieces a row, not 12 of 8
+    # bytes through L1). Device run 13 (H100) timed the kernel with its compute cut out at 87 %
+    # of its time at 32K batch 8 (bench.device.page_key_phase_probe), and a deeper copy
+    # pipeline, which leaves L1 less room, slower.
+    page_key_wide_copies: bool = False
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is

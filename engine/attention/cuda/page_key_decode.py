@@ -89,11 +89,11 @@ def check_layout(pool: mx.array, layout: PageLayout, head_dim: int, k_bits: int,
 
 def template(head_dim: int, group: int, layout: PageLayout, k_bits: int, q_dtype: mx.Dtype,
              kv_dtype: mx.Dtype, tail_dtype: mx.Dtype, own: bool = False,
-             mma: bool = False) -> list:
+             mma: bool = False, wide_copies: bool = False) -> list:
     """The kernel's template arguments besides SPLIT and TO (launch_split adds them)."""
     return [("D", head_dim), ("G", group), ("PT", layout.page_tokens), ("HK", layout.heads),
             ("KB", k_bits), ("TQ", q_dtype), ("TK", kv_dtype), ("TT", tail_dtype), ("OWN", own),
-            ("MMA", mma)]
+            ("MMA", mma), ("WKC", wide_copies)]
 
 
 def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, pool: mx.array,
@@ -101,7 +101,8 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
                               pages: mx.array, ends: mx.array, tail_slots: mx.array,
                               longest: int, scale: float, target_blocks: int | None = None,
                               min_keys: int | None = None, splits: int | None = None,
-                              tail_write: mx.array | None = None, mma: bool = False) -> mx.array:
+                              tail_write: mx.array | None = None, mma: bool = False,
+                              wide_copies: bool = False) -> mx.array:
     """Attention of one query per row, q [B, Hq, 1, D], over page-key history and the step's own
     key: row b attends ends[b] - 1 history keys (whole pages from `pool` through page table
     `pages[b]`, the partial last page from the native tail pool `tail` (K, V: [slots,
@@ -123,7 +124,10 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     `mma`: the score pass on tensor cores (KernelChoices.page_key_mma: keys dequantized in
     fp32 and rounded to fp16 against fp16 queries, fp32 sums: keys and scaled queries must lie
     within fp16's range, +-65504), where the CUDA cores' pass spends an FMA per (key, channel,
-    query head)."""
+    query head).
+
+    `wide_copies`: key codes copied in 16-byte pieces where rows allow
+    (KernelChoices.page_key_wide_copies)."""
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
     if hq % kvh or not supports(k_bits, 4, d, hq // kvh, layout.page_tokens):
@@ -138,5 +142,6 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
         _kernel(), [q, k_new, v_new, pool, kt, vt, pages, ends, tail_slots,
                     _dims(hq, kvh, pages.shape[1]), _scale(float(scale)),
                     tail_write if own else tail_slots],
-        template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype, kt.dtype, own, mma),
+        template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype, kt.dtype, own, mma,
+                 wide_copies),
         b, kvh, hq, d, splits, q.dtype)

@@ -51,7 +51,12 @@ constexpr int KT = 64;                       // keys per tile: whole pages (PT d
 constexpr int KPT = KT / 32;                 // keys per lane in the score pass
 constexpr int CPW = 32 / VB;                 // value channels per word
 constexpr int SW = LW / NW, SC = D / NW;     // score pass: warp w owns channel slice w
-constexpr int KCB = SW % 4 == 0 ? 16 : SW % 2 == 0 ? 8 : 4;   // bytes per cp.async of key codes
+// Bytes per cp.async of key codes: the widest piece a warp's channel slice (SW words) keeps
+// aligned, or with WKC 16 wherever a row's codes are whole 16-byte pieces in pairs (6-bit keys
+// at head dim 128: 6 pieces of 16 bytes, not 12 of 8, through L2 only; the score pass's 8-byte
+// loads of its slice then meet 2-way bank conflicts: KS is 28 words, not 26) and the wider
+// rows fit 48 KB of shared memory (up to 4 query heads a KV head; 8 would pass it by 160 bytes).
+constexpr int KCB = (WKC && LW % 8 == 0 && G <= 4) || SW % 4 == 0 ? 16 : SW % 2 == 0 ? 8 : 4;
 constexpr int KS = LW + KCB / 4;             // padded key row stride (odd in KCB units)
 constexpr int KCH = LW * 4 / KCB;            // cp.async pieces per key row
 constexpr int MCW = NGK < 4 ? NGK : 4;       // words per cp.async piece of key metadata

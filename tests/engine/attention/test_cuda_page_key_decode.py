@@ -63,6 +63,23 @@ def test_tensor_core_score_pass_matches_the_reference_on_cpu_fibers(fmt, tmp_pat
         assert case["ok"] and case["max_abs_err"] < emu.TOLERANCE, case
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wide_key_copies_match_the_reference_on_cpu_fibers(fmt, tmp_path):
+    """KernelChoices.page_key_wide_copies: key codes in 16-byte pieces where a row's codes are
+    pairs of them (6-bit keys at head dim 128; the emulator faults a misaligned cp.async), the
+    narrower pieces elsewhere (head dim 64), one split and several."""
+    rng = np.random.default_rng(17)
+
+    def kernel(*args):
+        return emu.page_key_decode(*args, workdir=tmp_path, wide_copies=True)
+
+    for hist, hq, kvh, d, pt, target in [((300, 0, 77), 16, 4, 128, 16, None),
+                                         ((600, 64, 129), 16, 2, 128, 32, 16),
+                                         ((200, 45), 9, 3, 64, 16, 64)]:
+        case = emu.page_key_case(rng, fmt, hist, hq, kvh, d, pt, kernel, target)
+        assert case["ok"] and case["max_abs_err"] < emu.TOLERANCE, case
+
+
 def test_the_cpu_mma_twin_follows_the_ptx_fragment_layout(tmp_path):
     """The emulator's orch_mma_f16 against numpy: each lane loads A (16 x 16) and B (16 x 8)
     fragments by the PTX ISA's formulas for mma.m16n8k16 (.row.col, f16: "Matrix Fragments for
@@ -123,7 +140,8 @@ def _emulate_the_kernel(monkeypatch, workdir, calls=None, modes=None):
     slots, `modes` whether it asked for the tensor-core score pass."""
     modes = [] if modes is None else modes
     def emulated(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots,
-                 longest, scale, target_blocks=None, min_keys=None, tail_write=None, mma=False):
+                 longest, scale, target_blocks=None, min_keys=None, tail_write=None, mma=False,
+                 wide_copies=False):
         assert tail_write is None   # the OWN variant: test_cuda_page_key_own_write.py
         if calls is not None:
             calls.append(np.array(tail_slots).tolist())
@@ -189,7 +207,8 @@ def test_device_check_runs_on_cpu_fibers(llama, monkeypatch, tmp_path):
 
 
 def _mlx_kernel(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots, longest,
-                scale, target_blocks=None, min_keys=None, tail_write=None, mma=False):
+                scale, target_blocks=None, min_keys=None, tail_write=None, mma=False,
+                wide_copies=False):
     """page_key_decode_attention's contract in MLX ops (traceable, so a compiled step can run
     it on the CPU): full pages from the pool's codes, positions of the row's partial page from
     its tail slot, the own key last, one float32 softmax (not the OWN variant)."""
