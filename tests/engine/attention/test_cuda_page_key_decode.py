@@ -45,37 +45,33 @@ def test_kernel_source_matches_the_dequantized_reference_on_cpu_fibers(fmt, tmp_
     assert cuda_paged_decode.split_count(2, 3, 513, 64) == 3
 
 
+# The kernel's variants on the emulator: (KernelChoices field's keyword, seed, cases of
+# (history per row, hq, kvh, head dim, page tokens, split target)).
+VARIANT_CASES = {
+    # KernelChoices.page_key_mma: scores by mma.sync over fp16 keys and queries, its CPU twin
+    # exchanging the warp's fragments as the PTX layout places them; GQA 4, 8 and 3 (heads
+    # past G padded with zero queries), pages of 16-64 (of 32 and 64: warps of one page share
+    # its scales), splits.
+    "mma": (11, [((300, 0, 77), 16, 4, 128, 16, None), ((600, 64, 129), 16, 2, 64, 32, 16),
+                 ((512, 45), 9, 3, 64, 64, 64)]),
+    # KernelChoices.page_key_wide_copies: key codes in 16-byte pieces where a row's codes are
+    # pairs of them (6-bit keys at head dim 128; the emulator faults a misaligned cp.async),
+    # the narrower pieces elsewhere (head dim 64), one split and several.
+    "wide_copies": (17, [((300, 0, 77), 16, 4, 128, 16, None),
+                         ((600, 64, 129), 16, 2, 128, 32, 16), ((200, 45), 9, 3, 64, 16, 64)]),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANT_CASES))
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_tensor_core_score_pass_matches_the_reference_on_cpu_fibers(fmt, tmp_path):
-    """The MMA variant (KernelChoices.page_key_mma: scores by mma.sync over fp16 keys and
-    queries, its CPU twin exchanging the warp's fragments as the PTX layout places them) over
-    the same shapes: GQA 4, 8 and 3 (heads past G padded with zero queries), head dims 64 and
-    128, pages of 16-64 (pages of 32 and 64: warps of one page share its scales), splits."""
-    rng = np.random.default_rng(11)
+def test_kernel_variants_match_the_reference_on_cpu_fibers(fmt, variant, tmp_path):
+    seed, cases = VARIANT_CASES[variant]
+    rng = np.random.default_rng(seed)
 
     def kernel(*args):
-        return emu.page_key_decode(*args, workdir=tmp_path, mma=True)
+        return emu.page_key_decode(*args, workdir=tmp_path, **{variant: True})
 
-    for hist, hq, kvh, d, pt, target in [((300, 0, 77), 16, 4, 128, 16, None),
-                                         ((600, 64, 129), 16, 2, 64, 32, 16),
-                                         ((512, 45), 9, 3, 64, 64, 64)]:
-        case = emu.page_key_case(rng, fmt, hist, hq, kvh, d, pt, kernel, target)
-        assert case["ok"] and case["max_abs_err"] < emu.TOLERANCE, case
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_wide_key_copies_match_the_reference_on_cpu_fibers(fmt, tmp_path):
-    """KernelChoices.page_key_wide_copies: key codes in 16-byte pieces where a row's codes are
-    pairs of them (6-bit keys at head dim 128; the emulator faults a misaligned cp.async), the
-    narrower pieces elsewhere (head dim 64), one split and several."""
-    rng = np.random.default_rng(17)
-
-    def kernel(*args):
-        return emu.page_key_decode(*args, workdir=tmp_path, wide_copies=True)
-
-    for hist, hq, kvh, d, pt, target in [((300, 0, 77), 16, 4, 128, 16, None),
-                                         ((600, 64, 129), 16, 2, 128, 32, 16),
-                                         ((200, 45), 9, 3, 64, 16, 64)]:
+    for hist, hq, kvh, d, pt, target in cases:
         case = emu.page_key_case(rng, fmt, hist, hq, kvh, d, pt, kernel, target)
         assert case["ok"] and case["max_abs_err"] < emu.TOLERANCE, case
 
