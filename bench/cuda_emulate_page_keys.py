@@ -7,6 +7,7 @@ the native tail for the partial one) and a plain float64 softmax.
     python -m bench.cuda_emulate_page_keys     # the check cases, exit 1 if one fails
     python -m bench.cuda_emulate_page_keys --mma            # the tensor-core score pass
     python -m bench.cuda_emulate_page_keys --mma --device   # the same cases on a CUDA GPU
+    python -m bench.cuda_emulate_page_keys --narrow-copies  # 8-byte key-code copies
 """
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ from pathlib import Path
 import numpy as np
 
 from bench import cuda_emulate as ce
+from engine.attention.choices import DEFAULT_KERNELS
 
+# The kernel's key-code copies as the engine launches it by default (16-byte pieces).
+WIDE = DEFAULT_KERNELS.page_key_wide_copies
 TOLERANCE = 0.02   # bf16 output of float32 math against float64 on the same (dequantized) keys
 
 
 def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
                     scale, target_blocks=None, workdir: Path | None = None,
-                    mma: bool = False, wide_copies: bool = False) -> np.ndarray:
+                    mma: bool = False, wide_copies: bool = WIDE) -> np.ndarray:
     """page_key_decode_attention's contract run here (numpy tables, ends, tail_slots; mx
     arrays otherwise, bf16 q, fresh rows and tail), with the host side's split plan and, with
     several splits, the merge kernel. Returns [B, Hq, 1, D] float32 (from the bf16 output
@@ -44,7 +48,7 @@ def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, end
 
 
 def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
-            target_blocks, tail_write, workdir, mma: bool = False, wide_copies: bool = False):
+            target_blocks, tail_write, workdir, mma: bool = False, wide_copies: bool = WIDE):
     import mlx.core as mx
 
     from engine.attention.cuda import page_key_decode as pk
@@ -218,7 +222,7 @@ def reference(q, k_new, v_new, store, tables, hist, scale) -> np.ndarray:
 
 def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_tokens: int = 16,
                   kernel=None, target_blocks=None, mma: bool = False,
-                  wide_copies: bool = False) -> dict:
+                  wide_copies: bool = WIDE) -> dict:
     """One check: rows of hist[b] history tokens (ragged; partial tails where hist % pages),
     `kernel` with page_key_decode_attention's signature (None: the CUDA kernel itself, with
     its tensor-core score pass if `mma`) against `reference`. Returns a JSON-able dict with
@@ -249,7 +253,7 @@ def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_toke
         got = kernel(*args, tables, ends, slots, scale, target_blocks)
     ref = reference(q, k_new, v_new, store, tables, hist, scale)
     err = float(np.nanmax(np.abs(got - ref))) if np.isfinite(got).all() else float("inf")
-    name = f"page-key-{fmt_name}{'-mma' * mma}{'-wide' * wide_copies}"
+    name = f"page-key-{fmt_name}{'-mma' * mma}{'-narrow' * (not wide_copies)}"
     return {"kernel": name, "rows": rows, "hq": hq, "kvh": kvh,
             "head_dim": d, "page_tokens": page_tokens, "history": hist.tolist(),
             "splits": pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS),
@@ -271,8 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=len(CASES), help="run the first N cases")
     ap.add_argument("--mma", action="store_true",
                     help="the kernel's tensor-core score pass (KernelChoices.page_key_mma)")
-    ap.add_argument("--wide-copies", action="store_true",
-                    help="key codes in 16-byte pieces (KernelChoices.page_key_wide_copies)")
+    ap.add_argument("--narrow-copies", action="store_true",
+                    help="key codes in 8-byte pieces (KernelChoices.page_key_wide_copies off)")
     ap.add_argument("--device", action="store_true",
                     help="run the cases on the CUDA device (MLX's cuda_kernel), not emulated")
     args = ap.parse_args(argv)
@@ -280,9 +284,9 @@ def main(argv=None) -> int:
     def check(rng, work, fmt, hist, hq, kvh, d, pt, target):
         def kernel(*a):
             return page_key_decode(*a, workdir=work, mma=args.mma,
-                                   wide_copies=args.wide_copies)
+                                   wide_copies=not args.narrow_copies)
         return page_key_case(rng, fmt, hist, hq, kvh, d, pt, None if args.device else kernel,
-                             target, args.mma, args.wide_copies)
+                             target, args.mma, not args.narrow_copies)
     return ce.run_cases(CASES[:args.limit], check)
 
 

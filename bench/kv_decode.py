@@ -89,8 +89,9 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   "write-kernel": dict(page_key_own_write=False),
                   # ... and its score pass on tensor cores (KernelChoices.page_key_mma).
                   "mma": dict(page_key_mma=True),
-                  # ... and its key codes copied in 16-byte pieces (page_key_wide_copies).
-                  "wide-copies": dict(page_key_wide_copies=True)}
+                  # ... and its key codes copied in 8-byte pieces (page_key_wide_copies off;
+                  # the default before device run 13).
+                  "narrow-copies": dict(page_key_wide_copies=False)}
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:

@@ -50,10 +50,9 @@ from bench.device.page_key_qmm import _geometry, _maxdiff
 ROWS = [("gpu", 4096, 1), ("gpu", 32768, 8), ("llama8b-2l", 4096, 8), ("gpu", 4096, 8)]
 TINY_ROWS = [("tiny", 128, 1), ("tiny", 96, 2)]
 # (label, target blocks, min keys per split, explicit splits, key codes in 16-byte copies:
-# KernelChoices.page_key_wide_copies): the default plan first.
-SPLIT_PLANS = [("default", None, None, None, False), ("wide", None, None, None, True),
-               ("s16", None, None, 16, False), ("wide-s16", None, None, 16, True),
-               ("mk64", None, 64, None, False)]
+# KernelChoices.page_key_wide_copies, the default): the default plan first.
+SPLIT_PLANS = [("default", None, None, None, True), ("narrow", None, None, None, False),
+               ("s16", None, None, 16, True), ("mk64", None, 64, None, True)]
 PARTIAL = 8          # rows past the context: the last page half full (native tail read)
 # The step part's page-key runners: the defaults (fused write on CUDA), then the MLX write
 STEP_SPECS = [*PAGE_KEY, "k6v4-kivi:fused-write"]

@@ -161,11 +161,14 @@ class KernelChoices:
     # issues (docs/lab/benchmarks-kv-page-keys.md, device run 12).
     page_key_mma: bool = False
     # The page-key decode kernel's key codes copied in 16-byte pieces (cp.async through L2
-    # only) where a row's codes allow (6-bit keys at head dim 128: 6 pieces a row, not 12 of 8
-    # bytes through L1). Device run 13 (H100) timed the kernel with its compute cut out at 87 %
-    # of its time at 32K batch 8 (bench.device.page_key_phase_probe), and a deeper copy
-    # pipeline, which leaves L1 less room, slower.
-    page_key_wide_copies: bool = False
+    # only) where a row's codes allow (6-bit keys at head dim 128, up to 4 query heads a KV
+    # head: 6 pieces a row, not 12 of 8 bytes through L1). Why: device run 13 timed the kernel
+    # with its compute cut out at 87 % of its time at 32K batch 8 (H100,
+    # bench.device.page_key_phase_probe). On the H200 (its m5) outputs were bitwise equal, the
+    # kernel 71.3 -> 63.3 us a layer in the 8B step at batch 8, and k6v4-kivi decode against
+    # native 0.89x -> 0.94x at 4K batch 1, 0.97x -> 1.00x at 32K batch 8 (other rows within
+    # noise). False: the 8-byte pieces.
+    page_key_wide_copies: bool = True
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is

@@ -127,8 +127,8 @@ def test_joined_specs_combine_a_plan_and_a_kernel():
     from engine.attention.choices import DEFAULT_KERNELS
     fmt, kernels = kv_decode.decode_kernels("k6v4-kivi:mma+split-512", DEFAULT_KERNELS)
     assert (fmt, kernels.decode_split_target, kernels.page_key_mma) == ("k6v4-kivi", 512, True)
-    _, kernels = kv_decode.decode_kernels("k6v4-kivi:wide-copies+split-512", DEFAULT_KERNELS)
-    assert kernels.page_key_wide_copies and not DEFAULT_KERNELS.page_key_wide_copies
+    _, kernels = kv_decode.decode_kernels("k6v4-kivi:narrow-copies+split-512", DEFAULT_KERNELS)
+    assert not kernels.page_key_wide_copies and DEFAULT_KERNELS.page_key_wide_copies
     for bad in ("k6v4-kivi:mma+nope", "k6v4-kivi:mb5"):
         with pytest.raises(ValueError, match="joined by"):
             kv_decode.decode_kernels(bad, DEFAULT_KERNELS)

@@ -89,7 +89,7 @@ def check_layout(pool: mx.array, layout: PageLayout, head_dim: int, k_bits: int,
 
 def template(head_dim: int, group: int, layout: PageLayout, k_bits: int, q_dtype: mx.Dtype,
              kv_dtype: mx.Dtype, tail_dtype: mx.Dtype, own: bool = False,
-             mma: bool = False, wide_copies: bool = False) -> list:
+             mma: bool = False, wide_copies: bool = True) -> list:
     """The kernel's template arguments besides SPLIT and TO (launch_split adds them)."""
     return [("D", head_dim), ("G", group), ("PT", layout.page_tokens), ("HK", layout.heads),
             ("KB", k_bits), ("TQ", q_dtype), ("TK", kv_dtype), ("TT", tail_dtype), ("OWN", own),
@@ -102,7 +102,7 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
                               longest: int, scale: float, target_blocks: int | None = None,
                               min_keys: int | None = None, splits: int | None = None,
                               tail_write: mx.array | None = None, mma: bool = False,
-                              wide_copies: bool = False) -> mx.array:
+                              wide_copies: bool = True) -> mx.array:
     """Attention of one query per row, q [B, Hq, 1, D], over page-key history and the step's own
     key: row b attends ends[b] - 1 history keys (whole pages from `pool` through page table
     `pages[b]`, the partial last page from the native tail pool `tail` (K, V: [slots,
@@ -127,7 +127,7 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     query head).
 
     `wide_copies`: key codes copied in 16-byte pieces where rows allow
-    (KernelChoices.page_key_wide_copies)."""
+    (KernelChoices.page_key_wide_copies, the default); False: 8-byte pieces."""
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
     if hq % kvh or not supports(k_bits, 4, d, hq // kvh, layout.page_tokens):

@@ -45,31 +45,33 @@ def test_kernel_source_matches_the_dequantized_reference_on_cpu_fibers(fmt, tmp_
     assert cuda_paged_decode.split_count(2, 3, 513, 64) == 3
 
 
-# The kernel's variants on the emulator: (KernelChoices field's keyword, seed, cases of
-# (history per row, hq, kvh, head dim, page tokens, split target)).
+# The kernel's variants on the emulator: name -> (page_key_decode's keywords, seed, cases of
+# (history per row, hq, kvh, head dim, page tokens, split target)). The plain cases above run
+# the default (16-byte key-code copies where rows allow: KernelChoices.page_key_wide_copies).
 VARIANT_CASES = {
     # KernelChoices.page_key_mma: scores by mma.sync over fp16 keys and queries, its CPU twin
     # exchanging the warp's fragments as the PTX layout places them; GQA 4, 8 and 3 (heads
     # past G padded with zero queries), pages of 16-64 (of 32 and 64: warps of one page share
     # its scales), splits.
-    "mma": (11, [((300, 0, 77), 16, 4, 128, 16, None), ((600, 64, 129), 16, 2, 64, 32, 16),
-                 ((512, 45), 9, 3, 64, 64, 64)]),
-    # KernelChoices.page_key_wide_copies: key codes in 16-byte pieces where a row's codes are
-    # pairs of them (6-bit keys at head dim 128; the emulator faults a misaligned cp.async),
-    # the narrower pieces elsewhere (head dim 64), one split and several.
-    "wide_copies": (17, [((300, 0, 77), 16, 4, 128, 16, None),
-                         ((600, 64, 129), 16, 2, 128, 32, 16), ((200, 45), 9, 3, 64, 16, 64)]),
+    "mma": ({"mma": True}, 11, [((300, 0, 77), 16, 4, 128, 16, None),
+                                ((600, 64, 129), 16, 2, 64, 32, 16),
+                                ((512, 45), 9, 3, 64, 64, 64)]),
+    # page_key_wide_copies off: key codes in 8-byte pieces, at the head dims where the default
+    # takes 16 (6-bit keys at head dim 128, group <= 4) and where it cannot (head dim 64).
+    "narrow-copies": ({"wide_copies": False}, 17, [((300, 0, 77), 16, 4, 128, 16, None),
+                                                   ((600, 64, 129), 16, 2, 128, 32, 16),
+                                                   ((200, 45), 9, 3, 64, 16, 64)]),
 }
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANT_CASES))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_variants_match_the_reference_on_cpu_fibers(fmt, variant, tmp_path):
-    seed, cases = VARIANT_CASES[variant]
+    kwargs, seed, cases = VARIANT_CASES[variant]
     rng = np.random.default_rng(seed)
 
     def kernel(*args):
-        return emu.page_key_decode(*args, workdir=tmp_path, **{variant: True})
+        return emu.page_key_decode(*args, workdir=tmp_path, **kwargs)
 
     for hist, hq, kvh, d, pt, target in cases:
         case = emu.page_key_case(rng, fmt, hist, hq, kvh, d, pt, kernel, target)
@@ -137,14 +139,15 @@ def _emulate_the_kernel(monkeypatch, workdir, calls=None, modes=None):
     modes = [] if modes is None else modes
     def emulated(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots,
                  longest, scale, target_blocks=None, min_keys=None, tail_write=None, mma=False,
-                 wide_copies=False):
+                 wide_copies=True):
         assert tail_write is None   # the OWN variant: test_cuda_page_key_own_write.py
         if calls is not None:
             calls.append(np.array(tail_slots).tolist())
             modes.append(mma)
         out = emu.page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail,
                                   np.array(pages), np.array(ends), np.array(tail_slots),
-                                  scale, target_blocks, workdir=workdir, mma=mma)
+                                  scale, target_blocks, workdir=workdir, mma=mma,
+                                  wide_copies=wide_copies)
         return mx.array(out).astype(q.dtype)
 
     monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
@@ -204,7 +207,7 @@ def test_device_check_runs_on_cpu_fibers(llama, monkeypatch, tmp_path):
 
 def _mlx_kernel(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots, longest,
                 scale, target_blocks=None, min_keys=None, tail_write=None, mma=False,
-                wide_copies=False):
+                wide_copies=True):
     """page_key_decode_attention's contract in MLX ops (traceable, so a compiled step can run
     it on the CPU): full pages from the pool's codes, positions of the row's partial page from
     its tail slot, the own key last, one float32 softmax (not the OWN variant)."""
