@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 973c4a6: its `mbN` spec and the merge rewrite were reverted after this run.
 # Second run of the 2026-12-07 lease. m1 found the page-key kernel at 128 registers a thread
 # (ptxas), so 4 blocks of 128 threads an SM (528 on 132 SMs) while the 32K batch-8 plan launches
 # 544 (17 splits x 32): 16 blocks in a second wave; and the split merge at 19 us a call (both

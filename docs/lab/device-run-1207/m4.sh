@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 1782d65: `--stages`, the `stages3` spec and the st3 plans were reverted after it.
 # Fourth run of the 2026-12-07 lease: the page-key kernel's copy pipeline three tiles deep
 # (KernelChoices.page_key_stages = 3, dynamic shared memory), after m3's phase probe timed the
 # kernel with its compute cut out at 87 % of its time. Checked on the GPU against the reference

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran at commit 53d7ae8: `:wide-copies` and `--wide-copies` are now the default (the old path:
+# `:narrow-copies`, `--narrow-copies`).
 # Fifth run of the 2026-12-07 lease: the page-key kernel's 6-bit key codes copied in 16-byte
 # pieces through L2 (KernelChoices.page_key_wide_copies), after m4 found a deeper pipeline (less
 # L1 beside 56 KB of shared memory) slower: checked on the GPU against the reference and
