@@ -76,16 +76,21 @@ def cut_source(phases: tuple[str, ...]) -> str:
 VARIANTS = {"full": (), **{f"no-{p}": (p,) for p in PROBES}, "loads-only": PROBES}
 
 
-@contextmanager
-def _kernel_from(text: str, name: str):
-    """page_key_decode_attention launching a kernel built from `text` inside the block."""
+def _build(text: str, name: str):
+    """The kernel object of a cut source (built once a variant, not in the timed calls)."""
     import mlx.core as mx
-    from engine.attention.cuda import page_key_decode as pkd
     from engine.attention.cuda import page_key_decode_source as src
-    k = mx.fast.cuda_kernel(name=f"orchard_page_key_probe_{name}", input_names=src.INPUTS,
-                            output_names=src.OUTPUTS, source=text, header=src.header(),
-                            ensure_row_contiguous=True)
-    saved, pkd._kernel = pkd._kernel, lambda: k
+    return mx.fast.cuda_kernel(name=f"orchard_page_key_probe_{name}", input_names=src.INPUTS,
+                               output_names=src.OUTPUTS, source=text, header=src.header(),
+                               ensure_row_contiguous=True)
+
+
+@contextmanager
+def _launching(kernel):
+    """page_key_decode_attention launching `kernel` inside the block (its host side, split
+    plan and merge unchanged)."""
+    from engine.attention.cuda import page_key_decode as pkd
+    saved, pkd._kernel = pkd._kernel, lambda: kernel
     try:
         yield
     finally:
@@ -101,12 +106,12 @@ def probe_row(geometry: str, n: int, b: int, calls: int, rounds: int) -> dict:
     g = _geometry(geometry)
     nat, pk = Layer(g, "native", n, b, mx.bfloat16), Layer(g, "k6v4-kivi", n, b, mx.bfloat16)
     variants = {"native": (nat.kernel(), nat.q, False)}
+    base = pk.kernel()
     for name, phases in VARIANTS.items():
-        text = cut_source(phases)
-        base = pk.kernel()
+        kernel = _build(cut_source(phases), name.replace("-", "_"))
 
-        def fn(q, text=text, name=name.replace("-", "_"), base=base):
-            with _kernel_from(text, name):
+        def fn(q, kernel=kernel):
+            with _launching(kernel):
                 return base(q)
         variants[name] = (fn, pk.q, False)
     got, _ = paired(variants, calls, rounds)

@@ -31,3 +31,16 @@ def test_cpu_run_reports_the_kernel_unavailable(tmp_path):
     row = json.loads(out.read_text())["rows"]["gpu-ctx128-b1"]
     assert "no CUDA device" in row["unavailable"]
     assert set(row["source_chars"]) == set(probe.VARIANTS)
+
+
+def test_the_cut_kernel_is_launched_inside_the_block_only():
+    # page_key_decode_attention looks its kernel up through the module's _kernel at call
+    # time: inside the block it gets the probe's, after it (an error included) its own again.
+    from engine.attention.cuda import page_key_decode as pkd
+    own, cut = pkd._kernel, object()
+    with probe._launching(cut):
+        assert pkd._kernel() is cut
+    assert pkd._kernel is own
+    with pytest.raises(RuntimeError), probe._launching(cut):
+        raise RuntimeError("a failed launch")
+    assert pkd._kernel is own
