@@ -44,6 +44,16 @@ SOFTMAX = """  softmax_step(cnt, MMA ? 1 : NW, true, stage + VM_OFF);
 """
 SCORES_FROM, SCORES_TO = "    const int sl = warp;\n", "= dot[i][h];\n    }\n"
 PROBES = ("meta", "scores", "softmax", "pv")
+# Not phases but the copies' addresses: `head-major` reads, for head hk, the bytes a page laid
+# out [HK][PT][width] per section would hold (each head's rows of a section one run, where the
+# pool's [PT][HK][width] interleaves the heads' rows); `meta-copies` drops the key and value
+# metadata copies (their 8- and 16-byte pieces). Which of the copy path's costs is the access
+# pattern and which the small pieces.
+ROW_TOKEN_MAJOR = "const int irow = (ir % PT) * HK + hk;"
+ROW_HEAD_MAJOR = "const int irow = hk * PT + ir % PT;"
+META_COPIES_FROM = "    const int km_off = ih ? KO_OFF : KS_OFF"
+META_COPIES_TO = "src + vm_off + irow * NG);\n"
+ADDRESSING = ("head-major", "meta-copies")
 
 
 def _cut_once(src: str, start: str, end: str | None = None) -> str:
@@ -68,12 +78,23 @@ def cut_source(phases: tuple[str, ...]) -> str:
             text = _cut_once(text, SCORES_FROM, SCORES_TO)
         elif phase == "pv":
             text = _cut_once(text, packed_pv("VW", "VB"))
+        elif phase == "head-major":
+            text = _cut_once(text, ROW_TOKEN_MAJOR).replace(
+                "const int ir = tid >> 1, ih = tid & 1;\n",
+                "const int ir = tid >> 1, ih = tid & 1;\n" + ROW_HEAD_MAJOR + "\n")
+        elif phase == "meta-copies":
+            text = _cut_once(text, META_COPIES_FROM, META_COPIES_TO)
         else:
-            raise ValueError(f"probe: unknown phase {phase!r} (one of {PROBES})")
+            raise ValueError(f"probe: unknown phase {phase!r} (one of "
+                             f"{PROBES + ADDRESSING})")
     return text
 
 
-VARIANTS = {"full": (), **{f"no-{p}": (p,) for p in PROBES}, "loads-only": PROBES}
+VARIANTS = {"full": (), **{f"no-{p}": (p,) for p in PROBES}, "loads-only": PROBES,
+            "head-major": ("head-major",), "loads-only-head-major": PROBES + ("head-major",),
+            "no-meta-copies": ("meta-copies",),
+            "loads-only-no-meta-copies": PROBES + ("meta-copies",),
+            "head-major-no-meta-copies": ("head-major", "meta-copies")}
 
 
 def _build(text: str, name: str):

@@ -44,3 +44,13 @@ def test_the_cut_kernel_is_launched_inside_the_block_only():
     with pytest.raises(RuntimeError), probe._launching(cut):
         raise RuntimeError("a failed launch")
     assert pkd._kernel is own
+
+
+def test_addressing_variants_change_the_copies_only():
+    # head-major: each head's rows of a section read as one run (the row index, nothing else);
+    # meta-copies: the metadata copies gone, the code copies kept
+    hm = probe.cut_source(("head-major",))
+    assert probe.ROW_HEAD_MAJOR in hm and probe.ROW_TOKEN_MAJOR not in hm
+    assert hm.index("const int ir = tid >> 1") < hm.index(probe.ROW_HEAD_MAJOR)
+    nm = probe.cut_source(("meta-copies",))
+    assert "km_off" not in nm and "VC_OFF + irow * VW" in nm and "KC_OFF + irow * LW" in nm
