@@ -8,6 +8,7 @@ the native tail for the partial one) and a plain float64 softmax.
     python -m bench.cuda_emulate_page_keys --mma            # the tensor-core score pass
     python -m bench.cuda_emulate_page_keys --mma --device   # the same cases on a CUDA GPU
     python -m bench.cuda_emulate_page_keys --narrow-copies  # 8-byte key-code copies
+    python -m bench.cuda_emulate_page_keys --warp-pages     # the warp-page kernel (pages of 16)
 """
 from __future__ import annotations
 
@@ -27,32 +28,38 @@ TOLERANCE = 0.02   # bf16 output of float32 math against float64 on the same (de
 
 def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
                     scale, target_blocks=None, workdir: Path | None = None,
-                    mma: bool = False, wide_copies: bool = WIDE) -> np.ndarray:
+                    mma: bool = False, wide_copies: bool = WIDE,
+                    warp_pages: bool = False) -> np.ndarray:
     """page_key_decode_attention's contract run here (numpy tables, ends, tail_slots; mx
     arrays otherwise, bf16 q, fresh rows and tail), with the host side's split plan and, with
     several splits, the merge kernel. Returns [B, Hq, 1, D] float32 (from the bf16 output
     unless q is float32). `mma`: the kernel's tensor-core score pass; `wide_copies`: its key
-    codes in 16-byte pieces."""
+    codes in 16-byte pieces; `warp_pages`: the warp-page kernel instead
+    (page_key_warp_decode_source.py, pages of 16 tokens)."""
     return _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
-                   target_blocks, None, workdir, mma, wide_copies)[0]
+                   target_blocks, None, workdir, mma, wide_copies, warp_pages)[0]
 
 
 def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
-                        scale, tail_write, target_blocks=None, workdir: Path | None = None):
+                        scale, tail_write, target_blocks=None, workdir: Path | None = None,
+                        warp_pages: bool = False):
     """The OWN variant (`tail_write`: each row's slot for its own row): (the output as
     `page_key_decode` returns it, the pool and (K, V) tails as the launch left them, mx)."""
     import mlx.core as mx
     out, (written, kt, vt) = _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends,
-                                     tail_slots, scale, target_blocks, tail_write, workdir)
+                                     tail_slots, scale, target_blocks, tail_write, workdir,
+                                     warp_pages=warp_pages)
     return out, mx.array(written), tuple(mx.array(a).astype(tail[0].dtype) for a in (kt, vt))
 
 
 def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
-            target_blocks, tail_write, workdir, mma: bool = False, wide_copies: bool = WIDE):
+            target_blocks, tail_write, workdir, mma: bool = False, wide_copies: bool = WIDE,
+            warp_pages: bool = False):
     import mlx.core as mx
 
     from engine.attention.cuda import page_key_decode as pk
     from engine.attention.cuda import page_key_decode_source as src
+    from engine.attention.cuda import page_key_warp_decode_source as warp_src
     from engine.attention.cuda import page_key_write as pw
     from engine.attention.cuda import paged_decode as pd
     from engine.attention.cuda import tile_helpers
@@ -80,13 +87,20 @@ def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slot
               np.array([scale], np.float32), np.asarray(tail_write, np.int32) if own else slots]
     splits = pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS)
     parts = rows * hq * (splits if splits > 1 else 1)
-    template = [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", kvh),
-                ("KB", k_bits), ("TQ", types["q"]), ("TK", types["kf"]), ("TT", types["kt"]),
-                ("OWN", own), ("MMA", mma), ("WKC", wide_copies), ("SPLIT", splits > 1),
-                ("TO", types["q"])]
+    warp = warp_pages and pk.warp_pages_serve(layout)
+    if warp:
+        template = [*pk.warp_template(d, hq // kvh, layout, k_bits, types["q"], types["kf"],
+                                      types["kt"], own), ("SPLIT", splits > 1),
+                    ("TO", types["q"])]
+    else:
+        template = [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", kvh),
+                    ("KB", k_bits), ("TQ", types["q"]), ("TK", types["kf"]),
+                    ("TT", types["kt"]), ("OWN", own), ("MMA", mma), ("WKC", wide_copies),
+                    ("SPLIT", splits > 1), ("TO", types["q"])]
     outputs = [("out", types["q"]), ("part", "float32"), ("ml", "float32")]
     out, part, ml, *written = ce.run(
-        "orchard_page_key_decode", [(n, types[n]) for n in src.INPUTS], outputs, src._SOURCE,
+        "orchard_page_key_decode", [(n, types[n]) for n in src.INPUTS], outputs,
+        warp_src._SOURCE if warp else src._SOURCE,
         tile_helpers.HELPERS + src.PAGE_KEY_HELPERS + pw.helpers(), template, arrays,
         [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits), pd.THREADS, workdir,
         writes=(3, 4, 5) if own else ())
@@ -222,7 +236,7 @@ def reference(q, k_new, v_new, store, tables, hist, scale) -> np.ndarray:
 
 def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_tokens: int = 16,
                   kernel=None, target_blocks=None, mma: bool = False,
-                  wide_copies: bool = WIDE) -> dict:
+                  wide_copies: bool = WIDE, warp_pages: bool = False) -> dict:
     """One check: rows of hist[b] history tokens (ragged; partial tails where hist % pages),
     `kernel` with page_key_decode_attention's signature (None: the CUDA kernel itself, with
     its tensor-core score pass if `mma`) against `reference`. Returns a JSON-able dict with
@@ -247,13 +261,15 @@ def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_toke
     if kernel is None:
         got = pk.page_key_decode_attention(*args, mx.array(tables), mx.array(ends),
                                            mx.array(slots), int(ends.max()), scale,
-                                           target_blocks, mma=mma, wide_copies=wide_copies)
+                                           target_blocks, mma=mma, wide_copies=wide_copies,
+                                           warp_pages=warp_pages)
         got = np.array(got.astype(mx.float32))
     else:
         got = kernel(*args, tables, ends, slots, scale, target_blocks)
     ref = reference(q, k_new, v_new, store, tables, hist, scale)
     err = float(np.nanmax(np.abs(got - ref))) if np.isfinite(got).all() else float("inf")
-    name = f"page-key-{fmt_name}{'-mma' * mma}{'-narrow' * (not wide_copies)}"
+    name = (f"page-key-{fmt_name}{'-mma' * mma}{'-narrow' * (not wide_copies)}"
+            f"{'-warp-pages' * warp_pages}")
     return {"kernel": name, "rows": rows, "hq": hq, "kvh": kvh,
             "head_dim": d, "page_tokens": page_tokens, "history": hist.tolist(),
             "splits": pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS),
@@ -269,6 +285,16 @@ CASES = [
     ("k6v4-kivi", (700, 47, 192), 9, 3, 64, 16, 16),
 ]
 
+# The warp-page kernel's cases (pages of 16 only): GQA 1, 4, 7 and 8, head dims 64 and 128,
+# ragged rows, empty history, splits (a warp with no pages, a split holding only the tail).
+WARP_CASES = [
+    ("k6v4-kivi", (37,), 8, 2, 64, 16, None),
+    ("int4-kivi", (200, 0, 77), 16, 4, 128, 16, None),
+    ("k6v4-kivi", (300, 64, 129), 16, 2, 128, 16, 8),
+    ("k6v4-kivi", (700, 47, 192), 14, 2, 128, 16, 16),
+    ("int4-kivi", (130, 15), 8, 8, 64, 16, None),
+]
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -277,6 +303,9 @@ def main(argv=None) -> int:
                     help="the kernel's tensor-core score pass (KernelChoices.page_key_mma)")
     ap.add_argument("--narrow-copies", action="store_true",
                     help="key codes in 8-byte pieces (KernelChoices.page_key_wide_copies off)")
+    ap.add_argument("--warp-pages", action="store_true",
+                    help="the warp-page kernel (KernelChoices.page_key_warp_pages; the cases "
+                         "at pages of 16)")
     ap.add_argument("--device", action="store_true",
                     help="run the cases on the CUDA device (MLX's cuda_kernel), not emulated")
     args = ap.parse_args(argv)
@@ -284,10 +313,12 @@ def main(argv=None) -> int:
     def check(rng, work, fmt, hist, hq, kvh, d, pt, target):
         def kernel(*a):
             return page_key_decode(*a, workdir=work, mma=args.mma,
-                                   wide_copies=not args.narrow_copies)
+                                   wide_copies=not args.narrow_copies,
+                                   warp_pages=args.warp_pages)
         return page_key_case(rng, fmt, hist, hq, kvh, d, pt, None if args.device else kernel,
-                             target, args.mma, not args.narrow_copies)
-    return ce.run_cases(CASES[:args.limit], check)
+                             target, args.mma, not args.narrow_copies, args.warp_pages)
+    cases = WARP_CASES if args.warp_pages else CASES
+    return ce.run_cases(cases[:args.limit], check)
 
 
 if __name__ == "__main__":

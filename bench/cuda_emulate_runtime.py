@@ -86,6 +86,15 @@ inline T __shfl_xor_sync(unsigned int, T v, int o) {
   warp_barrier();
   return r;
 }
+template <typename T>
+inline T __shfl_sync(unsigned int, T v, int src) {
+  const int me = g_current, w = me / 32, lane = me % 32;
+  std::memcpy(&g_slot[w][lane], &v, 4);
+  warp_barrier();
+  T r; std::memcpy(&r, &g_slot[w][src & 31], 4);
+  warp_barrier();
+  return r;
+}
 struct Copy { void* dst; const void* src; int n; };
 static std::vector<std::vector<Copy>> g_pending;
 """
@@ -129,6 +138,10 @@ inline float orch_f16_float(uint16_t h) {
 }
 inline unsigned int orch_half2(float lo, float hi) {
   return (unsigned int)orch_f16_bits(lo) | ((unsigned int)orch_f16_bits(hi) << 16);
+}
+inline unsigned int orch_half2_minus_one(unsigned int x) {
+  return orch_half2(orch_f16_float((uint16_t)(x & 0xffffu)) - 1.0f,
+                    orch_f16_float((uint16_t)(x >> 16)) - 1.0f);
 }
 // Every lane posts its fragments, then computes its four outputs from the warp's (the PTX
 // fragment layout of mma.m16n8k16 .row.col: tile_helpers.MMA's comment).

@@ -190,6 +190,29 @@ def page_key_variants():
                                             src._SOURCE, src.header(), template))
 
 
+def page_key_warp_variants():
+    """The warp-page decode kernel (cuda/page_key_warp_decode_source.py: pages of 16): both key
+    widths, head dims, GQA groups, split modes, OWN."""
+    from engine.attention.cuda import page_key_decode_source as src
+    from engine.attention.cuda import page_key_warp_decode_source as warp
+    types = {"q": "bfloat16", "kf": "bfloat16", "vf": "bfloat16", "pool": "uint32",
+             "kt": "bfloat16", "vt": "bfloat16", "pages": "int32", "ends": "int32",
+             "tslot": "int32", "dims": "int32", "scale": "float32", "tw": "int32"}
+    outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
+    for d in (64, 128):
+        for kb in (4, 6):
+            for g in (1, 4, 7, 8):
+                for split in (False, True):
+                    for own in (False, True):
+                        template = [("D", d), ("G", g), ("HK", 2), ("KB", kb),
+                                    ("TQ", "bfloat16"), ("TK", "bfloat16"), ("TT", "bfloat16"),
+                                    ("OWN", own), ("SPLIT", split), ("TO", "bfloat16")]
+                        yield (f"page-key-warp d{d} k{kb} g{g} split={split}{' own' * own}",
+                               wrap("orchard_page_key_warp_decode",
+                                    [(n, types[n]) for n in src.INPUTS], outputs,
+                                    warp._SOURCE, src.header(), template))
+
+
 def page_key_dequant_variants():
     """The page-key prefill dequant kernel (cuda/page_key_dequant.py): both key widths and
     head dims, pages of 16 and 64."""
@@ -231,6 +254,7 @@ def variants():
     yield from native_tiled_variants()
     yield from decode_variants()
     yield from page_key_variants()
+    yield from page_key_warp_variants()
     yield from page_key_dequant_variants()
     yield from page_key_write_variants()
     yield from write_variants()

@@ -91,7 +91,9 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   "mma": dict(page_key_mma=True),
                   # ... and its key codes copied in 8-byte pieces (page_key_wide_copies off;
                   # the default before device run 13).
-                  "narrow-copies": dict(page_key_wide_copies=False)}
+                  "narrow-copies": dict(page_key_wide_copies=False),
+                  # ... or the warp-page kernel (KernelChoices.page_key_warp_pages; pages of 16).
+                  "warp-pages": dict(page_key_warp_pages=True)}
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:

@@ -235,6 +235,10 @@ def kernel_part(layers: dict, args, cuda: bool) -> dict:
             variants[f"{fmt}:{label}"] = (fn, q, False)
             plans[label] = plan(nat.b, nat.kvh, nat.longest, nat.n, target, min_keys, splits)
             diffs[f"{fmt}:{label}"] = _maxdiff(fn(q), base)
+        # the warp-page kernel (KernelChoices.page_key_warp_pages) on the default plan
+        fn = L.kernel(warp_pages=True)
+        variants[f"{fmt}:warp-pages"] = (fn, q, False)
+        diffs[f"{fmt}:warp-pages"] = _maxdiff(fn(q), base)
     got, _ = paired(variants, args.calls, args.rounds)
     for name, d in diffs.items():
         got[name]["max_abs_vs_default_plan"] = round(d, 5)

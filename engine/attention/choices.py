@@ -169,6 +169,13 @@ class KernelChoices:
     # native 0.89x -> 0.94x at 4K batch 1, 0.97x -> 1.00x at 32K batch 8 (other rows within
     # noise). False: the 8-byte pieces.
     page_key_wide_copies: bool = True
+    # The warp-page decode kernel at pages of 16 tokens (cuda/page_key_warp_decode_source.py):
+    # each warp its own pages (two copy stages, its own softmax state, only __syncwarp in its
+    # loop), scores and PV on tensor cores (fp16 keys, queries and PV weights, fp32 sums: the
+    # page_key_mma range caveat). Why: the block-tiled kernel's phases add up instead of
+    # overlapping (device run 14's phase probe, docs/lab/benchmarks-kv-page-keys.md). Off
+    # until timed on a GPU; other page sizes keep the block-tiled kernel.
+    page_key_warp_pages: bool = False
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is

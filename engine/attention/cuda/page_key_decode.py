@@ -40,6 +40,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from engine.attention.cuda.page_key_decode_source import kernel as _kernel
+from engine.attention.cuda.page_key_warp_decode_source import kernel as _warp_kernel
 from engine.attention.cuda.paged_decode import _dims, _scale, launch_split, split_count
 from engine.kv.page_layout import PageLayout
 
@@ -87,6 +88,20 @@ def check_layout(pool: mx.array, layout: PageLayout, head_dim: int, k_bits: int,
                          f"uint32 [pages, {layout.page_words}]")
 
 
+def warp_pages_serve(layout: PageLayout) -> bool:
+    """Whether the warp-page kernel (page_key_warp_decode_source.py: each warp its own pages,
+    tensor-core scores and PV) reads these pages: 16 tokens a page, a warp's unit."""
+    return layout.page_tokens == 16
+
+
+def warp_template(head_dim: int, group: int, layout: PageLayout, k_bits: int,
+                  q_dtype: mx.Dtype, kv_dtype: mx.Dtype, tail_dtype: mx.Dtype,
+                  own: bool = False) -> list:
+    """The warp-page kernel's template arguments besides SPLIT and TO."""
+    return [("D", head_dim), ("G", group), ("HK", layout.heads), ("KB", k_bits),
+            ("TQ", q_dtype), ("TK", kv_dtype), ("TT", tail_dtype), ("OWN", own)]
+
+
 def template(head_dim: int, group: int, layout: PageLayout, k_bits: int, q_dtype: mx.Dtype,
              kv_dtype: mx.Dtype, tail_dtype: mx.Dtype, own: bool = False,
              mma: bool = False, wide_copies: bool = True) -> list:
@@ -102,7 +117,7 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
                               longest: int, scale: float, target_blocks: int | None = None,
                               min_keys: int | None = None, splits: int | None = None,
                               tail_write: mx.array | None = None, mma: bool = False,
-                              wide_copies: bool = True) -> mx.array:
+                              wide_copies: bool = True, warp_pages: bool = False) -> mx.array:
     """Attention of one query per row, q [B, Hq, 1, D], over page-key history and the step's own
     key: row b attends ends[b] - 1 history keys (whole pages from `pool` through page table
     `pages[b]`, the partial last page from the native tail pool `tail` (K, V: [slots,
@@ -127,7 +142,13 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     query head).
 
     `wide_copies`: key codes copied in 16-byte pieces where rows allow
-    (KernelChoices.page_key_wide_copies, the default); False: 8-byte pieces."""
+    (KernelChoices.page_key_wide_copies, the default); False: 8-byte pieces.
+
+    `warp_pages`: the warp-page kernel where it reads the pages (`warp_pages_serve`: pages of
+    16 tokens; KernelChoices.page_key_warp_pages): the same contract and split plan, each warp
+    its own pages with tensor-core scores and PV (fp16 keys, queries and PV weights, fp32
+    sums: `mma`'s range caveat holds), no block barrier in its loop. `mma` and `wide_copies`
+    are the block-tiled kernel's and do not apply to it."""
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
     if hq % kvh or not supports(k_bits, 4, d, hq // kvh, layout.page_tokens):
@@ -138,10 +159,16 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     if splits is None:
         splits = split_count(b, kvh, longest, target_blocks or TARGET_BLOCKS, min_keys)
     own = tail_write is not None
+    inputs = [q, k_new, v_new, pool, kt, vt, pages, ends, tail_slots,
+              _dims(hq, kvh, pages.shape[1]), _scale(float(scale)),
+              tail_write if own else tail_slots]
+    if warp_pages and warp_pages_serve(layout):
+        return launch_split(_warp_kernel(), inputs,
+                            warp_template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype,
+                                          kt.dtype, own),
+                            b, kvh, hq, d, splits, q.dtype)
     return launch_split(
-        _kernel(), [q, k_new, v_new, pool, kt, vt, pages, ends, tail_slots,
-                    _dims(hq, kvh, pages.shape[1]), _scale(float(scale)),
-                    tail_write if own else tail_slots],
+        _kernel(), inputs,
         template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype, kt.dtype, own, mma,
                  wide_copies),
         b, kvh, hq, d, splits, q.dtype)

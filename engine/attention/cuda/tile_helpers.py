@@ -66,6 +66,12 @@ __device__ __forceinline__ unsigned int orch_half2(float lo, float hi) {
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// An fp16 pair minus 1.0 each (exact for the codes 1 + c / 2^k it is given: c / 2^k).
+__device__ __forceinline__ unsigned int orch_half2_minus_one(unsigned int x) {
+  unsigned int r;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(0x3c003c00u));
+  return r;
+}
 """
 
 HELPERS = """

@@ -61,6 +61,12 @@ VARIANT_CASES = {
     "narrow-copies": ({"wide_copies": False}, 17, [((300, 0, 77), 16, 4, 128, 16, None),
                                                    ((600, 64, 129), 16, 2, 128, 32, 16),
                                                    ((200, 45), 9, 3, 64, 16, 64)]),
+    # KernelChoices.page_key_warp_pages: each warp its own pages of 16, scores and PV by
+    # mma.sync; GQA 4, 7 and 8, ragged rows, a row of no history, splits whose later warps get
+    # no page and a split holding only the native tail.
+    "warp-pages": ({"warp_pages": True}, 23, [((300, 0, 77), 16, 4, 128, 16, None),
+                                              ((700, 64, 129), 14, 2, 128, 16, 16),
+                                              ((200, 45), 16, 2, 64, 16, 64)]),
 }
 
 
@@ -139,37 +145,40 @@ def _emulate_the_kernel(monkeypatch, workdir, calls=None, modes=None):
     modes = [] if modes is None else modes
     def emulated(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots,
                  longest, scale, target_blocks=None, min_keys=None, tail_write=None, mma=False,
-                 wide_copies=True):
+                 wide_copies=True, warp_pages=False):
         assert tail_write is None   # the OWN variant: test_cuda_page_key_own_write.py
         if calls is not None:
             calls.append(np.array(tail_slots).tolist())
-            modes.append(mma)
+            modes.append((mma, warp_pages))
         out = emu.page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail,
                                   np.array(pages), np.array(ends), np.array(tail_slots),
                                   scale, target_blocks, workdir=workdir, mma=mma,
-                                  wide_copies=wide_copies)
+                                  wide_copies=wide_copies, warp_pages=warp_pages)
         return mx.array(out).astype(q.dtype)
 
     monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
     monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", emulated)
 
 
-@pytest.mark.parametrize("fmt,mma", [("k6v4-kivi", False), ("int4-kivi", False),
-                                     ("k6v4-kivi", True)])
-def test_runner_decode_steps_through_the_kernel_match_the_mlx_path(llama, fmt, mma, monkeypatch,
-                                                                    tmp_path):
+@pytest.mark.parametrize("fmt,mma,warp", [("k6v4-kivi", False, False),
+                                          ("int4-kivi", False, False),
+                                          ("k6v4-kivi", True, False), ("k6v4-kivi", False, True)])
+def test_runner_decode_steps_through_the_kernel_match_the_mlx_path(llama, fmt, mma, warp,
+                                                                    monkeypatch, tmp_path):
     """A runner with KernelChoices.page_key_kernel on CUDA (here: `available` patched, the
     kernel run on the emulator in float32 as the store holds it) sends every decode step of a
     page-key layer to the kernel with the right pages, ends and tail slots (as each step began),
     across a page fill, and its logits equal the MLX path's; with page_key_mma, through the
-    tensor-core score pass (fp16 operands: a looser bound)."""
+    tensor-core score pass (fp16 operands: a looser bound); with page_key_warp_pages,
+    through the warp-page kernel (fp16 scores and PV: the same bound)."""
     calls, modes = [], []
     _emulate_the_kernel(monkeypatch, tmp_path, calls, modes)
     # Uncompiled steps: the emulator runs the kernel out of process, which a trace cannot
     # (compiled steps: test_compiled_decode_steps_over_page_keys_match_uncompiled_ones).
     kernel = PackedModelRunner(llama, tail_store(llama, fmt),
                                kernels=KernelChoices(page_key_kernel=True, compiled_decode=False,
-                                                     page_key_mma=mma))
+                                                     page_key_mma=mma,
+                                                     page_key_warp_pages=warp))
     plain = PackedModelRunner(llama, tail_store(llama, fmt),
                               kernels=KernelChoices(page_key_kernel=False))   # the MLX path
     assert kernel.kernel_decode and kernel.compiled is None
@@ -184,9 +193,9 @@ def test_runner_decode_steps_through_the_kernel_match_the_mlx_path(llama, fmt, m
         chunks = [Chunk(i, [7 + step], len(s) + step, t)
                   for i, (s, t) in enumerate(zip(seqs, tables))]
         got, want = kernel.forward(chunks), plain.forward(chunks)
-        assert mx.abs(got - want).max().item() < (1e-2 if mma else 1e-3), step
+        assert mx.abs(got - want).max().item() < (1e-2 if mma or warp else 1e-3), step
     layers = len(kernel.kvstore.layers)
-    assert len(calls) == 6 * layers and modes == [mma] * len(calls)
+    assert len(calls) == 6 * layers and modes == [(mma, warp)] * len(calls)
     assert all(-1 not in c for c in calls[:3 * layers])   # both rows had a partial page
     assert calls[4 * layers][0] == -1                     # row 0's page filled: no tail yet
 
@@ -207,7 +216,7 @@ def test_device_check_runs_on_cpu_fibers(llama, monkeypatch, tmp_path):
 
 def _mlx_kernel(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots, longest,
                 scale, target_blocks=None, min_keys=None, tail_write=None, mma=False,
-                wide_copies=True):
+                wide_copies=True, warp_pages=False):
     """page_key_decode_attention's contract in MLX ops (traceable, so a compiled step can run
     it on the CPU): full pages from the pool's codes, positions of the row's partial page from
     its tail slot, the own key last, one float32 softmax (not the OWN variant)."""

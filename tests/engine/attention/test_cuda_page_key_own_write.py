@@ -28,9 +28,11 @@ def _bytes(a):
     return np.array(a.view(mx.uint8))
 
 
-def _compare(fmt, d, hq, kvh, t, hist, steps, workdir, target=None, source=None):
+def _compare(fmt, d, hq, kvh, t, hist, steps, workdir, target=None, source=None,
+             warp_pages=False):
     """`steps` decode steps: store A through the write kernel then the plain decode kernel,
-    store B through the OWN decode kernel (`source`: a broken one); the first difference."""
+    store B through the OWN decode kernel (`source`: a broken one; `warp_pages`: both decodes
+    through the warp-page kernel); the first difference."""
     (a, b), tables, rng, wide = _stores(fmt, d, kvh, t, hist, mx.bfloat16)
     width = max(len(tab) for tab in tables)
     table = np.array([np.pad(tab, (0, width - len(tab)), mode="edge") for tab in tables],
@@ -47,7 +49,7 @@ def _compare(fmt, d, hq, kvh, t, hist, steps, workdir, target=None, source=None)
         assert not a.tails.reused
         args = (a.layout, a.fmt.k_bits)
         want = emu.page_key_decode(q, k, v, a.pool, *args, a.tail, table, pos + 1, before,
-                                   d ** -0.5, target, workdir=workdir)
+                                   d ** -0.5, target, workdir=workdir, warp_pages=warp_pages)
         a.pool, a.tail = emu.page_key_write(k[:, :, 0], v[:, :, 0], a.pool, *args, a.tail,
                                             mx.array(page), mx.array(offset), mx.array(before),
                                             mx.array(write), workdir=workdir)
@@ -56,7 +58,7 @@ def _compare(fmt, d, hq, kvh, t, hist, steps, workdir, target=None, source=None)
         try:
             got, b.pool, b.tail = emu.page_key_decode_own(
                 q, k, v, b.pool, *args, b.tail, table, pos + 1, before, d ** -0.5, write,
-                target, workdir=workdir)
+                target, workdir=workdir, warp_pages=warp_pages)
         finally:
             page_key_decode_source._SOURCE = real
         if not np.array_equal(want, got):
@@ -85,6 +87,15 @@ def test_own_variant_writes_and_attends_as_write_kernel_then_decode(fmt, case, t
     assert _compare(fmt, d, hq, kvh, t, hist, steps, tmp_path, target) is None
 
 
+@pytest.mark.parametrize("fmt", ["k6v4-kivi", "int4-kivi"])
+def test_warp_page_kernel_own_variant_writes_and_attends_as_write_then_decode(fmt, tmp_path):
+    # the warp-page kernel (pages of 16) runs the same OWN write: rows that fill their page,
+    # one starting a new page, two splits
+    assert _compare(fmt, 128, 8, 2, 16, (15, 32, 7), 3, tmp_path, None,
+                    warp_pages=True) is None
+    assert _compare(fmt, 64, 8, 1, 16, (63, 130), 2, tmp_path, 16, warp_pages=True) is None
+
+
 def test_a_kernel_that_skips_the_write_is_caught(tmp_path):
     old = "if (OWN && split == 0 && warp == 0) {"
     assert page_key_decode_source._SOURCE.count(old) == 1
@@ -102,7 +113,7 @@ def test_compiled_steps_let_the_decode_kernel_store_their_rows(llama, monkeypatc
 
     def attention(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots,
                   longest, scale, target_blocks=None, min_keys=None, tail_write=None,
-                  mma=False, wide_copies=True):
+                  mma=False, wide_copies=True, warp_pages=False):
         launches.append(tail_write is not None)
         if tail_write is None:
             return mx.array(emu.page_key_decode(
