@@ -97,25 +97,59 @@ VARIANTS = {"full": (), **{f"no-{p}": (p,) for p in PROBES}, "loads-only": PROBE
             "head-major-no-meta-copies": ("head-major", "meta-copies")}
 
 
-def _build(text: str, name: str):
+# The warp-page kernel (page_key_warp_decode_source.py) under the same questions: its copies'
+# addressing (`head-major`, `meta-copies`) and its compute (`compute`: scores, softmax and PV
+# cut from its page loop, the copies, the key-metadata fold and the loop kept).
+WARP_ROW_TOKEN_MAJOR = "const int crow = ct * HK + hk;"
+WARP_ROW_HEAD_MAJOR = "const int crow = hk * PT + ct;"
+WARP_META_FROM = "    #pragma unroll\n    for (int c = 0; c < MCH; ++c)\n"
+WARP_META_TO = "src + (ch ? VO_OFF : VS_OFF) + crow * NG);\n"
+WARP_COMPUTE_FROM = "  // 1. Scores of keys"
+WARP_COMPUTE_TO = "orch_mma_f16(acc[j], a, bw[(16 * j) / 64]);\n    }\n  }\n"
+WARP_VARIANTS = {"warp": (), "warp-head-major": ("head-major",),
+                 "warp-no-meta-copies": ("meta-copies",), "warp-loads-only": ("compute",),
+                 "warp-loads-only-head-major": ("compute", "head-major")}
+
+
+def warp_cut_source(cuts: tuple[str, ...]) -> str:
+    """The warp-page kernel's source with `cuts` (head-major, meta-copies, compute) made."""
+    from engine.attention.cuda import page_key_warp_decode_source as warp
+    text = warp._SOURCE
+    for cut in cuts:
+        if cut == "head-major":
+            text = _cut_once(text, WARP_ROW_TOKEN_MAJOR).replace(
+                "const int ct = lane >> 1, ch = lane & 1;\n",
+                "const int ct = lane >> 1, ch = lane & 1;\n" + WARP_ROW_HEAD_MAJOR + "\n")
+        elif cut == "meta-copies":
+            text = _cut_once(text, WARP_META_FROM, WARP_META_TO)
+        elif cut == "compute":
+            text = _cut_once(text, WARP_COMPUTE_FROM, WARP_COMPUTE_TO)
+        else:
+            raise ValueError(f"probe: unknown warp-kernel cut {cut!r}")
+    return text
+
+
+def _build(text: str, name: str, warp: bool = False):
     """The kernel object of a cut source (built once a variant, not in the timed calls)."""
     import mlx.core as mx
     from engine.attention.cuda import page_key_decode_source as src
-    return mx.fast.cuda_kernel(name=f"orchard_page_key_probe_{name}", input_names=src.INPUTS,
+    kind = "warp_probe" if warp else "probe"
+    return mx.fast.cuda_kernel(name=f"orchard_page_key_{kind}_{name}", input_names=src.INPUTS,
                                output_names=src.OUTPUTS, source=text, header=src.header(),
                                ensure_row_contiguous=True)
 
 
 @contextmanager
-def _launching(kernel):
+def _launching(kernel, attr: str = "_kernel"):
     """page_key_decode_attention launching `kernel` inside the block (its host side, split
-    plan and merge unchanged)."""
+    plan and merge unchanged); `attr` "_warp_kernel": in place of the warp-page kernel."""
     from engine.attention.cuda import page_key_decode as pkd
-    saved, pkd._kernel = pkd._kernel, lambda: kernel
+    saved = getattr(pkd, attr)
+    setattr(pkd, attr, lambda: kernel)
     try:
         yield
     finally:
-        pkd._kernel = saved
+        setattr(pkd, attr, saved)
 
 
 def probe_row(geometry: str, n: int, b: int, calls: int, rounds: int) -> dict:
@@ -123,7 +157,9 @@ def probe_row(geometry: str, n: int, b: int, calls: int, rounds: int) -> dict:
     from engine.attention.cuda import paged_decode
     if not paged_decode.available():
         return {"unavailable": "no CUDA device: the page-key kernel is CUDA only",
-                "source_chars": {k: len(cut_source(v)) for k, v in VARIANTS.items()}}
+                "source_chars": {**{k: len(cut_source(v)) for k, v in VARIANTS.items()},
+                                 **{k: len(warp_cut_source(v))
+                                    for k, v in WARP_VARIANTS.items()}}}
     g = _geometry(geometry)
     nat, pk = Layer(g, "native", n, b, mx.bfloat16), Layer(g, "k6v4-kivi", n, b, mx.bfloat16)
     variants = {"native": (nat.kernel(), nat.q, False)}
@@ -135,10 +171,20 @@ def probe_row(geometry: str, n: int, b: int, calls: int, rounds: int) -> dict:
             with _launching(kernel):
                 return base(q)
         variants[name] = (fn, pk.q, False)
+    warp = pk.kernel(warp_pages=True)
+    for name, cuts in WARP_VARIANTS.items():
+        kernel = _build(warp_cut_source(cuts), name.replace("-", "_"), warp=True)
+
+        def fn(q, kernel=kernel):
+            with _launching(kernel, "_warp_kernel"):
+                return warp(q)
+        variants[name] = (fn, pk.q, False)
     got, _ = paired(variants, calls, rounds)
     full = got["full"]["us"]
     for name in VARIANTS:
         got[name]["saved_us"] = round(full - got[name]["us"], 2)
+    for name in WARP_VARIANTS:
+        got[name]["saved_us"] = round(got["warp"]["us"] - got[name]["us"], 2)
     return got
 
 
@@ -154,7 +200,8 @@ def main(argv=None) -> int:
     result = {"command": "python -m bench.device.page_key_phase_probe " + " ".join(argv or
                                                                                 sys.argv[1:]),
               "device": str(mx.default_device()), "mlx": mx.__version__,
-              "variants": {k: list(v) for k, v in VARIANTS.items()}, "rows": {}}
+              "variants": {k: list(v) for k, v in {**VARIANTS, **WARP_VARIANTS}.items()},
+              "rows": {}}
     for geometry, n, b in rows:
         t0 = time.perf_counter()
         got = probe_row(geometry, int(n), int(b), args.calls, args.rounds)

@@ -30,7 +30,7 @@ def test_cpu_run_reports_the_kernel_unavailable(tmp_path):
     assert probe.main(["--rows", "gpu:128:1", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["rows"]["gpu-ctx128-b1"]
     assert "no CUDA device" in row["unavailable"]
-    assert set(row["source_chars"]) == set(probe.VARIANTS)
+    assert set(row["source_chars"]) == set(probe.VARIANTS) | set(probe.WARP_VARIANTS)
 
 
 def test_the_cut_kernel_is_launched_inside_the_block_only():
@@ -54,3 +54,18 @@ def test_addressing_variants_change_the_copies_only():
     assert hm.index("const int ir = tid >> 1") < hm.index(probe.ROW_HEAD_MAJOR)
     nm = probe.cut_source(("meta-copies",))
     assert "km_off" not in nm and "VC_OFF + irow * VW" in nm and "KC_OFF + irow * LW" in nm
+
+
+def test_warp_kernel_cuts_change_what_they_name_once():
+    from engine.attention.cuda import page_key_warp_decode_source as warp
+    hm = probe.warp_cut_source(("head-major",))
+    assert probe.WARP_ROW_HEAD_MAJOR in hm and probe.WARP_ROW_TOKEN_MAJOR not in hm
+    assert hm.index("const int ct = lane >> 1") < hm.index(probe.WARP_ROW_HEAD_MAJOR)
+    nm = probe.warp_cut_source(("meta-copies",))
+    assert "KO_OFF : KS_OFF" not in nm and "VO_OFF : VS_OFF" not in nm
+    assert "src + KC_OFF + crow * LW" in nm
+    lo = probe.warp_cut_source(("compute",))
+    assert "orch_mma_f16" not in lo and "issue(i + 1);" in lo and "km[D + e] -= S;" in lo
+    assert probe.warp_cut_source(()) == warp._SOURCE
+    with pytest.raises(ValueError, match="unknown warp-kernel cut"):
+        probe.warp_cut_source(("nope",))
