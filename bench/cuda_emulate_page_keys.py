@@ -29,15 +29,16 @@ TOLERANCE = 0.02   # bf16 output of float32 math against float64 on the same (de
 def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
                     scale, target_blocks=None, workdir: Path | None = None,
                     mma: bool = False, wide_copies: bool = WIDE,
-                    warp_pages: bool = False) -> np.ndarray:
+                    warp_pages: bool = False, warp_shape=None) -> np.ndarray:
     """page_key_decode_attention's contract run here (numpy tables, ends, tail_slots; mx
     arrays otherwise, bf16 q, fresh rows and tail), with the host side's split plan and, with
     several splits, the merge kernel. Returns [B, Hq, 1, D] float32 (from the bf16 output
     unless q is float32). `mma`: the kernel's tensor-core score pass; `wide_copies`: its key
     codes in 16-byte pieces; `warp_pages`: the warp-page kernel instead
-    (page_key_warp_decode_source.py, pages of 16 tokens)."""
+    (page_key_warp_decode_source.py, pages of 16 tokens) of `warp_shape` (warps a block, copy
+    stages a warp; None: page_key_decode.WARP_SHAPE)."""
     return _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
-                   target_blocks, None, workdir, mma, wide_copies, warp_pages)[0]
+                   target_blocks, None, workdir, mma, wide_copies, warp_pages, warp_shape)[0]
 
 
 def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
@@ -54,7 +55,7 @@ def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, end
 
 def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
             target_blocks, tail_write, workdir, mma: bool = False, wide_copies: bool = WIDE,
-            warp_pages: bool = False):
+            warp_pages: bool = False, warp_shape=None):
     import mlx.core as mx
 
     from engine.attention.cuda import page_key_decode as pk
@@ -85,12 +86,14 @@ def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slot
     arrays = [data["q"], data["kf"], data["vf"], np.array(pool), data["kt"], data["vt"],
               tables, ends, slots, np.array([hq, kvh, tables.shape[1]], np.int32),
               np.array([scale], np.float32), np.asarray(tail_write, np.int32) if own else slots]
-    splits = pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS)
-    parts = rows * hq * (splits if splits > 1 else 1)
     warp = warp_pages and pk.warp_pages_serve(layout)
+    shape = warp_shape or pk.WARP_SHAPE
+    target = target_blocks or (TARGET_BLOCKS * 4 // shape[0] if warp else TARGET_BLOCKS)
+    splits = pd.split_count(rows, kvh, int(ends.max()), target)
+    parts = rows * hq * (splits if splits > 1 else 1)
     if warp:
         template = [*pk.warp_template(d, hq // kvh, layout, k_bits, types["q"], types["kf"],
-                                      types["kt"], own), ("SPLIT", splits > 1),
+                                      types["kt"], own, shape), ("SPLIT", splits > 1),
                     ("TO", types["q"])]
     else:
         template = [("D", d), ("G", hq // kvh), ("PT", layout.page_tokens), ("HK", kvh),
@@ -102,7 +105,8 @@ def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slot
         "orchard_page_key_decode", [(n, types[n]) for n in src.INPUTS], outputs,
         warp_src._SOURCE if warp else src._SOURCE,
         tile_helpers.HELPERS + src.PAGE_KEY_HELPERS + pw.helpers(), template, arrays,
-        [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits), pd.THREADS, workdir,
+        [(rows, hq, 1, d), (parts, d), (parts, 2)], (rows * kvh, splits),
+        32 * shape[0] if warp else pd.THREADS, workdir,
         writes=(3, 4, 5) if own else ())
     if splits > 1:
         out = ce.merge(part, ml, splits, (rows, hq, 1, d), types["q"], workdir)
@@ -236,7 +240,7 @@ def reference(q, k_new, v_new, store, tables, hist, scale) -> np.ndarray:
 
 def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_tokens: int = 16,
                   kernel=None, target_blocks=None, mma: bool = False,
-                  wide_copies: bool = WIDE, warp_pages: bool = False) -> dict:
+                  wide_copies: bool = WIDE, warp_pages: bool = False, warp_shape=None) -> dict:
     """One check: rows of hist[b] history tokens (ragged; partial tails where hist % pages),
     `kernel` with page_key_decode_attention's signature (None: the CUDA kernel itself, with
     its tensor-core score pass if `mma`) against `reference`. Returns a JSON-able dict with
@@ -262,7 +266,8 @@ def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_toke
         got = pk.page_key_decode_attention(*args, mx.array(tables), mx.array(ends),
                                            mx.array(slots), int(ends.max()), scale,
                                            target_blocks, mma=mma, wide_copies=wide_copies,
-                                           warp_pages=warp_pages)
+                                           warp_pages=warp_pages,
+                                           warp_shape=warp_shape or pk.WARP_SHAPE)
         got = np.array(got.astype(mx.float32))
     else:
         got = kernel(*args, tables, ends, slots, scale, target_blocks)
@@ -272,7 +277,10 @@ def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_toke
             f"{'-warp-pages' * warp_pages}")
     return {"kernel": name, "rows": rows, "hq": hq, "kvh": kvh,
             "head_dim": d, "page_tokens": page_tokens, "history": hist.tolist(),
-            "splits": pd.split_count(rows, kvh, int(ends.max()), target_blocks or TARGET_BLOCKS),
+            "splits": pd.split_count(rows, kvh, int(ends.max()), target_blocks or (
+                TARGET_BLOCKS * 4 // (warp_shape or pk.WARP_SHAPE)[0] if warp_pages
+                else TARGET_BLOCKS)),
+            "warp_shape": list(warp_shape or pk.WARP_SHAPE) if warp_pages else None,
             "max_abs_err": round(err, 5), "ok": bool(err < TOLERANCE)}
 
 
@@ -306,17 +314,20 @@ def main(argv=None) -> int:
     ap.add_argument("--warp-pages", action="store_true",
                     help="the warp-page kernel (KernelChoices.page_key_warp_pages; the cases "
                          "at pages of 16)")
+    ap.add_argument("--warp-shape", default="4x2",
+                    help="the warp-page kernel's WARPSxSTAGES (KernelChoices.page_key_warp_shape)")
     ap.add_argument("--device", action="store_true",
                     help="run the cases on the CUDA device (MLX's cuda_kernel), not emulated")
     args = ap.parse_args(argv)
+    shape = tuple(int(x) for x in args.warp_shape.split("x"))
 
     def check(rng, work, fmt, hist, hq, kvh, d, pt, target):
         def kernel(*a):
             return page_key_decode(*a, workdir=work, mma=args.mma,
                                    wide_copies=not args.narrow_copies,
-                                   warp_pages=args.warp_pages)
+                                   warp_pages=args.warp_pages, warp_shape=shape)
         return page_key_case(rng, fmt, hist, hq, kvh, d, pt, None if args.device else kernel,
-                             target, args.mma, not args.narrow_copies, args.warp_pages)
+                             target, args.mma, not args.narrow_copies, args.warp_pages, shape)
     cases = WARP_CASES if args.warp_pages else CASES
     return ce.run_cases(cases[:args.limit], check)
 

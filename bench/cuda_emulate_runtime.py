@@ -95,8 +95,9 @@ inline T __shfl_sync(unsigned int, T v, int src) {
   warp_barrier();
   return r;
 }
-struct Copy { void* dst; const void* src; int n; };
+struct Copy { void* dst; const void* src; int n; int group; };
 static std::vector<std::vector<Copy>> g_pending;
+static std::vector<int> g_groups;   // groups each thread committed
 """
 
 ASYNC_CPU = r"""
@@ -106,12 +107,22 @@ template <int N> inline void orch_cp_async(void* dst, const void* src) {
     std::fprintf(stderr, "misaligned cp.async of %d bytes\n", N);
     std::exit(5);
   }
-  g_pending[g_current].push_back({dst, src, N});
+  g_pending[g_current].push_back({dst, src, N, g_groups[g_current]});
 }
-inline void orch_cp_commit() {}
+inline void orch_cp_commit() { ++g_groups[g_current]; }
 inline void orch_cp_wait_all() {
   for (const Copy& c : g_pending[g_current]) std::memcpy(c.dst, c.src, c.n);
   g_pending[g_current].clear();
+}
+// Copies of every group but the newest N committed land; the rest stay queued.
+template <int N> inline void orch_cp_wait() {
+  std::vector<Copy>& q = g_pending[g_current];
+  std::vector<Copy> keep;
+  for (const Copy& c : q) {
+    if (c.group < g_groups[g_current] - N) std::memcpy(c.dst, c.src, c.n);
+    else keep.push_back(c);
+  }
+  q.swap(keep);
 }
 """
 
@@ -193,7 +204,7 @@ int main(int argc, char** argv) {
   LOAD
   g_threads = nt; blockDim.x = nt; gridDim.x = gx; gridDim.y = gy; gridDim.z = 1;
   blockDim.y = blockDim.z = 1;
-  g_ctx.resize(nt); g_wait.assign(nt, 0); g_pending.assign(nt, {});
+  g_ctx.resize(nt); g_wait.assign(nt, 0); g_pending.assign(nt, {}); g_groups.assign(nt, 0);
   const size_t stack = 1 << 18;
   std::vector<char> stacks((size_t)nt * stack);
   g_body = [] { CALL };

@@ -192,7 +192,8 @@ def page_key_variants():
 
 def page_key_warp_variants():
     """The warp-page decode kernel (cuda/page_key_warp_decode_source.py: pages of 16): both key
-    widths, head dims, GQA groups, split modes, OWN."""
+    widths, head dims, GQA groups, split modes, OWN; block shapes (warps x stages) besides the
+    default at split OWN launches."""
     from engine.attention.cuda import page_key_decode_source as src
     from engine.attention.cuda import page_key_warp_decode_source as warp
     types = {"q": "bfloat16", "kf": "bfloat16", "vf": "bfloat16", "pool": "uint32",
@@ -204,13 +205,17 @@ def page_key_warp_variants():
             for g in (1, 4, 7, 8):
                 for split in (False, True):
                     for own in (False, True):
-                        template = [("D", d), ("G", g), ("HK", 2), ("KB", kb),
-                                    ("TQ", "bfloat16"), ("TK", "bfloat16"), ("TT", "bfloat16"),
-                                    ("OWN", own), ("SPLIT", split), ("TO", "bfloat16")]
-                        yield (f"page-key-warp d{d} k{kb} g{g} split={split}{' own' * own}",
-                               wrap("orchard_page_key_warp_decode",
-                                    [(n, types[n]) for n in src.INPUTS], outputs,
-                                    warp._SOURCE, src.header(), template))
+                        for nwb, st in ((4, 2),) + (((2, 3), (2, 4), (1, 4))
+                                                    if split and own and g in (4, 8) else ()):
+                            template = [("D", d), ("G", g), ("HK", 2), ("KB", kb),
+                                        ("TQ", "bfloat16"), ("TK", "bfloat16"),
+                                        ("TT", "bfloat16"), ("OWN", own), ("NWB", nwb),
+                                        ("ST", st), ("SPLIT", split), ("TO", "bfloat16")]
+                            yield (f"page-key-warp d{d} k{kb} g{g} split={split}"
+                                   f"{' own' * own} {nwb}x{st}",
+                                   wrap("orchard_page_key_warp_decode",
+                                        [(n, types[n]) for n in src.INPUTS], outputs,
+                                        warp._SOURCE, src.header(), template))
 
 
 def page_key_dequant_variants():

@@ -98,7 +98,9 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:
     """(format, kernel choices) of a decode format spec FORMAT[:KERNEL[+KERNEL...]], each
-    KERNEL a key of DECODE_KERNELS (native:walk: the walk native decode kernel), `split-T[-K]`:
+    KERNEL a key of DECODE_KERNELS (native:walk: the walk native decode kernel),
+    `warp-pages-WxS`: the warp-page kernel with W warps a block and S copy stages a warp,
+    `split-T[-K]`:
     the split plan aimed at T blocks a layer with splits of at least K keys (KernelChoices
     .decode_split_target, decode_split_min_keys), for this variant only, so a sweep of one
     kernel's plan times it paired with the others at their defaults (`mma+split-512`: both)."""
@@ -111,11 +113,15 @@ def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoice
                 raise ValueError(f"decode format {spec!r}: split target and keys must be "
                                  "positive")
             kernels = replace(kernels, decode_split_target=target, decode_split_min_keys=keys)
+        elif re.fullmatch(r"warp-pages-(\d)x(\d)", part):
+            w, st = map(int, re.fullmatch(r"warp-pages-(\d)x(\d)", part).groups())
+            kernels = replace(kernels, page_key_warp_pages=True, page_key_warp_shape=(w, st))
         elif part in DECODE_KERNELS:
             kernels = replace(kernels, **DECODE_KERNELS[part])
         else:
             raise ValueError(f"decode format {spec!r}: kernel must be one of "
-                             f"{sorted(DECODE_KERNELS)} or split-T[-K], joined by +")
+                             f"{sorted(DECODE_KERNELS)}, warp-pages-WxS or split-T[-K], "
+                             "joined by +")
     return fmt, kernels
 
 

@@ -53,6 +53,7 @@ TINY_ROWS = [("tiny", 128, 1), ("tiny", 96, 2)]
 # KernelChoices.page_key_wide_copies, the default): the default plan first.
 SPLIT_PLANS = [("default", None, None, None, True), ("narrow", None, None, None, False),
                ("s16", None, None, 16, True), ("mk64", None, 64, None, True)]
+WARP_SHAPES = [(4, 2), (2, 3), (2, 4), (1, 4)]
 PARTIAL = 8          # rows past the context: the last page half full (native tail read)
 # The step part's page-key runners: the defaults (fused write on CUDA), then the MLX write
 STEP_SPECS = [*PAGE_KEY, "k6v4-kivi:fused-write"]
@@ -235,10 +236,12 @@ def kernel_part(layers: dict, args, cuda: bool) -> dict:
             variants[f"{fmt}:{label}"] = (fn, q, False)
             plans[label] = plan(nat.b, nat.kvh, nat.longest, nat.n, target, min_keys, splits)
             diffs[f"{fmt}:{label}"] = _maxdiff(fn(q), base)
-        # the warp-page kernel (KernelChoices.page_key_warp_pages) on the default plan
-        fn = L.kernel(warp_pages=True)
-        variants[f"{fmt}:warp-pages"] = (fn, q, False)
-        diffs[f"{fmt}:warp-pages"] = _maxdiff(fn(q), base)
+        # the warp-page kernel (KernelChoices.page_key_warp_pages) on the default plan, at
+        # each block shape (warps a block x copy stages a warp)
+        for w, st in WARP_SHAPES:
+            fn = L.kernel(warp_pages=True, warp_shape=(w, st))
+            variants[f"{fmt}:warp-pages-{w}x{st}"] = (fn, q, False)
+            diffs[f"{fmt}:warp-pages-{w}x{st}"] = _maxdiff(fn(q), base)
     got, _ = paired(variants, args.calls, args.rounds)
     for name, d in diffs.items():
         got[name]["max_abs_vs_default_plan"] = round(d, 5)

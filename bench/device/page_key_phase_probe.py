@@ -102,7 +102,7 @@ VARIANTS = {"full": (), **{f"no-{p}": (p,) for p in PROBES}, "loads-only": PROBE
 # cut from its page loop, the copies, the key-metadata fold and the loop kept).
 WARP_ROW_TOKEN_MAJOR = "const int crow = ct * HK + hk;"
 WARP_ROW_HEAD_MAJOR = "const int crow = hk * PT + ct;"
-WARP_META_FROM = "    #pragma unroll\n    for (int c = 0; c < MCH; ++c)\n"
+WARP_META_FROM = "    #pragma unroll\n    for (int pc = ch; pc < 2 * MCH; pc += 2) {\n"
 WARP_META_TO = "src + (ch ? VO_OFF : VS_OFF) + crow * NG);\n"
 WARP_COMPUTE_FROM = "  // 1. Scores of keys"
 WARP_COMPUTE_TO = "orch_mma_f16(acc[j], a, bw[(16 * j) / 64]);\n    }\n  }\n"

@@ -176,6 +176,9 @@ class KernelChoices:
     # overlapping (device run 14's phase probe, docs/lab/benchmarks-kv-page-keys.md). Off
     # until timed on a GPU; other page sizes keep the block-tiled kernel.
     page_key_warp_pages: bool = False
+    # Its (warps a block, copy stages a warp): more stages keep more pages in flight a warp
+    # (shared memory: warps x stages x 4.3 KB at head dim 128, under 48 KB a block).
+    page_key_warp_shape: tuple[int, int] = (4, 2)
     # Decode steps over page-key history through MLX's quantized matmuls, with each page's key
     # scales folded into the queries (engine/attention/page_qmm.py): MLX's own kernels, so
     # Metal and CUDA take it without a custom kernel. None: on GPUs (the alternative there is

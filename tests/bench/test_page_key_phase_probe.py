@@ -65,7 +65,7 @@ def test_warp_kernel_cuts_change_what_they_name_once():
     assert "KO_OFF : KS_OFF" not in nm and "VO_OFF : VS_OFF" not in nm
     assert "src + KC_OFF + crow * LW" in nm
     lo = probe.warp_cut_source(("compute",))
-    assert "orch_mma_f16" not in lo and "issue(i + 1);" in lo and "km[D + e] -= S;" in lo
+    assert "orch_mma_f16" not in lo and "issue(i + ST - 1);" in lo and "km[D + e] -= S;" in lo
     assert probe.warp_cut_source(()) == warp._SOURCE
     with pytest.raises(ValueError, match="unknown warp-kernel cut"):
         probe.warp_cut_source(("nope",))

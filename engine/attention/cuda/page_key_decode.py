@@ -94,12 +94,16 @@ def warp_pages_serve(layout: PageLayout) -> bool:
     return layout.page_tokens == 16
 
 
+WARP_SHAPE = (4, 2)   # the warp-page kernel's (warps a block, copy stages a warp)
+
+
 def warp_template(head_dim: int, group: int, layout: PageLayout, k_bits: int,
                   q_dtype: mx.Dtype, kv_dtype: mx.Dtype, tail_dtype: mx.Dtype,
-                  own: bool = False) -> list:
+                  own: bool = False, shape: tuple[int, int] = WARP_SHAPE) -> list:
     """The warp-page kernel's template arguments besides SPLIT and TO."""
     return [("D", head_dim), ("G", group), ("HK", layout.heads), ("KB", k_bits),
-            ("TQ", q_dtype), ("TK", kv_dtype), ("TT", tail_dtype), ("OWN", own)]
+            ("TQ", q_dtype), ("TK", kv_dtype), ("TT", tail_dtype), ("OWN", own),
+            ("NWB", shape[0]), ("ST", shape[1])]
 
 
 def template(head_dim: int, group: int, layout: PageLayout, k_bits: int, q_dtype: mx.Dtype,
@@ -117,7 +121,8 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
                               longest: int, scale: float, target_blocks: int | None = None,
                               min_keys: int | None = None, splits: int | None = None,
                               tail_write: mx.array | None = None, mma: bool = False,
-                              wide_copies: bool = True, warp_pages: bool = False) -> mx.array:
+                              wide_copies: bool = True, warp_pages: bool = False,
+                              warp_shape: tuple[int, int] = WARP_SHAPE) -> mx.array:
     """Attention of one query per row, q [B, Hq, 1, D], over page-key history and the step's own
     key: row b attends ends[b] - 1 history keys (whole pages from `pool` through page table
     `pages[b]`, the partial last page from the native tail pool `tail` (K, V: [slots,
@@ -148,7 +153,9 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     16 tokens; KernelChoices.page_key_warp_pages): the same contract and split plan, each warp
     its own pages with tensor-core scores and PV (fp16 keys, queries and PV weights, fp32
     sums: `mma`'s range caveat holds), no block barrier in its loop. `mma` and `wide_copies`
-    are the block-tiled kernel's and do not apply to it."""
+    are the block-tiled kernel's and do not apply to it. `warp_shape`: its (warps a block,
+    copy stages a warp), KernelChoices.page_key_warp_shape; the split plan then aims at
+    TARGET_BLOCKS * 4 / warps blocks (as many warps as the block-tiled kernel's plan)."""
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
     if hq % kvh or not supports(k_bits, 4, d, hq // kvh, layout.page_tokens):
@@ -156,17 +163,23 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
                          f"{hq}/{kvh} or pages of {layout.page_tokens}")
     check_layout(pool, layout, d, k_bits, kvh)
     kt, vt = tail
+    warp = warp_pages and warp_pages_serve(layout)
+    nwb, stages = warp_shape
+    if warp and not (nwb in (1, 2, 4) and 2 <= stages <= 4):
+        raise ValueError(f"page-key warp decode: shape {warp_shape} is not (1, 2 or 4 warps, "
+                         "2..4 stages)")
     if splits is None:
-        splits = split_count(b, kvh, longest, target_blocks or TARGET_BLOCKS, min_keys)
+        target = target_blocks or (TARGET_BLOCKS * 4 // nwb if warp else TARGET_BLOCKS)
+        splits = split_count(b, kvh, longest, target, min_keys)
     own = tail_write is not None
     inputs = [q, k_new, v_new, pool, kt, vt, pages, ends, tail_slots,
               _dims(hq, kvh, pages.shape[1]), _scale(float(scale)),
               tail_write if own else tail_slots]
-    if warp_pages and warp_pages_serve(layout):
+    if warp:
         return launch_split(_warp_kernel(), inputs,
                             warp_template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype,
-                                          kt.dtype, own),
-                            b, kvh, hq, d, splits, q.dtype)
+                                          kt.dtype, own, warp_shape),
+                            b, kvh, hq, d, splits, q.dtype, threads=32 * nwb)
     return launch_split(
         _kernel(), inputs,
         template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype, kt.dtype, own, mma,

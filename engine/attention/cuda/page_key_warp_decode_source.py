@@ -6,9 +6,10 @@ Why a second kernel: the block-tiled one (page_key_decode_source.py) keeps its f
 lockstep, four barriers a 64-key tile (fold, scores, softmax, PV), and cutting any of its
 phases out saved 17-29 us of 236 at 32K keys batch 8 on an H100 while its copies alone took
 183 (device run 14, `bench.device.page_key_phase_probe`): the phases add up instead of
-overlapping. Here warp w of a block takes pages w, w + 4, ... of the block's range and runs
-copy, scores, softmax and PV over one page at a time with its own two copy stages and its own
-online-softmax state; only `__syncwarp` inside the loop. Both products are tensor-core mma's
+overlapping. Here warp w of a block (NWB warps) takes pages w, w + NWB, ... of the block's
+range and runs copy, scores, softmax and PV over one page at a time with its own ST copy
+stages (ST - 1 pages in flight while it computes one) and its own online-softmax state; only
+`__syncwarp` inside the loop. Both products are tensor-core mma's
 (tile_helpers.MMA, fp16 in, fp32 sums):
 
 - scores S^T = Q K^T per 8 keys: A = the block's G query heads (rows, zero past G) scaled,
@@ -44,11 +45,12 @@ constexpr int LW = D * KB / 32, VW = D * VB / 32, NGK = D / PT, NG = D / 64;
 constexpr int KC_OFF = 0, VC_OFF = RPP * LW, KS_OFF = VC_OFF + RPP * VW;
 constexpr int KO_OFF = KS_OFF + RPP * NGK, VS_OFF = KO_OFF + RPP * NGK;
 constexpr int VO_OFF = VS_OFF + RPP * NG, PGW = VO_OFF + RPP * NG;
-constexpr int NT = 128, NW = 4;              // launch_split's block
+constexpr int NW = NWB, NT = 32 * NW;        // launch_split's block: NWB warps
 constexpr int KT = 64;                       // the split plan's unit (the block-tiled kernel's)
 constexpr int VPT = D / 32;
 constexpr int KCH = LW / 4, VCH = VW / 4;    // 16-byte pieces of a row's key / value codes
 constexpr int MCH = NGK / 4;                 // ... of its key scales (or offsets)
+static_assert(ST >= 2 && ST <= 4, "page-key warp decode: 2..4 copy stages a warp");
 // A warp's stage (32-bit words): key code rows [PT][KS], value code rows [PT][VS] (16 bytes of
 // padding each: lanes 2q's rows then start 8 banks apart), key scales then offsets [2][D] (row
 // t of the page carries channels t * NGK..: in row order they are channel order), value
@@ -56,7 +58,7 @@ constexpr int MCH = NGK / 4;                 // ... of its key scales (or offset
 constexpr int KS = LW + 4, VS = VW + 4;
 constexpr int V_OFF = PT * KS, KM_OFF = V_OFF + PT * VS, VM_OFF = KM_OFF + 2 * D;
 constexpr int STAGE = (VM_OFF + 2 * PT * NG + 3) / 4 * 4;
-constexpr int WARP_W = 2 * STAGE;
+constexpr int WARP_W = ST * STAGE;
 // After the loop the stages hold each warp's partial [NW] (acc [G][D], m, l [G], group terms
 // [G][NG]) and the native keys' numerators [G][D].
 constexpr int PART = G * D + 2 * G + G * NG;
@@ -89,14 +91,16 @@ const size_t fresh = ((size_t)b * HKV + hk) * D;
 float* const ws = smem + warp * WARP_W;
 const int q4 = lane & 3, r8 = lane >> 2;     // mma fragment coordinates
 
-// Copies: lane pair (2t, 2t + 1) takes row t of the page: key and value codes split between
-// the pair, scales by one and offsets by the other.
+// Copies: lane pair (2t, 2t + 1) takes row t of the page: its key and value codes, and its
+// key scales then offsets (2 MCH 16-byte pieces), split between the pair piece by piece, so
+// the pair's two pieces of one instruction are neighbours (one 32-byte sector where a row has
+// two); its value scale by one and offset by the other.
 const int ct = lane >> 1, ch = lane & 1;
 const int crow = ct * HK + hk;
-auto issue = [&](int i) {                    // the warp's i-th page into stage i & 1
+auto issue = [&](int i) {                    // the warp's i-th page into stage i % ST
   if (i < mine) {
     const uint32_t* src = pool + (size_t)pages[(size_t)b * P + p0 + warp + i * NW] * PGW;
-    unsigned int* st = reinterpret_cast<unsigned int*>(ws + (i & 1) * STAGE);
+    unsigned int* st = reinterpret_cast<unsigned int*>(ws + (i % ST) * STAGE);
     #pragma unroll
     for (int c = ch; c < KCH; c += 2)
       orch_cp_async<16>(st + ct * KS + 4 * c, src + KC_OFF + crow * LW + 4 * c);
@@ -104,15 +108,18 @@ auto issue = [&](int i) {                    // the warp's i-th page into stage 
     for (int c = ch; c < VCH; c += 2)
       orch_cp_async<16>(st + V_OFF + ct * VS + 4 * c, src + VC_OFF + crow * VW + 4 * c);
     #pragma unroll
-    for (int c = 0; c < MCH; ++c)
-      orch_cp_async<16>(st + KM_OFF + ch * D + ct * NGK + 4 * c,
-                        src + (ch ? KO_OFF : KS_OFF) + crow * NGK + 4 * c);
+    for (int pc = ch; pc < 2 * MCH; pc += 2) {
+      const int sec = pc / MCH, c = pc % MCH;  // 0: scales, 1: offsets
+      orch_cp_async<16>(st + KM_OFF + sec * D + ct * NGK + 4 * c,
+                        src + (sec ? KO_OFF : KS_OFF) + crow * NGK + 4 * c);
+    }
     orch_cp_async<4 * NG>(st + VM_OFF + (ch * PT + ct) * NG,
                           src + (ch ? VO_OFF : VS_OFF) + crow * NG);
   }
   orch_cp_commit();
 };
-issue(0);
+#pragma unroll
+for (int i = 0; i < ST - 1; ++i) issue(i);   // the first ST - 1 pages in flight
 
 // OWN: as in the block-tiled kernel (page_key_decode_source.py), which says why it races with
 // no read of this launch.
@@ -155,10 +162,10 @@ for (int j = 0; j < D / 16; ++j) {
 }
 
 for (int i = 0; i < mine; ++i) {
-  orch_cp_wait_all();
+  orch_cp_wait<ST - 2>();                    // page i's group (newer ones may fly)
   __syncwarp();                              // page i landed; page i - 1 is done with
-  issue(i + 1);                              // into the stage page i - 1 used
-  float* const st = ws + (i & 1) * STAGE;
+  issue(i + ST - 1);                         // into the stage page i - 1 used
+  float* const st = ws + (i % ST) * STAGE;
   const unsigned int* sk = reinterpret_cast<const unsigned int*>(st);
   float* const km = st + KM_OFF;
   #pragma unroll
@@ -359,7 +366,8 @@ for (int e = tid; e < G * D; e += NT) {
 
 @lru_cache(maxsize=None)
 def kernel():
-    """The kernel (template: D, G, HK, KB, TQ, TK, TT, OWN; SPLIT and TO from launch_split).
+    """The kernel (template: D, G, HK, KB, TQ, TK, TT, OWN, NWB warps a block, ST copy stages
+    a warp; SPLIT and TO from launch_split).
     Inputs and outputs: the block-tiled kernel's (page_key_decode_source.INPUTS, OUTPUTS)."""
     return mx.fast.cuda_kernel(
         name="orchard_page_key_warp_decode", input_names=INPUTS, output_names=OUTPUTS,

@@ -44,6 +44,11 @@ __device__ __forceinline__ void orch_cp_commit() { asm volatile("cp.async.commit
 __device__ __forceinline__ void orch_cp_wait_all() {
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
+// Wait until at most N of this thread's newest committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void orch_cp_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
 """
 
 # Tensor-core helpers (inline PTX, sm_80+); bench/cuda_emulate.py swaps in CPU twins (a warp's

@@ -67,6 +67,14 @@ VARIANT_CASES = {
     "warp-pages": ({"warp_pages": True}, 23, [((300, 0, 77), 16, 4, 128, 16, None),
                                               ((700, 64, 129), 14, 2, 128, 16, 16),
                                               ((200, 45), 16, 2, 64, 16, 64)]),
+    # ... with 2 warps a block and 3 copy stages a warp (wait_group 1: a page read before its
+    # group landed reads stale data on the emulator too), and 1 warp with 4 stages.
+    "warp-pages-2x3": ({"warp_pages": True, "warp_shape": (2, 3)}, 29,
+                       [((300, 0, 77), 16, 4, 128, 16, None),
+                        ((700, 64, 129), 14, 2, 128, 16, 16)]),
+    "warp-pages-1x4": ({"warp_pages": True, "warp_shape": (1, 4)}, 31,
+                       [((300, 0, 77), 16, 4, 128, 16, None),
+                        ((200, 45), 16, 2, 64, 16, 64)]),
 }
 
 
@@ -145,7 +153,7 @@ def _emulate_the_kernel(monkeypatch, workdir, calls=None, modes=None):
     modes = [] if modes is None else modes
     def emulated(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots,
                  longest, scale, target_blocks=None, min_keys=None, tail_write=None, mma=False,
-                 wide_copies=True, warp_pages=False):
+                 wide_copies=True, warp_pages=False, warp_shape=(4, 2)):
         assert tail_write is None   # the OWN variant: test_cuda_page_key_own_write.py
         if calls is not None:
             calls.append(np.array(tail_slots).tolist())
@@ -153,7 +161,8 @@ def _emulate_the_kernel(monkeypatch, workdir, calls=None, modes=None):
         out = emu.page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail,
                                   np.array(pages), np.array(ends), np.array(tail_slots),
                                   scale, target_blocks, workdir=workdir, mma=mma,
-                                  wide_copies=wide_copies, warp_pages=warp_pages)
+                                  wide_copies=wide_copies, warp_pages=warp_pages,
+                                  warp_shape=warp_shape)
         return mx.array(out).astype(q.dtype)
 
     monkeypatch.setattr(cuda_paged_decode, "available", lambda: True)
@@ -216,7 +225,7 @@ def test_device_check_runs_on_cpu_fibers(llama, monkeypatch, tmp_path):
 
 def _mlx_kernel(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots, longest,
                 scale, target_blocks=None, min_keys=None, tail_write=None, mma=False,
-                wide_copies=True, warp_pages=False):
+                wide_copies=True, warp_pages=False, warp_shape=(4, 2)):
     """page_key_decode_attention's contract in MLX ops (traceable, so a compiled step can run
     it on the CPU): full pages from the pool's codes, positions of the row's partial page from
     its tail slot, the own key last, one float32 softmax (not the OWN variant)."""

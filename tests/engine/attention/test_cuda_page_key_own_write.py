@@ -113,7 +113,7 @@ def test_compiled_steps_let_the_decode_kernel_store_their_rows(llama, monkeypatc
 
     def attention(q, k_new, v_new, pool, layout, k_bits, tail, pages, ends, tail_slots,
                   longest, scale, target_blocks=None, min_keys=None, tail_write=None,
-                  mma=False, wide_copies=True, warp_pages=False):
+                  mma=False, wide_copies=True, warp_pages=False, warp_shape=(4, 2)):
         launches.append(tail_write is not None)
         if tail_write is None:
             return mx.array(emu.page_key_decode(
