@@ -106,9 +106,20 @@ WARP_META_FROM = "    #pragma unroll\n    for (int pc = ch; pc < 2 * MCH; pc += 
 WARP_META_TO = "src + (ch ? VO_OFF : VS_OFF) + crow * NG);\n"
 WARP_COMPUTE_FROM = "  // 1. Scores of keys"
 WARP_COMPUTE_TO = "orch_mma_f16(acc[j], a, bw[(16 * j) / 64]);\n    }\n  }\n"
+# `head-pages`: each (page, head) one contiguous run of its sections ([HK][sections][PT]
+# [width]: 3,840 bytes at 6-bit keys, head dim 128), the most contiguous a page could be.
+WARP_HEAD_PAGES = {
+    "src + KC_OFF + crow * LW": "src + hk * HEADW + KC_OFF / HK + ct * LW",
+    "src + VC_OFF + crow * VW": "src + hk * HEADW + VC_OFF / HK + ct * VW",
+    "src + (sec ? KO_OFF : KS_OFF) + crow * NGK":
+        "src + hk * HEADW + (sec ? KO_OFF : KS_OFF) / HK + ct * NGK",
+    "src + (ch ? VO_OFF : VS_OFF) + crow * NG":
+        "src + hk * HEADW + (ch ? VO_OFF : VS_OFF) / HK + ct * NG"}
 WARP_VARIANTS = {"warp": (), "warp-head-major": ("head-major",),
                  "warp-no-meta-copies": ("meta-copies",), "warp-loads-only": ("compute",),
-                 "warp-loads-only-head-major": ("compute", "head-major")}
+                 "warp-loads-only-head-major": ("compute", "head-major"),
+                 "warp-head-pages": ("head-pages",),
+                 "warp-loads-only-head-pages": ("compute", "head-pages")}
 
 
 def warp_cut_source(cuts: tuple[str, ...]) -> str:
@@ -124,6 +135,13 @@ def warp_cut_source(cuts: tuple[str, ...]) -> str:
             text = _cut_once(text, WARP_META_FROM, WARP_META_TO)
         elif cut == "compute":
             text = _cut_once(text, WARP_COMPUTE_FROM, WARP_COMPUTE_TO)
+        elif cut == "head-pages":
+            for old, new in WARP_HEAD_PAGES.items():
+                _cut_once(text, old)                 # there, exactly once
+                text = text.replace(old, new)
+            text = text.replace("const int ct = lane >> 1, ch = lane & 1;\n",
+                                "const int ct = lane >> 1, ch = lane & 1;\n"
+                                "constexpr int HEADW = PGW / HK;\n")
         else:
             raise ValueError(f"probe: unknown warp-kernel cut {cut!r}")
     return text
@@ -152,7 +170,8 @@ def _launching(kernel, attr: str = "_kernel"):
         setattr(pkd, attr, saved)
 
 
-def probe_row(geometry: str, n: int, b: int, calls: int, rounds: int) -> dict:
+def probe_row(geometry: str, n: int, b: int, calls: int, rounds: int,
+              only: set | None = None) -> dict:
     import mlx.core as mx
     from engine.attention.cuda import paged_decode
     if not paged_decode.available():
@@ -164,7 +183,10 @@ def probe_row(geometry: str, n: int, b: int, calls: int, rounds: int) -> dict:
     nat, pk = Layer(g, "native", n, b, mx.bfloat16), Layer(g, "k6v4-kivi", n, b, mx.bfloat16)
     variants = {"native": (nat.kernel(), nat.q, False)}
     base = pk.kernel()
+    keep = lambda name: only is None or name in only   # noqa: E731
     for name, phases in VARIANTS.items():
+        if not keep(name):
+            continue
         kernel = _build(cut_source(phases), name.replace("-", "_"))
 
         def fn(q, kernel=kernel):
@@ -173,6 +195,8 @@ def probe_row(geometry: str, n: int, b: int, calls: int, rounds: int) -> dict:
         variants[name] = (fn, pk.q, False)
     warp = pk.kernel(warp_pages=True)
     for name, cuts in WARP_VARIANTS.items():
+        if not keep(name):
+            continue
         kernel = _build(warp_cut_source(cuts), name.replace("-", "_"), warp=True)
 
         def fn(q, kernel=kernel):
@@ -180,11 +204,11 @@ def probe_row(geometry: str, n: int, b: int, calls: int, rounds: int) -> dict:
                 return warp(q)
         variants[name] = (fn, pk.q, False)
     got, _ = paired(variants, calls, rounds)
-    full = got["full"]["us"]
-    for name in VARIANTS:
-        got[name]["saved_us"] = round(full - got[name]["us"], 2)
-    for name in WARP_VARIANTS:
-        got[name]["saved_us"] = round(got["warp"]["us"] - got[name]["us"], 2)
+    for family, base_name in ((VARIANTS, "full"), (WARP_VARIANTS, "warp")):
+        if base_name in got:   # saved_us against the family's uncut kernel
+            for name in family:
+                if name in got:
+                    got[name]["saved_us"] = round(got[base_name]["us"] - got[name]["us"], 2)
     return got
 
 
@@ -193,8 +217,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="gpu:32768:8", help="GEOMETRY:CONTEXT:BATCH,...")
     ap.add_argument("--calls", type=int, default=50, help="dependent calls per round")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--variants", default="",
+                    help="comma-separated variant names to time (default: all; native always)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    only = set(args.variants.split(",")) if args.variants else None
+    unknown = (only or set()) - set(VARIANTS) - set(WARP_VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; known: "
+                 f"{sorted(VARIANTS) + sorted(WARP_VARIANTS)}")
     import mlx.core as mx
     rows = [r.split(":") for r in args.rows.split(",") if r]
     result = {"command": "python -m bench.device.page_key_phase_probe " + " ".join(argv or
@@ -204,7 +235,7 @@ def main(argv=None) -> int:
               "rows": {}}
     for geometry, n, b in rows:
         t0 = time.perf_counter()
-        got = probe_row(geometry, int(n), int(b), args.calls, args.rounds)
+        got = probe_row(geometry, int(n), int(b), args.calls, args.rounds, only)
         result["rows"][f"{geometry}-ctx{n}-b{b}"] = got
         print(f"[page_key_phase_probe] {geometry} {n} {b}: {json.dumps(got)[:600]} "
               f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)

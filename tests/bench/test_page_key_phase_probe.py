@@ -69,3 +69,12 @@ def test_warp_kernel_cuts_change_what_they_name_once():
     assert probe.warp_cut_source(()) == warp._SOURCE
     with pytest.raises(ValueError, match="unknown warp-kernel cut"):
         probe.warp_cut_source(("nope",))
+
+
+def test_head_pages_reads_each_heads_run_and_an_unknown_variant_is_refused(tmp_path, capsys):
+    hp = probe.warp_cut_source(("head-pages",))
+    assert "crow * LW" not in hp and "crow * NG)" not in hp
+    assert hp.count("src + hk * HEADW + ") == 4 and "constexpr int HEADW = PGW / HK;" in hp
+    with pytest.raises(SystemExit):
+        probe.main(["--variants", "full,nope", "--out", str(tmp_path / "x.json")])
+    assert "unknown variants ['nope']" in capsys.readouterr().err
