@@ -8,7 +8,8 @@ the native tail for the partial one) and a plain float64 softmax.
     python -m bench.cuda_emulate_page_keys --mma            # the tensor-core score pass
     python -m bench.cuda_emulate_page_keys --mma --device   # the same cases on a CUDA GPU
     python -m bench.cuda_emulate_page_keys --narrow-copies  # 8-byte key-code copies
-    python -m bench.cuda_emulate_page_keys --warp-pages     # the warp-page kernel (pages of 16)
+    python -m bench.cuda_emulate_page_keys --warp-pages     # the warp-page kernel's cases
+    python -m bench.cuda_emulate_page_keys --block-tiled    # the block-tiled one at pages of 16
 """
 from __future__ import annotations
 
@@ -23,13 +24,15 @@ from engine.attention.choices import DEFAULT_KERNELS
 
 # The kernel's key-code copies as the engine launches it by default (16-byte pieces).
 WIDE = DEFAULT_KERNELS.page_key_wide_copies
+# ... and its kernel at pages of 16: the warp-page one (KernelChoices.page_key_warp_pages).
+WARP = DEFAULT_KERNELS.page_key_warp_pages
 TOLERANCE = 0.02   # bf16 output of float32 math against float64 on the same (dequantized) keys
 
 
 def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
                     scale, target_blocks=None, workdir: Path | None = None,
                     mma: bool = False, wide_copies: bool = WIDE,
-                    warp_pages: bool = False, warp_shape=None) -> np.ndarray:
+                    warp_pages: bool = WARP, warp_shape=None) -> np.ndarray:
     """page_key_decode_attention's contract run here (numpy tables, ends, tail_slots; mx
     arrays otherwise, bf16 q, fresh rows and tail), with the host side's split plan and, with
     several splits, the merge kernel. Returns [B, Hq, 1, D] float32 (from the bf16 output
@@ -43,7 +46,7 @@ def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, t
 
 def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
                         scale, tail_write, target_blocks=None, workdir: Path | None = None,
-                        warp_pages: bool = False):
+                        warp_pages: bool = WARP):
     """The OWN variant (`tail_write`: each row's slot for its own row): (the output as
     `page_key_decode` returns it, the pool and (K, V) tails as the launch left them, mx)."""
     import mlx.core as mx
@@ -55,7 +58,7 @@ def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, end
 
 def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
             target_blocks, tail_write, workdir, mma: bool = False, wide_copies: bool = WIDE,
-            warp_pages: bool = False, warp_shape=None):
+            warp_pages: bool = WARP, warp_shape=None):
     import mlx.core as mx
 
     from engine.attention.cuda import page_key_decode as pk
@@ -240,7 +243,7 @@ def reference(q, k_new, v_new, store, tables, hist, scale) -> np.ndarray:
 
 def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_tokens: int = 16,
                   kernel=None, target_blocks=None, mma: bool = False,
-                  wide_copies: bool = WIDE, warp_pages: bool = False, warp_shape=None) -> dict:
+                  wide_copies: bool = WIDE, warp_pages: bool = WARP, warp_shape=None) -> dict:
     """One check: rows of hist[b] history tokens (ragged; partial tails where hist % pages),
     `kernel` with page_key_decode_attention's signature (None: the CUDA kernel itself, with
     its tensor-core score pass if `mma`) against `reference`. Returns a JSON-able dict with
@@ -312,22 +315,27 @@ def main(argv=None) -> int:
     ap.add_argument("--narrow-copies", action="store_true",
                     help="key codes in 8-byte pieces (KernelChoices.page_key_wide_copies off)")
     ap.add_argument("--warp-pages", action="store_true",
-                    help="the warp-page kernel (KernelChoices.page_key_warp_pages; the cases "
-                         "at pages of 16)")
+                    help="the warp-page kernel's own cases (pages of 16; it is the default there: "
+                         "KernelChoices.page_key_warp_pages)")
+    ap.add_argument("--block-tiled", action="store_true",
+                    help="the block-tiled kernel at pages of 16 too (warp pages off)")
     ap.add_argument("--warp-shape", default="4x2",
                     help="the warp-page kernel's WARPSxSTAGES (KernelChoices.page_key_warp_shape)")
     ap.add_argument("--device", action="store_true",
                     help="run the cases on the CUDA device (MLX's cuda_kernel), not emulated")
     args = ap.parse_args(argv)
     shape = tuple(int(x) for x in args.warp_shape.split("x"))
+    # --mma and --narrow-copies are the block-tiled kernel's choices: they take it at pages of
+    # 16 too
+    warp = (WARP or args.warp_pages) and not (args.block_tiled or args.mma or args.narrow_copies)
 
     def check(rng, work, fmt, hist, hq, kvh, d, pt, target):
         def kernel(*a):
             return page_key_decode(*a, workdir=work, mma=args.mma,
                                    wide_copies=not args.narrow_copies,
-                                   warp_pages=args.warp_pages, warp_shape=shape)
+                                   warp_pages=warp, warp_shape=shape)
         return page_key_case(rng, fmt, hist, hq, kvh, d, pt, None if args.device else kernel,
-                             target, args.mma, not args.narrow_copies, args.warp_pages, shape)
+                             target, args.mma, not args.narrow_copies, warp, shape)
     cases = WARP_CASES if args.warp_pages else CASES
     return ce.run_cases(cases[:args.limit], check)
 

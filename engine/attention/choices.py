@@ -173,9 +173,12 @@ class KernelChoices:
     # each warp its own pages (two copy stages, its own softmax state, only __syncwarp in its
     # loop), scores and PV on tensor cores (fp16 keys, queries and PV weights, fp32 sums: the
     # page_key_mma range caveat). Why: the block-tiled kernel's phases add up instead of
-    # overlapping (device run 14's phase probe, docs/lab/benchmarks-kv-page-keys.md). Off
-    # until timed on a GPU; other page sizes keep the block-tiled kernel.
-    page_key_warp_pages: bool = False
+    # overlapping (device run 14's phase probe, docs/lab/benchmarks-kv-page-keys.md). On an
+    # H100 (run 14's m7; no H200 was lent that day) k6v4-kivi against native, paired medians:
+    # 4K batch 1 0.964x -> 0.987x, 4K batch 8 0.948x -> 0.965x, 32K batch 1 0.919x -> 0.946x,
+    # 32K batch 8 1.090x -> 1.153x; the kernel in the 8B step at batch 8 68.2 -> 64.2 us a
+    # layer. Other page sizes keep the block-tiled kernel. False: the block-tiled kernel.
+    page_key_warp_pages: bool = True
     # Its (warps a block, copy stages a warp): more stages keep more pages in flight a warp
     # (shared memory: warps x stages x 4.3 KB at head dim 128, under 48 KB a block).
     page_key_warp_shape: tuple[int, int] = (4, 2)

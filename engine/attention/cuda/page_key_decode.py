@@ -150,7 +150,8 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     (KernelChoices.page_key_wide_copies, the default); False: 8-byte pieces.
 
     `warp_pages`: the warp-page kernel where it reads the pages (`warp_pages_serve`: pages of
-    16 tokens; KernelChoices.page_key_warp_pages): the same contract and split plan, each warp
+    16 tokens; the engine passes KernelChoices.page_key_warp_pages, on by default; False here
+    keeps direct callers on the block-tiled kernel): the same contract and split plan, each warp
     its own pages with tensor-core scores and PV (fp16 keys, queries and PV weights, fp32
     sums: `mma`'s range caveat holds), no block barrier in its loop. `mma` and `wide_copies`
     are the block-tiled kernel's and do not apply to it. `warp_shape`: its (warps a block,

@@ -118,10 +118,12 @@ def test_compiled_steps_let_the_decode_kernel_store_their_rows(llama, monkeypatc
         if tail_write is None:
             return mx.array(emu.page_key_decode(
                 q, k_new, v_new, pool, layout, k_bits, tail, np.array(pages), np.array(ends),
-                np.array(tail_slots), scale, workdir=tmp_path)).astype(q.dtype)
+                np.array(tail_slots), scale, workdir=tmp_path,
+                warp_pages=warp_pages)).astype(q.dtype)
         out, written, tails = emu.page_key_decode_own(
             q, k_new, v_new, pool, layout, k_bits, tail, np.array(pages), np.array(ends),
-            np.array(tail_slots), scale, np.array(tail_write), workdir=tmp_path)
+            np.array(tail_slots), scale, np.array(tail_write), workdir=tmp_path,
+            warp_pages=warp_pages)
         pool[...] = written           # the kernel writes in place: so does its emulation
         for old, new in zip(tail, tails):
             old[...] = new
@@ -131,8 +133,11 @@ def test_compiled_steps_let_the_decode_kernel_store_their_rows(llama, monkeypatc
     monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", attention)
     monkeypatch.setattr(page_key_write, "write_decode",
                         lambda *a, **kw: writes.append(1) or emu.page_key_write(*a, **kw))
+    # the block-tiled decode kernel (fp32 throughout: a tight bound; the warp-page kernel's
+    # OWN write: test_warp_page_kernel_own_variant_writes_and_attends_as_write_then_decode)
     own = PackedModelRunner(llama, tail_store(llama, "k6v4-kivi"), kernels=KernelChoices(
-        page_key_kernel=True, page_key_write=None, page_key_own_write=True))
+        page_key_kernel=True, page_key_write=None, page_key_own_write=True,
+        page_key_warp_pages=False))
     plain = PackedModelRunner(llama, tail_store(llama, "k6v4-kivi"),
                               kernels=KernelChoices(page_key_kernel=False))   # the MLX path
     own.compiled._fn = own.compiled._step   # the traced function's body, eagerly

@@ -298,9 +298,11 @@ def test_compiled_step_body_through_both_emulated_kernels_matches_the_mlx_path(
     writes = []
     monkeypatch.setattr(page_key_write, "write_decode", lambda *a, in_place=True: writes.append(
         np.array(a[7]).tolist()) or emu.page_key_write(*a, in_place=in_place, workdir=tmp_path))
+    # the block-tiled decode kernel (fp32 throughout), so the bound stays tight for the write
     fused = PackedModelRunner(llama, tail_store(llama, fmt),
                               kernels=KernelChoices(page_key_kernel=True, page_key_write=None,
-                                                    page_key_own_write=False))
+                                                    page_key_own_write=False,
+                                                    page_key_warp_pages=False))
     plain = PackedModelRunner(llama, tail_store(llama, fmt),
                               kernels=KernelChoices(page_key_kernel=False))   # the MLX path
     fused.compiled._fn = fused.compiled._step   # the traced function's body, eagerly
