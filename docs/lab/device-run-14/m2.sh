@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Second run of the 2026-12-08 lease: the warp-page decode kernel
+# Ran at commit 904c18e (before the key metadata pairs and block shapes of c8a0f9c), on
+# an H100 (an H200 was asked for each run, none lent).
+# Second run of device run 14 (2026-12-06): the warp-page decode kernel
 # (KernelChoices.page_key_warp_pages, engine/attention/cuda/page_key_warp_decode_source.py)
 # checked on the GPU against the reference, then timed alone against the block-tiled kernel
 # (the layer profile's kernel part: max diff beside) and in bench.kv's paired decode rows.

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Third run of the 2026-12-08 lease: the Llama-3.1-8B shape (random weights) at batch 8 after
+# Ran at commit 904c18e (as m2), on an H100 (an H200 was asked for each run, none lent).
+# Third run of device run 14 (2026-12-06): the Llama-3.1-8B shape (random weights) at batch 8 after
 # 4K keys, native against k6v4-kivi through the block-tiled and the warp-page kernels.
 RUN=m3; source docs/lab/device-run-1205c/lib.sh
 python3 -m bench.device.shaped_models --tokenizer-from .device/mlx/p5/tok --out "$W" \

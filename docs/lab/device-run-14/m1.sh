@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# First run of the 2026-12-08 lease: is the page-key kernel's copy path bound by its access
+# Ran at commit fd9faac, on an H100 (an H200 was asked for each run, none lent).
+# First run of device run 14 (2026-12-06): is the page-key kernel's copy path bound by its access
 # pattern (each head's rows interleaved with the other heads' in every section of a page,
 # [PT][HK][width]) or by its small metadata pieces? bench.device.page_key_phase_probe's
 # addressing variants (head-major rows, no metadata copies) beside its phase cuts, at 32K batch

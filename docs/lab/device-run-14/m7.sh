@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Seventh run of the 2026-12-08 lease: the warp-page kernel (default shape 4x2, key metadata
+# Ran at commit eea1674 (the kernel as it went on by default in eb6a18d), on an H100 (an
+# H200 was asked for each run, none lent).
+# Seventh run of device run 14 (2026-12-06): the warp-page kernel (default shape 4x2, key metadata
 # in sector-sized pairs since m5) against the block-tiled kernel in the step: bench.kv's paired
 # rows and kernel_trace at 32K batch 8 and the 8B shape at 4K batch 8, to decide its default.
 RUN=m7; source docs/lab/device-run-1205c/lib.sh

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Fifth run of the 2026-12-08 lease: m4 found the warp-page kernel's copies alone at 191 us of
+# Ran at commit c8a0f9c, on an H100 (an H200 was asked for each run, none lent).
+# Fifth run of device run 14 (2026-12-06): m4 found the warp-page kernel's copies alone at 191 us of
 # its 243 (32K batch 8): more pages in flight a warp. Its block shapes (warps a block x copy
 # stages a warp: 4x2, 2x3, 2x4, 1x4; key metadata now copied in sector-sized pairs) checked on
 # the GPU, then timed alone (the layer profile) and in bench.kv's paired rows.
@@ -15,4 +16,5 @@ timeout 200 python3 -m bench.device.page_key_layer_profile \
 echo "== layer-profile rc=$?" | tee -a "$D/steps.txt" >&2
 step kv-shapes 200 python3 -m bench.kv --geometry gpu --sections decode --decode 4096,32768 \
   --batches 1,8 --interleave --pipelined --repeats 3 --steps 16 \
-  --decode-formats k6v4-kivi,k6v4-kivi:warp-pages-2x3,k6v4-kivi:warp-pages-2x4,k6v4-kivi:warp-pages-1x4
+  --decode-formats \
+  k6v4-kivi,k6v4-kivi:warp-pages-2x3,k6v4-kivi:warp-pages-2x4,k6v4-kivi:warp-pages-1x4
