@@ -115,11 +115,15 @@ WARP_HEAD_PAGES = {
         "src + hk * HEADW + (sec ? KO_OFF : KS_OFF) / HK + ct * NGK",
     "src + (ch ? VO_OFF : VS_OFF) + crow * NG":
         "src + hk * HEADW + (ch ? VO_OFF : VS_OFF) / HK + ct * NG"}
+# `bulk`: its page copies as bulk copies of each section's run (page_key_bulk_copies.py).
+WARP_ISSUE_FROM, WARP_ISSUE_TO = "auto issue = [&](int i) {", "  orch_cp_commit();\n};\n"
+WARP_WAIT = "  orch_cp_wait<ST - 2>();"
 WARP_VARIANTS = {"warp": (), "warp-head-major": ("head-major",),
                  "warp-no-meta-copies": ("meta-copies",), "warp-loads-only": ("compute",),
                  "warp-loads-only-head-major": ("compute", "head-major"),
                  "warp-head-pages": ("head-pages",),
-                 "warp-loads-only-head-pages": ("compute", "head-pages")}
+                 "warp-loads-only-head-pages": ("compute", "head-pages"),
+                 "warp-bulk": ("bulk",), "warp-loads-only-bulk": ("compute", "bulk")}
 
 
 def warp_cut_source(cuts: tuple[str, ...]) -> str:
@@ -142,6 +146,13 @@ def warp_cut_source(cuts: tuple[str, ...]) -> str:
             text = text.replace("const int ct = lane >> 1, ch = lane & 1;\n",
                                 "const int ct = lane >> 1, ch = lane & 1;\n"
                                 "constexpr int HEADW = PGW / HK;\n")
+        elif cut == "bulk":
+            from bench.device import page_key_bulk_copies as bulk
+            text = _cut_once(text, WARP_ISSUE_FROM, WARP_ISSUE_TO)
+            at = text.index("#pragma unroll\nfor (int i = 0; i < ST - 1; ++i) issue(i);")
+            text = text[:at] + bulk.ISSUE + text[at:]
+            line = text.index(WARP_WAIT)
+            text = text[:line] + bulk.WAIT + text[text.index("\n", line) + 1:]
         else:
             raise ValueError(f"probe: unknown warp-kernel cut {cut!r}")
     return text
@@ -151,9 +162,11 @@ def _build(text: str, name: str, warp: bool = False):
     """The kernel object of a cut source (built once a variant, not in the timed calls)."""
     import mlx.core as mx
     from engine.attention.cuda import page_key_decode_source as src
+    from bench.device import page_key_bulk_copies as bulk
     kind = "warp_probe" if warp else "probe"
     return mx.fast.cuda_kernel(name=f"orchard_page_key_{kind}_{name}", input_names=src.INPUTS,
-                               output_names=src.OUTPUTS, source=text, header=src.header(),
+                               output_names=src.OUTPUTS, source=text,
+                               header=src.header() + (bulk.HELPERS if warp else ""),
                                ensure_row_contiguous=True)
 
 

@@ -78,3 +78,14 @@ def test_head_pages_reads_each_heads_run_and_an_unknown_variant_is_refused(tmp_p
     with pytest.raises(SystemExit):
         probe.main(["--variants", "full,nope", "--out", str(tmp_path / "x.json")])
     assert "unknown variants ['nope']" in capsys.readouterr().err
+
+
+def test_bulk_cut_swaps_the_copy_issue_and_its_wait_for_bulk_copies():
+    from bench.device import page_key_bulk_copies as bulk
+    text = probe.warp_cut_source(("bulk",))
+    assert "orch_cp_async" not in text and "orch_cp_wait" not in text
+    assert text.count("orch_bulk(") == 6 and bulk.WAIT in text
+    # the mbarriers exist before the first issue, every stage's at once
+    assert text.index("unsigned long long wbar[NW][ST]") < text.index("issue(i);")
+    both = probe.warp_cut_source(("compute", "bulk"))
+    assert "orch_mma_f16" not in both and bulk.WAIT in both
