@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit f85766c, on an H100 (an H200 was asked for each run, none lent).
 # Eighth run of device run 14 (2026-12-06): m6 found the warp-page kernel's copies alone, at the
 # most contiguous addressing, at 1.67 TB/s. Is it the 16-byte cp.async pieces' issue that tops
 # out? Its page copies as Hopper bulk copies (one lane, six runs a page, an mbarrier a stage:
