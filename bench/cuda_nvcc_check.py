@@ -163,14 +163,18 @@ def dequant_variants():
                 [*pq.template(kernel_layout(16, 4, d, kb, vb), kb, vb), ("TO", "bfloat16")])
 
 
+# The page-key decode kernels' inputs and outputs as the engine launches them (bf16 activations).
+PAGE_KEY_TYPES = {"q": "bfloat16", "kf": "bfloat16", "vf": "bfloat16", "pool": "uint32",
+                  "kt": "bfloat16", "vt": "bfloat16", "pages": "int32", "ends": "int32",
+                  "tslot": "int32", "dims": "int32", "scale": "float32", "tw": "int32"}
+PAGE_KEY_OUTPUTS = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
+
+
 def page_key_variants():
     """The page-key decode kernel (cuda/page_key_decode_source.py): both key widths, head dims,
     page sizes, GQA groups, split modes; its tensor-core score pass (MMA) at pages of 16."""
     from engine.attention.cuda import page_key_decode_source as src
-    types = {"q": "bfloat16", "kf": "bfloat16", "vf": "bfloat16", "pool": "uint32",
-             "kt": "bfloat16", "vt": "bfloat16", "pages": "int32", "ends": "int32",
-             "tslot": "int32", "dims": "int32", "scale": "float32", "tw": "int32"}
-    outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
+    types, outputs = PAGE_KEY_TYPES, PAGE_KEY_OUTPUTS
     for d in (64, 128):
         for kb in (4, 6):
             for pt in (16, 32, 64):
@@ -196,10 +200,7 @@ def page_key_warp_variants():
     default at split OWN launches."""
     from engine.attention.cuda import page_key_decode_source as src
     from engine.attention.cuda import page_key_warp_decode_source as warp
-    types = {"q": "bfloat16", "kf": "bfloat16", "vf": "bfloat16", "pool": "uint32",
-             "kt": "bfloat16", "vt": "bfloat16", "pages": "int32", "ends": "int32",
-             "tslot": "int32", "dims": "int32", "scale": "float32", "tw": "int32"}
-    outputs = [("out", "bfloat16"), ("part", "float32"), ("ml", "float32")]
+    types, outputs = PAGE_KEY_TYPES, PAGE_KEY_OUTPUTS
     for d in (64, 128):
         for kb in (4, 6):
             for g in (1, 4, 7, 8):

@@ -12,9 +12,9 @@ native's time over the variant's, paired per round (> 1: faster), as bench.kv's 
 
 a. `kernel`: the attention call alone at a compiled step's split plan (longest = the page
    bucket's capacity): native's paged kernel writing its own row (as compiled native steps),
-   without `own`, packed v2 int4 (own row), page-key k6v4-kivi / int4-kivi at SPLIT_PLANS (each
-   plan's blocks, and each output's max abs diff to the default plan's). Without CUDA:
-   "unavailable"; the MLX reference (store.gather + SDPA) is timed instead.
+   without `own`, packed v2 int4 (own row), page-key k6v4-kivi / int4-kivi through the
+   block-tiled kernel at SPLIT_PLANS and the warp-page one at WARP_SHAPES (each output's max
+   abs diff to the block-tiled default plan's). Without CUDA: the MLX reference instead.
 b. `write`: one layer's decode write as a compiled step issues it (mx.compile of `write_decode`
    on DeviceSlots, tails planned by TailMap.decode_slots, then `flush_tail`): page-key's
    `_write_planned` (value record, current page re-keyed, tail row) vs native's and int4's
@@ -24,12 +24,10 @@ b. `write`: one layer's decode write as a compiled step issues it (mx.compile of
    same write as one CUDA kernel (KernelChoices.page_key_write, cuda/page_key_write.py), and
    `fused_check_bytes_differing`: one filling write both ways, bytes that differ.
 c. `step`: the whole compiled decode step, native vs k6v4-kivi vs int4-kivi (bench.kv_decode's
-   interleaved row, pipelined; page-key steps take the default MLX write) and
-   `k6v4-kivi:fused-write` (page_key_write on: the fused kernel), whether each runner compiled;
-   `attribution_us` sets a, b, c against each other per layer.
+   interleaved row, pipelined; page-key steps take the default MLX write) and `k6v4-kivi:fused-
+   write` (the fused kernel), whether each compiled; `attribution_us`: a, b, c per layer.
 
-The split plans the kernel gets at these shapes and the hypothesis this bench tests:
-docs/lab/benchmarks-kv-page-keys.md, "Where a page-key decode step's time goes".
+Split plans and hypothesis: docs/lab/benchmarks-kv-page-keys.md, "Where a page-key ... goes".
 """
 from __future__ import annotations
 
@@ -49,8 +47,9 @@ from bench.device.page_key_qmm import _geometry, _maxdiff
 # (geometry, context, batch): the issue's three targets first, so a run cut short keeps them
 ROWS = [("gpu", 4096, 1), ("gpu", 32768, 8), ("llama8b-2l", 4096, 8), ("gpu", 4096, 8)]
 TINY_ROWS = [("tiny", 128, 1), ("tiny", 96, 2)]
-# (label, target blocks, min keys per split, explicit splits, key codes in 16-byte copies:
-# KernelChoices.page_key_wide_copies, the default): the default plan first.
+# The block-tiled kernel's (label, target blocks, min keys per split, explicit splits, key
+# codes in 16-byte copies: KernelChoices.page_key_wide_copies); then the warp-page kernel's
+# (KernelChoices.page_key_warp_pages, the engine's at pages of 16) shapes: warps x stages.
 SPLIT_PLANS = [("default", None, None, None, True), ("narrow", None, None, None, False),
                ("s16", None, None, 16, True), ("mk64", None, 64, None, True)]
 WARP_SHAPES = [(4, 2), (2, 3), (2, 4), (1, 4)]
@@ -236,12 +235,9 @@ def kernel_part(layers: dict, args, cuda: bool) -> dict:
             variants[f"{fmt}:{label}"] = (fn, q, False)
             plans[label] = plan(nat.b, nat.kvh, nat.longest, nat.n, target, min_keys, splits)
             diffs[f"{fmt}:{label}"] = _maxdiff(fn(q), base)
-        # the warp-page kernel (KernelChoices.page_key_warp_pages) on the default plan, at
-        # each block shape (warps a block x copy stages a warp)
-        for w, st in WARP_SHAPES:
-            fn = L.kernel(warp_pages=True, warp_shape=(w, st))
-            variants[f"{fmt}:warp-pages-{w}x{st}"] = (fn, q, False)
-            diffs[f"{fmt}:warp-pages-{w}x{st}"] = _maxdiff(fn(q), base)
+        for w, st in WARP_SHAPES:   # the warp-page kernel, the default plan, at each shape
+            name, fn = f"{fmt}:warp-pages-{w}x{st}", L.kernel(warp_pages=True, warp_shape=(w, st))
+            variants[name], diffs[name] = (fn, q, False), _maxdiff(fn(q), base)
     got, _ = paired(variants, args.calls, args.rounds)
     for name, d in diffs.items():
         got[name]["max_abs_vs_default_plan"] = round(d, 5)

@@ -64,6 +64,11 @@ def _cut_once(src: str, start: str, end: str | None = None) -> str:
     return src[:i] + src[j:]
 
 
+def _swap_row(text: str, old: str, new: str, after: str) -> str:
+    """`old` (a row-index line, there once) out, `new` in after line `after`."""
+    return _cut_once(text, old).replace(after, after + new + "\n")
+
+
 def cut_source(phases: tuple[str, ...]) -> str:
     """The page-key kernel's source with `phases` (of PROBES) cut out of its tile loop."""
     from engine.attention.cuda import page_key_decode_source as src
@@ -79,9 +84,8 @@ def cut_source(phases: tuple[str, ...]) -> str:
         elif phase == "pv":
             text = _cut_once(text, packed_pv("VW", "VB"))
         elif phase == "head-major":
-            text = _cut_once(text, ROW_TOKEN_MAJOR).replace(
-                "const int ir = tid >> 1, ih = tid & 1;\n",
-                "const int ir = tid >> 1, ih = tid & 1;\n" + ROW_HEAD_MAJOR + "\n")
+            text = _swap_row(text, ROW_TOKEN_MAJOR, ROW_HEAD_MAJOR,
+                             "const int ir = tid >> 1, ih = tid & 1;\n")
         elif phase == "meta-copies":
             text = _cut_once(text, META_COPIES_FROM, META_COPIES_TO)
         else:
@@ -132,9 +136,8 @@ def warp_cut_source(cuts: tuple[str, ...]) -> str:
     text = warp._SOURCE
     for cut in cuts:
         if cut == "head-major":
-            text = _cut_once(text, WARP_ROW_TOKEN_MAJOR).replace(
-                "const int ct = lane >> 1, ch = lane & 1;\n",
-                "const int ct = lane >> 1, ch = lane & 1;\n" + WARP_ROW_HEAD_MAJOR + "\n")
+            text = _swap_row(text, WARP_ROW_TOKEN_MAJOR, WARP_ROW_HEAD_MAJOR,
+                             "const int ct = lane >> 1, ch = lane & 1;\n")
         elif cut == "meta-copies":
             text = _cut_once(text, WARP_META_FROM, WARP_META_TO)
         elif cut == "compute":

@@ -15,8 +15,8 @@ import mlx.core as mx
 from engine.attention.cuda import page_key_write_row
 from engine.attention.cuda.paged_decode import HEADER
 from engine.attention.cuda.tile_helpers import (ACCUMULATORS, ASYNC, BLOCK_INDEX, DOT4,
-                                                HELPERS, MMA, RESCALE, online_softmax,
-                                                packed_pv, split_output)
+                                                HELPERS, MMA, RESCALE, native_key_scores,
+                                                online_softmax, packed_pv, split_output)
 
 # A code of KB bits at channel cc of a run of words (little-end first, as page_quant packs
 # 6-bit codes: 4 codes to 3 bytes is the same bit stream), as the float 1 + c / 2^KB (see
@@ -316,21 +316,7 @@ if (ncnt > 0) {
   auto native_row = [&](int pos) -> size_t {   // element offset of (key pos, head hk)
     return (pos < nh ? ((tbase + pos - nfull) * HKV + hk) * D : fresh);
   };
-  for (int r = warp; r < ncnt; r += NW) {
-    const int pos = a0 + r;
-    const size_t at = native_row(pos) + lane * VPT;
-    float k[VPT];
-    #pragma unroll
-    for (int i = 0; i < VPT; ++i) k[i] = pos < nh ? to_f(kt[at + i]) : to_f(kf[at + i]);
-    #pragma unroll
-    for (int h = 0; h < G; ++h) {
-      float d_ = 0.0f;
-      #pragma unroll
-      for (int i = 0; i < VPT; ++i) d_ = fmaf(qs[h * D + lane * VPT + i], k[i], d_);
-      d_ = orch_warp_sum(d_);
-      if (lane == 0) sp[h * KT + r] = d_;
-    }
-  }
+""" + native_key_scores("KT") + """\
   __syncthreads();
   softmax_step(ncnt, 1, false, nullptr);
   __syncthreads();

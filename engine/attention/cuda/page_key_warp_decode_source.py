@@ -36,6 +36,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from engine.attention.cuda.page_key_decode_source import INPUTS, OUTPUTS, header
+from engine.attention.cuda.tile_helpers import native_key_scores
 
 _SOURCE = """
 constexpr int PT = 16;                       // tokens a page: a warp's unit of work
@@ -294,21 +295,7 @@ const size_t tbase = (size_t)max(tslot[b], 0) * PT;
 auto native_row = [&](int pos) -> size_t {   // element offset of (key pos, head hk)
   return (pos < nh ? ((tbase + pos - nfull) * HKV + hk) * D : fresh);
 };
-for (int r = warp; r < ncnt; r += NW) {
-  const int pos = a0 + r;
-  const size_t at = native_row(pos) + lane * VPT;
-  float k[VPT];
-  #pragma unroll
-  for (int i = 0; i < VPT; ++i) k[i] = pos < nh ? to_f(kt[at + i]) : to_f(kf[at + i]);
-  #pragma unroll
-  for (int h = 0; h < G; ++h) {
-    float d_ = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < VPT; ++i) d_ = fmaf(qs[h * D + lane * VPT + i], k[i], d_);
-    d_ = orch_warp_sum(d_);
-    if (lane == 0) sp[h * PT + r] = d_;
-  }
-}
+""" + native_key_scores("PT") + """\
 __syncthreads();
 if (tid < G) {
   float mx_ = NEG_INF, sum = 0.0f;

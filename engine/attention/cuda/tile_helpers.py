@@ -269,6 +269,34 @@ def packed_pv(words: str, bits: str) -> str:
     return _PACKED_PV.replace("WORDS", words).replace("BITS", bits)
 
 
+# The page-key kernels' native keys (a row's partial last page from its tail slot as the step
+# began, and the step's own key), in full precision: warp w scores keys w, w + NW, ... of the
+# ncnt from a0 against every query head (qs, scaled) into sp[h * STRIDE + r]. Expects a0,
+# ncnt, nh, native_row(pos) (a key's element offset), kt, kf, qs, sp, NW, VPT.
+_NATIVE_KEY_SCORES = """
+for (int r = warp; r < ncnt; r += NW) {
+  const int pos = a0 + r;
+  const size_t at = native_row(pos) + lane * VPT;
+  float k[VPT];
+  #pragma unroll
+  for (int i = 0; i < VPT; ++i) k[i] = pos < nh ? to_f(kt[at + i]) : to_f(kf[at + i]);
+  #pragma unroll
+  for (int h = 0; h < G; ++h) {
+    float d_ = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < VPT; ++i) d_ = fmaf(qs[h * D + lane * VPT + i], k[i], d_);
+    d_ = orch_warp_sum(d_);
+    if (lane == 0) sp[h * STRIDE + r] = d_;
+  }
+}
+"""
+
+
+def native_key_scores(stride: str) -> str:
+    """_NATIVE_KEY_SCORES with score rows `stride` apart (a constexpr's name)."""
+    return _NATIVE_KEY_SCORES.replace("STRIDE", stride)
+
+
 # The end of a split decode block: sum the key subsets inside a warp by shuffles (lanes pk +
 # WORDS * s), then the warps through shared memory (the stage buffers, free now); add each
 # group's constant term (NUM0); write the block's output (one split) or its partial for the

@@ -54,13 +54,14 @@ VARIANT_CASES = {
     # past G padded with zero queries), pages of 16-64 (of 32 and 64: warps of one page share
     # its scales), splits.
     "mma": ({"mma": True, "warp_pages": False}, 11, [((300, 0, 77), 16, 4, 128, 16, None),
-                                ((600, 64, 129), 16, 2, 64, 32, 16),
-                                ((512, 45), 9, 3, 64, 64, 64)]),
+                                                     ((600, 64, 129), 16, 2, 64, 32, 16),
+                                                     ((512, 45), 9, 3, 64, 64, 64)]),
     # page_key_wide_copies off: key codes in 8-byte pieces, at the head dims where the default
     # takes 16 (6-bit keys at head dim 128, group <= 4) and where it cannot (head dim 64).
-    "narrow-copies": ({"wide_copies": False, "warp_pages": False}, 17, [((300, 0, 77), 16, 4, 128, 16, None),
-                                                   ((600, 64, 129), 16, 2, 128, 32, 16),
-                                                   ((200, 45), 9, 3, 64, 16, 64)]),
+    "narrow-copies": ({"wide_copies": False, "warp_pages": False}, 17,
+                      [((300, 0, 77), 16, 4, 128, 16, None),
+                       ((600, 64, 129), 16, 2, 128, 32, 16),
+                       ((200, 45), 9, 3, 64, 16, 64)]),
     # The block-tiled kernel at pages of 16 (KernelChoices.page_key_warp_pages off; the plain
     # cases above run the warp-page kernel there, the block-tiled one at 32 and 64).
     "block-tiled": ({"warp_pages": False}, 19, [((300, 0, 77), 16, 4, 128, 16, None),
