@@ -27,6 +27,10 @@ the split plan and merge kernel of cuda/paged_decode.py), with what page keys ch
   step's own key and value come as inputs: those at most page_tokens keys join the same online
   softmax in full precision after the code tiles, in the split whose range holds them.
 
+At pages of 16 tokens the engine launches a second kernel with the same contract instead
+(page_key_warp_decode_source.py, KernelChoices.page_key_warp_pages: each warp its own pages,
+tensor-core scores and PV, no block barrier in its loop; device run 14).
+
 The step's own rows are written by the store before attention (values, and the page's codes
 when the row fills it) or into the tail after it, as on the MLX path; or, in compiled steps
 (`tail_write`, KernelChoices.page_key_own_write), by this launch itself: one kernel a layer
@@ -166,9 +170,9 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     kt, vt = tail
     warp = warp_pages and warp_pages_serve(layout)
     nwb, stages = warp_shape
-    if warp and not (nwb in (1, 2, 4) and 2 <= stages <= 4):
+    if warp and not (nwb in (1, 2, 4) and 2 <= stages <= 4 and nwb * stages <= 8):
         raise ValueError(f"page-key warp decode: shape {warp_shape} is not (1, 2 or 4 warps, "
-                         "2..4 stages)")
+                         "2..4 stages, at most 8 stages a block: 48 KB of shared memory)")
     if splits is None:
         target = target_blocks or (TARGET_BLOCKS * 4 // nwb if warp else TARGET_BLOCKS)
         splits = split_count(b, kvh, longest, target, min_keys)

@@ -151,6 +151,24 @@ def test_formats_and_choice():
     assert KernelChoices().page_key_kernel is None    # on for CUDA (measured on the H200)
 
 
+def test_warp_pages_serve_pages_of_16_and_refuse_shapes_past_shared_memory():
+    # on by default (device run 14, H100); a shape whose stages pass 48 KB is refused before
+    # any launch, so it needs no GPU here
+    assert KernelChoices().page_key_warp_pages and KernelChoices().page_key_warp_shape == (4, 2)
+    rng = np.random.default_rng(5)
+    store, tables, slots = emu.page_key_store(rng, "k6v4-kivi", (40,), 2, 128, 16)
+    wide, _, _ = emu.page_key_store(rng, "k6v4-kivi", (40,), 2, 128, 32)
+    assert cuda_page_key_decode.warp_pages_serve(store.layout)
+    assert not cuda_page_key_decode.warp_pages_serve(wide.layout)
+    q, kn = mx.zeros((1, 8, 1, 128), mx.bfloat16), mx.zeros((1, 2, 1, 128), mx.bfloat16)
+    for shape in ((4, 3), (3, 2), (2, 1)):
+        with pytest.raises(ValueError, match="at most 8 stages"):
+            cuda_page_key_decode.page_key_decode_attention(
+                q, kn, kn, store.pool, store.layout, 6, store.tail, mx.array(tables),
+                mx.array([41], mx.int32), mx.array(slots), 41, 0.1, warp_pages=True,
+                warp_shape=shape)
+
+
 def _emulate_the_kernel(monkeypatch, workdir, calls=None, modes=None):
     """Route page_key_decode_attention to the kernel source on the CPU emulator (float32, as
     the store holds it), with CUDA reported available; `calls` collects each call's tail
