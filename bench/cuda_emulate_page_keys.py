@@ -67,7 +67,6 @@ def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slot
     from engine.attention.cuda import page_key_write as pw
     from engine.attention.cuda import paged_decode as pd
     from engine.attention.cuda import tile_helpers
-    from engine.attention.cuda.page_key_decode import TARGET_BLOCKS
     workdir = workdir or Path(tempfile.mkdtemp(prefix="orchard_emulate_"))
     rows, hq, _, d = q.shape
     kvh = k_new.shape[1]
@@ -89,9 +88,8 @@ def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slot
     arrays = [data["q"], data["kf"], data["vf"], np.array(pool), data["kt"], data["vt"],
               tables, ends, slots, np.array([hq, kvh, tables.shape[1]], np.int32),
               np.array([scale], np.float32), np.asarray(tail_write, np.int32) if own else slots]
-    warp = warp_pages and pk.warp_pages_serve(layout)
     shape = warp_shape or pk.WARP_SHAPE
-    target = target_blocks or (TARGET_BLOCKS * 4 // shape[0] if warp else TARGET_BLOCKS)
+    warp, target = pk.warp_plan(layout, warp_pages, shape, target_blocks)
     splits = pd.split_count(rows, kvh, int(ends.max()), target)
     parts = rows * hq * (splits if splits > 1 else 1)
     if warp:
@@ -252,7 +250,6 @@ def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_toke
 
     from engine.attention.cuda import page_key_decode as pk
     from engine.attention.cuda import paged_decode as pd
-    from engine.attention.cuda.page_key_decode import TARGET_BLOCKS
     hist = np.asarray(hist, np.int64)
     bits = 6 if fmt_name.startswith("k6") else 4
     store, tables, slots = page_key_store(rng, fmt_name, hist, kvh, d, page_tokens)
@@ -276,14 +273,14 @@ def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_toke
         got = kernel(*args, tables, ends, slots, scale, target_blocks)
     ref = reference(q, k_new, v_new, store, tables, hist, scale)
     err = float(np.nanmax(np.abs(got - ref))) if np.isfinite(got).all() else float("inf")
+    shape = warp_shape or pk.WARP_SHAPE
+    warp, target = pk.warp_plan(store.layout, warp_pages, shape, target_blocks)
     name = (f"page-key-{fmt_name}{'-mma' * mma}{'-narrow' * (not wide_copies)}"
-            f"{'-warp-pages' * warp_pages}")
+            f"{'-warp-pages' * warp}")
     return {"kernel": name, "rows": rows, "hq": hq, "kvh": kvh,
             "head_dim": d, "page_tokens": page_tokens, "history": hist.tolist(),
-            "splits": pd.split_count(rows, kvh, int(ends.max()), target_blocks or (
-                TARGET_BLOCKS * 4 // (warp_shape or pk.WARP_SHAPE)[0] if warp_pages
-                else TARGET_BLOCKS)),
-            "warp_shape": list(warp_shape or pk.WARP_SHAPE) if warp_pages else None,
+            "splits": pd.split_count(rows, kvh, int(ends.max()), target),
+            "warp_shape": list(shape) if warp else None,
             "max_abs_err": round(err, 5), "ok": bool(err < TOLERANCE)}
 
 

@@ -78,15 +78,6 @@ inline void __syncthreads() { block_barrier(); }
 inline void __syncwarp() { warp_barrier(); }
 static unsigned int g_slot[32][32];
 template <typename T>
-inline T __shfl_xor_sync(unsigned int, T v, int o) {
-  const int me = g_current, w = me / 32, lane = me % 32;
-  std::memcpy(&g_slot[w][lane], &v, 4);
-  warp_barrier();
-  T r; std::memcpy(&r, &g_slot[w][lane ^ o], 4);
-  warp_barrier();
-  return r;
-}
-template <typename T>
 inline T __shfl_sync(unsigned int, T v, int src) {
   const int me = g_current, w = me / 32, lane = me % 32;
   std::memcpy(&g_slot[w][lane], &v, 4);
@@ -94,6 +85,10 @@ inline T __shfl_sync(unsigned int, T v, int src) {
   T r; std::memcpy(&r, &g_slot[w][src & 31], 4);
   warp_barrier();
   return r;
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned int m, T v, int o) {
+  return __shfl_sync(m, v, (g_current % 32) ^ o);
 }
 struct Copy { void* dst; const void* src; int n; int group; };
 static std::vector<std::vector<Copy>> g_pending;
@@ -110,10 +105,6 @@ template <int N> inline void orch_cp_async(void* dst, const void* src) {
   g_pending[g_current].push_back({dst, src, N, g_groups[g_current]});
 }
 inline void orch_cp_commit() { ++g_groups[g_current]; }
-inline void orch_cp_wait_all() {
-  for (const Copy& c : g_pending[g_current]) std::memcpy(c.dst, c.src, c.n);
-  g_pending[g_current].clear();
-}
 // Copies of every group but the newest N committed land; the rest stay queued.
 template <int N> inline void orch_cp_wait() {
   std::vector<Copy>& q = g_pending[g_current];
@@ -124,6 +115,7 @@ template <int N> inline void orch_cp_wait() {
   }
   q.swap(keep);
 }
+inline void orch_cp_wait_all() { orch_cp_wait<0>(); }
 """
 
 MMA_CPU = r"""
@@ -204,7 +196,8 @@ int main(int argc, char** argv) {
   LOAD
   g_threads = nt; blockDim.x = nt; gridDim.x = gx; gridDim.y = gy; gridDim.z = 1;
   blockDim.y = blockDim.z = 1;
-  g_ctx.resize(nt); g_wait.assign(nt, 0); g_pending.assign(nt, {}); g_groups.assign(nt, 0);
+  g_ctx.resize(nt); g_wait.assign(nt, 0); g_pending.assign(nt, {});
+  g_groups.assign(nt, 0);
   const size_t stack = 1 << 18;
   std::vector<char> stacks((size_t)nt * stack);
   g_body = [] { CALL };

@@ -92,8 +92,10 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   # ... and its key codes copied in 8-byte pieces (page_key_wide_copies off;
                   # the default before device run 13).
                   "narrow-copies": dict(page_key_wide_copies=False),
-                  # ... or the warp-page kernel (KernelChoices.page_key_warp_pages; pages of 16).
-                  "warp-pages": dict(page_key_warp_pages=True)}
+                  # ... or the warp-page kernel (KernelChoices.page_key_warp_pages; pages of 16;
+                  # the default since device run 14), or the block-tiled one there.
+                  "warp-pages": dict(page_key_warp_pages=True),
+                  "block-tiled": dict(page_key_warp_pages=False)}
 
 
 def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoices]:
@@ -113,9 +115,9 @@ def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoice
                 raise ValueError(f"decode format {spec!r}: split target and keys must be "
                                  "positive")
             kernels = replace(kernels, decode_split_target=target, decode_split_min_keys=keys)
-        elif re.fullmatch(r"warp-pages-(\d)x(\d)", part):
-            w, st = map(int, re.fullmatch(r"warp-pages-(\d)x(\d)", part).groups())
-            kernels = replace(kernels, page_key_warp_pages=True, page_key_warp_shape=(w, st))
+        elif shape := re.fullmatch(r"warp-pages-(\d)x(\d)", part):
+            kernels = replace(kernels, page_key_warp_pages=True,
+                              page_key_warp_shape=(int(shape[1]), int(shape[2])))
         elif part in DECODE_KERNELS:
             kernels = replace(kernels, **DECODE_KERNELS[part])
         else:

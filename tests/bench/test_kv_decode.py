@@ -129,6 +129,10 @@ def test_joined_specs_combine_a_plan_and_a_kernel():
     assert (fmt, kernels.decode_split_target, kernels.page_key_mma) == ("k6v4-kivi", 512, True)
     _, kernels = kv_decode.decode_kernels("k6v4-kivi:narrow-copies+split-512", DEFAULT_KERNELS)
     assert not kernels.page_key_wide_copies and DEFAULT_KERNELS.page_key_wide_copies
+    _, kernels = kv_decode.decode_kernels("k6v4-kivi:warp-pages-2x3", DEFAULT_KERNELS)
+    assert kernels.page_key_warp_pages and kernels.page_key_warp_shape == (2, 3)
+    _, kernels = kv_decode.decode_kernels("k6v4-kivi:block-tiled", DEFAULT_KERNELS)
+    assert not kernels.page_key_warp_pages and DEFAULT_KERNELS.page_key_warp_pages
     for bad in ("k6v4-kivi:mma+nope", "k6v4-kivi:mb5"):
         with pytest.raises(ValueError, match="joined by"):
             kv_decode.decode_kernels(bad, DEFAULT_KERNELS)

@@ -101,6 +101,19 @@ def warp_pages_serve(layout: PageLayout) -> bool:
 WARP_SHAPE = (4, 2)   # the warp-page kernel's (warps a block, copy stages a warp)
 
 
+def warp_plan(layout: PageLayout, warp_pages: bool, warp_shape: tuple[int, int],
+              target_blocks: int | None) -> tuple[bool, int]:
+    """(whether the warp-page kernel takes these pages, the split plan's target blocks): its
+    plan aims at TARGET_BLOCKS * 4 / warps blocks, as many warps as the block-tiled kernel's.
+    Raise ValueError for a shape past 8 stages a block (48 KB of shared memory)."""
+    warp = warp_pages and warp_pages_serve(layout)
+    nwb, stages = warp_shape
+    if warp and not (nwb in (1, 2, 4) and 2 <= stages <= 4 and nwb * stages <= 8):
+        raise ValueError(f"page-key warp decode: shape {warp_shape} is not (1, 2 or 4 warps, "
+                         "2..4 stages, at most 8 stages a block: 48 KB of shared memory)")
+    return warp, target_blocks or (TARGET_BLOCKS * 4 // nwb if warp else TARGET_BLOCKS)
+
+
 def warp_template(head_dim: int, group: int, layout: PageLayout, k_bits: int,
                   q_dtype: mx.Dtype, kv_dtype: mx.Dtype, tail_dtype: mx.Dtype,
                   own: bool = False, shape: tuple[int, int] = WARP_SHAPE) -> list:
@@ -159,8 +172,7 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     its own pages with tensor-core scores and PV (fp16 keys, queries and PV weights, fp32
     sums: `mma`'s range caveat holds), no block barrier in its loop. `mma` and `wide_copies`
     are the block-tiled kernel's and do not apply to it. `warp_shape`: its (warps a block,
-    copy stages a warp), KernelChoices.page_key_warp_shape; the split plan then aims at
-    TARGET_BLOCKS * 4 / warps blocks (as many warps as the block-tiled kernel's plan)."""
+    copy stages a warp), KernelChoices.page_key_warp_shape (its split plan: `warp_plan`)."""
     b, hq, _, d = q.shape
     kvh = k_new.shape[1]
     if hq % kvh or not supports(k_bits, 4, d, hq // kvh, layout.page_tokens):
@@ -168,13 +180,8 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
                          f"{hq}/{kvh} or pages of {layout.page_tokens}")
     check_layout(pool, layout, d, k_bits, kvh)
     kt, vt = tail
-    warp = warp_pages and warp_pages_serve(layout)
-    nwb, stages = warp_shape
-    if warp and not (nwb in (1, 2, 4) and 2 <= stages <= 4 and nwb * stages <= 8):
-        raise ValueError(f"page-key warp decode: shape {warp_shape} is not (1, 2 or 4 warps, "
-                         "2..4 stages, at most 8 stages a block: 48 KB of shared memory)")
+    warp, target = warp_plan(layout, warp_pages, warp_shape, target_blocks)
     if splits is None:
-        target = target_blocks or (TARGET_BLOCKS * 4 // nwb if warp else TARGET_BLOCKS)
         splits = split_count(b, kvh, longest, target, min_keys)
     own = tail_write is not None
     inputs = [q, k_new, v_new, pool, kt, vt, pages, ends, tail_slots,
@@ -184,7 +191,7 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
         return launch_split(_warp_kernel(), inputs,
                             warp_template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype,
                                           kt.dtype, own, warp_shape),
-                            b, kvh, hq, d, splits, q.dtype, threads=32 * nwb)
+                            b, kvh, hq, d, splits, q.dtype, threads=32 * warp_shape[0])
     return launch_split(
         _kernel(), inputs,
         template(d, hq // kvh, layout, k_bits, q.dtype, k_new.dtype, kt.dtype, own, mma,
