@@ -9,7 +9,7 @@ the native tail for the partial one) and a plain float64 softmax.
     python -m bench.cuda_emulate_page_keys --mma --device   # the same cases on a CUDA GPU
     python -m bench.cuda_emulate_page_keys --narrow-copies  # 8-byte key-code copies
     python -m bench.cuda_emulate_page_keys --warp-pages     # the warp-page kernel's cases
-    python -m bench.cuda_emulate_page_keys --block-tiled    # the block-tiled one at pages of 16
+    python -m bench.cuda_emulate_page_keys --block-tiled    # the block-tiled one everywhere
 """
 from __future__ import annotations
 
@@ -24,29 +24,36 @@ from engine.attention.choices import DEFAULT_KERNELS
 
 # The kernel's key-code copies as the engine launches it by default (16-byte pieces).
 WIDE = DEFAULT_KERNELS.page_key_wide_copies
-# ... and its kernel at pages of 16: the warp-page one (KernelChoices.page_key_warp_pages).
+# ... and the warp-page kernel (KernelChoices.page_key_warp_pages) at the page sizes it takes.
 WARP = DEFAULT_KERNELS.page_key_warp_pages
+WARP_PAGE_TOKENS = DEFAULT_KERNELS.page_key_warp_page_tokens
 TOLERANCE = 0.02   # bf16 output of float32 math against float64 on the same (dequantized) keys
+
+
+def engine_kernel_is_warp(page_tokens: int, warp_pages: bool | None) -> bool:
+    """Whether a launch at `page_tokens` asks for the warp-page kernel: `warp_pages` where
+    given, else as the engine does (packed_cache: the choice and its page sizes)."""
+    return WARP and page_tokens in WARP_PAGE_TOKENS if warp_pages is None else warp_pages
 
 
 def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
                     scale, target_blocks=None, workdir: Path | None = None,
                     mma: bool = False, wide_copies: bool = WIDE,
-                    warp_pages: bool = WARP, warp_shape=None) -> np.ndarray:
+                    warp_pages: bool | None = None, warp_shape=None) -> np.ndarray:
     """page_key_decode_attention's contract run here (numpy tables, ends, tail_slots; mx
     arrays otherwise, bf16 q, fresh rows and tail), with the host side's split plan and, with
     several splits, the merge kernel. Returns [B, Hq, 1, D] float32 (from the bf16 output
     unless q is float32). `mma`: the kernel's tensor-core score pass; `wide_copies`: its key
     codes in 16-byte pieces; `warp_pages`: the warp-page kernel instead
-    (page_key_warp_decode_source.py, pages of 16 tokens) of `warp_shape` (warps a block, copy
-    stages a warp; None: page_key_decode.WARP_SHAPE)."""
+    (page_key_warp_decode_source.py; None: where the engine takes it) of `warp_shape` (warps a
+    block, copy stages a warp; None: page_key_decode.WARP_SHAPE)."""
     return _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
                    target_blocks, None, workdir, mma, wide_copies, warp_pages, warp_shape)[0]
 
 
 def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,
                         scale, tail_write, target_blocks=None, workdir: Path | None = None,
-                        warp_pages: bool = WARP):
+                        warp_pages: bool | None = None):
     """The OWN variant (`tail_write`: each row's slot for its own row): (the output as
     `page_key_decode` returns it, the pool and (K, V) tails as the launch left them, mx)."""
     import mlx.core as mx
@@ -58,7 +65,7 @@ def page_key_decode_own(q, k_new, v_new, pool, layout, k_bits, tail, tables, end
 
 def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots, scale,
             target_blocks, tail_write, workdir, mma: bool = False, wide_copies: bool = WIDE,
-            warp_pages: bool = WARP, warp_shape=None):
+            warp_pages: bool | None = None, warp_shape=None):
     import mlx.core as mx
 
     from engine.attention.cuda import page_key_decode as pk
@@ -89,7 +96,8 @@ def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slot
               tables, ends, slots, np.array([hq, kvh, tables.shape[1]], np.int32),
               np.array([scale], np.float32), np.asarray(tail_write, np.int32) if own else slots]
     shape = warp_shape or pk.WARP_SHAPE
-    warp, target = pk.warp_plan(layout, warp_pages, shape, target_blocks)
+    warp, target = pk.warp_plan(layout, engine_kernel_is_warp(layout.page_tokens, warp_pages),
+                                shape, target_blocks)
     splits = pd.split_count(rows, kvh, int(ends.max()), target)
     parts = rows * hq * (splits if splits > 1 else 1)
     if warp:
@@ -241,7 +249,8 @@ def reference(q, k_new, v_new, store, tables, hist, scale) -> np.ndarray:
 
 def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_tokens: int = 16,
                   kernel=None, target_blocks=None, mma: bool = False,
-                  wide_copies: bool = WIDE, warp_pages: bool = WARP, warp_shape=None) -> dict:
+                  wide_copies: bool = WIDE, warp_pages: bool | None = None,
+                  warp_shape=None) -> dict:
     """One check: rows of hist[b] history tokens (ragged; partial tails where hist % pages),
     `kernel` with page_key_decode_attention's signature (None: the CUDA kernel itself, with
     its tensor-core score pass if `mma`) against `reference`. Returns a JSON-able dict with
@@ -251,6 +260,7 @@ def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_toke
     from engine.attention.cuda import page_key_decode as pk
     from engine.attention.cuda import paged_decode as pd
     hist = np.asarray(hist, np.int64)
+    warp_pages = engine_kernel_is_warp(page_tokens, warp_pages)
     bits = 6 if fmt_name.startswith("k6") else 4
     store, tables, slots = page_key_store(rng, fmt_name, hist, kvh, d, page_tokens)
     rows = len(hist)
@@ -293,14 +303,18 @@ CASES = [
     ("k6v4-kivi", (700, 47, 192), 9, 3, 64, 16, 16),
 ]
 
-# The warp-page kernel's cases (pages of 16 only): GQA 1, 4, 7 and 8, head dims 64 and 128,
-# ragged rows, empty history, splits (a warp with no pages, a split holding only the tail).
+# The warp-page kernel's cases: GQA 1, 4, 7 and 8, head dims 64 and 128, pages of 16, 32 and
+# 64 (a page's quarters sharing its key metadata), ragged rows, empty history, splits (a warp
+# with no pages, a split holding only the tail).
 WARP_CASES = [
     ("k6v4-kivi", (37,), 8, 2, 64, 16, None),
     ("int4-kivi", (200, 0, 77), 16, 4, 128, 16, None),
     ("k6v4-kivi", (300, 64, 129), 16, 2, 128, 16, 8),
     ("k6v4-kivi", (700, 47, 192), 14, 2, 128, 16, 16),
     ("int4-kivi", (130, 15), 8, 8, 64, 16, None),
+    ("k6v4-kivi", (700, 64, 129), 16, 2, 128, 64, 16),
+    ("int4-kivi", (300, 0, 77), 8, 4, 64, 64, None),
+    ("k6v4-kivi", (600, 45), 12, 3, 128, 32, 16),
 ]
 
 
@@ -312,19 +326,21 @@ def main(argv=None) -> int:
     ap.add_argument("--narrow-copies", action="store_true",
                     help="key codes in 8-byte pieces (KernelChoices.page_key_wide_copies off)")
     ap.add_argument("--warp-pages", action="store_true",
-                    help="the warp-page kernel's own cases (pages of 16; it is the default there: "
-                         "KernelChoices.page_key_warp_pages)")
+                    help="the warp-page kernel's own cases (pages of 16-64; the engine takes it "
+                         "at KernelChoices.page_key_warp_page_tokens)")
     ap.add_argument("--block-tiled", action="store_true",
-                    help="the block-tiled kernel at pages of 16 too (warp pages off)")
+                    help="the block-tiled kernel at every page size (warp pages off)")
     ap.add_argument("--warp-shape", default="4x2",
                     help="the warp-page kernel's WARPSxSTAGES (KernelChoices.page_key_warp_shape)")
     ap.add_argument("--device", action="store_true",
                     help="run the cases on the CUDA device (MLX's cuda_kernel), not emulated")
     args = ap.parse_args(argv)
     shape = tuple(int(x) for x in args.warp_shape.split("x"))
-    # --mma and --narrow-copies are the block-tiled kernel's choices: they take it at pages of
-    # 16 too
-    warp = (WARP or args.warp_pages) and not (args.block_tiled or args.mma or args.narrow_copies)
+    # --mma and --narrow-copies are the block-tiled kernel's choices: they take it everywhere;
+    # else --warp-pages takes the warp-page kernel everywhere, and None follows the engine
+    warp = None if not args.warp_pages else True
+    if args.block_tiled or args.mma or args.narrow_copies:
+        warp = False
 
     def check(rng, work, fmt, hist, hq, kvh, d, pt, target):
         def kernel(*a):

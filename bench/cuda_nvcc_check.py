@@ -195,28 +195,32 @@ def page_key_variants():
 
 
 def page_key_warp_variants():
-    """The warp-page decode kernel (cuda/page_key_warp_decode_source.py: pages of 16): both key
-    widths, head dims, GQA groups, split modes, OWN; block shapes (warps x stages) besides the
-    default at split OWN launches."""
+    """The warp-page decode kernel (cuda/page_key_warp_decode_source.py): both key widths, head
+    dims, GQA groups, split modes, OWN at pages of 16; block shapes (warps x stages) besides the
+    default at split OWN launches; pages of 32 and 64 (quarters sharing a page's key
+    metadata buffers) at GQA 1 and 8 with every shape."""
     from engine.attention.cuda import page_key_decode_source as src
     from engine.attention.cuda import page_key_warp_decode_source as warp
     types, outputs = PAGE_KEY_TYPES, PAGE_KEY_OUTPUTS
-    for d in (64, 128):
-        for kb in (4, 6):
-            for g in (1, 4, 7, 8):
-                for split in (False, True):
-                    for own in (False, True):
-                        for nwb, st in ((4, 2),) + (((2, 3), (2, 4), (1, 4))
-                                                    if split and own and g in (4, 8) else ()):
-                            template = [("D", d), ("G", g), ("HK", 2), ("KB", kb),
-                                        ("TQ", "bfloat16"), ("TK", "bfloat16"),
-                                        ("TT", "bfloat16"), ("OWN", own), ("NWB", nwb),
-                                        ("ST", st), ("SPLIT", split), ("TO", "bfloat16")]
-                            yield (f"page-key-warp d{d} k{kb} g{g} split={split}"
-                                   f"{' own' * own} {nwb}x{st}",
-                                   wrap("orchard_page_key_warp_decode",
-                                        [(n, types[n]) for n in src.INPUTS], outputs,
-                                        warp._SOURCE, src.header(), template))
+    for pt in (16, 32, 64):
+        for d in (64, 128):
+            for kb in (4, 6):
+                for g in (1, 4, 7, 8) if pt == 16 else (1, 8):
+                    for split in (False, True):
+                        for own in (False, True):
+                            if pt != 16 and split != own:
+                                continue
+                            more = split and own and g in (4, 8)
+                            for nwb, st in ((4, 2),) + (((2, 3), (2, 4), (1, 4)) if more else ()):
+                                template = [("D", d), ("G", g), ("PT", pt), ("HK", 2),
+                                            ("KB", kb), ("TQ", "bfloat16"), ("TK", "bfloat16"),
+                                            ("TT", "bfloat16"), ("OWN", own), ("NWB", nwb),
+                                            ("ST", st), ("SPLIT", split), ("TO", "bfloat16")]
+                                yield (f"page-key-warp pt{pt} d{d} k{kb} g{g} split={split}"
+                                       f"{' own' * own} {nwb}x{st}",
+                                       wrap("orchard_page_key_warp_decode",
+                                            [(n, types[n]) for n in src.INPUTS], outputs,
+                                            warp._SOURCE, src.header(), template))
 
 
 def page_key_dequant_variants():

@@ -231,6 +231,11 @@ def main(argv=None):
                          "through the walk native kernel, native: the tiled one "
                          "(bench.kv_decode.DECODE_KERNELS)")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--page-tokens", type=int, default=PAGE_TOKENS,
+                    help="decode: tokens a KV page, every format of the run (default "
+                         f"{PAGE_TOKENS}, the bench's rows until device run 15; the engine "
+                         "serves 64 by default: pass 64 for the page a user's server has). "
+                         "Other sections keep the default")
     ap.add_argument("--pipelined", action="store_true",
                     help="decode as the engine does: queue step n+1 before reading step n back "
                          "(default: synchronous steps)")
@@ -254,6 +259,8 @@ def main(argv=None):
     ap.add_argument("--quality-tokens", type=int, default=1024)
     ap.add_argument("--quality-chunk", type=int, default=32)
     args = ap.parse_args(argv)
+    if args.page_tokens < 1 or args.page_tokens & (args.page_tokens - 1):
+        ap.error(f"--page-tokens must be a power of two, got {args.page_tokens}")
     paths = tuple(p for p in args.prefill_paths.split(",") if p) + (
         ("dequant",) if args.prefill_dequant else ())
     if unknown := set(paths) - set(PREFILL_PATHS):
@@ -282,6 +289,7 @@ def main(argv=None):
                       "machine": platform.machine(), "dtype": loaded.dtype_name,
                       "model": args.model or f"synthetic-llama {GEOMETRIES[args.geometry]}",
                       "geometry": loaded.geometry.describe()[:1], "page_tokens": PAGE_TOKENS,
+                      "decode_page_tokens": args.page_tokens,
                       # null: compiled where the CUDA decode kernel runs (never on the CPU)
                       "compiled_decode": kernels.compiled_decode,
                       "decode_kernels": (not args.no_decode_kernel
@@ -320,7 +328,8 @@ def main(argv=None):
         decode_section(loaded, args.decode, args.batches, args.decode_formats.split(","),
                        args.steps, args.repeats, result.setdefault("decode", {}), save, kernels,
                        pipelined=args.pipelined, interleave=args.interleave,
-                       dots=Path(args.graph_dots) if args.graph_dots else None)
+                       dots=Path(args.graph_dots) if args.graph_dots else None,
+                       page_tokens=args.page_tokens)
     if "quality" in sections:
         docs = heldout_docs(args.quality_root or sysconfig.get_paths()["stdlib"],
                             args.quality_docs, args.quality_tokens, loaded.tokenizer)

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
+from engine.attention.cuda.page_key_decode import PAGE_TOKENS as WARP_PT
 from engine.kv.store import KVStore, Slots
 from engine.sched.seq import Chunk
 from bench.kv_runners import PAGE_TOKENS, make_runner, progress
@@ -27,14 +28,14 @@ from bench.step_graph import graphs_since
 def _fill(store: KVStore, seqs: int, context: int, room: int, seed: int = 0):
     """Write `context` random rows for each of `seqs` sequences, leave `room` tokens to decode;
     return their page tables."""
-    per = -(-(context + room) // PAGE_TOKENS)
+    pt = store.page_tokens
+    per = -(-(context + room) // pt)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(seqs)]
     key = mx.random.key(seed)
     for table in tables:
         for s in range(0, context, 4096):
             pos = np.arange(s, min(context, s + 4096))
-            slots = Slots.from_flat(np.asarray(table)[pos // PAGE_TOKENS] * PAGE_TOKENS
-                                    + pos % PAGE_TOKENS, PAGE_TOKENS)
+            slots = Slots.from_flat(np.asarray(table)[pos // pt] * pt + pos % pt, pt)
             for index in store.layers:
                 g = store.geometry.layers[index]
                 key, k1, k2 = mx.random.split(key, 3)
@@ -92,9 +93,10 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   # ... and its key codes copied in 8-byte pieces (page_key_wide_copies off;
                   # the default before device run 13).
                   "narrow-copies": dict(page_key_wide_copies=False),
-                  # ... or the warp-page kernel (KernelChoices.page_key_warp_pages; pages of 16;
-                  # the default since device run 14), or the block-tiled one there.
-                  "warp-pages": dict(page_key_warp_pages=True),
+                  # ... or the warp-page kernel at every page size it reads
+                  # (KernelChoices.page_key_warp_pages; the default at pages of 16 since device
+                  # run 14), or the block-tiled one everywhere.
+                  "warp-pages": dict(page_key_warp_pages=True, page_key_warp_page_tokens=WARP_PT),
                   "block-tiled": dict(page_key_warp_pages=False)}
 
 
@@ -116,7 +118,7 @@ def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoice
                                  "positive")
             kernels = replace(kernels, decode_split_target=target, decode_split_min_keys=keys)
         elif shape := re.fullmatch(r"warp-pages-(\d)x(\d)", part):
-            kernels = replace(kernels, page_key_warp_pages=True,
+            kernels = replace(kernels, page_key_warp_pages=True, page_key_warp_page_tokens=WARP_PT,
                               page_key_warp_shape=(int(shape[1]), int(shape[2])))
         elif part in DECODE_KERNELS:
             kernels = replace(kernels, **DECODE_KERNELS[part])
@@ -131,9 +133,10 @@ class _DecodeTimer:
     """One format's decode at batch b and context n, ready to time rounds of steps."""
 
     def __init__(self, loaded, spec, pages, b, n, room, kernels: KernelChoices = DEFAULT_KERNELS,
-                 pipelined: bool = False):
+                 pipelined: bool = False, page_tokens: int = PAGE_TOKENS):
         fmt, kernels = decode_kernels(spec, kernels)
-        self.runner = make_runner(loaded, fmt, pages, kernels=kernels, seqs=b)
+        self.runner = make_runner(loaded, fmt, pages, kernels=kernels, seqs=b,
+                                  page_tokens=page_tokens)
         self.tables = _fill(self.runner.kvstore, b, n, room)
         self.pos, self.pipelined = n, pipelined
 
@@ -178,9 +181,10 @@ class _DecodeTimer:
 
 
 def _decode_time(loaded, spec, pages, b, n, room, steps, repeats,
-                 kernels: KernelChoices = DEFAULT_KERNELS, pipelined: bool = False) -> float:
+                 kernels: KernelChoices = DEFAULT_KERNELS, pipelined: bool = False,
+                 page_tokens: int = PAGE_TOKENS) -> float:
     """Best time of `steps` decode steps of `b` rows at context n (first round is warm-up)."""
-    timer = _DecodeTimer(loaded, spec, pages, b, n, room, kernels, pipelined)
+    timer = _DecodeTimer(loaded, spec, pages, b, n, room, kernels, pipelined, page_tokens)
     timer.round(steps)   # warm-up
     return min(timer.round(steps) for _ in range(max(1, repeats)))
 
@@ -203,14 +207,15 @@ def _per_step(found: tuple, steps: int) -> dict:
 
 
 def _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats, kernels,
-                     pipelined, dots: Path | None = None) -> dict:
+                     pipelined, dots: Path | None = None, page_tokens: int = PAGE_TOKENS) -> dict:
     """Every format's decode set up first, then timed in turns (native, then each format, per
     round), so a slow spell of the machine lands on every format of its round: the ratio of
     each round is paired, and the row reports their median beside the best tok/s."""
     row, timers = {}, {}
     for fmt in ["native", *formats]:
         try:
-            timers[fmt] = _DecodeTimer(loaded, fmt, pages, b, n, room, kernels, pipelined)
+            timers[fmt] = _DecodeTimer(loaded, fmt, pages, b, n, room, kernels, pipelined,
+                                       page_tokens)
             timers[fmt].round(steps)   # warm-up
         except Exception as e:  # a backend missing a kernel: record it, bench the rest
             row[fmt] = {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -245,14 +250,15 @@ def _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats, kernels
 
 def decode_section(loaded, contexts, batches, formats, steps, repeats, out: dict, save,
                    kernels: KernelChoices = DEFAULT_KERNELS, pipelined: bool = False,
-                   interleave: bool = False, dots: Path | None = None) -> dict:
+                   interleave: bool = False, dots: Path | None = None,
+                   page_tokens: int = PAGE_TOKENS) -> dict:
     for n in contexts:
         for b in batches:
             room = steps * (repeats + 1)
-            pages = b * -(-(n + room) // PAGE_TOKENS)
+            pages = b * -(-(n + room) // page_tokens)
             if interleave:
                 row = _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats,
-                                       kernels, pipelined, dots)
+                                       kernels, pipelined, dots, page_tokens)
                 for fmt in row:
                     progress(f"decode ctx {n} batch {b} {fmt}: {row[fmt].get('tok_s')} tok/s, "
                              f"paired ratios {row[fmt].get('ratios_paired')}")
@@ -262,7 +268,7 @@ def decode_section(loaded, contexts, batches, formats, steps, repeats, out: dict
                     try:
                         row[fmt] = {"tok_s": round(b * steps / _decode_time(
                             loaded, fmt, pages, b, n, room, steps, repeats, kernels,
-                            pipelined), 2)}
+                            pipelined, page_tokens), 2)}
                         progress(f"decode ctx {n} batch {b} {fmt}: {row[fmt]['tok_s']} tok/s")
                     except Exception as e:  # a backend missing a kernel: record it
                         row[fmt] = {"error": f"{type(e).__name__}: {e}"[:300]}

@@ -10,24 +10,30 @@ from engine.runner.packed import PackedModelRunner
 from engine.attention.layers import packed_layer_factory
 from engine.runner.paged import ModelRunner
 
+# The benches' page size unless a run names another (`bench.kv --page-tokens`): the engine
+# serves pages of 64 by default (engine/kv/pages.DEFAULT_PAGE_TOKENS); rows before device run
+# 15 all ran at 16.
 PAGE_TOKENS = 16
 
 
-def make_store(loaded, fmt, pages, seqs: int = 1, **kw) -> KVStore:
+def make_store(loaded, fmt, pages, seqs: int = 1, page_tokens: int = PAGE_TOKENS,
+               **kw) -> KVStore:
     """`seqs`: sequences the bench runs at once (native-tail formats keep a native page each)."""
-    return KVStore(loaded.geometry, pages, PAGE_TOKENS, loaded.dtype,
+    return KVStore(loaded.geometry, pages, page_tokens, loaded.dtype,
                    layer_factory=packed_layer_factory(fmt, tail_slots=seqs, **kw))
 
 
 def make_runner(loaded, fmt, pages, mode="direct", kernels: KernelChoices = DEFAULT_KERNELS,
-                seqs: int = 1):
-    """A runner over `pages` pages in format `fmt` for `seqs` sequences at once; store and
-    runner share `kernels`."""
+                seqs: int = 1, page_tokens: int = PAGE_TOKENS):
+    """A runner over `pages` pages of `page_tokens` in format `fmt` for `seqs` sequences at
+    once; store and runner share `kernels`."""
     if fmt == "native":
-        return ModelRunner(loaded, make_store(loaded, fmt, pages), kernels=kernels)
+        return ModelRunner(loaded, make_store(loaded, fmt, pages, page_tokens=page_tokens),
+                           kernels=kernels)
     # The bench's permit hook always grants: it measures the fused path, not the ledger.
-    return PackedModelRunner(loaded, make_store(loaded, fmt, pages, seqs, prefill_mode=mode,
-                                               permit=lambda n: True, kernels=kernels),
+    return PackedModelRunner(loaded, make_store(loaded, fmt, pages, seqs, page_tokens,
+                                               prefill_mode=mode, permit=lambda n: True,
+                                               kernels=kernels),
                              kernels=kernels)
 
 

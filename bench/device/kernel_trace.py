@@ -57,6 +57,8 @@ def parse_args(argv=None):
                     help="FORMAT[:KERNEL]@BATCH or mlx-lm@1, comma-separated")
     ap.add_argument("--context", type=int, default=4096, help="keys per row before decoding")
     ap.add_argument("--steps", type=int, default=20, help="traced decode steps per variant")
+    ap.add_argument("--page-tokens", type=int, default=PAGE_TOKENS,
+                    help="decode variants: tokens a KV page (the engine serves 64 by default)")
     ap.add_argument("--chunk", type=int, default=2048,
                     help="prefill variants: tokens per prefill step (bench.kv's --chunk)")
     ap.add_argument("--untraced", type=int, default=3,
@@ -67,6 +69,8 @@ def parse_args(argv=None):
                     help="separate q/k/v and gate/up matmuls (the engine fuses them by default)")
     ap.add_argument("--out", type=Path, required=True, help="the JSON (rewritten per variant)")
     args = ap.parse_args(argv)
+    if args.page_tokens < 1 or args.page_tokens & (args.page_tokens - 1):
+        ap.error(f"--page-tokens must be a power of two, got {args.page_tokens}")
     if sum(map(bool, (args.model, args.tiny, args.geometry))) != 1:
         ap.error("give one of --model DIR, --geometry NAME, --tiny")
     return args
@@ -130,12 +134,14 @@ def traced(fn) -> tuple[object, dict | str]:
                     for e in prof.events() if e.device_type == cuda]
 
 
-def engine_variant(loaded, spec: str, batch: int, context: int, steps: int, rounds: int):
-    """A round of `steps` pipelined decode steps of bench.kv_decode's timer, warmed once;
-    room for `rounds` more."""
+def engine_variant(loaded, spec: str, batch: int, context: int, steps: int, rounds: int,
+                   page_tokens: int = PAGE_TOKENS):
+    """A round of `steps` pipelined decode steps of bench.kv_decode's timer on pages of
+    `page_tokens`, warmed once; room for `rounds` more."""
     room = (rounds + 1) * steps + 2
-    pages = batch * -(-(context + room) // PAGE_TOKENS)
-    timer = _DecodeTimer(loaded, spec, pages, batch, context, room, pipelined=True)
+    pages = batch * -(-(context + room) // page_tokens)
+    timer = _DecodeTimer(loaded, spec, pages, batch, context, room, pipelined=True,
+                         page_tokens=page_tokens)
     timer.round(steps)
     return lambda: timer.round(steps)
 
@@ -181,7 +187,7 @@ def main(argv=None) -> int:
     loaded = load_model(model_dir, fuse=not args.no_fuse)
     result = {"env": {"mlx": mx.__version__, "device": str(mx.default_device()),
                       "model": args.model or args.geometry or "tiny", "context": args.context,
-                      "steps": args.steps, "page_tokens": PAGE_TOKENS, "fused": not args.no_fuse,
+                      "steps": args.steps, "page_tokens": args.page_tokens, "fused": not args.no_fuse,
                       "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
               "variants": {}}
     for item in args.variants.split(","):
@@ -198,7 +204,8 @@ def main(argv=None) -> int:
             elif spec == "mlx-lm":
                 run = mlx_lm_variant(model_dir, args.context, args.steps, rounds)
             else:
-                run = engine_variant(loaded, spec, batch, args.context, args.steps, rounds)
+                run = engine_variant(loaded, spec, batch, args.context, args.steps, rounds,
+                                     args.page_tokens)
             untraced = [tokens / run() for _ in range(args.untraced)]
             seconds, records = traced(run)
             row = {"batch": 1 if prefill else batch, "steps": steps,

@@ -169,7 +169,8 @@ class KernelChoices:
     # native 0.89x -> 0.94x at 4K batch 1, 0.97x -> 1.00x at 32K batch 8 (other rows within
     # noise). False: the 8-byte pieces.
     page_key_wide_copies: bool = True
-    # The warp-page decode kernel at pages of 16 tokens (cuda/page_key_warp_decode_source.py):
+    # The warp-page decode kernel (cuda/page_key_warp_decode_source.py) at the page sizes
+    # page_key_warp_page_tokens names:
     # each warp its own pages (two copy stages, its own softmax state, only __syncwarp in its
     # loop), scores and PV on tensor cores (fp16 keys, queries and PV weights, fp32 sums: the
     # page_key_mma range caveat). Why: the block-tiled kernel's phases add up instead of
@@ -177,8 +178,11 @@ class KernelChoices:
     # H100 (run 14's m7; no H200 was lent that day) k6v4-kivi against native, paired medians:
     # 4K batch 1 0.964x -> 0.987x, 4K batch 8 0.948x -> 0.965x, 32K batch 1 0.919x -> 0.946x,
     # 32K batch 8 1.090x -> 1.153x; the kernel in the 8B step at batch 8 68.2 -> 64.2 us a
-    # layer. Other page sizes keep the block-tiled kernel. False: the block-tiled kernel.
+    # layer. False: the block-tiled kernel everywhere.
     page_key_warp_pages: bool = True
+    # The page sizes it takes (it reads 16, 32 and 64, a warp's page 16 keys at a time; the
+    # others keep the block-tiled kernel): those where device runs timed it faster.
+    page_key_warp_page_tokens: tuple[int, ...] = (16,)
     # Its (warps a block, copy stages a warp): more stages keep more pages in flight a warp
     # (shared memory: warps x stages x 4.3 KB at head dim 128, under 48 KB a block).
     page_key_warp_shape: tuple[int, int] = (4, 2)

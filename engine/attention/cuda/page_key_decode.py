@@ -27,9 +27,10 @@ the split plan and merge kernel of cuda/paged_decode.py), with what page keys ch
   step's own key and value come as inputs: those at most page_tokens keys join the same online
   softmax in full precision after the code tiles, in the split whose range holds them.
 
-At pages of 16 tokens the engine launches a second kernel with the same contract instead
-(page_key_warp_decode_source.py, KernelChoices.page_key_warp_pages: each warp its own pages,
-tensor-core scores and PV, no block barrier in its loop; device run 14).
+At the page sizes KernelChoices.page_key_warp_page_tokens names (16 tokens by default) the
+engine launches a second kernel with the same contract instead (page_key_warp_decode_source.py,
+KernelChoices.page_key_warp_pages: each warp its own pages, tensor-core scores and PV, no block
+barrier in its loop; device run 14; it reads pages of 16, 32 and 64).
 
 The step's own rows are written by the store before attention (values, and the page's codes
 when the row fills it) or into the tail after it, as on the MLX path; or, in compiled steps
@@ -94,8 +95,9 @@ def check_layout(pool: mx.array, layout: PageLayout, head_dim: int, k_bits: int,
 
 def warp_pages_serve(layout: PageLayout) -> bool:
     """Whether the warp-page kernel (page_key_warp_decode_source.py: each warp its own pages,
-    tensor-core scores and PV) reads these pages: 16 tokens a page, a warp's unit."""
-    return layout.page_tokens == 16
+    tensor-core scores and PV) reads these pages: 16, 32 or 64 tokens a page, computed 16
+    keys at a time."""
+    return layout.page_tokens in PAGE_TOKENS
 
 
 WARP_SHAPE = (4, 2)   # the warp-page kernel's (warps a block, copy stages a warp)
@@ -118,9 +120,9 @@ def warp_template(head_dim: int, group: int, layout: PageLayout, k_bits: int,
                   q_dtype: mx.Dtype, kv_dtype: mx.Dtype, tail_dtype: mx.Dtype,
                   own: bool = False, shape: tuple[int, int] = WARP_SHAPE) -> list:
     """The warp-page kernel's template arguments besides SPLIT and TO."""
-    return [("D", head_dim), ("G", group), ("HK", layout.heads), ("KB", k_bits),
-            ("TQ", q_dtype), ("TK", kv_dtype), ("TT", tail_dtype), ("OWN", own),
-            ("NWB", shape[0]), ("ST", shape[1])]
+    return [("D", head_dim), ("G", group), ("PT", layout.page_tokens), ("HK", layout.heads),
+            ("KB", k_bits), ("TQ", q_dtype), ("TK", kv_dtype), ("TT", tail_dtype),
+            ("OWN", own), ("NWB", shape[0]), ("ST", shape[1])]
 
 
 def template(head_dim: int, group: int, layout: PageLayout, k_bits: int, q_dtype: mx.Dtype,
@@ -166,9 +168,10 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
     `wide_copies`: key codes copied in 16-byte pieces where rows allow
     (KernelChoices.page_key_wide_copies, the default); False: 8-byte pieces.
 
-    `warp_pages`: the warp-page kernel where it reads the pages (`warp_pages_serve`: pages of
-    16 tokens; the engine passes KernelChoices.page_key_warp_pages, on by default; False here
-    keeps direct callers on the block-tiled kernel): the same contract and split plan, each warp
+    `warp_pages`: the warp-page kernel (`warp_pages_serve`: pages of 16, 32 or 64 tokens; the
+    engine passes KernelChoices.page_key_warp_pages where its page size is one of
+    page_key_warp_page_tokens; False here keeps direct callers on the block-tiled kernel): the
+    same contract and split plan, each warp
     its own pages with tensor-core scores and PV (fp16 keys, queries and PV weights, fp32
     sums: `mma`'s range caveat holds), no block barrier in its loop. `mma` and `wide_copies`
     are the block-tiled kernel's and do not apply to it. `warp_shape`: its (warps a block,

@@ -39,7 +39,9 @@ from engine.attention.cuda.page_key_decode_source import INPUTS, OUTPUTS, header
 from engine.attention.cuda.tile_helpers import native_key_scores
 
 _SOURCE = """
-constexpr int PT = 16;                       // tokens a page: a warp's unit of work
+// A warp's unit of work is a page (PT tokens, 16, 32 or 64), computed 16 keys (a quarter: the
+// mma's unit) at a time; its stages hold quarters, its key metadata buffers whole pages.
+constexpr int QT = 16, QP = PT / QT;         // keys a quarter, quarters a page
 constexpr int VB = 4;
 constexpr int RPP = PT * HK;
 constexpr int LW = D * KB / 32, VW = D * VB / 32, NGK = D / PT, NG = D / 64;
@@ -50,16 +52,22 @@ constexpr int NW = NWB, NT = 32 * NW;        // launch_split's block: NWB warps
 constexpr int KT = 64;                       // the split plan's unit (the block-tiled kernel's)
 constexpr int VPT = D / 32;
 constexpr int KCH = LW / 4, VCH = VW / 4;    // 16-byte pieces of a row's key / value codes
-constexpr int MCH = NGK / 4;                 // ... of its key scales (or offsets)
+// A page's key scales (or offsets) for head hk: row t of the page carries channels t * NGK..
+// (in row order they are channel order), NGK floats a row, copied in pieces of MPW words
+// (16 bytes where a row holds that many), MPR pieces a row, NPS a section.
+constexpr int MPW = NGK < 4 ? NGK : 4, MPR = NGK / MPW, NPS = PT * MPR;
 static_assert(ST >= 2 && ST <= 4, "page-key warp decode: 2..4 copy stages a warp");
-// A warp's stage (32-bit words): key code rows [PT][KS], value code rows [PT][VS] (16 bytes of
-// padding each: lanes 2q's rows then start 8 banks apart), key scales then offsets [2][D] (row
-// t of the page carries channels t * NGK..: in row order they are channel order), value
-// scales then offsets [2][PT][NG].
+static_assert(PT == 16 || PT == 32 || PT == 64, "page-key warp decode: pages of 16, 32 or 64");
+// A warp's stage (32-bit words): a quarter's key code rows [QT][KS], value code rows [QT][VS]
+// (16 bytes of padding each: lanes 2q's rows then start 8 banks apart), value scales then
+// offsets [2][QT][NG]. After its ST stages, MB buffers of a page's key scales then offsets
+// [2][D]: page j's in buffer j % MB, copied with its first quarter (enough buffers for every
+// page a quarter in flight may belong to, and the one in use).
 constexpr int KS = LW + 4, VS = VW + 4;
-constexpr int V_OFF = PT * KS, KM_OFF = V_OFF + PT * VS, VM_OFF = KM_OFF + 2 * D;
-constexpr int STAGE = (VM_OFF + 2 * PT * NG + 3) / 4 * 4;
-constexpr int WARP_W = ST * STAGE;
+constexpr int V_OFF = QT * KS, VM_OFF = V_OFF + QT * VS;
+constexpr int STAGE = (VM_OFF + 2 * QT * NG + 3) / 4 * 4;
+constexpr int MB = 1 + (ST - 1 + QP - 1) / QP, KM_W = 2 * D;
+constexpr int WARP_W = ST * STAGE + MB * KM_W;
 // After the loop the stages hold each warp's partial [NW] (acc [G][D], m, l [G], group terms
 // [G][NG]) and the native keys' numerators [G][D].
 constexpr int PART = G * D + 2 * G + G * NG;
@@ -67,8 +75,9 @@ constexpr float TWO_KB = (float)(1 << KB);
 static_assert(G >= 1 && G <= 8, "page-key warp decode: 1..8 query heads per KV head");
 static_assert(KB == 4 || KB == 6, "page-key warp decode: 4- or 6-bit keys");
 static_assert(D == 64 || D == 128, "page-key warp decode: head dim 64 or 128");
-static_assert(LW % 4 == 0 && VW % 4 == 0 && NGK % 4 == 0 && PGW % 4 == 0,
-              "cp.async: 16-byte pieces in every section");
+static_assert(LW % 4 == 0 && VW % 4 == 0 && PGW % 4 == 0,
+              "cp.async: 16-byte pieces of codes in every section");
+static_assert(D % PT == 0, "page-key warp decode: a page's rows carry its key metadata");
 static_assert(NW * PART + G * D <= NW * WARP_W, "partials fit the stages");
 __shared__ __align__(16) float smem[NW * WARP_W];
 __shared__ float qs[G * D];                  // scaled queries (the native keys' pass)
@@ -86,21 +95,24 @@ const int j0 = split * per, j1 = min(n, j0 + per);
 const int hend = min(j1, nfull);
 const int p0 = j0 / PT, npages = hend > j0 ? (hend - j0) / PT : 0;
 const int mine = npages > warp ? (npages - warp + NW - 1) / NW : 0;   // this warp's pages
+const int nq = mine * QP;                    // ... and their quarters
 const float NEG_INF = -__int_as_float(0x7f800000);
 const unsigned int ONE = orch_one_bits(scale[0]);
 const size_t fresh = ((size_t)b * HKV + hk) * D;
 float* const ws = smem + warp * WARP_W;
 const int q4 = lane & 3, r8 = lane >> 2;     // mma fragment coordinates
 
-// Copies: lane pair (2t, 2t + 1) takes row t of the page: its key and value codes, and its
-// key scales then offsets (2 MCH 16-byte pieces), split between the pair piece by piece, so
-// the pair's two pieces of one instruction are neighbours (one 32-byte sector where a row has
-// two); its value scale by one and offset by the other.
+// Copies: lane pair (2t, 2t + 1) takes row t of the quarter: its key and value codes, split
+// between the pair piece by piece, its value scale by one and offset by the other. A page's
+// first quarter brings its key scales and offsets too, piece e by lane e % 32 (a row's pieces
+// are neighbours: one 32-byte sector where a row has two).
 const int ct = lane >> 1, ch = lane & 1;
-const int crow = ct * HK + hk;
-auto issue = [&](int i) {                    // the warp's i-th page into stage i % ST
-  if (i < mine) {
-    const uint32_t* src = pool + (size_t)pages[(size_t)b * P + p0 + warp + i * NW] * PGW;
+float* const kmeta = ws + ST * STAGE;
+auto issue = [&](int i) {                    // the warp's i-th quarter into stage i % ST
+  if (i < nq) {
+    const int j = i / QP, qq = i % QP;       // the warp's page j, its quarter qq
+    const uint32_t* src = pool + (size_t)pages[(size_t)b * P + p0 + warp + j * NW] * PGW;
+    const int crow = (qq * QT + ct) * HK + hk;
     unsigned int* st = reinterpret_cast<unsigned int*>(ws + (i % ST) * STAGE);
     #pragma unroll
     for (int c = ch; c < KCH; c += 2)
@@ -108,19 +120,22 @@ auto issue = [&](int i) {                    // the warp's i-th page into stage 
     #pragma unroll
     for (int c = ch; c < VCH; c += 2)
       orch_cp_async<16>(st + V_OFF + ct * VS + 4 * c, src + VC_OFF + crow * VW + 4 * c);
-    #pragma unroll
-    for (int pc = ch; pc < 2 * MCH; pc += 2) {
-      const int sec = pc / MCH, c = pc % MCH;  // 0: scales, 1: offsets
-      orch_cp_async<16>(st + KM_OFF + sec * D + ct * NGK + 4 * c,
-                        src + (sec ? KO_OFF : KS_OFF) + crow * NGK + 4 * c);
-    }
-    orch_cp_async<4 * NG>(st + VM_OFF + (ch * PT + ct) * NG,
+    orch_cp_async<4 * NG>(st + VM_OFF + (ch * QT + ct) * NG,
                           src + (ch ? VO_OFF : VS_OFF) + crow * NG);
+    if (qq == 0) {
+      float* const km = kmeta + (j % MB) * KM_W;
+      #pragma unroll
+      for (int e = lane; e < 2 * NPS; e += 32) {
+        const int sec = e / NPS, t = (e % NPS) / MPR, c = e % MPR;   // sec 0: scales
+        orch_cp_async<4 * MPW>(km + sec * D + t * NGK + c * MPW,
+                               src + (sec ? KO_OFF : KS_OFF) + (t * HK + hk) * NGK + c * MPW);
+      }
+    }
   }
   orch_cp_commit();
 };
 #pragma unroll
-for (int i = 0; i < ST - 1; ++i) issue(i);   // the first ST - 1 pages in flight
+for (int i = 0; i < ST - 1; ++i) issue(i);   // the first ST - 1 quarters in flight
 
 // OWN: as in the block-tiled kernel (page_key_decode_source.py), which says why it races with
 // no read of this launch.
@@ -162,20 +177,22 @@ for (int j = 0; j < D / 16; ++j) {
   for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
 }
 
-for (int i = 0; i < mine; ++i) {
-  orch_cp_wait<ST - 2>();                    // page i's group (newer ones may fly)
-  __syncwarp();                              // page i landed; page i - 1 is done with
-  issue(i + ST - 1);                         // into the stage page i - 1 used
+for (int i = 0; i < nq; ++i) {
+  orch_cp_wait<ST - 2>();                    // quarter i's group (newer ones may fly)
+  __syncwarp();                              // quarter i landed; i - 1 is done with
+  issue(i + ST - 1);                         // into the stage quarter i - 1 used
   float* const st = ws + (i % ST) * STAGE;
   const unsigned int* sk = reinterpret_cast<const unsigned int*>(st);
-  float* const km = st + KM_OFF;
-  #pragma unroll
-  for (int e = lane; e < D; e += 32) {       // c * s + o = c' * (2^KB s) + (o - 2^KB s)
-    const float S = km[e] * TWO_KB;
-    km[e] = S;
-    km[D + e] -= S;
+  float* const km = kmeta + ((i / QP) % MB) * KM_W;
+  if (i % QP == 0) {                         // a page's first quarter: fold its key metadata
+    #pragma unroll
+    for (int e = lane; e < D; e += 32) {     // c * s + o = c' * (2^KB s) + (o - 2^KB s)
+      const float S = km[e] * TWO_KB;
+      km[e] = S;
+      km[D + e] -= S;
+    }
+    __syncwarp();
   }
-  __syncwarp();
 
   // 1. Scores of keys 8 nt + 2 q4, + 1 for head r8 (sc[nt][0..1]).
   float sc[2][4];
@@ -200,7 +217,7 @@ for (int i = 0; i < mine; ++i) {
       orch_mma_f16(sc[nt], aq, bk);
     }
   }
-  // 2. Online softmax over the page's 16 keys (all valid: pages in codes are full), head r8
+  // 2. Online softmax over the quarter's 16 keys (all valid: pages in codes are full), head r8
   // across lanes 4 r8 .. 4 r8 + 3.
   float tmax = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
   tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffff, tmax, 1));
@@ -225,7 +242,7 @@ for (int i = 0; i < mine; ++i) {
       const int key = 2 * q4 + (k & 1) + 8 * (k >> 1);
       const float s16 = vm[key * NG + g] * 16.0f;
       wv[k] = p[k] * s16;
-      t = fmaf(p[k], vm[(PT + key) * NG + g], t);
+      t = fmaf(p[k], vm[(QT + key) * NG + g], t);
     }
     pvo[g] = pvo[g] * c + t;
     bw[g][0] = orch_half2(wv[0], wv[1]);

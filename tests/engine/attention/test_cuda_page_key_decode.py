@@ -15,7 +15,9 @@ from bench import cuda_nvcc_check
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
 from engine.attention.cuda import page_key_decode as cuda_page_key_decode
 from engine.attention.cuda import paged_decode as cuda_paged_decode
+from engine.attention.layers import packed_layer_factory
 from engine.attention.packed_cache import PackedLayerCache
+from engine.kv.store import KVStore
 from engine.runner.packed import PackedModelRunner
 from engine.sched.seq import Chunk
 from tests.engine.kv.tail_helpers import T, llama, tail_store  # noqa: F401 (fixture)
@@ -66,20 +68,26 @@ VARIANT_CASES = {
     # cases above run the warp-page kernel there, the block-tiled one at 32 and 64).
     "block-tiled": ({"warp_pages": False}, 19, [((300, 0, 77), 16, 4, 128, 16, None),
                                                 ((700, 47, 192), 9, 3, 64, 16, 16)]),
-    # KernelChoices.page_key_warp_pages: each warp its own pages of 16, scores and PV by
-    # mma.sync; GQA 4, 7 and 8, ragged rows, a row of no history, splits whose later warps get
-    # no page and a split holding only the native tail.
+    # KernelChoices.page_key_warp_pages: each warp its own pages, scores and PV by mma.sync;
+    # GQA 4, 7 and 8, ragged rows, a row of no history, splits whose later warps get no page
+    # and a split holding only the native tail; pages of 64 and 32 (16 keys at a time, the
+    # page's key metadata buffered once).
     "warp-pages": ({"warp_pages": True}, 23, [((300, 0, 77), 16, 4, 128, 16, None),
                                               ((700, 64, 129), 14, 2, 128, 16, 16),
-                                              ((200, 45), 16, 2, 64, 16, 64)]),
+                                              ((200, 45), 16, 2, 64, 16, 64),
+                                              ((700, 64, 129), 14, 2, 128, 64, 16),
+                                              ((300, 45), 8, 2, 64, 32, None)]),
     # ... with 2 warps a block and 3 copy stages a warp (wait_group 1: a page read before its
-    # group landed reads stale data on the emulator too), and 1 warp with 4 stages.
+    # group landed reads stale data on the emulator too), and 1 warp with 4 stages (at pages
+    # of 32: three key metadata buffers).
     "warp-pages-2x3": ({"warp_pages": True, "warp_shape": (2, 3)}, 29,
                        [((300, 0, 77), 16, 4, 128, 16, None),
-                        ((700, 64, 129), 14, 2, 128, 16, 16)]),
+                        ((700, 64, 129), 14, 2, 128, 16, 16),
+                        ((600, 45), 16, 2, 128, 64, 16)]),
     "warp-pages-1x4": ({"warp_pages": True, "warp_shape": (1, 4)}, 31,
                        [((300, 0, 77), 16, 4, 128, 16, None),
-                        ((200, 45), 16, 2, 64, 16, 64)]),
+                        ((200, 45), 16, 2, 64, 16, 64),
+                        ((400, 33), 16, 2, 128, 32, None)]),
 }
 
 
@@ -151,7 +159,7 @@ def test_formats_and_choice():
     assert KernelChoices().page_key_kernel is None    # on for CUDA (measured on the H200)
 
 
-def test_warp_pages_serve_pages_of_16_and_refuse_shapes_past_shared_memory():
+def test_warp_pages_serve_pages_of_16_to_64_and_refuse_shapes_past_shared_memory():
     # on by default (device run 14, H100); a shape whose stages pass 48 KB is refused before
     # any launch, so it needs no GPU here
     assert KernelChoices().page_key_warp_pages and KernelChoices().page_key_warp_shape == (4, 2)
@@ -159,7 +167,7 @@ def test_warp_pages_serve_pages_of_16_and_refuse_shapes_past_shared_memory():
     store, tables, slots = emu.page_key_store(rng, "k6v4-kivi", (40,), 2, 128, 16)
     wide, _, _ = emu.page_key_store(rng, "k6v4-kivi", (40,), 2, 128, 32)
     assert cuda_page_key_decode.warp_pages_serve(store.layout)
-    assert not cuda_page_key_decode.warp_pages_serve(wide.layout)
+    assert cuda_page_key_decode.warp_pages_serve(wide.layout)      # 32: it reads 16, 32, 64
     q, kn = mx.zeros((1, 8, 1, 128), mx.bfloat16), mx.zeros((1, 2, 1, 128), mx.bfloat16)
     for shape in ((4, 3), (3, 2), (2, 1)):
         with pytest.raises(ValueError, match="at most 8 stages"):
@@ -230,6 +238,35 @@ def test_runner_decode_steps_through_the_kernel_match_the_mlx_path(llama, fmt, m
     assert len(calls) == 6 * layers and modes == [(mma, warp)] * len(calls)
     assert all(-1 not in c for c in calls[:3 * layers])   # both rows had a partial page
     assert calls[4 * layers][0] == -1                     # row 0's page filled: no tail yet
+
+
+@pytest.mark.parametrize("warp_sizes,warp", [(DEFAULT_KERNELS.page_key_warp_page_tokens,
+                                              64 in DEFAULT_KERNELS.page_key_warp_page_tokens),
+                                             ((16, 32, 64), True), ((16,), False)])
+def test_the_engine_takes_the_warp_kernel_at_the_page_sizes_its_choice_names(
+        llama, warp_sizes, warp, monkeypatch, tmp_path):
+    """At pages of 64 (the engine's default page) the runner asks for the warp-page kernel only
+    where KernelChoices.page_key_warp_page_tokens names 64, and either kernel's logits (the
+    kernel emulated) match the MLX path's across a page fill."""
+    calls, modes = [], []
+    _emulate_the_kernel(monkeypatch, tmp_path, calls, modes)
+
+    def store():
+        return KVStore(llama.geometry, 8, 64, llama.dtype,
+                       layer_factory=packed_layer_factory("k6v4-kivi", tail_slots=2))
+    kernel = PackedModelRunner(llama, store(), kernels=KernelChoices(
+        page_key_kernel=True, compiled_decode=False, page_key_warp_page_tokens=warp_sizes))
+    plain = PackedModelRunner(llama, store(), kernels=KernelChoices(page_key_kernel=False))
+    tables = [[5, 1, 3], [7, 2, 6]]
+    seqs = [list(range(3, 3 + 126)), list(range(40, 40 + 70))]
+    for runner in (kernel, plain):
+        runner.forward([Chunk(i, s, 0, t) for i, (s, t) in enumerate(zip(seqs, tables))])
+    for step in range(3):   # row 0 fills its second page at step 1
+        chunks = [Chunk(i, [7 + step], len(s) + step, t)
+                  for i, (s, t) in enumerate(zip(seqs, tables))]
+        got, want = kernel.forward(chunks), plain.forward(chunks)
+        assert mx.abs(got - want).max().item() < (1e-2 if warp else 1e-3), step
+    assert calls and modes == [(False, warp)] * len(calls)
 
 
 def test_device_check_runs_on_cpu_fibers(llama, monkeypatch, tmp_path):

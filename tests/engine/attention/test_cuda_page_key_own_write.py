@@ -89,11 +89,13 @@ def test_own_variant_writes_and_attends_as_write_kernel_then_decode(fmt, case, t
 
 @pytest.mark.parametrize("fmt", ["k6v4-kivi", "int4-kivi"])
 def test_warp_page_kernel_own_variant_writes_and_attends_as_write_then_decode(fmt, tmp_path):
-    # the warp-page kernel (pages of 16) runs the same OWN write: rows that fill their page,
-    # one starting a new page, two splits
+    # the warp-page kernel runs the same OWN write: rows that fill their page, one starting a
+    # new page, two splits; at pages of 16 and of 64 (the engine's default page)
     assert _compare(fmt, 128, 8, 2, 16, (15, 32, 7), 3, tmp_path, None,
                     warp_pages=True) is None
     assert _compare(fmt, 64, 8, 1, 16, (63, 130), 2, tmp_path, 16, warp_pages=True) is None
+    assert _compare(fmt, 128, 8, 2, 64, (63, 128, 301), 2, tmp_path, 16,
+                    warp_pages=True) is None
 
 
 def test_a_kernel_that_skips_the_write_is_caught(tmp_path):
