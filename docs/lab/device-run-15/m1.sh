@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# First run of device run 15 (2026-12-06): the warp-page kernel at pages of 32 and 64 on the GPU
+# (its emulator cases), then bench.kv's paired decode rows at the engine's default page of 64
+# (every page-key row until now ran at 16, where k6v4-kivi's per-page key scales cost 64 B a
+# token at head dim 128: 0.47x native's bytes, against 0.375x at 64) for both kernels, and the
+# rows at 16 as before.
+RUN=m1; source docs/lab/device-run-1205c/lib.sh
+timeout 150 python3 -m bench.cuda_emulate_page_keys --warp-pages --limit 8 --device \
+  > "$D/check.txt" 2>&1
+echo "== check rc=$?" | tee -a "$D/steps.txt" >&2
+step kv64 260 python3 -m bench.kv --geometry gpu --sections decode --decode 4096,32768 \
+  --batches 1,8 --interleave --pipelined --repeats 3 --steps 16 --page-tokens 64 \
+  --decode-formats k6v4-kivi:block-tiled,k6v4-kivi:warp-pages
+step kv16 200 python3 -m bench.kv --geometry gpu --sections decode --decode 4096,32768 \
+  --batches 1,8 --interleave --pipelined --repeats 3 --steps 16 --page-tokens 16 \
+  --decode-formats k6v4-kivi
