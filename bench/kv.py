@@ -83,19 +83,19 @@ def capacity_table(bytes_per_token: dict[str, int], budget: int, page_tokens: in
     return out
 
 
-def capacity_section(loaded, budget: int) -> dict:
+def capacity_section(loaded, budget: int, page_tokens: int = PAGE_TOKENS) -> dict:
     result = {}
     for ref, (layers, heads, dim) in REFERENCE_GEOMETRIES.items():
         bpt = {n: layers * KVFormat(n, dim, "bfloat16").bytes_per_token(heads) for n in FORMAT_BITS}
-        result[ref] = capacity_table(bpt, budget, PAGE_TOKENS)
+        result[ref] = capacity_table(bpt, budget, page_tokens)
     # The bench model: bytes measured from real allocated stores, not from the formula.
-    bpt = {n: make_store(loaded, n, 1).bytes_per_token for n in FORMAT_BITS}
-    result[f"bench-model({loaded.dtype_name})"] = capacity_table(bpt, budget, PAGE_TOKENS)
+    bpt = {n: make_store(loaded, n, 1, page_tokens).bytes_per_token for n in FORMAT_BITS}
+    result[f"bench-model({loaded.dtype_name})"] = capacity_table(bpt, budget, page_tokens)
     return result
 
 
 def prefill_once(runner, tokens, chunk) -> float:
-    table = list(range(-(-len(tokens) // PAGE_TOKENS)))
+    table = list(range(-(-len(tokens) // runner.kvstore.page_tokens)))
     mx.synchronize()
     t0 = time.perf_counter()
     for s in range(0, len(tokens), chunk):
@@ -128,7 +128,8 @@ def prefill_spec(spec: str, kernels: KernelChoices, mode: str) -> tuple:
 
 
 def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save,
-                    kernels: KernelChoices = DEFAULT_KERNELS, paths: tuple = ()) -> dict:
+                    kernels: KernelChoices = DEFAULT_KERNELS, paths: tuple = (),
+                    page_tokens: int = PAGE_TOKENS) -> dict:
     """Prefill time per variant: native, each format's direct and fused modes, and for each of
     `paths` (KernelChoices.prefill_path values) its direct mode through that CUDA path, named
     "{format}-{path}" ("direct" takes `kernels.prefill_path`)."""
@@ -141,7 +142,8 @@ def prefill_section(loaded, contexts, formats, chunk, repeats, out: dict, save,
             for m in ("direct", "fused")] + [
             (f"{f}-{path}", f, "direct", replace(kernels, prefill_path=path))
             for path in paths for f in formats]
-        runners = {name: make_runner(loaded, f, -(-n // PAGE_TOKENS), m, k)
+        runners = {name: make_runner(loaded, f, -(-n // page_tokens), m, k,
+                                     page_tokens=page_tokens)
                    for name, f, m, k in variants}
         times = {name: [] for name in runners}
         errors = {}
@@ -232,10 +234,10 @@ def main(argv=None):
                          "(bench.kv_decode.DECODE_KERNELS)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--page-tokens", type=int, default=PAGE_TOKENS,
-                    help="decode: tokens a KV page, every format of the run (default "
+                    help="tokens a KV page, every format of the run (default "
                          f"{PAGE_TOKENS}, the bench's rows until device run 15; the engine "
-                         "serves 64 by default: pass 64 for the page a user's server has). "
-                         "Other sections keep the default")
+                         "serves 64 by default: pass 64 for the page a user's server has): "
+                         "capacity, prefill and decode; quality keeps the default")
     ap.add_argument("--pipelined", action="store_true",
                     help="decode as the engine does: queue step n+1 before reading step n back "
                          "(default: synchronous steps)")
@@ -288,8 +290,8 @@ def main(argv=None):
     result = {"env": {"mlx": mx.__version__, "device": str(mx.default_device()),
                       "machine": platform.machine(), "dtype": loaded.dtype_name,
                       "model": args.model or f"synthetic-llama {GEOMETRIES[args.geometry]}",
-                      "geometry": loaded.geometry.describe()[:1], "page_tokens": PAGE_TOKENS,
-                      "decode_page_tokens": args.page_tokens,
+                      "geometry": loaded.geometry.describe()[:1], "page_tokens": args.page_tokens,
+                      "quality_page_tokens": PAGE_TOKENS,
                       # null: compiled where the CUDA decode kernel runs (never on the CPU)
                       "compiled_decode": kernels.compiled_decode,
                       "decode_kernels": (not args.no_decode_kernel
@@ -318,12 +320,13 @@ def main(argv=None):
         Path(args.out).write_text(json.dumps(result, indent=1))
 
     if "capacity" in sections:
-        result["capacity"] = capacity_section(loaded, int(args.budget_gib * 2**30))
+        result["capacity"] = capacity_section(loaded, int(args.budget_gib * 2**30),
+                                                args.page_tokens)
         save()
     if "prefill" in sections:
         prefill_section(loaded, args.prefill, args.prefill_formats.split(","), args.chunk,
                         args.repeats, result.setdefault("prefill", {}), save, kernels,
-                        paths=tuple(dict.fromkeys(paths)))
+                        paths=tuple(dict.fromkeys(paths)), page_tokens=args.page_tokens)
     if "decode" in sections:
         decode_section(loaded, args.decode, args.batches, args.decode_formats.split(","),
                        args.steps, args.repeats, result.setdefault("decode", {}), save, kernels,
