@@ -86,10 +86,12 @@ def capacity_table(bytes_per_token: dict[str, int], budget: int, page_tokens: in
 def capacity_section(loaded, budget: int, page_tokens: int = PAGE_TOKENS) -> dict:
     result = {}
     for ref, (layers, heads, dim) in REFERENCE_GEOMETRIES.items():
-        bpt = {n: layers * KVFormat(n, dim, "bfloat16").bytes_per_token(heads) for n in FORMAT_BITS}
+        bpt = {n: layers * KVFormat(n, dim, "bfloat16").bytes_per_token(heads, page_tokens)
+               for n in FORMAT_BITS}
         result[ref] = capacity_table(bpt, budget, page_tokens)
     # The bench model: bytes measured from real allocated stores, not from the formula.
-    bpt = {n: make_store(loaded, n, 1, page_tokens).bytes_per_token for n in FORMAT_BITS}
+    bpt = {n: make_store(loaded, n, 1, page_tokens=page_tokens).bytes_per_token
+           for n in FORMAT_BITS}
     result[f"bench-model({loaded.dtype_name})"] = capacity_table(bpt, budget, page_tokens)
     return result
 

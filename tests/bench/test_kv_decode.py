@@ -136,3 +136,34 @@ def test_joined_specs_combine_a_plan_and_a_kernel():
     for bad in ("k6v4-kivi:mma+nope", "k6v4-kivi:mb5"):
         with pytest.raises(ValueError, match="joined by"):
             kv_decode.decode_kernels(bad, DEFAULT_KERNELS)
+
+
+def test_page_tokens_reach_every_store_of_the_run(tmp_path, monkeypatch):
+    """--page-tokens 64 (the engine's default page): the capacity section prices k6v4-kivi's
+    per-page key scales over 64 tokens (fewer bytes a token than at 16), and the decode rows'
+    stores are built with pages of 64; a page size that is not a power of two is refused."""
+    made = []
+    real = kv_decode.make_runner
+
+    def keep(*a, **k):
+        made.append(real(*a, **k))
+        return made[-1]
+
+    monkeypatch.setattr(kv_decode, "make_runner", keep)
+    rows = {}
+    for pt in (16, 64):
+        out = tmp_path / f"kv{pt}.json"
+        bench_kv.main(["--sections", "capacity,decode", "--decode", "70", "--batches", "2",
+                       "--decode-formats", "k6v4-kivi", "--steps", "2", "--repeats", "1",
+                       "--page-tokens", str(pt), "--out", str(out)])
+        rows[pt] = json.loads(out.read_text())
+        assert rows[pt]["env"]["page_tokens"] == pt
+        assert {r.kvstore.page_tokens for r in made} == {pt}
+        assert rows[pt]["decode"]["ctx70-b2"]["k6v4-kivi"]["tok_s"] > 0
+        made.clear()
+    model = next(k for k in rows[16]["capacity"] if k.startswith("bench-model"))
+    per_token = {pt: rows[pt]["capacity"][model]["k6v4-kivi"]["bytes_per_token"] for pt in rows}
+    assert per_token[64] < per_token[16]
+    with pytest.raises(SystemExit):
+        bench_kv.main(["--sections", "decode", "--page-tokens", "48",
+                       "--out", str(tmp_path / "bad.json")])
