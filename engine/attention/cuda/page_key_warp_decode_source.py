@@ -1,16 +1,18 @@
 """The warp-page decode kernel's CUDA source: page-key history (k6v4-kivi, int4-kivi) at pages
-of 16 tokens, each warp a pipeline of its own (host side and choice: page_key_decode.py,
-KernelChoices.page_key_warp_pages).
+of 16, 32 or 64 tokens, each warp a pipeline of its own (host side and choice:
+page_key_decode.py, KernelChoices.page_key_warp_pages and page_key_warp_page_tokens).
 
 Why a second kernel: the block-tiled one (page_key_decode_source.py) keeps its four warps in
 lockstep, four barriers a 64-key tile (fold, scores, softmax, PV), and cutting any of its
 phases out saved 17-29 us of 236 at 32K keys batch 8 on an H100 while its copies alone took
 183 (device run 14, `bench.device.page_key_phase_probe`): the phases add up instead of
 overlapping. Here warp w of a block (NWB warps) takes pages w, w + NWB, ... of the block's
-range and runs copy, scores, softmax and PV over one page at a time with its own ST copy
-stages (ST - 1 pages in flight while it computes one) and its own online-softmax state; only
-`__syncwarp` inside the loop. Both products are tensor-core mma's
-(tile_helpers.MMA, fp16 in, fp32 sums):
+range and runs copy, scores, softmax and PV over 16 keys of a page at a time (a quarter of a
+page of 64) with its own ST copy stages (ST - 1 quarters in flight while it computes one) and
+its own online-softmax state; only `__syncwarp` inside the loop. A page's per-channel key
+scales and offsets come once, with its first quarter (at pages of 64 they are 1/12 of a
+page's bytes at head dim 128; at 16, 4/15: why pages of 64 should read faster). Both
+products are tensor-core mma's (tile_helpers.MMA, fp16 in, fp32 sums):
 
 - scores S^T = Q K^T per 8 keys: A = the block's G query heads (rows, zero past G) scaled,
   B = 8 keys dequantized in fp32 (c' * 2^KB s + (o - 2^KB s), c' = 1 + c / 2^KB) and rounded
