@@ -42,19 +42,23 @@ __device__ __forceinline__ void orch_bulk_wait(unsigned int bar, unsigned int pa
 
 # The warp-page kernel's copy issue (its `issue` lambda) as bulk copies of a head's runs.
 ISSUE = """__shared__ __align__(8) unsigned long long wbar[NW][ST];
-auto issue = [&](int i) {                    // the warp's i-th page into stage i % ST
-  if (i < mine && lane == 0) {
-    const uint32_t* src = pool + (size_t)pages[(size_t)b * P + p0 + warp + i * NW] * PGW
+auto issue = [&](int i) {                    // the warp's i-th quarter into stage i % ST
+  if (i < nq && lane == 0) {
+    const int j = i / QP, qq = i % QP;       // the warp's page j, its quarter qq
+    const uint32_t* src = pool + (size_t)pages[(size_t)b * P + p0 + warp + j * NW] * PGW
                           + hk * (PGW / HK);
     float* st = ws + (i % ST) * STAGE;
+    float* km = kmeta + (j % MB) * KM_W;
     const unsigned int bar = orch_smem_u32(&wbar[warp][i % ST]);
-    orch_bulk_expect(bar, 4 * PT * (LW + VW + 2 * NGK + 2 * NG));
-    orch_bulk(st, src + KC_OFF / HK, 4 * PT * LW, bar);
-    orch_bulk(st + V_OFF, src + VC_OFF / HK, 4 * PT * VW, bar);
-    orch_bulk(st + KM_OFF, src + KS_OFF / HK, 4 * PT * NGK, bar);
-    orch_bulk(st + KM_OFF + D, src + KO_OFF / HK, 4 * PT * NGK, bar);
-    orch_bulk(st + VM_OFF, src + VS_OFF / HK, 4 * PT * NG, bar);
-    orch_bulk(st + VM_OFF + PT * NG, src + VO_OFF / HK, 4 * PT * NG, bar);
+    orch_bulk_expect(bar, 4 * QT * (LW + VW + 2 * NG) + (qq == 0 ? 8 * D : 0));
+    orch_bulk(st, src + KC_OFF / HK + qq * QT * LW, 4 * QT * LW, bar);
+    orch_bulk(st + V_OFF, src + VC_OFF / HK + qq * QT * VW, 4 * QT * VW, bar);
+    orch_bulk(st + VM_OFF, src + VS_OFF / HK + qq * QT * NG, 4 * QT * NG, bar);
+    orch_bulk(st + VM_OFF + QT * NG, src + VO_OFF / HK + qq * QT * NG, 4 * QT * NG, bar);
+    if (qq == 0) {                           // the page's key scales and offsets
+      orch_bulk(km, src + KS_OFF / HK, 4 * D, bar);
+      orch_bulk(km + D, src + KO_OFF / HK, 4 * D, bar);
+    }
   }
 };
 if (lane == 0) {

@@ -104,21 +104,21 @@ VARIANTS = {"full": (), **{f"no-{p}": (p,) for p in PROBES}, "loads-only": PROBE
 # The warp-page kernel (page_key_warp_decode_source.py) under the same questions: its copies'
 # addressing (`head-major`, `meta-copies`) and its compute (`compute`: scores, softmax and PV
 # cut from its page loop, the copies, the key-metadata fold and the loop kept).
-WARP_ROW_TOKEN_MAJOR = "const int crow = ct * HK + hk;"
-WARP_ROW_HEAD_MAJOR = "const int crow = hk * PT + ct;"
-WARP_META_FROM = "    #pragma unroll\n    for (int pc = ch; pc < 2 * MCH; pc += 2) {\n"
-WARP_META_TO = "src + (ch ? VO_OFF : VS_OFF) + crow * NG);\n"
+WARP_ROW_TOKEN_MAJOR = "const int crow = (qq * QT + ct) * HK + hk;"
+WARP_ROW_HEAD_MAJOR = "const int crow = hk * PT + qq * QT + ct;"
+WARP_META_FROM = "    orch_cp_async<4 * NG>(st + VM_OFF + (ch * QT + ct) * NG,\n"
+WARP_META_TO = "c * MPW);\n      }\n    }\n"
 WARP_COMPUTE_FROM = "  // 1. Scores of keys"
 WARP_COMPUTE_TO = "orch_mma_f16(acc[j], a, bw[(16 * j) / 64]);\n    }\n  }\n"
 # `head-pages`: each (page, head) one contiguous run of its sections ([HK][sections][PT]
 # [width]: 3,840 bytes at 6-bit keys, head dim 128), the most contiguous a page could be.
 WARP_HEAD_PAGES = {
-    "src + KC_OFF + crow * LW": "src + hk * HEADW + KC_OFF / HK + ct * LW",
-    "src + VC_OFF + crow * VW": "src + hk * HEADW + VC_OFF / HK + ct * VW",
-    "src + (sec ? KO_OFF : KS_OFF) + crow * NGK":
-        "src + hk * HEADW + (sec ? KO_OFF : KS_OFF) / HK + ct * NGK",
+    "src + KC_OFF + crow * LW": "src + hk * HEADW + KC_OFF / HK + (qq * QT + ct) * LW",
+    "src + VC_OFF + crow * VW": "src + hk * HEADW + VC_OFF / HK + (qq * QT + ct) * VW",
+    "src + (sec ? KO_OFF : KS_OFF) + (t * HK + hk) * NGK":
+        "src + hk * HEADW + (sec ? KO_OFF : KS_OFF) / HK + t * NGK",
     "src + (ch ? VO_OFF : VS_OFF) + crow * NG":
-        "src + hk * HEADW + (ch ? VO_OFF : VS_OFF) / HK + ct * NG"}
+        "src + hk * HEADW + (ch ? VO_OFF : VS_OFF) / HK + (qq * QT + ct) * NG"}
 # `bulk`: its page copies as bulk copies of each section's run (page_key_bulk_copies.py).
 WARP_ISSUE_FROM, WARP_ISSUE_TO = "auto issue = [&](int i) {", "  orch_cp_commit();\n};\n"
 WARP_WAIT = "  orch_cp_wait<ST - 2>();"
@@ -135,9 +135,9 @@ def warp_cut_source(cuts: tuple[str, ...]) -> str:
     from engine.attention.cuda import page_key_warp_decode_source as warp
     text = warp._SOURCE
     for cut in cuts:
-        if cut == "head-major":
-            text = _swap_row(text, WARP_ROW_TOKEN_MAJOR, WARP_ROW_HEAD_MAJOR,
-                             "const int ct = lane >> 1, ch = lane & 1;\n")
+        if cut == "head-major":   # in place: the row depends on the quarter being issued
+            _cut_once(text, WARP_ROW_TOKEN_MAJOR)    # there, exactly once
+            text = text.replace(WARP_ROW_TOKEN_MAJOR, WARP_ROW_HEAD_MAJOR)
         elif cut == "meta-copies":
             text = _cut_once(text, WARP_META_FROM, WARP_META_TO)
         elif cut == "compute":

@@ -62,7 +62,7 @@ def test_warp_kernel_cuts_change_what_they_name_once():
     assert probe.WARP_ROW_HEAD_MAJOR in hm and probe.WARP_ROW_TOKEN_MAJOR not in hm
     assert hm.index("const int ct = lane >> 1") < hm.index(probe.WARP_ROW_HEAD_MAJOR)
     nm = probe.warp_cut_source(("meta-copies",))
-    assert "KO_OFF : KS_OFF" not in nm and "VO_OFF : VS_OFF" not in nm
+    assert "KO_OFF : KS_OFF" not in nm and "VO_OFF : VS_OFF" not in nm and "c * MPW" not in nm
     assert "src + KC_OFF + crow * LW" in nm
     lo = probe.warp_cut_source(("compute",))
     assert "orch_mma_f16" not in lo and "issue(i + ST - 1);" in lo and "km[D + e] -= S;" in lo
