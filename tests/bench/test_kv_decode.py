@@ -11,8 +11,8 @@ from bench.synthetic import build_tiny_model
 from engine.model.loader import load_model
 
 
-def _final_state(loaded, fmt, pipelined, monkeypatch):
-    """Run one decode timing and return the store's arrays after it (what the steps wrote)."""
+def _recorded_runners(monkeypatch) -> list:
+    """The runners bench.kv_decode makes from here on, in order."""
     made = []
     real = kv_decode.make_runner
 
@@ -21,6 +21,12 @@ def _final_state(loaded, fmt, pipelined, monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(kv_decode, "make_runner", keep)
+    return made
+
+
+def _final_state(loaded, fmt, pipelined, monkeypatch):
+    """Run one decode timing and return the store's arrays after it (what the steps wrote)."""
+    made = _recorded_runners(monkeypatch)
     t = kv_decode._decode_time(loaded, fmt, pages=8, b=2, n=40, room=12, steps=4, repeats=2,
                                pipelined=pipelined)
     assert t > 0
@@ -142,14 +148,7 @@ def test_page_tokens_reach_every_store_of_the_run(tmp_path, monkeypatch):
     """--page-tokens 64 (the engine's default page): the capacity section prices k6v4-kivi's
     per-page key scales over 64 tokens (fewer bytes a token than at 16), and the decode rows'
     stores are built with pages of 64; a page size that is not a power of two is refused."""
-    made = []
-    real = kv_decode.make_runner
-
-    def keep(*a, **k):
-        made.append(real(*a, **k))
-        return made[-1]
-
-    monkeypatch.setattr(kv_decode, "make_runner", keep)
+    made = _recorded_runners(monkeypatch)
     rows = {}
     for pt in (16, 64):
         out = tmp_path / f"kv{pt}.json"

@@ -200,6 +200,19 @@ def _emulate_the_kernel(monkeypatch, workdir, calls=None, modes=None):
     monkeypatch.setattr(cuda_page_key_decode, "page_key_decode_attention", emulated)
 
 
+def _decode_side_by_side(kernel, plain, tables, prompts, steps, bound):
+    """Prefill rows of `prompts` tokens into both runners, then `steps` decode steps; each
+    step's logits from the kernel's runner within `bound` of the MLX path's."""
+    seqs = [list(range(3 + 37 * i, 3 + 37 * i + n)) for i, n in enumerate(prompts)]
+    for runner in (kernel, plain):
+        runner.forward([Chunk(i, s, 0, t) for i, (s, t) in enumerate(zip(seqs, tables))])
+    for step in range(steps):
+        chunks = [Chunk(i, [7 + step], len(s) + step, t)
+                  for i, (s, t) in enumerate(zip(seqs, tables))]
+        got, want = kernel.forward(chunks), plain.forward(chunks)
+        assert mx.abs(got - want).max().item() < bound, step
+
+
 @pytest.mark.parametrize("fmt,mma,warp", [("k6v4-kivi", False, False),
                                           ("int4-kivi", False, False),
                                           ("k6v4-kivi", True, False), ("k6v4-kivi", False, True)])
@@ -225,15 +238,9 @@ def test_runner_decode_steps_through_the_kernel_match_the_mlx_path(llama, fmt, m
     assert not plain.kernel_decode and plain.compiled is None
     assert PackedLayerCache.kernel_decode_fits(kernel.kvstore.layers[0],
                                                KernelChoices(page_key_kernel=None))
-    tables = [[5, 1, 3], [7, 2, 9]]
-    seqs = [list(range(3, 3 + 2 * T - 4)), list(range(40, 40 + T + 5))]
-    for runner in (kernel, plain):
-        runner.forward([Chunk(i, s, 0, t) for i, (s, t) in enumerate(zip(seqs, tables))])
-    for step in range(6):   # row 0 fills its second page at step 3
-        chunks = [Chunk(i, [7 + step], len(s) + step, t)
-                  for i, (s, t) in enumerate(zip(seqs, tables))]
-        got, want = kernel.forward(chunks), plain.forward(chunks)
-        assert mx.abs(got - want).max().item() < (1e-2 if mma or warp else 1e-3), step
+    # row 0 fills its second page at step 3
+    _decode_side_by_side(kernel, plain, [[5, 1, 3], [7, 2, 9]], [2 * T - 4, T + 5], 6,
+                         1e-2 if mma or warp else 1e-3)
     layers = len(kernel.kvstore.layers)
     assert len(calls) == 6 * layers and modes == [(mma, warp)] * len(calls)
     assert all(-1 not in c for c in calls[:3 * layers])   # both rows had a partial page
@@ -257,15 +264,9 @@ def test_the_engine_takes_the_warp_kernel_at_the_page_sizes_its_choice_names(
     kernel = PackedModelRunner(llama, store(), kernels=KernelChoices(
         page_key_kernel=True, compiled_decode=False, page_key_warp_page_tokens=warp_sizes))
     plain = PackedModelRunner(llama, store(), kernels=KernelChoices(page_key_kernel=False))
-    tables = [[5, 1, 3], [7, 2, 6]]
-    seqs = [list(range(3, 3 + 126)), list(range(40, 40 + 70))]
-    for runner in (kernel, plain):
-        runner.forward([Chunk(i, s, 0, t) for i, (s, t) in enumerate(zip(seqs, tables))])
-    for step in range(3):   # row 0 fills its second page at step 1
-        chunks = [Chunk(i, [7 + step], len(s) + step, t)
-                  for i, (s, t) in enumerate(zip(seqs, tables))]
-        got, want = kernel.forward(chunks), plain.forward(chunks)
-        assert mx.abs(got - want).max().item() < (1e-2 if warp else 1e-3), step
+    # row 0 fills its second page at step 1
+    _decode_side_by_side(kernel, plain, [[5, 1, 3], [7, 2, 6]], [126, 70], 3,
+                         1e-2 if warp else 1e-3)
     assert calls and modes == [(False, warp)] * len(calls)
 
 
