@@ -94,8 +94,8 @@ DECODE_KERNELS = {"tiles": dict(decode_tiles=True),
                   # the default before device run 13).
                   "narrow-copies": dict(page_key_wide_copies=False),
                   # ... or the warp-page kernel at every page size it reads
-                  # (KernelChoices.page_key_warp_pages; the default at pages of 16 since device
-                  # run 14), or the block-tiled one everywhere.
+                  # (KernelChoices.page_key_warp_pages; the default at pages of 16 and 64 since
+                  # device runs 14 and 15), or the block-tiled one everywhere.
                   "warp-pages": dict(page_key_warp_pages=True, page_key_warp_page_tokens=WARP_PT),
                   "block-tiled": dict(page_key_warp_pages=False)}
 

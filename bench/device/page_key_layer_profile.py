@@ -49,7 +49,7 @@ ROWS = [("gpu", 4096, 1), ("gpu", 32768, 8), ("llama8b-2l", 4096, 8), ("gpu", 40
 TINY_ROWS = [("tiny", 128, 1), ("tiny", 96, 2)]
 # The block-tiled kernel's (label, target blocks, min keys per split, explicit splits, key
 # codes in 16-byte copies: KernelChoices.page_key_wide_copies); then the warp-page kernel's
-# (KernelChoices.page_key_warp_pages, the engine's at pages of 16) shapes: warps x stages.
+# (KernelChoices.page_key_warp_pages, the engine's at pages of 16 and 64) shapes: warps x stages.
 SPLIT_PLANS = [("default", None, None, None, True), ("narrow", None, None, None, False),
                ("s16", None, None, 16, True), ("mk64", None, 64, None, True)]
 WARP_SHAPES = [(4, 2), (2, 3), (2, 4), (1, 4)]

@@ -181,8 +181,13 @@ class KernelChoices:
     # layer. False: the block-tiled kernel everywhere.
     page_key_warp_pages: bool = True
     # The page sizes it takes (it reads 16, 32 and 64, a warp's page 16 keys at a time; the
-    # others keep the block-tiled kernel): those where device runs timed it faster.
-    page_key_warp_page_tokens: tuple[int, ...] = (16,)
+    # others keep the block-tiled kernel): those where device runs timed it. At 64, the
+    # engine's default page, device run 15 (H100, docs/lab/benchmarks-kv-page-keys.md) had the
+    # kernel in the 32K batch-8 step at 135-157 us a layer against the block-tiled one's 180
+    # and tiled native's 241, k6v4-kivi decode 1.25x native there (paired median; block-tiled
+    # 1.10x), and the 8B shape's step a wash (57.6 / 67.0 us against 59.1 / 61.2 in two runs).
+    # 32 was never timed on a GPU.
+    page_key_warp_page_tokens: tuple[int, ...] = (16, 64)
     # Its (warps a block, copy stages a warp): more stages keep more pages in flight a warp
     # (shared memory: warps x stages x 4.3 KB at head dim 128, under 48 KB a block).
     page_key_warp_shape: tuple[int, int] = (4, 2)

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit a45028b, on an H100 (an H200 was asked for; none lent).
 # First run of device run 15 (2026-12-06): the warp-page kernel at pages of 32 and 64 on the GPU
 # (its emulator cases), then bench.kv's paired decode rows at the engine's default page of 64
 # (every page-key row until now ran at 16, where k6v4-kivi's per-page key scales cost 64 B a

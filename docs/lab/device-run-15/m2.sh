@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit a45028b, on an H100 (an H200 was asked for; none lent).
 # Second run of device run 15: prefill at pages of 64 (the bar: <= 1.3x native's time
 # at 4K and 16K), where the time goes at 32K batch 8 at pages of 64 (CUPTI, per step: native
 # against both page-key kernels), and the decode rows at pages of 16 for the same machine.

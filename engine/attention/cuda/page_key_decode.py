@@ -27,10 +27,10 @@ the split plan and merge kernel of cuda/paged_decode.py), with what page keys ch
   step's own key and value come as inputs: those at most page_tokens keys join the same online
   softmax in full precision after the code tiles, in the split whose range holds them.
 
-At the page sizes KernelChoices.page_key_warp_page_tokens names (16 tokens by default) the
+At the page sizes KernelChoices.page_key_warp_page_tokens names (16 and 64 by default) the
 engine launches a second kernel with the same contract instead (page_key_warp_decode_source.py,
 KernelChoices.page_key_warp_pages: each warp its own pages, tensor-core scores and PV, no block
-barrier in its loop; device run 14; it reads pages of 16, 32 and 64).
+barrier in its loop; device runs 14-15; it reads pages of 16, 32 and 64).
 
 The step's own rows are written by the store before attention (values, and the page's codes
 when the row fills it) or into the tail after it, as on the MLX path; or, in compiled steps

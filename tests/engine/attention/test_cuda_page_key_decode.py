@@ -64,10 +64,11 @@ VARIANT_CASES = {
                       [((300, 0, 77), 16, 4, 128, 16, None),
                        ((600, 64, 129), 16, 2, 128, 32, 16),
                        ((200, 45), 9, 3, 64, 16, 64)]),
-    # The block-tiled kernel at pages of 16 (KernelChoices.page_key_warp_pages off; the plain
-    # cases above run the warp-page kernel there, the block-tiled one at 32 and 64).
+    # The block-tiled kernel at pages of 16 and 64 (KernelChoices.page_key_warp_pages off; the
+    # plain cases above run the warp-page kernel there, the block-tiled one at 32).
     "block-tiled": ({"warp_pages": False}, 19, [((300, 0, 77), 16, 4, 128, 16, None),
-                                                ((700, 47, 192), 9, 3, 64, 16, 16)]),
+                                                ((700, 47, 192), 9, 3, 64, 16, 16),
+                                                ((512, 45), 9, 3, 64, 64, 64)]),
     # KernelChoices.page_key_warp_pages: each warp its own pages, scores and PV by mma.sync;
     # GQA 4, 7 and 8, ragged rows, a row of no history, splits whose later warps get no page
     # and a split holding only the native tail; pages of 64 and 32 (16 keys at a time, the
