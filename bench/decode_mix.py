@@ -156,8 +156,9 @@ def one_mix(engine, requests, spread_s: float, send_at: list[float] | None = Non
     steps = steps or []
     return {"wall_s": round(wall, 3), "tokens": tokens, "tok_s": round(tokens / wall, 1),
             "traces": compiled.traces if compiled is not None else 0,
-            "prompt_steps_s": round(sum(s for n, s in steps if n), 2),
-            "decode_steps_s": round(sum(s for n, s in steps if not n), 2),
+            # to 0.1 ms: at 10 ms a short run's two sums could round past its wall time
+            "prompt_steps_s": round(sum(s for n, s in steps if n), 4),
+            "decode_steps_s": round(sum(s for n, s in steps if not n), 4),
             "ttft": quantiles([t for t, _, _ in got]),
             "token_gap": quantiles([g for _, gaps, _ in got for g in gaps])}
 

@@ -40,7 +40,8 @@ def test_custom_variants_run_plain_with_their_kernel_choices(tiny_llama, tmp_pat
         (False, False, False), (True, True, False)]
     for v in row.values():   # every step counted, prompt steps and decode-only steps apart
         assert v["prompt_steps_s"] > 0 and v["decode_steps_s"] > 0
-        assert v["prompt_steps_s"] + v["decode_steps_s"] <= v["wall_s"] * 1.05
+        # the step sums are rounded to 0.1 ms and wall_s to 1 ms: that much slack, no more
+        assert v["prompt_steps_s"] + v["decode_steps_s"] <= v["wall_s"] * 1.05 + 0.0006
 
 
 def test_bad_arguments_are_refused_naming_them(capsys):
