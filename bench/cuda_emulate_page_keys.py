@@ -26,14 +26,13 @@ from engine.attention.choices import DEFAULT_KERNELS
 WIDE = DEFAULT_KERNELS.page_key_wide_copies
 # ... and the warp-page kernel (KernelChoices.page_key_warp_pages) at the page sizes it takes.
 WARP = DEFAULT_KERNELS.page_key_warp_pages
-WARP_PAGE_TOKENS = DEFAULT_KERNELS.page_key_warp_page_tokens
 TOLERANCE = 0.02   # bf16 output of float32 math against float64 on the same (dequantized) keys
 
 
 def engine_kernel_is_warp(page_tokens: int, warp_pages: bool | None) -> bool:
     """Whether a launch at `page_tokens` asks for the warp-page kernel: `warp_pages` where
-    given, else as the engine does (packed_cache: the choice and its page sizes)."""
-    return WARP and page_tokens in WARP_PAGE_TOKENS if warp_pages is None else warp_pages
+    given, else as the engine does (KernelChoices.page_key_warp_at)."""
+    return DEFAULT_KERNELS.page_key_warp_at(page_tokens) if warp_pages is None else warp_pages
 
 
 def page_key_decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slots,

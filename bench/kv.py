@@ -45,7 +45,7 @@ from engine.model.names import MODEL_HELP, model_arg
 from engine.sched.seq import Chunk
 from bench.kv_quality import heldout_docs, quality_section
 from bench.kv_decode import decode_section
-from bench.kv_runners import PAGE_TOKENS, make_runner, make_store, progress
+from bench.kv_runners import PAGE_TOKENS, make_runner, make_store, page_tokens_arg, progress
 
 GOALS = {"int8": 16 / 9, "k8v4": 16 / 7, "int4": 3.2}
 REFERENCE_GEOMETRIES = {
@@ -235,7 +235,7 @@ def main(argv=None):
                          "through the walk native kernel, native: the tiled one "
                          "(bench.kv_decode.DECODE_KERNELS)")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--page-tokens", type=int, default=PAGE_TOKENS,
+    ap.add_argument("--page-tokens", type=page_tokens_arg, default=PAGE_TOKENS,
                     help="tokens a KV page, every format of the run (default "
                          f"{PAGE_TOKENS}, the bench's rows until device run 15; the engine "
                          "serves 64 by default: pass 64 for the page a user's server has): "
@@ -263,8 +263,6 @@ def main(argv=None):
     ap.add_argument("--quality-tokens", type=int, default=1024)
     ap.add_argument("--quality-chunk", type=int, default=32)
     args = ap.parse_args(argv)
-    if args.page_tokens < 1 or args.page_tokens & (args.page_tokens - 1):
-        ap.error(f"--page-tokens must be a power of two, got {args.page_tokens}")
     paths = tuple(p for p in args.prefill_paths.split(",") if p) + (
         ("dequant",) if args.prefill_dequant else ())
     if unknown := set(paths) - set(PREFILL_PATHS):

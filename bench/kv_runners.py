@@ -1,10 +1,12 @@
 """The KV stores and model runners `bench.kv` times: one per format, on the bench's pages."""
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
 from engine.attention.choices import DEFAULT_KERNELS, KernelChoices
+from engine.kv.pages import is_power_of_two
 from engine.kv.store import KVStore
 from engine.runner.packed import PackedModelRunner
 from engine.attention.layers import packed_layer_factory
@@ -14,6 +16,14 @@ from engine.runner.paged import ModelRunner
 # serves pages of 64 by default (engine/kv/pages.DEFAULT_PAGE_TOKENS); rows before device run
 # 15 all ran at 16.
 PAGE_TOKENS = 16
+
+
+def page_tokens_arg(text: str) -> int:
+    """argparse type of a bench's --page-tokens: a power of two, as the engine's pages are."""
+    value = int(text)
+    if not is_power_of_two(value):
+        raise argparse.ArgumentTypeError(f"must be a power of two, got {value}")
+    return value
 
 
 def make_store(loaded, fmt, pages, seqs: int = 1, page_tokens: int = PAGE_TOKENS,

@@ -39,7 +39,7 @@ import numpy as np
 
 from bench.kv import GEOMETRIES
 from bench.kv_decode import _DecodeTimer
-from bench.kv_runners import PAGE_TOKENS, progress
+from bench.kv_runners import PAGE_TOKENS, page_tokens_arg, progress
 from engine.attention.choices import DEFAULT_KERNELS
 from engine.model.loader import load_model
 
@@ -57,7 +57,7 @@ def parse_args(argv=None):
                     help="FORMAT[:KERNEL]@BATCH or mlx-lm@1, comma-separated")
     ap.add_argument("--context", type=int, default=4096, help="keys per row before decoding")
     ap.add_argument("--steps", type=int, default=20, help="traced decode steps per variant")
-    ap.add_argument("--page-tokens", type=int, default=PAGE_TOKENS,
+    ap.add_argument("--page-tokens", type=page_tokens_arg, default=PAGE_TOKENS,
                     help="decode variants: tokens a KV page (the engine serves 64 by default)")
     ap.add_argument("--chunk", type=int, default=2048,
                     help="prefill variants: tokens per prefill step (bench.kv's --chunk)")
@@ -69,8 +69,6 @@ def parse_args(argv=None):
                     help="separate q/k/v and gate/up matmuls (the engine fuses them by default)")
     ap.add_argument("--out", type=Path, required=True, help="the JSON (rewritten per variant)")
     args = ap.parse_args(argv)
-    if args.page_tokens < 1 or args.page_tokens & (args.page_tokens - 1):
-        ap.error(f"--page-tokens must be a power of two, got {args.page_tokens}")
     if sum(map(bool, (args.model, args.tiny, args.geometry))) != 1:
         ap.error("give one of --model DIR, --geometry NAME, --tiny")
     return args
@@ -187,7 +185,8 @@ def main(argv=None) -> int:
     loaded = load_model(model_dir, fuse=not args.no_fuse)
     result = {"env": {"mlx": mx.__version__, "device": str(mx.default_device()),
                       "model": args.model or args.geometry or "tiny", "context": args.context,
-                      "steps": args.steps, "page_tokens": args.page_tokens, "fused": not args.no_fuse,
+                      "steps": args.steps, "page_tokens": args.page_tokens,
+                      "fused": not args.no_fuse,
                       "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
               "variants": {}}
     for item in args.variants.split(","):

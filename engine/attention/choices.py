@@ -277,6 +277,10 @@ class KernelChoices:
             raise ValueError(f"packed_decode must be one of {PACKED_DECODE_KERNELS}, "
                              f"got {self.packed_decode!r}")
 
+    def page_key_warp_at(self, page_tokens: int) -> bool:
+        """Whether page-key decode over pages of `page_tokens` takes the warp-page kernel."""
+        return self.page_key_warp_pages and page_tokens in self.page_key_warp_page_tokens
+
 
 PACKED_DECODE_KERNELS = ("v1", "v2")
 NATIVE_DECODE_KERNELS = ("walk", "tiled")

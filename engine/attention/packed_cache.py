@@ -308,8 +308,7 @@ class PackedLayerCache(PagedLayerCache):
             kernels.decode_split_target, kernels.decode_split_min_keys,
             tail_write=self.step.slots.tail_write if own else None, mma=kernels.page_key_mma,
             wide_copies=kernels.page_key_wide_copies,
-            warp_pages=(kernels.page_key_warp_pages
-                        and store.page_tokens in kernels.page_key_warp_page_tokens),
+            warp_pages=kernels.page_key_warp_at(store.page_tokens),
             warp_shape=kernels.page_key_warp_shape)
         store.flush_tail()   # this step's new tail rows, after the old tails were read
         return out

@@ -164,6 +164,9 @@ def test_warp_pages_serve_pages_of_16_to_64_and_refuse_shapes_past_shared_memory
     # on by default (device run 14, H100); a shape whose stages pass 48 KB is refused before
     # any launch, so it needs no GPU here
     assert KernelChoices().page_key_warp_pages and KernelChoices().page_key_warp_shape == (4, 2)
+    # taken at the page sizes timed on a GPU (16, 64), never with the choice off
+    assert [KernelChoices().page_key_warp_at(t) for t in (16, 32, 64)] == [True, False, True]
+    assert not KernelChoices(page_key_warp_pages=False).page_key_warp_at(64)
     rng = np.random.default_rng(5)
     store, tables, slots = emu.page_key_store(rng, "k6v4-kivi", (40,), 2, 128, 16)
     wide, _, _ = emu.page_key_store(rng, "k6v4-kivi", (40,), 2, 128, 32)
