@@ -129,7 +129,7 @@ def decode_kernels(spec: str, kernels: KernelChoices) -> tuple[str, KernelChoice
     return fmt, kernels
 
 
-class _DecodeTimer:
+class DecodeTimer:
     """One format's decode at batch b and context n, ready to time rounds of steps."""
 
     def __init__(self, loaded, spec, pages, b, n, room, kernels: KernelChoices = DEFAULT_KERNELS,
@@ -184,7 +184,7 @@ def _decode_time(loaded, spec, pages, b, n, room, steps, repeats,
                  kernels: KernelChoices = DEFAULT_KERNELS, pipelined: bool = False,
                  page_tokens: int = PAGE_TOKENS) -> float:
     """Best time of `steps` decode steps of `b` rows at context n (first round is warm-up)."""
-    timer = _DecodeTimer(loaded, spec, pages, b, n, room, kernels, pipelined, page_tokens)
+    timer = DecodeTimer(loaded, spec, pages, b, n, room, kernels, pipelined, page_tokens)
     timer.round(steps)   # warm-up
     return min(timer.round(steps) for _ in range(max(1, repeats)))
 
@@ -214,7 +214,7 @@ def _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats, kernels
     row, timers = {}, {}
     for fmt in ["native", *formats]:
         try:
-            timers[fmt] = _DecodeTimer(loaded, fmt, pages, b, n, room, kernels, pipelined,
+            timers[fmt] = DecodeTimer(loaded, fmt, pages, b, n, room, kernels, pipelined,
                                        page_tokens)
             timers[fmt].round(steps)   # warm-up
         except Exception as e:  # a backend missing a kernel: record it, bench the rest

@@ -38,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from bench.kv import GEOMETRIES
-from bench.kv_decode import _DecodeTimer
+from bench.kv_decode import DecodeTimer
 from bench.kv_runners import PAGE_TOKENS, page_tokens_arg, progress
 from engine.attention.choices import DEFAULT_KERNELS
 from engine.model.loader import load_model
@@ -138,7 +138,7 @@ def engine_variant(loaded, spec: str, batch: int, context: int, steps: int, roun
     `page_tokens`, warmed once; room for `rounds` more."""
     room = (rounds + 1) * steps + 2
     pages = batch * -(-(context + room) // page_tokens)
-    timer = _DecodeTimer(loaded, spec, pages, batch, context, room, pipelined=True,
+    timer = DecodeTimer(loaded, spec, pages, batch, context, room, pipelined=True,
                          page_tokens=page_tokens)
     timer.round(steps)
     return lambda: timer.round(steps)

@@ -73,11 +73,11 @@ def attention_check(geometry: dict, context: int, batch: int, fmt: str,
 def logits_check(loaded, fmt: str, context: int, batch: int) -> dict:
     """One engine decode step over the same filled history: kernel vs tiled logits, and
     whether the kernel runner really routed its decode steps to the kernel."""
-    from bench.kv_decode import _DecodeTimer
+    from bench.kv_decode import DecodeTimer
     from bench.kv_runners import PAGE_TOKENS
     from engine.sched.seq import Chunk
     pages = batch * -(-(context + 4) // PAGE_TOKENS)
-    timers = [_DecodeTimer(loaded, f"{fmt}:{k}", pages, batch, context, 4)
+    timers = [DecodeTimer(loaded, f"{fmt}:{k}", pages, batch, context, 4)
               for k in ("kernel", "tiled-keys")]
     logits = [t.runner.forward([Chunk(i, [7], t.pos, table) for i, table in enumerate(t.tables)])
               for t in timers]

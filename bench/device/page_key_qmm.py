@@ -192,10 +192,10 @@ def attention_check(geometry: dict, context: int, batch: int, fmt: str) -> dict:
 def logits_check(loaded, fmt: str, context: int, batch: int) -> dict:
     """One engine decode step over the same filled history: qmm vs tiled logits (reported, not
     gated: the model computes in bf16 on a GPU, so the two paths' roundings differ there)."""
-    from bench.kv_decode import _DecodeTimer
+    from bench.kv_decode import DecodeTimer
     from bench.kv_runners import PAGE_TOKENS
     pages = batch * -(-(context + 4) // PAGE_TOKENS)
-    timers = [_DecodeTimer(loaded, f"{fmt}:{k}", pages, batch, context, 4)
+    timers = [DecodeTimer(loaded, f"{fmt}:{k}", pages, batch, context, 4)
               for k in ("qmm", "tiled-keys")]
     from engine.sched.seq import Chunk
     logits = [t.runner.forward([Chunk(i, [7], t.pos, table) for i, table in enumerate(t.tables)])
