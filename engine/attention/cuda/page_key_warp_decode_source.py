@@ -316,27 +316,38 @@ auto native_row = [&](int pos) -> size_t {   // element offset of (key pos, head
 };
 """ + native_key_scores("PT") + """\
 __syncthreads();
-if (tid < G) {
+for (int h = warp; h < G; h += NW) {       // their softmax, a warp a head, lanes over keys
   float mx_ = NEG_INF, sum = 0.0f;
-  for (int r = 0; r < ncnt; ++r) mx_ = fmaxf(mx_, sp[tid * PT + r]);
-  for (int r = 0; r < ncnt; ++r) {
-    const float e = __expf(sp[tid * PT + r] - mx_);
-    sp[tid * PT + r] = e;
+  for (int r = lane; r < ncnt; r += 32) mx_ = fmaxf(mx_, sp[h * PT + r]);
+  mx_ = orch_warp_max(mx_);
+  for (int r = lane; r < ncnt; r += 32) {
+    const float e = __expf(sp[h * PT + r] - mx_);
+    sp[h * PT + r] = e;
     sum += e;
   }
-  tml[tid] = mx_;
-  tml[G + tid] = sum;
+  sum = orch_warp_sum(sum);
+  if (lane == 0) {
+    tml[h] = mx_;
+    tml[G + h] = sum;
+  }
 }
 __syncthreads();
-for (int e = tid; e < G * D; e += NT) {
-  const int h = e / D, chn = e % D;
-  float num = 0.0f;
+// Their numerators: a thread a channel, every head, over the keys 8 at a time (their value
+// loads in flight together; a thread per (head, channel) waited a load a key: device run 16).
+for (int chn = tid; chn < D; chn += NT) {
+  float num[G];
+  #pragma unroll
+  for (int h = 0; h < G; ++h) num[h] = 0.0f;
+  #pragma unroll 8
   for (int r = 0; r < ncnt; ++r) {
     const int pos = a0 + r;
     const size_t at = native_row(pos) + chn;
-    num = fmaf(sp[h * PT + r], pos < nh ? to_f(vt[at]) : to_f(vf[at]), num);
+    const float x = pos < nh ? to_f(vt[at]) : to_f(vf[at]);
+    #pragma unroll
+    for (int h = 0; h < G; ++h) num[h] = fmaf(sp[h * PT + r], x, num[h]);
   }
-  tn[e] = num;
+  #pragma unroll
+  for (int h = 0; h < G; ++h) tn[h * D + chn] = num[h];
 }
 __syncthreads();
 
