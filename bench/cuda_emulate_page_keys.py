@@ -95,9 +95,9 @@ def _decode(q, k_new, v_new, pool, layout, k_bits, tail, tables, ends, tail_slot
               tables, ends, slots, np.array([hq, kvh, tables.shape[1]], np.int32),
               np.array([scale], np.float32), np.asarray(tail_write, np.int32) if own else slots]
     shape = warp_shape or pk.WARP_SHAPE
-    warp, target = pk.warp_plan(layout, engine_kernel_is_warp(layout.page_tokens, warp_pages),
-                                shape, target_blocks)
-    splits = pd.split_count(rows, kvh, int(ends.max()), target)
+    warp, splits = pk.split_plan(layout, rows, kvh, int(ends.max()),
+                                 engine_kernel_is_warp(layout.page_tokens, warp_pages), shape,
+                                 target_blocks, None)
     parts = rows * hq * (splits if splits > 1 else 1)
     if warp:
         template = [*pk.warp_template(d, hq // kvh, layout, k_bits, types["q"], types["kf"],
@@ -257,7 +257,6 @@ def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_toke
     import mlx.core as mx
 
     from engine.attention.cuda import page_key_decode as pk
-    from engine.attention.cuda import paged_decode as pd
     hist = np.asarray(hist, np.int64)
     warp_pages = engine_kernel_is_warp(page_tokens, warp_pages)
     bits = 6 if fmt_name.startswith("k6") else 4
@@ -283,12 +282,13 @@ def page_key_case(rng, fmt_name: str, hist, hq: int, kvh: int, d: int, page_toke
     ref = reference(q, k_new, v_new, store, tables, hist, scale)
     err = float(np.nanmax(np.abs(got - ref))) if np.isfinite(got).all() else float("inf")
     shape = warp_shape or pk.WARP_SHAPE
-    warp, target = pk.warp_plan(store.layout, warp_pages, shape, target_blocks)
+    warp, splits = pk.split_plan(store.layout, rows, kvh, int(ends.max()), warp_pages, shape,
+                                 target_blocks, None)
     name = (f"page-key-{fmt_name}{'-mma' * mma}{'-narrow' * (not wide_copies)}"
             f"{'-warp-pages' * warp}")
     return {"kernel": name, "rows": rows, "hq": hq, "kvh": kvh,
             "head_dim": d, "page_tokens": page_tokens, "history": hist.tolist(),
-            "splits": pd.split_count(rows, kvh, int(ends.max()), target),
+            "splits": splits,
             "warp_shape": list(shape) if warp else None,
             "max_abs_err": round(err, 5), "ok": bool(err < TOLERANCE)}
 

@@ -51,7 +51,7 @@ TINY_ROWS = [("tiny", 128, 1), ("tiny", 96, 2)]
 # codes in 16-byte copies: KernelChoices.page_key_wide_copies); then the warp-page kernel's
 # (KernelChoices.page_key_warp_pages, the engine's at pages of 16 and 64) shapes: warps x stages.
 SPLIT_PLANS = [("default", None, None, None, True), ("narrow", None, None, None, False),
-               ("s16", None, None, 16, True), ("mk64", None, 64, None, True)]
+               ("s16", None, None, 16, True), ("mk256", None, 256, None, True)]
 WARP_SHAPES = [(4, 2), (2, 3), (2, 4), (1, 4)]
 PARTIAL = 8          # rows past the context: the last page half full (native tail read)
 # The step part's page-key runners: the defaults (fused write on CUDA), then the MLX write

@@ -10,9 +10,10 @@ def plan(rows: int, kv_heads: int, longest: int, n: int, target=None, min_keys=N
          splits=None) -> dict:
     """The page-key kernel's split plan for rows of n keys (page_key_decode_attention's host
     arithmetic and the source's per-split key ranges: whole 64-key tiles)."""
-    from engine.attention.cuda.page_key_decode import TARGET_BLOCKS
+    from engine.attention.cuda.page_key_decode import MIN_KEYS, TARGET_BLOCKS
     from engine.attention.cuda.paged_decode import split_count
-    s = splits or split_count(rows, kv_heads, longest, target or TARGET_BLOCKS, min_keys)
+    s = splits or split_count(rows, kv_heads, longest, target or TARGET_BLOCKS,
+                              min_keys or MIN_KEYS)
     per = -(-(-(-n // s)) // KT) * KT
     active = -(-n // per)   # splits past the row's end idle
     return {"splits": s, "blocks": rows * kv_heads * s, "active_splits": active,

@@ -41,10 +41,11 @@ class KernelChoices:
     # (None: each kernel's TARGET_BLOCKS: cuda/paged_decode's and cuda/page_key_decode's 528,
     # cuda/packed_decode_v2's 2112).
     decode_split_target: int | None = None
-    # The shortest history split a decode kernel block takes (None:
-    # cuda/paged_decode.MIN_KEYS_PER_SPLIT). At short contexts and batch 1 this, not the
-    # target, sets the split count (4K keys / 256 = 16 splits: 32 blocks of a 2-KV-head layer
-    # on 132 SMs); `bench.kv --split-min-keys N` measures others.
+    # The shortest history split a decode kernel block takes (None: each kernel's own:
+    # cuda/paged_decode.MIN_KEYS_PER_SPLIT, 256; the page-key kernels' MIN_KEYS, 64, since
+    # device run 16). At short contexts and batch 1 this, not the target, sets the split count
+    # (4K keys / 256 = 16 splits: 32 blocks of a 2-KV-head layer on 132 SMs);
+    # `bench.kv --split-min-keys N` measures others.
     decode_split_min_keys: int | None = None
     # Warps per block of the native decode kernel, capped by its shared memory (block_warps).
     # None: 16 on a grid of at most 16 blocks (batch 1-2 at short contexts), else 4

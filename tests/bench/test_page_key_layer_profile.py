@@ -50,8 +50,12 @@ def test_budget_cut_keeps_the_json_and_lists_what_it_skipped(tmp_path):
 
 def test_split_plan_at_the_issue_shapes():
     # 0.5B geometry, 4K batch 1 (4 KV heads; 4105 keys; a compiled step's longest is its
-    # bucket's 8192): 32 splits of which 22 hold keys, 3 tiles each.
+    # bucket's 8192): splits of at least 64 keys (page_key_decode.MIN_KEYS) reach the 64-split
+    # cap, 33 of which hold keys, 2 tiles each; at least 256 (paged_decode's floor, the plan
+    # until device run 16): 32 splits, 22 holding keys, 3 tiles each.
     p = profile.plan(1, 4, 8192, 4105)
+    assert (p["splits"], p["blocks"], p["active_splits"], p["tiles_per_split"]) == (64, 256, 33, 2)
+    p = profile.plan(1, 4, 8192, 4105, min_keys=256)
     assert (p["splits"], p["blocks"], p["active_splits"], p["tiles_per_split"]) == (32, 128, 22, 3)
     assert profile.plan(1, 4, 8192, 4105, splits=128)["working_blocks"] == 260
     # 32K batch 8: 528 blocks a layer (page_key_decode.TARGET_BLOCKS) give 17 splits of 31

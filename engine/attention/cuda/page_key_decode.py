@@ -60,6 +60,14 @@ MAX_GROUP = 8
 # 0.94x at 4K batch 8 (0.93x), and the Llama-3.1-8B shape at batch 8 after 4K keys 1.02x
 # (2112: 0.98x). Fewer splits: less partial and merge work, each block's tile pipeline longer.
 TARGET_BLOCKS = 528
+# The shortest history split (keys) when KernelChoices.decode_split_min_keys is unset: one
+# 64-key tile, not cuda/paged_decode's 256. At batch 1 this floor, not the target, sets the
+# plan (4K keys: 16 splits of 256, 64 blocks of a 4-KV-head layer on 132 SMs), and a block's
+# serial pipeline is then the kernel's time: in device run 16 (H100, 4K batch 1, pages of 64,
+# CUPTI) the warp-page kernel took 41.9 us a layer + 6.8 merging at 256 and 26.4 + 8.6 at 64
+# (native at 256: 27.6 + 6.6). Where the target sets the plan (batch 8 at 4K-32K) it changes
+# nothing.
+MIN_KEYS = 64
 
 
 def supports(k_bits: int | None, v_bits: int | None, head_dim: int, group: int,
@@ -114,6 +122,15 @@ def warp_plan(layout: PageLayout, warp_pages: bool, warp_shape: tuple[int, int],
         raise ValueError(f"page-key warp decode: shape {warp_shape} is not (1, 2 or 4 warps, "
                          "2..4 stages, at most 8 stages a block: 48 KB of shared memory)")
     return warp, target_blocks or (TARGET_BLOCKS * 4 // nwb if warp else TARGET_BLOCKS)
+
+
+def split_plan(layout: PageLayout, rows: int, kv_heads: int, longest: int, warp_pages: bool,
+               warp_shape: tuple[int, int], target_blocks: int | None,
+               min_keys: int | None) -> tuple[bool, int]:
+    """(whether the warp-page kernel takes these pages, blocks per (row, KV head)): `warp_plan`'s
+    target over splits of at least `min_keys` keys (None: MIN_KEYS)."""
+    warp, target = warp_plan(layout, warp_pages, warp_shape, target_blocks)
+    return warp, split_count(rows, kv_heads, longest, target, min_keys or MIN_KEYS)
 
 
 def warp_template(head_dim: int, group: int, layout: PageLayout, k_bits: int,
@@ -183,9 +200,9 @@ def page_key_decode_attention(q: mx.array, k_new: mx.array, v_new: mx.array, poo
                          f"{hq}/{kvh} or pages of {layout.page_tokens}")
     check_layout(pool, layout, d, k_bits, kvh)
     kt, vt = tail
-    warp, target = warp_plan(layout, warp_pages, warp_shape, target_blocks)
-    if splits is None:
-        splits = split_count(b, kvh, longest, target, min_keys)
+    warp, planned = split_plan(layout, b, kvh, longest, warp_pages, warp_shape, target_blocks,
+                               min_keys)
+    splits = planned if splits is None else splits
     own = tail_write is not None
     inputs = [q, k_new, v_new, pool, kt, vt, pages, ends, tail_slots,
               _dims(hq, kvh, pages.shape[1]), _scale(float(scale)),

@@ -37,14 +37,14 @@ def test_kernel_source_matches_the_dequantized_reference_on_cpu_fibers(fmt, tmp_
     def kernel(*args):
         return emu.page_key_decode(*args, workdir=tmp_path)
 
-    cases = [((300, 0, 77), 16, 4, 128, 16, None),      # one split, a row with no history
+    cases = [((300, 0, 77), 16, 4, 128, 16, 1),         # one split, a row with no history
              ((600, 64, 129), 16, 2, 64, 32, 16),        # 3 splits; 64: no tail at all
-             ((512, 45), 9, 3, 64, 64, 64)]              # 3 splits; the tail starts a split
+             ((512, 45), 9, 3, 64, 64, 64)]              # 9 splits; the tail starts a split
     for hist, hq, kvh, d, pt, target in cases:
         case = emu.page_key_case(rng, fmt, hist, hq, kvh, d, pt, kernel, target)
         assert case["ok"] and case["max_abs_err"] < emu.TOLERANCE, case
-    assert cuda_paged_decode.split_count(2, 2, 601, 16) == 3
-    assert cuda_paged_decode.split_count(2, 3, 513, 64) == 3
+    layout = cuda_page_key_decode.kernel_layout(64, 3, 64, 6)
+    assert cuda_page_key_decode.split_plan(layout, 2, 3, 513, True, (4, 2), 64, None)[1] == 9
 
 
 # The kernel's variants on the emulator: name -> (page_key_decode's keywords, seed, cases of
@@ -63,7 +63,7 @@ VARIANT_CASES = {
     "narrow-copies": ({"wide_copies": False, "warp_pages": False}, 17,
                       [((300, 0, 77), 16, 4, 128, 16, None),
                        ((600, 64, 129), 16, 2, 128, 32, 16),
-                       ((200, 45), 9, 3, 64, 16, 64)]),
+                       ((200, 45), 9, 3, 64, 16, 1)]),   # one split
     # The block-tiled kernel at pages of 16 and 64 (KernelChoices.page_key_warp_pages off; the
     # plain cases above run the warp-page kernel there, the block-tiled one at 32).
     "block-tiled": ({"warp_pages": False}, 19, [((300, 0, 77), 16, 4, 128, 16, None),
@@ -75,7 +75,7 @@ VARIANT_CASES = {
     # page's key metadata buffered once).
     "warp-pages": ({"warp_pages": True}, 23, [((300, 0, 77), 16, 4, 128, 16, None),
                                               ((700, 64, 129), 14, 2, 128, 16, 16),
-                                              ((200, 45), 16, 2, 64, 16, 64),
+                                              ((200, 45), 16, 2, 64, 16, 1),
                                               ((700, 64, 129), 14, 2, 128, 64, 16),
                                               ((300, 45), 8, 2, 64, 32, None)]),
     # ... with 2 warps a block and 3 copy stages a warp (wait_group 1: a page read before its
@@ -87,7 +87,7 @@ VARIANT_CASES = {
                         ((600, 45), 16, 2, 128, 64, 16)]),
     "warp-pages-1x4": ({"warp_pages": True, "warp_shape": (1, 4)}, 31,
                        [((300, 0, 77), 16, 4, 128, 16, None),
-                        ((200, 45), 16, 2, 64, 16, 64),
+                        ((200, 45), 16, 2, 64, 16, 1),
                         ((400, 33), 16, 2, 128, 32, None)]),
 }
 
@@ -179,6 +179,24 @@ def test_warp_pages_serve_pages_of_16_to_64_and_refuse_shapes_past_shared_memory
                 q, kn, kn, store.pool, store.layout, 6, store.tail, mx.array(tables),
                 mx.array([41], mx.int32), mx.array(slots), 41, 0.1, warp_pages=True,
                 warp_shape=shape)
+
+
+def test_page_key_split_plan_floors_at_one_tile_where_the_target_asks_more():
+    # Batch 1 at 4K keys, 4 KV heads: the target (528 blocks) wants 132 splits a head; the
+    # floor of 64 keys (MIN_KEYS, device run 16) would give 65 and MAX_SPLITS caps it at 64;
+    # paged_decode's 256 gave 17.
+    layout = cuda_page_key_decode.kernel_layout(64, 4, 128, 6)
+    plan = cuda_page_key_decode.split_plan
+    assert plan(layout, 1, 4, 4097, True, (4, 2), None, None) == (True, 64)
+    assert plan(layout, 1, 4, 4097, True, (4, 2), None, 256) == (True, 17)   # the choice's
+    assert cuda_paged_decode.split_count(1, 4, 4097) == 17                   # native's floor
+    # Where the target sets the plan (batch 8, 4K-32K) the floor changes nothing.
+    for keys in (4097, 32769):
+        assert plan(layout, 8, 4, keys, True, (4, 2), None, None) == (True, 17)
+        assert plan(layout, 8, 4, keys, True, (4, 2), None, 256) == (True, 17)
+    # The block-tiled kernel (pages of 32 by default) takes the same floor.
+    tiled = cuda_page_key_decode.kernel_layout(32, 4, 128, 6)
+    assert plan(tiled, 1, 4, 4097, False, (4, 2), None, None) == (False, 64)
 
 
 def _emulate_the_kernel(monkeypatch, workdir, calls=None, modes=None):
