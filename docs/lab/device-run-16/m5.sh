@@ -17,3 +17,6 @@ python3 -m bench.device.shaped_models --tokenizer-from .device/mlx/p5/tok --out 
 step kt-8b 170 python3 -m bench.device.kernel_trace --model $W/llama-3.1-8b-random \
   --context 4096 --page-tokens 64 --variants native@1,k6v4-kivi@1,native@8,k6v4-kivi@8 \
   --untraced 3 --top 4 --steps 32
+step kv64 150 python3 -m bench.kv --geometry gpu --sections decode --decode 4096,32768 \
+  --batches 1,8 --interleave --pipelined --repeats 9 --steps 64 --page-tokens 64 \
+  --decode-formats k6v4-kivi
