@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 697f2bd, on an H100 (an H200 was asked for; none lent).
 # First run of device run 16 (2026-12-06; asked for an H200): why k6v4-kivi's 4K batch-1 decode
 # reads 0.88-0.95x native at pages of 64 (device run 15). Batch-1 steps are host-bound (the
 # pipelined step waits ~0.01 ms on the device), so: the host's time a step per function for

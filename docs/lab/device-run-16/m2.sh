@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 697f2bd, on an H100 (an H200 was asked for; none lent).
 # Second run of device run 16 (inline, warm machine): prefill at pages of 64 (bar: <= 1.3x
 # native's time at 4K and 16K), the Llama-3.1-8B shape at 4K batch 8 (bar: >= 1.0x), and the
 # 32K batch-8 device time (CUPTI) at pages of 64, each against native on the same card.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 22810ce, on an H100 (an H200 was asked for; none lent).
 # Third run of device run 16 (a fresh lease): the page-key kernels' native-key pass rewritten
 # (tile_helpers._NATIVE_KEY_SCORES: 4 keys a warp loaded at once; the warp-page kernel's
 # numerators a thread a channel over 8 keys at a time, its softmax a warp a head). m1 found the
@@ -21,3 +22,5 @@ step kv64 150 python3 -m bench.kv --geometry gpu --sections decode --decode 4096
   --decode-formats k6v4-kivi
 step kt-32k-64 100 python3 -m bench.device.kernel_trace --geometry gpu --context 32768 \
   --page-tokens 64 --variants native@8,k6v4-kivi@8 --untraced 5 --top 6 --steps 32
+# (kv64's JSON did not come back: a run returns at most 8 files. Rerun inline on the same warm
+# machine as kv64b: `--repeats 9`, otherwise the same command, with --out $OUT/m3/kv64b.json.)

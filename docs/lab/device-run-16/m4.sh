@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 53cd96a, on an H100 (an H200 was asked for; none lent).
 # Fourth run of device run 16 (a fresh lease): m3 found the native-key pass was not what held
 # the warp-page kernel at batch 1 (32.7 against native's 25.7 us a layer at 4K, pages of 64: the
 # same ratio as m1's 44.7 / 35.2). At batch 1 the split plan gives 16 splits of 256 keys a KV

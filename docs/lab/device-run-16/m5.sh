@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# NOT RUN in device run 16: the session's device time ran out on refused starts. The next lease's
+# first command (after bench/device/stage-mlx's staging runs).
 # Fifth run of device run 16: the page-key kernels' split floor is now 64 keys
 # (page_key_decode.MIN_KEYS; m4 timed it as `split-528-64`). The batch-1 device time at pages
 # of 64 and 16 against the old floor (`split-528-256`) and native, and the Llama-3.1-8B shape at
