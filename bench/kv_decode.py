@@ -215,7 +215,7 @@ def _interleaved_row(loaded, formats, pages, b, n, room, steps, repeats, kernels
     for fmt in ["native", *formats]:
         try:
             timers[fmt] = DecodeTimer(loaded, fmt, pages, b, n, room, kernels, pipelined,
-                                       page_tokens)
+                                      page_tokens)
             timers[fmt].round(steps)   # warm-up
         except Exception as e:  # a backend missing a kernel: record it, bench the rest
             row[fmt] = {"error": f"{type(e).__name__}: {e}"[:300]}

@@ -139,7 +139,7 @@ def engine_variant(loaded, spec: str, batch: int, context: int, steps: int, roun
     room = (rounds + 1) * steps + 2
     pages = batch * -(-(context + room) // page_tokens)
     timer = DecodeTimer(loaded, spec, pages, batch, context, room, pipelined=True,
-                         page_tokens=page_tokens)
+                        page_tokens=page_tokens)
     timer.round(steps)
     return lambda: timer.round(steps)
 

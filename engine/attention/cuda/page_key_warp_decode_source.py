@@ -333,7 +333,8 @@ for (int h = warp; h < G; h += NW) {       // their softmax, a warp a head, lane
 }
 __syncthreads();
 // Their numerators: a thread a channel, every head, over the keys 8 at a time (their value
-// loads in flight together; a thread per (head, channel) waited a load a key: device run 16).
+// loads in flight together, each value read once for the G heads; tile_helpers'
+// _NATIVE_KEY_SCORES says what device run 16 measured of this pass).
 for (int chn = tid; chn < D; chn += NT) {
   float num[G];
   #pragma unroll

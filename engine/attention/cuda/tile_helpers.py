@@ -273,11 +273,8 @@ def packed_pv(words: str, bits: str) -> str:
 # began, and the step's own key), in full precision: warp w scores keys w, w + NW, ... of the
 # ncnt from a0 against every query head (qs, scaled) into sp[h * STRIDE + r]. Expects a0,
 # ncnt, nh, native_row(pos) (a key's element offset), kt, kf, qs, sp, NW, VPT.
-# Scores of a split's native keys (a row's partial page and own key: at most a page), warp w
-# taking keys w, w + NW, ...: NKU of them a pass, every load issued before the first sum, so a
-# warp waits on memory once a pass and not once a key (a whole page of 64 keys one at a time
-# was ~15 load latencies a warp on the critical path of a batch-1 step's tail split: device
-# run 16). Each key's dot product and warp sum are as one key a pass would compute them.
+# NKU keys a warp a pass, all loads before the first sum (device run 16, m3: no change at 4K
+# batch 1 in 192-key splits; MIN_KEYS's 128-key splits can hold 63 native keys of 128).
 _NATIVE_KEY_SCORES = """
 constexpr int NKU = 4;                       // native keys a warp loads at once
 for (int r0 = warp; r0 < ncnt; r0 += NW * NKU) {
@@ -292,14 +289,13 @@ for (int r0 = warp; r0 < ncnt; r0 += NW * NKU) {
   }
   #pragma unroll
   for (int u = 0; u < NKU; ++u) {
-    const int r = r0 + u * NW;
     #pragma unroll
     for (int h = 0; h < G; ++h) {
       float d_ = 0.0f;
       #pragma unroll
       for (int i = 0; i < VPT; ++i) d_ = fmaf(qs[h * D + lane * VPT + i], k[u][i], d_);
       d_ = orch_warp_sum(d_);
-      if (lane == 0 && r < ncnt) sp[h * STRIDE + r] = d_;
+      if (lane == 0 && r0 + u * NW < ncnt) sp[h * STRIDE + r0 + u * NW] = d_;
     }
   }
 }
