@@ -2,7 +2,8 @@
 # bench/device/stage-mlx's install.sh staged in the temp folder on PYTHONPATH, random-weight
 # model folders under $W, results under $OUT/$RUN, and `step TAG LIMIT CMD...`, which runs CMD with
 # `--out $D/TAG.json` under a time limit only if that limit fits the run's budget (a killed
-# step keeps what it wrote; the next run's steps still start).
+# step keeps what it wrote; the next run's steps still start). Every step's stderr goes to one
+# log.txt (since device run 16: a run returns at most 8 files, and m3 lost a JSON to the count).
 set -u
 TMP=$(dirname "$(mktemp -u)")
 export PYTHONPATH=$TMP/site:$PWD
@@ -14,6 +15,7 @@ step() {
   if (( t0 - T0 + lim > BUDGET )); then
     echo "== $tag skipped (budget)" | tee -a "$D/steps.txt" >&2; return
   fi
-  timeout "$lim" "$@" --out "$D/$tag.json" > /dev/null 2> "$D/$tag.log"
+  echo "== $tag: $*" >> "$D/log.txt"
+  timeout "$lim" "$@" --out "$D/$tag.json" > /dev/null 2>> "$D/log.txt"
   echo "== $tag rc=$? $(( $(date +%s) - t0 ))s" | tee -a "$D/steps.txt" >&2
 }
