@@ -73,6 +73,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--orchard-model",
                    help="start `orchard serve --model THIS` (defaults, a fresh Ray and fresh "
                    "learned rates) as the target 'orchard'; same names as --peer-model")
+    p.add_argument("--orchard-kv", type=_formats, default=["native"], metavar="F[,F...]",
+                   help="with --orchard-model: one Orchard server per KV format, each started "
+                   "fresh (`--kv-format F`) and named orchard-F (native: orchard); default "
+                   "native")
     p.add_argument("--llama-model", action="append", default=[], type=_gguf,
                    help="start llama.cpp's llama-server on this GGUF as a target (repeat for "
                    "several): f32 or q4_1 (SmolLM2 GGUFs written by `make llama-server`) or a "
@@ -121,6 +125,18 @@ def _positive(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"want a positive whole number, got {text!r}")
     return n
+
+
+def _formats(text: str) -> list[str]:
+    from capacity.formats import KVFormatError, normalize_format_name
+
+    try:
+        names = [normalize_format_name(f.strip()) for f in text.split(",") if f.strip()]
+    except KVFormatError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--orchard-kv wants distinct formats, got {text!r}")
+    return names
 
 
 def _gguf(spec: str) -> str:
@@ -174,16 +190,12 @@ def start_servers(args, out_dir: str) -> tuple[list, list, dict]:
 
     targets, started, settings = [], [], {}
     try:
-        if args.orchard_model:
-            print(f"[loadtest] starting orchard serve --model {args.orchard_model}", flush=True)
-            server = orchard_proc.start(args.orchard_model,
-                                        os.path.join(out_dir, "orchard_serve.log"))
+        for fmt in args.orchard_kv if args.orchard_model else []:
+            server, target, setting = orchard_proc.start_for_bench(args.orchard_model, fmt,
+                                                                   out_dir, _git_version())
             started.append(server)
-            targets.append(runner.Target(server.url, served_id(args.orchard_model), "native",
-                                         "orchard"))
-            settings["orchard"] = {"server": "orchard serve", "version": _git_version(),
-                                   "command": f"orchard serve --model {args.orchard_model}",
-                                   "settings": "defaults (fresh Ray, fresh learned rates)"}
+            targets.append(target)
+            settings[target.name] = setting
         if args.peer_model:
             dtype = peer.default_dtype() if args.peer_dtype == "auto" else args.peer_dtype
             model = peer.prepare_model(args.peer_model, dtype)
@@ -234,6 +246,8 @@ def _dist_versions() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if args.orchard_kv != ["native"] and not args.orchard_model:
+        parser().error("--orchard-kv needs --orchard-model (the model its servers load)")
     if not (args.target or args.orchard_model or args.peer_model or args.peer_url
             or args.llama_model):
         print("no targets: give --target, --orchard-model, --peer-model/--peer-url and/or "

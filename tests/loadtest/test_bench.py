@@ -5,9 +5,14 @@ import json
 import subprocess
 import sys
 
+import re
+
 import pytest
 
+from capacity.format_names import parse_identity
 from loadtest import bench_serve
+
+_EXECUTION = re.compile(r"kvq-v1:([a-z0-9-]+):prefill=(?:direct|fused)")  # capacity/identity.py
 
 
 def test_parse_target():
@@ -63,6 +68,42 @@ def test_rates_are_parsed_and_refused_clearly():
     for bad in ("", "fast", "1,-2"):
         with pytest.raises(Exception, match="--rates"):
             bench_serve._rates(bad)
+
+
+def test_orchard_kv_formats_are_parsed_and_refused_clearly(capsys):
+    assert bench_serve._formats("native, int8,k6v4-kivi") == ["native", "int8", "k6v4-kivi"]
+    for bad, says in (("int3", "int3"), ("int8,int8", "distinct"), ("", "distinct")):
+        with pytest.raises(Exception, match=says):
+            bench_serve._formats(bad)
+    with pytest.raises(SystemExit) as e:     # a format with nothing to serve it
+        bench_serve.main(["--orchard-kv", "int8", "--peer-url", "http://x", "--out", "o"])
+    assert e.value.code == 2 and "--orchard-kv needs --orchard-model" in capsys.readouterr().err
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_orchard_kv_starts_a_server_per_format_and_records_what_it_runs(tmp_path):
+    """`--orchard-kv int8`: the bench starts `orchard serve --kv-format int8` itself, names it
+    orchard-int8, and records the identity its capacity actor holds (read from the server's
+    own feed, so a flag that did not reach the engine fails here)."""
+    out = tmp_path / "kv"
+    cmd = [sys.executable, "-m", "loadtest", "bench-serve", "--orchard-model", "orchard-tiny",
+           "--orchard-kv", "int8", "--rates", "1", "--requests-per-rate", "3",
+           "--scenario", "poisson", "--max-tokens", "8", "--no-plots", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench = json.loads((out / "bench.json").read_text())
+    sums = bench["rates"]["1"]["summaries"]
+    assert list(sums) == ["orchard-int8"]
+    s = sums["orchard-int8"]
+    assert s["counts"]["ok"] == s["counts"]["sent"] == 3, s["error_examples"]
+    server = bench["servers"]["orchard-int8"]
+    assert server["command"].endswith("--kv-format int8")
+    [ident] = server["identities"]
+    execution = _EXECUTION.fullmatch(ident["identity"])
+    assert execution and parse_identity(execution.group(1))["name"] == "int8", ident
+    assert ident["cap"] >= 1 and ident["cap_source"], ident
+    assert (out / "rate_1" / "orchard_int8_serve.log").exists()
 
 
 @pytest.mark.ray
