@@ -80,6 +80,16 @@ def test_orchard_kv_formats_are_parsed_and_refused_clearly(capsys):
     assert e.value.code == 2 and "--orchard-kv needs --orchard-model" in capsys.readouterr().err
 
 
+def _sweep(out, *args: str) -> dict:
+    """`bench-serve --orchard-model orchard-tiny ARGS` as a user runs it (a child process, real
+    servers, 8-token Poisson requests); its bench.json."""
+    cmd = [sys.executable, "-m", "loadtest", "bench-serve", "--orchard-model", "orchard-tiny",
+           *args, "--scenario", "poisson", "--max-tokens", "8", "--no-plots", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "bench.json").read_text())
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_orchard_kv_starts_a_server_per_format_and_records_what_it_runs(tmp_path):
@@ -87,12 +97,7 @@ def test_orchard_kv_starts_a_server_per_format_and_records_what_it_runs(tmp_path
     orchard-int8, and records the identity its capacity actor holds (read from the server's
     own feed, so a flag that did not reach the engine fails here)."""
     out = tmp_path / "kv"
-    cmd = [sys.executable, "-m", "loadtest", "bench-serve", "--orchard-model", "orchard-tiny",
-           "--orchard-kv", "int8", "--rates", "1", "--requests-per-rate", "3",
-           "--scenario", "poisson", "--max-tokens", "8", "--no-plots", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    bench = json.loads((out / "bench.json").read_text())
+    bench = _sweep(out, "--orchard-kv", "int8", "--rates", "1", "--requests-per-rate", "3")
     sums = bench["rates"]["1"]["summaries"]
     assert list(sums) == ["orchard-int8"]
     s = sums["orchard-int8"]
@@ -112,12 +117,8 @@ def test_sweep_starts_orchard_and_the_peer_and_compares_each_rate(tmp_path):
     """The real side-by-side, small: `orchard serve --model orchard-tiny` (its own Ray, fresh
     learned rates) and mlx_lm.server on the same folder, two rates, one schedule per rate."""
     out = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "loadtest", "bench-serve", "--orchard-model", "orchard-tiny",
-           "--peer-model", "orchard-tiny", "--rates", "1,4", "--requests-per-rate", "4",
-           "--scenario", "poisson", "--max-tokens", "8", "--no-plots", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    bench = json.loads((out / "bench.json").read_text())
+    bench = _sweep(out, "--peer-model", "orchard-tiny", "--rates", "1,4",
+                   "--requests-per-rate", "4")
     assert list(bench["rates"]) == ["1", "4"]
     for res in bench["rates"].values():
         sums = res["summaries"]
