@@ -71,13 +71,24 @@ def wait_child_healthy(proc, base: str, name: str, log_path: str, timeout: float
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}; see {log_path}")
+            raise RuntimeError(f"{name} exited with {proc.returncode}: {_last_line(log_path)} "
+                               f"(see {log_path})")
         status, _ = get_json(base + "/health", timeout=2.0)
         if status == 200:
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"{name} not ready after {timeout:.0f} s; see {log_path}")
         time.sleep(poll_s)
+
+
+def _last_line(path: str) -> str:
+    """A failed child's own last word (a config error names its cause), or '' if none."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.strip() for ln in f.read()[-4000:].splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 def list_models(base: str, key: str | None = None) -> list[dict]:

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from capacity.format_names import parse_identity
+from capacity.format_names import parse_identity   # the test reads identities; loadtest does not
 from loadtest import bench_serve
 
 _EXECUTION = re.compile(r"kvq-v1:([a-z0-9-]+):prefill=(?:direct|fused)")  # capacity/identity.py
@@ -70,11 +70,18 @@ def test_rates_are_parsed_and_refused_clearly():
             bench_serve._rates(bad)
 
 
-def test_orchard_kv_formats_are_parsed_and_refused_clearly(capsys):
+def test_orchard_kv_formats_are_parsed_and_refused_clearly(capsys, tmp_path):
     assert bench_serve._formats("native, int8,k6v4-kivi") == ["native", "int8", "k6v4-kivi"]
-    for bad, says in (("int3", "int3"), ("int8,int8", "distinct"), ("", "distinct")):
-        with pytest.raises(Exception, match=says):
+    for bad in ("int8,int8", "", " , "):
+        with pytest.raises(Exception, match="distinct"):
             bench_serve._formats(bad)
+    # An unknown name is the server's to refuse (loadtest imports nothing of the product): the
+    # bench stops at once with the server's own reason, before any load is sent.
+    proc = subprocess.run([sys.executable, "-m", "loadtest", "bench-serve", "--orchard-model",
+                           "orchard-tiny", "--orchard-kv", "int3", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "unknown KV format 'int3'" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "bench.json").exists()
     with pytest.raises(SystemExit) as e:     # a format with nothing to serve it
         bench_serve.main(["--orchard-kv", "int8", "--peer-url", "http://x", "--out", "o"])
     assert e.value.code == 2 and "--orchard-kv needs --orchard-model" in capsys.readouterr().err
