@@ -3,9 +3,10 @@
     python -m bench.kv_decode_profile --geometry gpu --context 4096 --batch 1 --page-tokens 64 \
         --formats k6v4-kivi --steps 64 --rounds 5 --out F
 
-Why: at batch 1 a GPU decode step is host-bound (bench.kv's pipelined rows wait ~0.01 ms on the
-device a step), so a format's rate against native is decided by the Python and MLX calls that
-build and issue its step, not by its kernel. This times the same steps bench.kv does
+Why: at batch 1 a GPU decode step is short enough that the Python and MLX calls building and
+issuing it can set its rate against native. This separates that host share from the kernels'
+(device run 16, 4K batch 1: ~0.08 ms a step of Python over native's ~0.96 ms; the gap was the
+kernel's split plan, which `bench.device.kernel_trace` showed). This times the steps bench.kv does
 (bench/kv_decode.DecodeTimer, pipelined as the engine decodes), every format set up first and
 profiled in turns round by round, so a slow spell of the host lands on each. Prints JSON: per
 format, host ms a step (the profiler's total, wait included) and its top functions by own time a

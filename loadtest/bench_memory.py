@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from loadtest import memory_limit, orchard_proc, peer, probe, prompts
-from loadtest.models import MODEL_HELP, model_arg
+from loadtest.models import MODEL_HELP, kv_formats_arg, model_arg
 from loadtest.memory_settings import (LLAMA_KV_BYTES, gguf_geometry,  # noqa: F401
                                       llama_args, llama_kv_bytes_per_token, llama_pool_tokens,
                                       mlx_kv_args, orchard_config, orchard_kv_bytes, replica_pid)
@@ -220,13 +220,6 @@ def _kv_types(text: str) -> list[str]:
     return types
 
 
-def _formats(text: str) -> list[str]:
-    formats = [x.strip() for x in text.split(",") if x.strip()]
-    if not formats:
-        raise argparse.ArgumentTypeError(f"--kv-format wants one or more formats, got {text!r}")
-    return formats
-
-
 def _gguf(spec: str) -> str:
     from loadtest import llama_peer
     try:
@@ -260,7 +253,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-binary", default=None,
                    help="llama-server binary (default: the one `make llama-server` builds)")
     p.add_argument("--llama-args", default="", help="more llama-server options, one string")
-    p.add_argument("--kv-format", type=_formats, default=_formats("int4"),
+    p.add_argument("--kv-format", type=kv_formats_arg, default=["int4"],
                    help="Orchard's KV formats, one setting each, e.g. k6v4-kivi,int8 "
                    "(default: int4)")
     p.add_argument("--memory-limit-mib", type=int, default=2048,

@@ -22,7 +22,7 @@ import subprocess
 from importlib import metadata
 
 from loadtest import runner
-from loadtest.models import MODEL_HELP, model_arg, model_dir, served_id
+from loadtest.models import MODEL_HELP, kv_formats_arg, model_arg, model_dir, served_id
 
 PEER_LABEL = "mlx_lm.server"
 # What a user's side-by-side measured (issue 30): prompts of 25-400 tokens, 40 Poisson arrivals
@@ -73,10 +73,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--orchard-model",
                    help="start `orchard serve --model THIS` (defaults, a fresh Ray and fresh "
                    "learned rates) as the target 'orchard'; same names as --peer-model")
-    p.add_argument("--orchard-kv", type=_formats, default=["native"], metavar="F[,F...]",
+    p.add_argument("--orchard-kv", type=kv_formats_arg, default=["native"], metavar="F[,F...]",
                    help="with --orchard-model: one Orchard server per KV format, each started "
-                   "fresh (`--kv-format F`) and named orchard-F (native: orchard); default "
-                   "native")
+                   "fresh (`--kv-format F`: the server refuses an unknown name) and named "
+                   "orchard-F (native: orchard); default native")
     p.add_argument("--llama-model", action="append", default=[], type=_gguf,
                    help="start llama.cpp's llama-server on this GGUF as a target (repeat for "
                    "several): f32 or q4_1 (SmolLM2 GGUFs written by `make llama-server`) or a "
@@ -125,15 +125,6 @@ def _positive(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"want a positive whole number, got {text!r}")
     return n
-
-
-def _formats(text: str) -> list[str]:
-    # Names only: the server checks them (loadtest imports nothing of the product), and its
-    # refusal reaches the user as the start's error (probe.wait_child_healthy).
-    names = [f.strip().lower() for f in text.split(",") if f.strip()]
-    if not names or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"--orchard-kv wants distinct formats, got {text!r}")
-    return names
 
 
 def _gguf(spec: str) -> str:

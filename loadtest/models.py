@@ -25,6 +25,17 @@ MODEL_HELP = ("a short name (smollm2 = models/smollm2-135m, made by `make real-m
 _FLOAT_ITEMSIZE = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 
 
+def kv_formats_arg(text: str) -> list[str]:
+    """argparse type of a comma-separated list of KV format names (`orchard serve --kv-format`
+    takes each): distinct names only. Their spelling is the server's to check (it refuses an
+    unknown one by name at start), so the suite needs no table of formats to drift."""
+    names = [f.strip().lower() for f in text.split(",") if f.strip()]
+    if not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"want one or more distinct KV formats, comma-"
+                                         f"separated, got {text!r}")
+    return names
+
+
 def known_name(spec: str) -> str | None:
     return spec if spec in KNOWN else ALIASES.get(spec)
 

@@ -5,14 +5,12 @@ import json
 import subprocess
 import sys
 
-import re
-
 import pytest
 
 from capacity.format_names import parse_identity   # the test reads identities; loadtest does not
+from capacity.identity import parse_execution
 from loadtest import bench_serve
-
-_EXECUTION = re.compile(r"kvq-v1:([a-z0-9-]+):prefill=(?:direct|fused)")  # capacity/identity.py
+from loadtest.models import kv_formats_arg
 
 
 def test_parse_target():
@@ -71,10 +69,10 @@ def test_rates_are_parsed_and_refused_clearly():
 
 
 def test_orchard_kv_formats_are_parsed_and_refused_clearly(capsys, tmp_path):
-    assert bench_serve._formats("native, int8,k6v4-kivi") == ["native", "int8", "k6v4-kivi"]
+    assert kv_formats_arg("native, int8,K6V4-kivi") == ["native", "int8", "k6v4-kivi"]
     for bad in ("int8,int8", "", " , "):
         with pytest.raises(Exception, match="distinct"):
-            bench_serve._formats(bad)
+            kv_formats_arg(bad)
     # An unknown name is the server's to refuse (loadtest imports nothing of the product): the
     # bench stops at once with the server's own reason, before any load is sent.
     proc = subprocess.run([sys.executable, "-m", "loadtest", "bench-serve", "--orchard-model",
@@ -112,8 +110,10 @@ def test_orchard_kv_starts_a_server_per_format_and_records_what_it_runs(tmp_path
     server = bench["servers"]["orchard-int8"]
     assert server["command"].endswith("--kv-format int8")
     [ident] = server["identities"]
-    execution = _EXECUTION.fullmatch(ident["identity"])
-    assert execution and parse_identity(execution.group(1))["name"] == "int8", ident
+    # A valid quantized execution (kvq-v1:FORMAT:prefill=MODE), naming int8.
+    execution = ident["identity"]
+    assert execution != "native" and parse_execution(execution) == execution, ident
+    assert parse_identity(execution.split(":")[1])["name"] == "int8", ident
     assert ident["cap"] >= 1 and ident["cap_source"], ident
     assert (out / "rate_1" / "orchard_int8_serve.log").exists()
 

@@ -274,7 +274,7 @@ def packed_pv(words: str, bits: str) -> str:
 # ncnt from a0 against every query head (qs, scaled) into sp[h * STRIDE + r]. Expects a0,
 # ncnt, nh, native_row(pos) (a key's element offset), kt, kf, qs, sp, NW, VPT.
 # NKU keys a warp a pass, all loads before the first sum (device run 16, m3: no change at 4K
-# batch 1 in 192-key splits; MIN_KEYS's 128-key splits can hold 63 native keys of 128).
+# batch 1 in 192-key splits; at MIN_KEYS's 64-key splits up to 63 of a split's keys are native).
 _NATIVE_KEY_SCORES = """
 constexpr int NKU = 4;                       // native keys a warp loads at once
 for (int r0 = warp; r0 < ncnt; r0 += NW * NKU) {
