@@ -46,18 +46,29 @@ def test_redeploy_hands_conversations_to_the_new_replica(served):
     from serve_app.config import parse_config
 
     base, raw, namespace = served
-    # Spread two conversations over the two replicas: while the first's opening turn runs,
-    # headroom sends the second's to the other, idle replica.
-    a, b = Chat("alpha"), Chat("beta")
+    # Spread conversations over the two replicas: while the first's opening turn runs,
+    # headroom should send the next to the other, idle replica. It does not always: a
+    # fresh-clone CI saw the second land beside the first, and 1 of 22 local runs saw four in a
+    # row do so (not yet diagnosed; the closing note of stop 56 says so). This test is about the
+    # handoff, so conversations open one at a time until two replicas hold one each; b is one
+    # not beside a.
+    a = Chat("alpha")
     first: list[httpx.Response] = []
     t = threading.Thread(target=lambda: first.append(
         a.turn(base, "Open the ledger.", max_tokens=300, ignore_eos=True)))
     t.start()
     wait_for(lambda: running(base) >= 1, 30, "the first turn running")
-    rb = b.turn(base, "Open the ledger.")
+    opened: list[tuple[str, _Chat]] = []
+    for name in ("beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota"):
+        chat = Chat(name)
+        opened.append((chat.turn(base, "Open the ledger.").headers["x-orchard-replica"], chat))
+        if len({home for home, _ in opened}) == 2:
+            break
     t.join(120)
-    home = {"a": first[0].headers["x-orchard-replica"], "b": rb.headers["x-orchard-replica"]}
-    assert home["a"] != home["b"], home
+    home = {"a": first[0].headers["x-orchard-replica"]}
+    elsewhere = [(r, chat) for r, chat in opened if r != home["a"]]
+    assert elsewhere, (home, [r for r, _ in opened])
+    home["b"], b = elsewhere[0]
 
     # Redeploy with one replica: Serve starts a new one and drains both old ones.
     one = {**raw, "models": [{**raw["models"][0], "replicas": 1}]}
